@@ -1,4 +1,13 @@
 """ucpd_client: the trainer-side library of ucpd.
 
     from ucpd_client import Checkpointer, placement as P
+    ckpt = Checkpointer()
+    h = ckpt.snapshot(step, state, placements={"model.qkv.weight": P.Shard(0, tp_rank, tp)})
+    h.staged(); h.wait()
+    ckpt.restore(state)
 """
+
+from . import errors, placement
+from .checkpointer import Checkpointer, SnapshotHandle
+
+__all__ = ["Checkpointer", "SnapshotHandle", "placement", "errors"]

@@ -1,0 +1,35 @@
+# ucpd — `make demo` runs the main job, `make test` the tests. Both set everything up first.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+NATIVE := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
+
+.PHONY: setup test test-fast demo bench clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 (a CPU wheel pip finds locally) goes in first and alone: anything that pulls a
+# bare `torch` into an empty environment would fetch GBs of CUDA packages instead.
+$(STAMP): $(NATIVE)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]"
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -m "not slow"
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+bench: setup
+	$(BIN)/python benchmarks/run_all.py
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .hypothesis

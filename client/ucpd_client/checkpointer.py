@@ -1,0 +1,288 @@
+"""``Checkpointer``: what a trainer rank calls to snapshot its state and to restore it.
+
+    ckpt = Checkpointer()
+    h = ckpt.snapshot(step, state, placements={...})   # returns at once
+    h.staged()                                         # tensors may change after this
+    h.wait()                                           # committed by every rank (raises on failure)
+    ckpt.restore(state)                                # fills the tensors of `state` in place
+
+Snapshots run on one background thread per Checkpointer, in order: ask the daemon for a free
+slot, copy the tensors into it (native batched copy with checksums; device-to-host on a side
+stream for CUDA tensors), mark the handle staged, then send the commit. Each thread that
+talks to the daemon has its own connection.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import queue
+import socket
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+
+from ucpd import knobs, native
+from ucpd.errors import DaemonUnreachable, UcpdError
+from ucpd.rpc import Connection
+from ucpd.ucl import Replicated
+
+from . import embedded, restore as restore_mod, state as state_mod
+from .mapping import Mappings
+from .staging import CudaStager, Entry, copy_to_slot_cpu, dtype_name, layout
+
+
+def _default_rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class SnapshotHandle:
+    """A snapshot in flight. ``staged()``: the tensors may change; ``wait()``: committed."""
+
+    def __init__(self, ckpt: "Checkpointer", step: int):
+        self._ckpt = ckpt
+        self.step = step
+        self._staged = threading.Event()
+        self._sealed = threading.Event()
+        self._error: BaseException | None = None
+        self._committed = False
+        self.timings: dict[str, float] = {"called": time.perf_counter()}
+
+    def _fail(self, exc: BaseException) -> None:
+        self._error = exc
+        self._staged.set()
+        self._sealed.set()
+
+    def staged(self, timeout: float | None = None) -> "SnapshotHandle":
+        """Block until this rank's tensors are copied out (safe to modify). Raises on failure."""
+        if not self._staged.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not staged within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def done(self) -> bool:
+        """True once the version is committed (or failed); never blocks on other ranks."""
+        if self._committed or self._error is not None:
+            return True
+        if not self._sealed.is_set():
+            return False
+        try:
+            self._ask(0.0)
+        except UcpdError:
+            return True
+        return self._committed
+
+    def wait(self, timeout: float | None = None) -> "SnapshotHandle":
+        """Block until every rank committed this step; raises the failure if any."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._sealed.wait(timeout):
+            raise TimeoutError(f"snapshot of step {self.step} not sealed within {timeout} s")
+        if self._error is not None:
+            raise self._error
+        while not self._committed:
+            left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            self._ask(min(left, 30.0))
+            if deadline is not None and time.monotonic() >= deadline and not self._committed:
+                raise TimeoutError(f"step {self.step} not committed within {timeout} s: a rank has not snapshotted it")
+        return self
+
+    def _ask(self, timeout: float) -> None:
+        reply = self._ckpt._conn().call_wait(self.step, timeout)
+        if reply.get("state") != "pending":
+            self._committed = True
+            self.timings["committed"] = time.perf_counter()
+
+
+class Checkpointer:
+    """A trainer rank's handle on its node daemon.
+
+    Args:
+        run_dir: the daemon's run directory (default ``$UCPD_RUN_DIR``, else ``/tmp/ucpd-$USER``).
+        rank, world_size: this rank and how many ranks seal each version (default: from
+            ``torch.distributed``, else ``$RANK``/``$WORLD_SIZE``, else 0/1).
+        embedded: start a daemon when none answers at ``run_dir`` (default True).
+    Raises:
+        DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
+    """
+
+    def __init__(self, run_dir: str | None = None, rank: int | None = None, world_size: int | None = None, embedded: bool = True):
+        r, w = _default_rank_world()
+        self.rank = r if rank is None else rank
+        self.world_size = w if world_size is None else world_size
+        self.run_dir = run_dir or knobs.run_dir()
+        self._local = threading.local()
+        self._hello = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname()}
+        conn, self.daemon_info = embedded_mod_connect(self.run_dir, self._hello, embedded)
+        self._local.conn = conn
+        self._conns = [conn]
+        self._maps = Mappings()
+        self._jobs: queue.Queue = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"ucpd-snapshot-r{self.rank}", daemon=True)
+        self._worker.start()
+        self._stagers: dict[str, CudaStager] = {}
+        self._last: SnapshotHandle | None = None
+        self._closed = False
+
+    # --- connections ---------------------------------------------------------------------------
+
+    def _conn(self) -> "_Conn":
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            conn = self._local.conn = Connection(self.run_dir, timeout=knobs.rpc_timeout())
+            self._conns.append(conn)
+        return _Conn(conn)
+
+    # --- snapshot ------------------------------------------------------------------------------
+
+    def snapshot(self, step: int, state: Mapping[str, Any], placements: Mapping[str, Any] | None = None) -> SnapshotHandle:
+        """Start a snapshot of ``state`` as ``step``; returns at once with a handle.
+
+        ``placements`` maps flattened names to UCL placements (unlisted tensors: Replicated,
+        DTensors: their own). Do not modify the tensors until ``handle.staged()`` returns
+        (``guard(optimizer)`` does that for you before each optimizer step).
+        """
+        if self._closed:
+            raise UcpdError("this Checkpointer is closed")
+        handle = SnapshotHandle(self, step)
+        tensors, values = state_mod.split(dict(state))
+        entries = [self._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
+        unknown = set(placements or {}) - set(tensors)
+        if unknown:
+            raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
+        self._jobs.put((handle, entries, values))
+        self._last = handle
+        handle.timings["returned"] = time.perf_counter()
+        return handle
+
+    def _entry(self, name: str, t: torch.Tensor, placement) -> Entry:
+        from ucpd.ucl import InvalidPlacement
+
+        try:
+            from torch.distributed.tensor import DTensor
+        except ImportError:  # pragma: no cover - old torch
+            DTensor = ()
+        if isinstance(t, DTensor):
+            from .placement import from_dtensor
+
+            placement = placement or from_dtensor(t)
+            t = t.to_local()
+        p = placement if placement is not None else Replicated()
+        if not hasattr(p, "to_dict"):
+            raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {p!r}")
+        return Entry(name, t.detach(), p.to_dict())
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            handle, entries, values = job
+            try:
+                self._take(handle, entries, values)
+            except BaseException as exc:  # surfaced by staged()/wait()
+                handle._fail(exc)
+
+    def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict) -> None:
+        conn = self._conn()
+        nbytes = layout(entries, knobs.slot_alignment())
+        objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        reply = conn.call("begin", rank=self.rank, world_size=self.world_size, step=handle.step, nbytes=nbytes)
+        handle.timings["slot"] = time.perf_counter()
+        slot = self._maps.get(reply["path"], writable=True)
+        try:
+            cpu = [e for e in entries if not e.tensor.is_cuda]
+            gpu = [e for e in entries if e.tensor.is_cuda]
+            crcs = dict(zip((e.name for e in cpu), copy_to_slot_cpu(cpu, slot))) if cpu else {}
+            if gpu:
+                stager = self._stagers.get(reply["path"]) or self._stagers.setdefault(reply["path"], CudaStager(slot))
+                stager.queue(gpu).synchronize()
+            handle.timings["staged"] = time.perf_counter()
+            handle._staged.set()
+            for e in gpu:
+                crcs[e.name] = native.crc32c_chunks(slot[e.offset : e.offset + e.nbytes], native.CHUNK_BYTES)
+        except BaseException:
+            conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
+            raise
+        manifest = [
+            {
+                "name": e.name,
+                "dtype": dtype_name(e.tensor),
+                "shape": list(e.tensor.shape),
+                "placement": e.placement,
+                "offset": e.offset,
+                "nbytes": e.nbytes,
+                "crcs": list(crcs[e.name]),
+            }
+            for e in entries
+        ]
+        conn.call("commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"], tensors=manifest, objects=objects)
+        handle.timings["sealed"] = time.perf_counter()
+        handle._sealed.set()
+
+    def guard(self, optimizer: torch.optim.Optimizer):
+        """Make ``optimizer.step()`` wait until the last snapshot is staged (returns the hook handle)."""
+
+        def pre_step(*_):
+            if self._last is not None:
+                self._last.staged()
+
+        return optimizer.register_step_pre_hook(pre_step)
+
+    # --- queries and restore -------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest committed step (in RAM or flushed), or None."""
+        return self._conn().call("latest")["step"]
+
+    def restore(self, target_state: Mapping[str, Any], step: int | None = None, placements: Mapping[str, Any] | None = None) -> int:
+        """Fill the tensors of ``target_state`` in place from ``step`` (default: the newest
+        committed) under their placements, and put its plain values back. Returns the step.
+
+        Raises VersionNotFound, PlacementMismatch (unknown tensor, wrong shape or dtype,
+        uncovered region), ChecksumMismatch (a source's bytes are damaged).
+        """
+        return restore_mod.restore(self, target_state, step, placements)
+
+    def status(self) -> dict:
+        return self._conn().call("status")
+
+    def close(self) -> None:
+        """Finish queued snapshots and drop the connections (the daemon keeps running)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join()
+        for s in self._stagers.values():
+            s.close()
+        for c in self._conns:
+            c.close()
+        self._maps.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Conn:
+    """A connection with the calls the client makes, typed."""
+
+    def __init__(self, conn: Connection):
+        self._c = conn
+
+    def call(self, msg_type: str, **body):
+        return self._c.call(msg_type, **body)
+
+    def call_wait(self, step: int, timeout: float) -> dict:
+        return self._c.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout)
+
+
+def embedded_mod_connect(run_dir: str, hello: dict, allow: bool):
+    return embedded.connect_or_start(run_dir, hello, allow)

@@ -1,0 +1,143 @@
+"""Checkpointer against a real daemon process: snapshot, commit, latest, restore, errors."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from ucpd_client import Checkpointer, placement as P
+from ucpd_client.errors import DaemonUnreachable, PlacementMismatch, SnapshotRejected, VersionNotFound
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "model": {
+            "w": torch.randn(64, 33, generator=g),
+            "b": torch.randn(33, generator=g).to(torch.bfloat16),
+            "big": torch.randn(3 << 20, generator=g),  # 12 MiB: several CRC chunks
+            "empty": torch.empty(0, 4),
+            "scalar": torch.tensor(3.5, dtype=torch.float64),
+            "ids": torch.arange(10, dtype=torch.int64),
+        },
+        "optim": {"state": {0: {"exp_avg": torch.randn(64, 33, generator=g), "step": 7}}, "lr": 0.1},
+        "step": seed,
+        "rng": torch.get_rng_state(),
+        "loader": {"epoch": 2, "offset": 1234},
+    }
+
+
+def _zeros_like(state):
+    if isinstance(state, dict):
+        return {k: _zeros_like(v) for k, v in state.items()}
+    if isinstance(state, torch.Tensor):
+        return torch.zeros_like(state)
+    return None
+
+
+def _assert_equal(a, b):
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            _assert_equal(a[k], b[k])
+    elif isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.view(-1).view(torch.uint8) if a.numel() else a, b.view(-1).view(torch.uint8) if b.numel() else b)
+    else:
+        assert a == b
+
+
+def test_snapshot_commit_restore_round_trip(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        assert ckpt.latest() is None
+        state = _state(1)
+        h = ckpt.snapshot(1, state)
+        h.staged()
+        h.wait()
+        assert h.done()
+        assert ckpt.latest() == 1
+        target = _zeros_like(state)
+        assert ckpt.restore(target) == 1
+        _assert_equal(state, target)
+
+
+def test_snapshot_returns_before_copy_and_staged_marks_it(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        state = _state(2)
+        h = ckpt.snapshot(5, state)
+        h.staged()
+        for t in state["model"].values():
+            t.zero_()  # modifying after staged must not change the snapshot
+        h.wait()
+        target = _zeros_like(state)
+        ckpt.restore(target)
+        _assert_equal(_state(2)["model"], target["model"])
+
+
+def test_older_steps_stay_restorable_within_keep(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.snapshot(step, _state(step)).wait()
+        target = _zeros_like(_state(0))
+        assert ckpt.restore(target, step=2) == 2
+        _assert_equal(_state(2), target)
+        status = ckpt.status()
+        in_ram = [v["step"] for v in status["versions"] if v["state"] in ("committed", "flushed")]
+        assert in_ram == [2, 3]  # --keep 2
+
+
+def test_unknown_tensor_and_wrong_shape_are_placement_mismatches(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(1, {"w": torch.ones(4, 4)}).wait()
+        with pytest.raises(PlacementMismatch, match="not in the checkpoint"):
+            ckpt.restore({"nope": torch.zeros(4, 4)})
+        with pytest.raises(PlacementMismatch, match="global shape"):
+            ckpt.restore({"w": torch.zeros(4, 5)})
+        with pytest.raises(PlacementMismatch, match="saved as float32"):
+            ckpt.restore({"w": torch.zeros(4, 4, dtype=torch.float16)})
+        # a shard of it is fine
+        t = torch.zeros(2, 4)
+        ckpt.restore({"w": t}, placements={"w": P.Shard(0, 1, 2)})
+        assert torch.equal(t, torch.ones(2, 4))
+
+
+def test_missing_step_is_version_not_found(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        with pytest.raises(VersionNotFound):
+            ckpt.restore({"w": torch.zeros(1)}, step=42)
+
+
+def test_over_memory_limit_is_refused_and_committed_version_survives(make_daemon):
+    d = make_daemon("--mem-limit", "64M", "--keep", "1")
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        small = {"w": torch.randn(1 << 20)}  # 4 MiB
+        ckpt.snapshot(1, small).wait()
+        with pytest.raises(SnapshotRejected, match="memory limit"):
+            ckpt.snapshot(2, {"w": torch.randn(20 << 20)}).wait()  # 80 MiB
+        assert ckpt.latest() == 1
+        target = {"w": torch.zeros(1 << 20)}
+        ckpt.restore(target)
+        assert torch.equal(target["w"], small["w"])
+
+
+def test_no_daemon_and_no_embedding_is_unreachable(tmp_path):
+    with pytest.raises(DaemonUnreachable, match="no ucpd daemon"):
+        Checkpointer(str(tmp_path / "nothing"), embedded=False)
+
+
+def test_embedded_daemon_starts_and_outlives_the_trainer(tmp_path, dirs):
+    run = str(tmp_path / "emb")
+    env = dict(os.environ, UCPD_SHM_DIR=dirs["shm"], UCPD_EMBEDDED_IDLE_EXIT="60")
+    code = (
+        "import torch; from ucpd_client import Checkpointer\n"
+        f"c = Checkpointer({run!r}); c.snapshot(3, {{'w': torch.arange(6.)}}).wait(); print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    with Checkpointer(run, embedded=False) as ckpt:  # the trainer is gone; its daemon is not
+        t = {"w": torch.zeros(6)}
+        assert ckpt.restore(t) == 3
+        assert torch.equal(t["w"], torch.arange(6.0))
+        ckpt._conn().call("shutdown")

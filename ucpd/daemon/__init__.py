@@ -1,0 +1,1 @@
+"""The node daemon: socket loop (server), RAM store (slots, versions), restore planning, flush."""

@@ -1,0 +1,193 @@
+"""Background flush: committed versions to the universal format, consolidated, throttled.
+
+One thread per daemon. Every ``flush_every``-th committed version is pinned (so eviction
+leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
+output (the UCL planner's ``plan_consolidate``), every source chunk it reads is checked
+against its CRC, and the version is committed on disk by the format's writer (temp dir,
+fsync, rename, ``LATEST``). The thread runs at a lower CPU priority and at most
+``flush_rate`` bytes per second, so the trainers keep their share of the memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import native
+from ..dtypes import dtype as lookup_dtype
+from ..errors import ChecksumMismatch
+from ..format import TensorSource, retain, write_version
+from ..ucl.execute import execute
+from ..ucl.plan import plan_consolidate
+
+log = logging.getLogger("ucpd.flush")
+
+
+@dataclass
+class FlushProgress:
+    step: int | None = None
+    bytes_done: int = 0
+    bytes_total: int = 0
+    last_flushed: int | None = None
+    last_seconds: float = 0.0
+    last_error: str | None = None
+    flushed_count: int = 0
+
+
+class Throttle:
+    """Sleeps so that bytes pass at no more than ``rate`` per second (0 = no limit)."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.start = time.monotonic()
+        self.done = 0
+
+    def __call__(self, nbytes: int) -> None:
+        if self.rate <= 0:
+            return
+        self.done += nbytes
+        ahead = self.done / self.rate - (time.monotonic() - self.start)
+        if ahead > 0:
+            time.sleep(ahead)
+
+
+def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
+    """Check a whole source tensor's bytes against its chunk CRCs."""
+    got = native.crc32c_chunks(array, native.CHUNK_BYTES) if array.nbytes else []
+    for i, (a, b) in enumerate(zip(got, crcs)):
+        if a != b:
+            lo = i * native.CHUNK_BYTES
+            raise ChecksumMismatch(
+                f"{what}: chunk {i} (bytes {lo}..{min(lo + native.CHUNK_BYTES, array.nbytes)}) has CRC32C "
+                f"{a:#010x}, expected {b:#010x}; the RAM copy is damaged, restore from a peer or disk"
+            )
+
+
+class Flusher:
+    def __init__(self, store, flush_dir: str, every: int, rate: float, keep_on_disk: int = 0):
+        self.store = store
+        self.flush_dir = flush_dir
+        self.every = max(1, every)
+        self.rate = rate
+        self.keep_on_disk = keep_on_disk
+        self.progress = FlushProgress()
+        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._committed_since = 0
+        self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
+        os.makedirs(flush_dir, exist_ok=True)
+        self._thread.start()
+
+    def on_commit(self, version) -> None:
+        """Called under the store lock for each newly committed version."""
+        self._committed_since += 1
+        if self._committed_since >= self.every:
+            self._committed_since = 0
+            version.pins += 1
+            self._queue.put(version.step)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def idle(self) -> bool:
+        return self._queue.empty() and self.progress.step is None
+
+    def _run(self) -> None:
+        try:  # lower this thread's priority; Linux applies setpriority to one thread id
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        except (OSError, AttributeError):
+            pass
+        while True:
+            step = self._queue.get()
+            if step is None:
+                return
+            with self.store.lock:
+                version = self.store.table.versions.get(step)
+            try:
+                if version is not None and version.parts:
+                    self._flush(version)
+            except Exception as exc:  # keep serving; the error shows in `ucpd status`
+                log.exception("flush of step %s failed", step)
+                self.progress.last_error = f"step {step}: {exc}"
+            finally:
+                with self.store.lock:
+                    if version is not None:
+                        version.pins -= 1
+                    self.progress.step = None
+
+    def _flush(self, version) -> None:
+        t0 = time.monotonic()
+        with self.store.lock:
+            globals_ = version.globals()
+            parts = dict(version.parts)
+            slots = {p.slot: self.store.slots.slots[p.slot] for p in parts.values()}
+        arrays: dict = {}
+        verified: set = set()
+
+        def source_array(key):
+            if key not in arrays:
+                rank, idx = key
+                t = parts[rank].tensors[idx]
+                mm = slots[parts[rank].slot].mapping()
+                arr = np.frombuffer(mm, dtype=lookup_dtype(t.dtype).storage, count=t.nbytes // lookup_dtype(t.dtype).itemsize, offset=t.offset)
+                arrays[key] = (arr, t)
+            return arrays[key]
+
+        throttle = Throttle(self.rate)
+
+        def make_fill(g):
+            def fill(out: np.ndarray) -> None:
+                plan = plan_consolidate(g.name, g.shape, g.sources)
+                srcs = {}
+                for c in plan.copies:
+                    arr, t = source_array(c.src_key)
+                    if c.src_key not in verified:
+                        verify_source(arr, t.crcs, f"step {version.step}, rank {c.src_key[0]}, tensor {t.name!r}")
+                        verified.add(c.src_key)
+                    srcs[c.src_key] = arr
+                dst = out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out
+                execute(plan, srcs, dst)
+                throttle(out.nbytes)
+
+            return fill
+
+        tensors = [
+            TensorSource(g.name, g.dtype, g.shape, g.pattern, make_fill(g)) for g in sorted(globals_.values(), key=lambda g: g.name)
+        ]
+        total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
+        self.progress = FlushProgress(
+            version.step, 0, total, self.progress.last_flushed, self.progress.last_seconds, None, self.progress.flushed_count
+        )
+
+        def progress(done: int, _total: int) -> None:
+            self.progress.bytes_done = done
+
+        layout = {
+            "world_size": version.world_size,
+            "ranks": {
+                str(r): {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "placement": t.placement} for t in p.tensors], "layout": p.layout}
+                for r, p in parts.items()
+            },
+        }
+        objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
+        write_version(self.flush_dir, version.step, tensors, layout=layout, objects=objects, progress=progress)
+        arrays.clear()
+        if self.keep_on_disk:
+            retain(self.flush_dir, self.keep_on_disk)
+        with self.store.lock:
+            version.on_disk = True
+            from .versions import VersionState
+
+            if version.state is VersionState.COMMITTED:
+                version.state = VersionState.FLUSHED
+            self.store.save_index()
+        self.progress.last_flushed = version.step
+        self.progress.last_seconds = time.monotonic() - t0
+        self.progress.flushed_count += 1
+        log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)

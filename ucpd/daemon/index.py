@@ -1,0 +1,116 @@
+"""The daemon's on-shm index, so that a restarted daemon re-adopts the segments it left.
+
+``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions with
+every rank's manifest. It is rewritten whole on each change that matters, to a temporary
+file that is then renamed over the old one: a crash mid-update leaves the old index or the
+new one, never a torn one. Slots that were being written when the daemon died come back free;
+versions that were not complete come back as nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import msgpack
+
+from .slots import SlotState, SlotStore
+from .versions import RankPart, TensorEntry, Version, VersionState, VersionTable
+
+INDEX_NAME = "index.msgpack"
+INDEX_VERSION = 1
+
+
+def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
+    versions = []
+    for v in table.versions.values():
+        if v.state not in (VersionState.COMMITTED, VersionState.FLUSHED, VersionState.COMPLETE):
+            continue
+        versions.append(
+            {
+                "step": v.step,
+                "world_size": v.world_size,
+                "state": v.state.value,
+                "created": v.created,
+                "committed_at": v.committed_at,
+                "on_disk": v.on_disk,
+                "parts": [
+                    {
+                        "rank": p.rank,
+                        "slot": p.slot,
+                        "objects": p.objects,
+                        "layout": p.layout,
+                        "tensors": [t.to_wire() for t in p.tensors],
+                    }
+                    for p in v.parts.values()
+                ],
+            }
+        )
+    doc = {
+        "index_version": INDEX_VERSION,
+        "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots.slots.values()],
+        "versions": versions,
+    }
+    path = os.path.join(shm_dir, INDEX_NAME)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(msgpack.packb(doc, use_bin_type=True))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+@dataclass
+class Adopted:
+    slots: int
+    versions: int
+    dropped: list[str]
+
+
+def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
+    """Re-adopt what a previous daemon left in shm_dir; unknown or broken files are removed."""
+    path = os.path.join(shm_dir, INDEX_NAME)
+    dropped: list[str] = []
+    doc = None
+    if os.path.exists(path):
+        try:
+            with open(path, "rb") as f:
+                doc = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
+            if not isinstance(doc, dict) or doc.get("index_version") != INDEX_VERSION:
+                raise ValueError("unknown index version")
+        except Exception as exc:  # a damaged index: start empty rather than trust it
+            dropped.append(f"index unreadable ({exc}); starting empty")
+            doc = None
+    known: set[str] = set()
+    if doc:
+        for s in doc["slots"]:
+            p = os.path.join(shm_dir, s["path"])
+            if os.path.exists(p) and os.path.getsize(p) == s["size"]:
+                slots.add(s["id"], p, s["size"])
+                known.add(s["path"])
+            else:
+                dropped.append(f"slot {s['path']} missing or resized")
+        for raw in doc["versions"]:
+            parts = {}
+            for rp in raw["parts"]:
+                if rp["slot"] not in slots.slots:
+                    break
+                tensors = [
+                    TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["placement"], t["offset"], t["nbytes"], tuple(t["crcs"]))
+                    for t in rp["tensors"]
+                ]
+                parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"))
+            else:
+                v = Version(raw["step"], raw["world_size"], VersionState(raw["state"]), parts, raw["created"], raw["committed_at"])
+                v.on_disk = raw.get("on_disk", False)
+                table.versions[v.step] = v
+                for p in parts.values():
+                    slot = slots.slots[p.slot]
+                    slot.state, slot.rank, slot.step = SlotState.HELD, p.rank, v.step
+                continue
+            dropped.append(f"step {raw['step']}: a slot it needs is gone")
+    for name in os.listdir(shm_dir):
+        if name.startswith("slot-") and name not in known:
+            os.unlink(os.path.join(shm_dir, name))
+            dropped.append(f"removed stray segment {name}")
+    return Adopted(len(slots.slots), len(table.versions), dropped)

@@ -1,0 +1,41 @@
+"""Prometheus metrics of a daemon, served on ``--metrics-port`` for a Prometheus server to scrape."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+
+class _Collector:
+    def __init__(self, daemon):
+        self.daemon = daemon
+
+    def collect(self):
+        d = self.daemon
+        with d.store.lock:
+            c = vars(d.store.counters).copy()
+            used, limit = d.store.slots.used_bytes, d.store.slots.mem_limit
+            latest = d.store.table.latest_committed()
+            progress = d.flusher.progress if d.flusher else None
+        for name, value in c.items():
+            yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
+        yield GaugeMetricFamily("ucpd_mem_used_bytes", "bytes held in shm slots", value=used)
+        yield GaugeMetricFamily("ucpd_mem_limit_bytes", "memory limit for slots", value=limit)
+        yield GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step (-1: none)", value=latest.step if latest else -1)
+        if progress is not None:
+            yield GaugeMetricFamily("ucpd_flush_bytes_done", "bytes written by the flush in progress", value=progress.bytes_done)
+            yield GaugeMetricFamily("ucpd_flush_last_seconds", "duration of the last flush", value=progress.last_seconds)
+
+
+class Metrics:
+    def __init__(self, daemon, port: int, addr: str = "127.0.0.1"):
+        self.registry = CollectorRegistry()
+        self.registry.register(_Collector(daemon))
+        self.server, self.thread = start_http_server(port, addr=addr, registry=self.registry)
+
+    @property
+    def port(self) -> int:
+        return self.server.server_address[1]
+
+    def close(self) -> None:
+        self.server.shutdown()

@@ -1,0 +1,408 @@
+"""The daemon's socket loop: receive, validate, dispatch, reply — and never die of bad input.
+
+One ZeroMQ ROUTER on ``ipc://<run-dir>/ucpd.sock``; only this thread touches the socket.
+Slow work runs elsewhere and reports back through ``self._done`` (a queue the loop drains):
+allocating a new slot (seconds for GiBs: every page is faulted in) and flushing to disk.
+Replies that must wait — a ``begin`` whose slot is being allocated, a ``wait`` for a step
+that is not yet committed — are parked and answered when their condition is met.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import stat
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from .. import protocol
+from ..errors import AlreadyRunning, ProtocolError, UcpdError, VersionNotFound
+from . import restore as restore_plan
+from .store import NodeStore, prepare_slot_file
+from .versions import VersionState
+
+log = logging.getLogger("ucpd.server")
+
+SOCKET_NAME = "ucpd.sock"
+LOCK_NAME = "ucpd.lock"
+LEASE_SECONDS = 600.0
+
+
+@dataclass
+class DaemonConfig:
+    run_dir: str
+    shm_dir: str
+    mem_limit: int
+    keep: int = 2
+    node_rank: int = 0
+    nodes: int = 1
+    flush_dir: str | None = None
+    flush_every: int = 1
+    flush_rate: float = 0.0
+    flush_keep: int = 0
+    idle_exit: float = 0.0
+    metrics_port: int | None = None
+    prepare_spare: bool = True
+
+
+@dataclass
+class _Parked:
+    ident: bytes
+    req_id: int
+    deadline: float
+    step: int | None = None
+    extra: dict = field(default_factory=dict)
+
+
+def ensure_private_dir(path: str) -> None:
+    """Create ``path`` mode 0700, or check that an existing one is ours and private."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise AlreadyRunning(f"{path} belongs to uid {st.st_uid}, not to this user: choose another directory")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+
+
+class Daemon:
+    def __init__(self, config: DaemonConfig):
+        self.config = config
+        ensure_private_dir(config.run_dir)
+        self._lock_fd = os.open(os.path.join(config.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise AlreadyRunning(
+                f"another ucpd daemon already serves {config.run_dir}; stop it, or pass another --run-dir"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
+        ensure_private_dir(config.shm_dir)
+        self.store = NodeStore(config.shm_dir, config.mem_limit, config.keep)
+        self.flusher = None
+        if config.flush_dir:
+            from .flush import Flusher
+
+            self.flusher = Flusher(self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep)
+        self.metrics = None
+        if config.metrics_port is not None:
+            from .metrics import Metrics
+
+            self.metrics = Metrics(self, config.metrics_port)
+        self._done: queue.Queue = queue.Queue()
+        self._parked_begins: dict[int, _Parked] = {}  # slot id being allocated -> who waits
+        self._waits: list[_Parked] = []
+        self._leases: dict[int, tuple[object, float]] = {}
+        self._next_lease = 1
+        self._clients: dict[int, float] = {}  # pid -> last seen
+        self._last_activity = time.monotonic()
+        self.started = time.time()
+        self._stop = False
+        self.address = f"ipc://{os.path.join(config.run_dir, SOCKET_NAME)}"
+
+    # --- loop ------------------------------------------------------------------------------------
+
+    def serve(self, ready: threading.Event | None = None) -> None:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        path = os.path.join(self.config.run_dir, SOCKET_NAME)
+        if os.path.exists(path):
+            os.unlink(path)  # we hold the lock, so the socket file is a dead daemon's
+        sock.bind(self.address)
+        os.chmod(path, 0o600)
+        self._sock = sock
+        log.info("serving %s (shm %s, limit %d MiB)", self.address, self.config.shm_dir, self.config.mem_limit >> 20)
+        if ready is not None:
+            ready.set()
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        try:
+            while not self._stop:
+                busy = self._parked_begins or self._waits or not self._done.empty()
+                events = dict(poller.poll(10 if busy else 200))
+                if sock in events:
+                    for _ in range(64):  # drain a burst before housekeeping
+                        try:
+                            ident, frame = self._recv(sock)
+                        except zmq.Again:
+                            break
+                        if ident is None:
+                            continue
+                        self._handle(ident, frame)
+                self._drain_done()
+                self._answer_waits()
+                self._housekeeping()
+        finally:
+            self.close()
+
+    @staticmethod
+    def _recv(sock):
+        parts = sock.recv_multipart(zmq.NOBLOCK)
+        if len(parts) == 2:
+            return parts[0], parts[1]
+        if len(parts) == 3 and parts[1] == b"":
+            return parts[0], parts[2]
+        return None, None  # not a DEALER envelope: drop it
+
+    def _reply(self, ident: bytes, frame: bytes) -> None:
+        try:
+            self._sock.send_multipart([ident, frame], zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the client went away; nothing to do
+
+    def _handle(self, ident: bytes, frame: bytes) -> None:
+        self._last_activity = time.monotonic()
+        req_id = 0
+        try:
+            msg_type, req_id, body = protocol.decode_request(frame)
+            handler = getattr(self, f"_on_{msg_type}")
+            with self.store.lock:
+                reply = handler(ident, req_id, body)
+            if reply is not None:
+                self._reply(ident, protocol.ok(req_id, reply))
+        except UcpdError as exc:
+            if isinstance(exc, ProtocolError):
+                self.store.counters.bad_messages += 1
+                log.warning("bad message: %s", exc)
+            self._reply(ident, protocol.error(req_id, exc))
+        except Exception as exc:  # a bug must not take the daemon down
+            log.exception("internal error handling a request")
+            self.store.counters.bad_messages += 1
+            self._reply(ident, protocol.error(req_id, UcpdError(f"internal daemon error: {exc!r}")))
+
+    # --- handlers: each returns a reply body, or None when the reply is parked ----------------
+
+    def _on_hello(self, ident, req_id, body):
+        self._clients[body["pid"]] = time.monotonic()
+        return {
+            "pid": os.getpid(),
+            "node_rank": self.config.node_rank,
+            "nodes": self.config.nodes,
+            "shm_dir": self.config.shm_dir,
+            "mem_limit": self.config.mem_limit,
+            "protocol": protocol.PROTOCOL_VERSION,
+        }
+
+    def _on_begin(self, ident, req_id, body):
+        rank, step, nbytes = body["rank"], body["step"], body["nbytes"]
+        self.store.check_begin(rank, step)
+        slot = self.store.take_free_slot(rank, step, nbytes)
+        if slot is not None:
+            self._prepare_spare(rank, slot.size)
+            return {"slot": slot.id, "path": slot.path, "size": slot.size}
+        sid, path, size = self.store.reserve_new_slot(nbytes)
+        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank})
+        self._allocate_async(sid, path, size)
+        return None
+
+    def _allocate_async(self, sid: int, path: str, size: int) -> None:
+        def work():
+            try:
+                prepare_slot_file(path, size)
+                self._done.put(("slot", sid, None))
+            except Exception as exc:
+                self._done.put(("slot", sid, exc))
+
+        threading.Thread(target=work, name=f"ucpd-alloc-{sid}", daemon=True).start()
+
+    def _prepare_spare(self, rank: int, size: int) -> None:
+        """Fault in the rank's next slot now, so its next snapshot never waits for pages."""
+        if not self.config.prepare_spare or self.store.spare_slots(rank) or rank in self.store._preparing:
+            return
+        try:
+            sid, path, size = self.store.reserve_new_slot(size)
+        except UcpdError:
+            return  # no room for a spare: the next begin will evict or refuse
+        self.store._preparing.add(rank)
+        self._parked_begins[sid] = _Parked(b"", 0, 0.0, None, {"rank": rank, "spare": True})
+        self._allocate_async(sid, path, size)
+
+    def _on_commit(self, ident, req_id, body):
+        version, committed = self.store.seal(body)
+        for v in committed:
+            if self.flusher is not None:
+                self.flusher.on_commit(v)
+        return {"state": version.state.value}
+
+    def _on_abort(self, ident, req_id, body):
+        self.store.abort(body["rank"], body["step"], body["slot"])
+        return {}
+
+    def _on_wait(self, ident, req_id, body):
+        step = body["step"]
+        answer = self._wait_answer(step)
+        if answer is not None:
+            return answer
+        self._waits.append(_Parked(ident, req_id, time.monotonic() + body["seconds"], step))
+        return None
+
+    def _wait_answer(self, step: int):
+        v = self.store.table.versions.get(step)
+        if v is None:
+            newest = self.store.table.latest_committed()
+            if newest is not None and newest.step > step:
+                raise VersionNotFound(f"step {step} was never sealed here and step {newest.step} is already committed")
+            return None
+        if v.state in (VersionState.COMMITTED, VersionState.FLUSHED):
+            return {"state": v.state.value, "step": step}
+        if v.state is VersionState.ABANDONED:
+            missing = sorted(set(range(v.world_size)) - set(v.parts))
+            raise VersionNotFound(
+                f"step {step} was abandoned: ranks {missing} never committed it before a newer step did"
+            )
+        if v.state is VersionState.EVICTED and v.committed_at is not None:
+            return {"state": v.state.value, "step": step}
+        return None
+
+    def _on_latest(self, ident, req_id, body):
+        v = self.store.table.latest_committed()
+        step = v.step if v is not None else None
+        disk = self._disk_latest()
+        if disk is not None and (step is None or disk > step):
+            step = disk
+        return {"step": step}
+
+    def _disk_latest(self) -> int | None:
+        if not self.config.flush_dir or not os.path.isdir(self.config.flush_dir):
+            return None
+        from ..format import list_versions
+
+        complete = [v.step for v in list_versions(self.config.flush_dir) if v.complete]
+        return max(complete) if complete else None
+
+    def _on_restore(self, ident, req_id, body):
+        step = body.get("step")
+        version = self.store.version_for_restore(step)
+        disk = self._disk_latest() if step is None else None
+        if version is not None and (disk is None or disk <= version.step):
+            sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+            objects = {r: p.objects for r, p in version.parts.items()}
+            chosen, pin, where = version.step, version, "ram"
+        else:
+            reader = self._open_disk(step)
+            sources = restore_plan.from_disk(reader)
+            objects = {int(r): b for r, b in (reader.objects.get("ranks") or {}).items()}
+            chosen, pin, where = reader.step, None, "disk"
+        plan = restore_plan.plan(sources, body["targets"])
+        lease = self._next_lease
+        self._next_lease += 1
+        if pin is not None:
+            pin.pins += 1
+        self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
+        rank = body["rank"]
+        mine = objects.get(rank, objects.get(min(objects)) if objects else b"")
+        self.store.counters.restores += 1
+        return {"lease": lease, "step": chosen, "where": where, "objects": mine or b"", **plan}
+
+    def _open_disk(self, step):
+        from ..format import open_version
+
+        if not self.config.flush_dir:
+            raise VersionNotFound(
+                f"{'step ' + str(step) if step is not None else 'no committed version'} is not in RAM and the daemon "
+                "has no --flush-dir to read from"
+            )
+        try:
+            return open_version(self.config.flush_dir, step)
+        except VersionNotFound:
+            raise
+        except FileNotFoundError:
+            raise VersionNotFound(f"no complete version in {self.config.flush_dir}") from None
+
+    def _on_release(self, ident, req_id, body):
+        self._end_lease(body["lease"])
+        return {}
+
+    def _end_lease(self, lease: int) -> None:
+        pin, _ = self._leases.pop(lease, (None, 0.0))
+        if pin is not None:
+            pin.pins -= 1
+
+    def _on_status(self, ident, req_id, body):
+        from .status import collect
+
+        return collect(self)
+
+    def _on_shutdown(self, ident, req_id, body):
+        self._stop = True
+        return {}
+
+    # --- deferred work ---------------------------------------------------------------------------
+
+    def _drain_done(self) -> None:
+        while True:
+            try:
+                kind, sid, exc = self._done.get_nowait()
+            except queue.Empty:
+                return
+            parked = self._parked_begins.pop(sid, None)
+            with self.store.lock:
+                rank = parked.extra["rank"] if parked else None
+                if parked is not None and parked.extra.get("spare"):
+                    self.store._preparing.discard(rank)
+                if exc is not None:
+                    self.store.drop_new_slot(sid)
+                    if parked is not None and parked.ident:
+                        err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
+                        self._reply(parked.ident, protocol.error(parked.req_id, err))
+                    continue
+                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None)
+                if parked is not None and parked.ident:
+                    self._reply(parked.ident, protocol.ok(parked.req_id, {"slot": slot.id, "path": slot.path, "size": slot.size}))
+
+    def _answer_waits(self) -> None:
+        if not self._waits:
+            return
+        now = time.monotonic()
+        keep = []
+        with self.store.lock:
+            for w in self._waits:
+                try:
+                    answer = self._wait_answer(w.step)
+                except UcpdError as exc:
+                    self._reply(w.ident, protocol.error(w.req_id, exc))
+                    continue
+                if answer is not None:
+                    self._reply(w.ident, protocol.ok(w.req_id, answer))
+                elif now >= w.deadline:
+                    self._reply(w.ident, protocol.ok(w.req_id, {"state": "pending", "step": w.step}))
+                else:
+                    keep.append(w)
+        self._waits = keep
+
+    def _housekeeping(self) -> None:
+        now = time.monotonic()
+        for lease, (_, deadline) in list(self._leases.items()):
+            if now > deadline:
+                with self.store.lock:
+                    self._end_lease(lease)
+        idle = self.config.idle_exit
+        if idle and now - self._last_activity > idle and not self._waits and (self.flusher is None or self.flusher.idle()):
+            log.info("idle for %.0f s: exiting", idle)
+            self._stop = True
+
+    def close(self) -> None:
+        if self.flusher is not None:
+            self.flusher.stop()
+        if self.metrics is not None:
+            self.metrics.close()
+        with self.store.lock:
+            self.store.save_index()
+            self.store.close()
+        try:
+            self._sock.close(linger=0)
+        except AttributeError:
+            pass
+        try:
+            os.unlink(os.path.join(self.config.run_dir, SOCKET_NAME))
+        except OSError:
+            pass
+        os.close(self._lock_fd)

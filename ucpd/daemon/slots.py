@@ -1,0 +1,148 @@
+"""Shared-memory slots: the large, reusable segments that trainers write snapshots into.
+
+A slot is one file in the daemon's ``--shm-dir`` (a tmpfs folder, mode 0700; files 0600).
+Slots are allocated once, their pages faulted in by the daemon (``posix_fallocate``) before a
+trainer needs them, and then reused: on this class of machine a fresh segment costs ~20x a
+copy into a warm one. A slot is ``free``, ``writing`` (lent to a rank for one step) or ``held``
+(its bytes belong to a sealed version). Every byte of every slot counts against the memory
+limit.
+
+Thread-safety: callers hold the daemon's state lock around every method except
+``allocate_file`` (the slow part, run without the lock, on a background thread if wanted).
+"""
+
+from __future__ import annotations
+
+import enum
+import mmap
+import os
+from dataclasses import dataclass, field
+
+from ..errors import SnapshotRejected
+
+
+class SlotState(enum.Enum):
+    FREE = "free"
+    WRITING = "writing"
+    HELD = "held"
+
+
+@dataclass
+class Slot:
+    id: int
+    path: str
+    size: int
+    state: SlotState = SlotState.FREE
+    rank: int | None = None  # the rank writing it, or whose version part it holds
+    step: int | None = None
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    def mapping(self) -> mmap.mmap:
+        """The daemon's read-write mapping of the slot (created on first use, kept)."""
+        if self._map is None:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        return self._map
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a numpy view still exists; the mapping dies with it
+                pass
+            self._map = None
+
+
+def shm_free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def allocate_file(path: str, size: int) -> None:
+    """Create a 0600 segment of ``size`` bytes with every page allocated (faulted) now."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        try:
+            os.posix_fallocate(fd, 0, size)
+        except OSError as exc:
+            os.unlink(path)
+            raise SnapshotRejected(
+                f"cannot allocate a {size >> 20} MiB segment in {os.path.dirname(path)}: {exc.strerror}. "
+                "The shared-memory file system is full: give the container more (docker --shm-size), "
+                "lower --keep, or pass a smaller --mem-limit."
+            ) from None
+    finally:
+        os.close(fd)
+
+
+class SlotStore:
+    """The set of slots of one daemon, with memory accounting against ``mem_limit`` bytes."""
+
+    def __init__(self, shm_dir: str, mem_limit: int, rounding: int = 2 << 20):
+        self.shm_dir = shm_dir
+        self.mem_limit = mem_limit
+        self.rounding = rounding
+        self.slots: dict[int, Slot] = {}
+        self._next_id = 1
+
+    # --- accounting -------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(s.size for s in self.slots.values())
+
+    def round_size(self, nbytes: int) -> int:
+        r = self.rounding
+        return max(r, (nbytes + r - 1) // r * r)
+
+    def fits(self, size: int) -> bool:
+        return self.used_bytes + size <= self.mem_limit
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def new_slot_path(self) -> tuple[int, str]:
+        sid = self._next_id
+        self._next_id += 1
+        return sid, os.path.join(self.shm_dir, f"slot-{sid:06d}.shm")
+
+    def add(self, sid: int, path: str, size: int) -> Slot:
+        slot = Slot(sid, path, size)
+        self.slots[sid] = slot
+        self._next_id = max(self._next_id, sid + 1)
+        return slot
+
+    def delete(self, sid: int) -> None:
+        slot = self.slots.pop(sid)
+        slot.close()
+        try:
+            os.unlink(slot.path)
+        except FileNotFoundError:
+            pass
+
+    def find_free(self, nbytes: int, rank: int) -> Slot | None:
+        """The smallest free slot that holds nbytes, preferring the rank's own (already mapped)."""
+        fitting = [s for s in self.slots.values() if s.state is SlotState.FREE and s.size >= nbytes]
+        if not fitting:
+            return None
+        return min(fitting, key=lambda s: (s.rank != rank, s.size))
+
+    def free_slots(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.state is SlotState.FREE]
+
+    def lend(self, slot: Slot, rank: int, step: int) -> None:
+        slot.state, slot.rank, slot.step = SlotState.WRITING, rank, step
+
+    def hold(self, slot: Slot) -> None:
+        slot.state = SlotState.HELD
+
+    def release(self, sid: int) -> None:
+        slot = self.slots.get(sid)
+        if slot is not None:
+            slot.state, slot.step = SlotState.FREE, None
+
+    def close(self) -> None:
+        for slot in self.slots.values():
+            slot.close()

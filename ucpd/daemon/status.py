@@ -1,0 +1,111 @@
+"""What ``ucpd status`` shows: the daemon's state collected as a JSON-able map, and its table."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .slots import SlotState
+
+
+def collect(daemon) -> dict:
+    """Snapshot of the daemon's state (caller holds the store lock)."""
+    store = daemon.store
+    cfg = daemon.config
+    versions = []
+    for v in sorted(store.table.versions.values(), key=lambda v: v.step):
+        versions.append(
+            {
+                "step": v.step,
+                "state": v.state.value,
+                "ranks": sorted(v.parts),
+                "world_size": v.world_size,
+                "bytes": v.nbytes,
+                "tensors": sum(len(p.tensors) for p in v.parts.values()),
+                "on_disk": v.on_disk,
+                "age_s": round(time.time() - v.created, 1),
+            }
+        )
+    slots = {state.value: 0 for state in SlotState}
+    for s in store.slots.slots.values():
+        slots[s.state.value] += 1
+    flush = None
+    if daemon.flusher is not None:
+        p = daemon.flusher.progress
+        flush = {
+            "dir": cfg.flush_dir,
+            "every": cfg.flush_every,
+            "current_step": p.step,
+            "bytes_done": p.bytes_done,
+            "bytes_total": p.bytes_total,
+            "last_flushed": p.last_flushed,
+            "last_seconds": round(p.last_seconds, 3),
+            "flushed_count": p.flushed_count,
+            "last_error": p.last_error,
+        }
+    latest = store.table.latest_committed()
+    return {
+        "pid": os.getpid(),
+        "uptime_s": round(time.time() - daemon.started, 1),
+        "node_rank": cfg.node_rank,
+        "nodes": cfg.nodes,
+        "run_dir": cfg.run_dir,
+        "shm_dir": cfg.shm_dir,
+        "mem_limit": store.slots.mem_limit,
+        "mem_used": store.slots.used_bytes,
+        "keep": store.keep,
+        "latest_committed": latest.step if latest else None,
+        "versions": versions,
+        "slots": slots,
+        "clients": len(daemon._clients),
+        "flush": flush,
+        "redundancy": {"level": "L0 (this node's RAM)" if cfg.nodes == 1 else "L1", "healthy": True},
+        "counters": vars(store.counters).copy(),
+    }
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def render(status: dict, console) -> None:
+    """Print the status map as readable tables on a rich console."""
+    from rich.table import Table
+
+    head = Table(show_header=False, box=None, pad_edge=False)
+    head.add_row("daemon", f"pid {status['pid']}, node {status['node_rank']} of {status['nodes']}, up {status['uptime_s']:.0f} s")
+    head.add_row("run dir", status["run_dir"])
+    head.add_row("shm dir", status["shm_dir"])
+    head.add_row("memory", f"{_size(status['mem_used'])} of {_size(status['mem_limit'])} in slots {status['slots']}")
+    head.add_row("latest committed", str(status["latest_committed"]))
+    head.add_row("redundancy", f"{status['redundancy']['level']}, {'healthy' if status['redundancy']['healthy'] else 'DEGRADED'}")
+    c = status["counters"]
+    head.add_row("counters", ", ".join(f"{k}={v}" for k, v in c.items()))
+    console.print(head)
+    table = Table(title="versions")
+    for col in ("step", "state", "ranks", "tensors", "bytes", "on disk", "age"):
+        table.add_column(col, justify="right" if col in ("step", "tensors", "bytes", "age") else "left")
+    for v in status["versions"]:
+        table.add_row(
+            str(v["step"]), v["state"], f"{len(v['ranks'])}/{v['world_size']}", str(v["tensors"]), _size(v["bytes"]),
+            "yes" if v["on_disk"] else "no", f"{v['age_s']:.0f} s",
+        )
+    console.print(table)
+    f = status.get("flush")
+    if f:
+        if f["current_step"] is not None:
+            pct = 100.0 * f["bytes_done"] / max(1, f["bytes_total"])
+            now = f"flushing step {f['current_step']}: {pct:.0f}% of {_size(f['bytes_total'])}"
+        else:
+            now = "idle"
+        console.print(
+            f"flush to {f['dir']} every {f['every']} version(s): {now}; last flushed step {f['last_flushed']} "
+            f"in {f['last_seconds']} s; {f['flushed_count']} flushed"
+            + (f"; last error: {f['last_error']}" if f["last_error"] else "")
+        )

@@ -1,0 +1,239 @@
+"""The node's in-RAM store: slots and versions together, with the rules that tie them.
+
+Lending a slot for a snapshot, sealing a rank's part, committing, keeping ``keep`` versions,
+evicting under the memory limit and re-adopting after a restart all live here, free of
+sockets, so the rules are testable on their own. The server calls these methods holding
+``self.lock``; background threads (slot preparation, flush) take the same lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
+from . import index
+from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
+from .versions import RESTORABLE, RankPart, Version, VersionState, VersionTable, validate_entry
+
+log = logging.getLogger("ucpd.store")
+
+
+@dataclass
+class Counters:
+    snapshots: int = 0
+    snapshot_bytes: int = 0
+    rejected: int = 0
+    bad_messages: int = 0
+    restores: int = 0
+    restore_bytes: int = 0
+    evicted: int = 0
+
+
+class NodeStore:
+    def __init__(self, shm_dir: str, mem_limit: int, keep: int, rounding: int = 2 << 20, policy=None):
+        self.shm_dir = shm_dir
+        self.keep = keep
+        self.lock = threading.RLock()
+        self.slots = SlotStore(shm_dir, mem_limit, rounding)
+        self.table = VersionTable(policy)
+        self.counters = Counters()
+        self.adopted = index.load(shm_dir, self.slots, self.table)
+        for note in self.adopted.dropped:
+            log.warning("re-adoption: %s", note)
+        self._preparing: set[int] = set()  # ranks with a background allocation under way
+
+    # --- snapshot path --------------------------------------------------------------------------
+
+    def check_begin(self, rank: int, step: int) -> None:
+        v = self.table.versions.get(step)
+        if v is not None and v.state in RESTORABLE:
+            raise SnapshotRejected(f"step {step} is already committed; snapshot a new step number")
+        if v is not None and rank in v.parts:
+            raise SnapshotRejected(f"rank {rank} already sealed step {step}")
+        for slot in self.slots.slots.values():  # a rank writes one snapshot at a time
+            if slot.state is SlotState.WRITING and slot.rank == rank:
+                self.slots.release(slot.id)
+
+    def take_free_slot(self, rank: int, step: int, nbytes: int) -> Slot | None:
+        """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
+        slot = self.slots.find_free(nbytes, rank)
+        if slot is None and self._evict_for(0):
+            slot = self.slots.find_free(nbytes, rank)
+        if slot is not None:
+            self.slots.lend(slot, rank, step)
+        return slot
+
+    def reserve_new_slot(self, nbytes: int) -> tuple[int, str, int]:
+        """Account for a new slot (id, path, size) that the caller then allocates; may evict."""
+        size = self.slots.round_size(nbytes)
+        if not self.slots.fits(size):
+            self._make_room(size)
+        free = shm_free_bytes(self.shm_dir)
+        if size > free:
+            raise SnapshotRejected(
+                f"{self.shm_dir} has {free >> 20} MiB free, a slot needs {size >> 20} MiB: give the "
+                "container a larger /dev/shm (docker --shm-size), or lower --mem-limit/--keep"
+            )
+        sid, path = self.slots.new_slot_path()
+        self.slots.add(sid, path, size).state = SlotState.WRITING  # reserved until allocated
+        return sid, path, size
+
+    def finish_new_slot(self, sid: int, rank: int, step: int | None) -> Slot:
+        slot = self.slots.slots[sid]
+        if step is None:
+            slot.state, slot.rank = SlotState.FREE, rank
+        else:
+            self.slots.lend(slot, rank, step)
+        self.save_index()
+        return slot
+
+    def drop_new_slot(self, sid: int) -> None:
+        if sid in self.slots.slots:
+            self.slots.delete(sid)
+
+    def seal(self, body: dict) -> tuple[Version, list[Version]]:
+        """Validate and seal a rank's commit; returns its version and any newly committed ones."""
+        rank, step, sid = body["rank"], body["step"], body["slot"]
+        slot = self.slots.slots.get(sid)
+        if slot is None or slot.state is not SlotState.WRITING or slot.rank != rank or slot.step != step:
+            raise ProtocolError(
+                f"rank {rank} commits step {step} into slot {sid}, which is not lent to it for that step"
+            )
+        entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
+        names = set()
+        end = 0
+        for e in sorted(entries, key=lambda e: e.offset):
+            if e.offset < end:
+                raise ProtocolError(f"rank {rank}: tensor {e.name!r} overlaps the tensor before it in the slot")
+            end = e.offset + e.nbytes
+            if e.name in names:
+                raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
+            names.add(e.name)
+        version = self.table.get_or_create(step, body["world_size"])
+        if version.world_size != body["world_size"]:
+            raise ProtocolError(f"rank {rank} says world size {body['world_size']}, others said {version.world_size}")
+        part = RankPart(rank, sid, entries, body["objects"], body.get("layout"))
+        try:
+            committed = self.table.seal(version, part)
+        except Exception:
+            version.parts.pop(rank, None)
+            version._globals = None
+            raise
+        self.slots.hold(slot)
+        self.counters.snapshots += 1
+        self.counters.snapshot_bytes += part.nbytes
+        for v in committed:
+            self._after_commit(v)
+        self.save_index()
+        return version, committed
+
+    def abort(self, rank: int, step: int, sid: int) -> None:
+        slot = self.slots.slots.get(sid)
+        if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step:
+            self.slots.release(sid)
+
+    def _after_commit(self, v: Version) -> None:
+        for old in self.table.abandoned_before(v.step):
+            old.state = VersionState.ABANDONED
+            self._free_parts(old)
+        self._evict_for(0)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def version_for_restore(self, step: int | None) -> Version | None:
+        """The RAM version to restore from (newest committed when step is None), or None."""
+        if step is None:
+            return self.table.latest_committed()
+        v = self.table.versions.get(step)
+        return v if v is not None and v.state in RESTORABLE else None
+
+    def require_version(self, step: int) -> Version:
+        v = self.version_for_restore(step)
+        if v is None:
+            raise VersionNotFound(f"step {step} is not committed in this daemon's RAM")
+        return v
+
+    # --- eviction ------------------------------------------------------------------------------
+
+    def _evictable(self) -> list[Version]:
+        newest = self.table.latest_committed()
+        out = []
+        for v in sorted(self.table.versions.values(), key=lambda v: v.step):
+            if v.pins or not v.parts or v is newest:
+                continue
+            if v.state in (VersionState.ABANDONED, VersionState.EVICTED):
+                out.append(v)
+            elif v.state in RESTORABLE:
+                out.append(v)
+            elif newest is not None and v.step < newest.step:
+                out.append(v)  # incomplete and older than a committed one: it can never commit
+        return out
+
+    def _evict_for(self, size: int) -> bool:
+        """Evict versions beyond ``keep`` (always) and more while ``size`` bytes do not fit."""
+        freed = False
+        restorable = self.table.committed()
+        surplus = len(restorable) - self.keep
+        for v in self._evictable():
+            over_keep = v.state in RESTORABLE and surplus > 0
+            if over_keep or v.state not in RESTORABLE or (size and not self.slots.fits(size)):
+                if v.state in RESTORABLE:
+                    surplus -= 1
+                self._evict(v)
+                freed = True
+        return freed
+
+    def _evict(self, v: Version) -> None:
+        if v.state in RESTORABLE:
+            self.counters.evicted += 1
+        v.state = VersionState.EVICTED
+        self._free_parts(v)
+
+    def _free_parts(self, v: Version) -> None:
+        for p in v.parts.values():
+            self.slots.release(p.slot)
+        v.parts = {}
+        v._globals = None
+
+    def _make_room(self, size: int) -> None:
+        """Delete free slots, then evict old versions, until size more bytes fit the limit."""
+        for slot in sorted(self.slots.free_slots(), key=lambda s: s.size):
+            if self.slots.fits(size):
+                return
+            self.slots.delete(slot.id)
+        for v in self._evictable():
+            if self.slots.fits(size):
+                return
+            self._evict(v)
+            for p_slot in self.slots.free_slots():
+                if not self.slots.fits(size):
+                    self.slots.delete(p_slot.id)
+        if not self.slots.fits(size):
+            self.counters.rejected += 1
+            newest = self.table.latest_committed()
+            raise SnapshotRejected(
+                f"memory limit: a slot of {size >> 20} MiB does not fit ({self.slots.used_bytes >> 20} of "
+                f"{self.slots.mem_limit >> 20} MiB in use, holding "
+                f"{'step ' + str(newest.step) if newest else 'no committed version'} and versions being written). "
+                "Raise --mem-limit, lower --keep, or snapshot less state; the last committed version is kept."
+            )
+
+    # --- persistence -----------------------------------------------------------------------------
+
+    def save_index(self) -> None:
+        index.save(self.shm_dir, self.slots, self.table)
+
+    def spare_slots(self, rank: int) -> int:
+        return sum(1 for s in self.slots.slots.values() if s.state is SlotState.FREE and s.rank == rank)
+
+    def close(self) -> None:
+        self.slots.close()
+
+
+def prepare_slot_file(path: str, size: int) -> None:
+    """Allocate a slot's file; kept as a function so the server can run it on a thread."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    allocate_file(path, size)

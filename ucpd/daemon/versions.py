@@ -1,0 +1,230 @@
+"""The version table: which steps exist in RAM, in which state, and what each rank gave.
+
+A version moves through explicit states::
+
+    WRITING -> COMPLETE -> COMMITTED -> FLUSHED -> EVICTED
+       \\-> ABANDONED (a rank never sealed it and a newer version committed)
+
+WRITING: some local ranks sealed their part. COMPLETE: every rank of the job on this node
+sealed it. COMMITTED: the commit policy (one node: complete is enough; several nodes: every
+node reports it protected) says it is restorable. FLUSHED: also on disk in the universal
+format. EVICTED: its RAM was given back (it may still be on disk).
+
+Thread-safety: callers hold the daemon's state lock.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ..dtypes import dtype as lookup_dtype
+from ..errors import PlacementMismatch
+from ..ucl import placement_from_dict, resolve
+from ..ucl.plan import SourcePiece
+
+
+class VersionState(enum.Enum):
+    WRITING = "writing"
+    COMPLETE = "complete"
+    COMMITTED = "committed"
+    FLUSHED = "flushed"
+    EVICTED = "evicted"
+    ABANDONED = "abandoned"
+
+
+RESTORABLE = (VersionState.COMMITTED, VersionState.FLUSHED)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one rank's part, as laid out in that rank's slot."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    placement: dict
+    offset: int
+    nbytes: int
+    crcs: tuple[int, ...]
+
+    def to_wire(self) -> dict:
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "placement": self.placement,
+            "offset": self.offset,
+            "nbytes": self.nbytes,
+            "crcs": list(self.crcs),
+        }
+
+
+@dataclass
+class RankPart:
+    rank: int
+    slot: int
+    tensors: list[TensorEntry]
+    objects: bytes
+    layout: dict | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+
+@dataclass
+class GlobalTensor:
+    """What the parts of a version say about one global (consolidated) tensor."""
+
+    name: str
+    dtype: str
+    shape: tuple  # ints; None on a stacked dim no rank gave a count for, until all are in
+    pattern: dict  # the placement of the first fragment seen, kept for the universal format
+    sources: list[SourcePiece] = field(default_factory=list)
+
+
+@dataclass
+class Version:
+    step: int
+    world_size: int
+    state: VersionState = VersionState.WRITING
+    parts: dict[int, RankPart] = field(default_factory=dict)
+    created: float = field(default_factory=time.time)
+    committed_at: float | None = None
+    pins: int = 0  # restores and flushes reading it right now
+    on_disk: bool = False
+    _globals: dict[str, GlobalTensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts.values())
+
+    @property
+    def in_ram(self) -> bool:
+        return self.state in (VersionState.WRITING, VersionState.COMPLETE, VersionState.COMMITTED, VersionState.FLUSHED) and bool(self.parts)
+
+    def globals(self) -> dict[str, GlobalTensor]:
+        """Index the parts' fragments by global tensor name (computed once per version).
+
+        Source keys are ``(rank, tensor index)``. Raises PlacementMismatch when two ranks
+        disagree on a global tensor's shape or dtype.
+        """
+        if self._globals is None:
+            out: dict[str, GlobalTensor] = {}
+            for rank in sorted(self.parts):
+                for idx, t in enumerate(self.parts[rank].tensors):
+                    for frag in resolve(t.name, placement_from_dict(t.placement), t.shape):
+                        if not frag.pieces:
+                            continue  # partition padding: nothing global to keep
+                        g = out.get(frag.name)
+                        if g is None:
+                            g = out[frag.name] = GlobalTensor(frag.name, t.dtype, tuple(frag.global_shape), t.placement)
+                        else:
+                            g.shape = _agree(self.step, rank, frag.name, g, t.dtype, tuple(frag.global_shape))
+                        for piece in frag.pieces:
+                            g.sources.append(SourcePiece((rank, idx), piece.local, piece.box))
+            for g in out.values():
+                if None in g.shape:  # a stacked dim whose count no placement gave: what the items cover
+                    g.shape = tuple(
+                        max(p.box.offsets[d] + p.box.lengths[d] for p in g.sources) if n is None else n
+                        for d, n in enumerate(g.shape)
+                    )
+            self._globals = out
+        return self._globals
+
+
+def _agree(step: int, rank: int, name: str, g: GlobalTensor, dtype: str, shape: tuple) -> tuple:
+    """Merge what another rank says of a global tensor's shape (None: unknown) with what we know."""
+    if g.dtype != dtype or len(shape) != len(g.shape) or any(
+        a is not None and b is not None and a != b for a, b in zip(g.shape, shape)
+    ):
+        raise PlacementMismatch(
+            f"step {step}: rank {rank} says global tensor {name!r} is {dtype}{list(shape)}, "
+            f"another rank said {g.dtype}{list(g.shape)}"
+        )
+    return tuple(a if a is not None else b for a, b in zip(g.shape, shape))
+
+
+class CommitPolicy(Protocol):
+    """Decides when a complete version becomes committed (the multi-node seam)."""
+
+    def on_complete(self, version: Version) -> bool:
+        """Called once a version is complete on this node; True commits it now."""
+
+
+class SingleNodeCommit:
+    """One node: a version every local rank sealed is committed."""
+
+    def on_complete(self, version: Version) -> bool:
+        return True
+
+
+class VersionTable:
+    def __init__(self, policy: CommitPolicy | None = None):
+        self.versions: dict[int, Version] = {}
+        self.policy = policy or SingleNodeCommit()
+
+    def get_or_create(self, step: int, world_size: int) -> Version:
+        v = self.versions.get(step)
+        if v is None:
+            v = self.versions[step] = Version(step, world_size)
+        return v
+
+    def seal(self, version: Version, part: RankPart) -> list[Version]:
+        """Add a rank's sealed part; returns the versions whose state changed to COMMITTED."""
+        version.parts[part.rank] = part
+        version._globals = None
+        if version.state is VersionState.WRITING and len(version.parts) == version.world_size:
+            version.state = VersionState.COMPLETE
+            version.globals()  # validate agreement across ranks now, not at restore time
+        if version.state is VersionState.COMPLETE and self.policy.on_complete(version):
+            version.state = VersionState.COMMITTED
+            version.committed_at = time.time()
+            return [version]
+        return []
+
+    def latest_committed(self) -> Version | None:
+        ready = [v for v in self.versions.values() if v.state in RESTORABLE]
+        return max(ready, key=lambda v: v.step) if ready else None
+
+    def committed(self) -> list[Version]:
+        return sorted((v for v in self.versions.values() if v.state in RESTORABLE), key=lambda v: v.step)
+
+    def abandoned_before(self, step: int) -> list[Version]:
+        """Incomplete versions older than a committed step: they can never commit now."""
+        return [
+            v
+            for v in self.versions.values()
+            if v.step < step and v.state in (VersionState.WRITING, VersionState.COMPLETE)
+        ]
+
+
+def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
+    """Check a tensor entry of a commit against its slot: dtype, shape, bytes, offsets, crcs."""
+    from ..native import CHUNK_BYTES
+    from ..errors import ProtocolError
+
+    name = raw["name"]
+    dt = lookup_dtype(raw["dtype"])
+    numel = 1
+    for d in raw["shape"]:
+        numel *= d
+    if numel * dt.itemsize != raw["nbytes"]:
+        raise ProtocolError(
+            f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
+            f"but the entry says {raw['nbytes']}"
+        )
+    if raw["offset"] + raw["nbytes"] > slot_size:
+        raise ProtocolError(
+            f"rank {rank}: tensor {name!r} at offset {raw['offset']} with {raw['nbytes']} bytes "
+            f"ends outside its {slot_size}-byte slot"
+        )
+    chunks = (raw["nbytes"] + CHUNK_BYTES - 1) // CHUNK_BYTES
+    if len(raw["crcs"]) != chunks:
+        raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
+    placement = placement_from_dict(raw["placement"])
+    resolve(name, placement, tuple(raw["shape"]))  # shape must agree with the placement
+    return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]))

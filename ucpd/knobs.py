@@ -1,0 +1,105 @@
+"""Every tunable of ucpd in one place, each overridable by an environment variable.
+
+Read a knob by calling its getter (``knobs.copy_threads()``); tests override with
+``knobs.override(NAME=value)`` as a context manager. Command-line flags of ``ucpd serve``
+take precedence over these defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import os
+import tempfile
+from typing import Iterator
+
+_overrides: dict[str, str] = {}
+
+
+def _get(name: str, default: str) -> str:
+    if name in _overrides:
+        return _overrides[name]
+    return os.environ.get(name, default)
+
+
+@contextlib.contextmanager
+def override(**values: object) -> Iterator[None]:
+    """Temporarily set knobs by their environment names, e.g. ``override(UCPD_COPY_THREADS=1)``."""
+    saved = dict(_overrides)
+    _overrides.update({k: str(v) for k, v in values.items()})
+    try:
+        yield
+    finally:
+        _overrides.clear()
+        _overrides.update(saved)
+
+
+def user() -> str:
+    try:
+        return getpass.getuser()
+    except Exception:  # no passwd entry in some containers
+        return str(os.getuid())
+
+
+def run_dir() -> str:
+    """Where the daemon's socket lives: $UCPD_RUN_DIR, else a per-user folder in the temp dir."""
+    return _get("UCPD_RUN_DIR", os.path.join(tempfile.gettempdir(), f"ucpd-{user()}"))
+
+
+def shm_dir(node_rank: int = 0) -> str:
+    """Where the daemon keeps its shared-memory segments (a tmpfs folder)."""
+    return _get("UCPD_SHM_DIR", f"/dev/shm/ucpd-{user()}-{node_rank}")
+
+
+def copy_threads() -> int:
+    """Threads for copies into and out of slots."""
+    return max(1, int(_get("UCPD_COPY_THREADS", str(min(os.cpu_count() or 1, 8)))))
+
+
+def slot_alignment() -> int:
+    """Byte alignment of every tensor inside a slot (a cache line keeps copies vector-aligned)."""
+    return int(_get("UCPD_SLOT_ALIGN", "64"))
+
+
+def segment_rounding() -> int:
+    """Slot segments are rounded up to this many bytes (huge-page friendly)."""
+    return int(_get("UCPD_SEGMENT_ROUND", str(2 << 20)))
+
+
+def keep_versions() -> int:
+    """Committed versions the daemon keeps in RAM (--keep)."""
+    return max(1, int(_get("UCPD_KEEP", "2")))
+
+
+def flush_rate() -> float:
+    """Bytes per second the background flush may write (0 = unthrottled)."""
+    return float(_get("UCPD_FLUSH_RATE", str(2 << 30)))
+
+
+def rpc_timeout() -> float:
+    """Seconds a client waits for a daemon reply before raising DaemonUnreachable."""
+    return float(_get("UCPD_RPC_TIMEOUT", "60"))
+
+
+def embedded_start_timeout() -> float:
+    """Seconds to wait for an embedded daemon to come up."""
+    return float(_get("UCPD_EMBEDDED_TIMEOUT", "30"))
+
+
+def embedded_idle_exit() -> float:
+    """An embedded daemon exits after this many seconds with no client (0 = never)."""
+    return float(_get("UCPD_EMBEDDED_IDLE_EXIT", "900"))
+
+
+def mem_limit() -> int:
+    """Bytes of RAM the daemon may hold in slots (0 = 80% of what /dev/shm can hold)."""
+    return parse_size(_get("UCPD_MEM_LIMIT", "0"))
+
+
+def parse_size(text: str) -> int:
+    """Parse '16G', '512MiB', '1.5g', '1048576' into bytes."""
+    s = str(text).strip().lower().replace("ib", "").rstrip("b")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    if s and s[-1] in units:
+        return int(float(s[:-1]) * units[s[-1]])
+    return int(float(s)) if s else 0

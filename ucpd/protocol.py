@@ -1,0 +1,253 @@
+"""The wire protocol between trainers and their node daemon: one module for both sides.
+
+Transport: ZeroMQ, a client DEALER to the daemon's ROUTER on ``ipc://<run-dir>/ucpd.sock``.
+Every frame is one msgpack map, the *envelope*::
+
+    {"v": PROTOCOL_VERSION, "t": <message type>, "id": <request id>, "body": {...}}
+
+Requests and replies come in pairs (``REQUESTS`` maps each request type to its schema). A
+reply has type ``"ok"`` with the reply body, or ``"error"`` with ``{"code", "message"}`` where
+``code`` is one of ``ucpd.errors`` codes. Every message is decoded strictly: unknown types,
+missing or mistyped fields, negative sizes and oversized frames are ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import msgpack
+
+from .errors import ProtocolError, UcpdError
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 64 << 20  # manifests and plans only; tensor bytes travel through shm
+MAX_NAME_LEN = 1024
+MAX_RANKS = 1 << 20
+
+
+# --- field validators: each returns the value or raises ProtocolError ------------------------
+
+
+def _int(lo: int = 0, hi: int = 1 << 62) -> Callable[[str, Any], int]:
+    def check(field: str, v: Any) -> int:
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise ProtocolError(f"field {field!r} must be an integer in [{lo}, {hi}], got {v!r}")
+        return v
+
+    return check
+
+
+def _opt(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
+    def inner(field: str, v: Any) -> Any:
+        return None if v is None else check(field, v)
+
+    return inner
+
+
+def _str(field: str, v: Any) -> str:
+    if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN:
+        raise ProtocolError(f"field {field!r} must be a non-empty string of at most {MAX_NAME_LEN} characters")
+    return v
+
+
+def _bytes(field: str, v: Any) -> bytes:
+    if not isinstance(v, (bytes, bytearray)):
+        raise ProtocolError(f"field {field!r} must be bytes")
+    return bytes(v)
+
+
+def _dict(field: str, v: Any) -> dict:
+    if not isinstance(v, dict):
+        raise ProtocolError(f"field {field!r} must be a map")
+    return v
+
+
+def _float(field: str, v: Any) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
+        raise ProtocolError(f"field {field!r} must be a non-negative number")
+    return float(v)
+
+
+def _shape(field: str, v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > 16:
+        raise ProtocolError(f"field {field!r} must be a list of at most 16 dimensions")
+    return tuple(_int()(field, d) for d in v)
+
+
+def _list_of(item: Callable[[str, Any], Any], max_len: int = 1 << 20) -> Callable[[str, Any], list]:
+    def check(field: str, v: Any) -> list:
+        if not isinstance(v, (list, tuple)) or len(v) > max_len:
+            raise ProtocolError(f"field {field!r} must be a list of at most {max_len} items")
+        return [item(f"{field}[{i}]", x) for i, x in enumerate(v)]
+
+    return check
+
+
+def _record(schema: dict[str, Callable[[str, Any], Any]], optional: dict | None = None):
+    """A nested map with its own schema (missing optional fields become None)."""
+
+    def check(field: str, v: Any) -> dict:
+        return validate_fields(field, v, schema, optional or {})
+
+    return check
+
+
+def validate_fields(where: str, body: Any, schema: dict, optional: dict) -> dict:
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{where}: body must be a map")
+    out = {}
+    for name, check in schema.items():
+        if name not in body:
+            raise ProtocolError(f"{where}: missing field {name!r}")
+        out[name] = check(f"{where}.{name}", body[name])
+    for name, check in optional.items():
+        out[name] = check(f"{where}.{name}", body[name]) if body.get(name) is not None else None
+    unknown = set(body) - set(schema) - set(optional)
+    if unknown:
+        raise ProtocolError(f"{where}: unknown fields {sorted(unknown)}")
+    return out
+
+
+# --- message schemas ---------------------------------------------------------------------------
+
+# A tensor as a snapshot lays it out in its slot.
+TENSOR_ENTRY = _record(
+    {
+        "name": _str,
+        "dtype": _str,
+        "shape": _shape,
+        "placement": _dict,
+        "offset": _int(),
+        "nbytes": _int(),
+        "crcs": _list_of(_int(0, 0xFFFFFFFF)),
+    }
+)
+# A tensor a restore wants filled.
+TARGET_ENTRY = _record({"name": _str, "dtype": _str, "shape": _shape, "placement": _dict})
+
+
+@dataclass(frozen=True)
+class MessageType:
+    """One request type: its body schema (required, optional) and what it is for."""
+
+    name: str
+    required: dict
+    optional: dict
+    doc: str
+
+
+REQUESTS: dict[str, MessageType] = {
+    m.name: m
+    for m in [
+        MessageType(
+            "hello",
+            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "pid": _int()},
+            {"host": _str},
+            "introduce a trainer rank; reply: daemon identity and limits",
+        ),
+        MessageType(
+            "begin",
+            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
+            {},
+            "ask for a free slot of at least nbytes for step; reply: {slot, path, size}",
+        ),
+        MessageType(
+            "commit",
+            {
+                "rank": _int(0, MAX_RANKS),
+                "world_size": _int(1, MAX_RANKS),
+                "step": _int(),
+                "slot": _int(),
+                "tensors": _list_of(TENSOR_ENTRY),
+                "objects": _bytes,
+            },
+            {"layout": _dict},
+            "seal a written slot as this rank's part of step; reply: {state}",
+        ),
+        MessageType(
+            "abort",
+            {"rank": _int(0, MAX_RANKS), "step": _int(), "slot": _int()},
+            {},
+            "give back a slot whose snapshot failed before commit",
+        ),
+        MessageType(
+            "wait",
+            {"step": _int(), "seconds": _float},
+            {},
+            "reply once step is committed (or failed, or `seconds` passed: state pending)",
+        ),
+        MessageType("latest", {}, {}, "reply: {step} of the newest committed version, or None"),
+        MessageType(
+            "restore",
+            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
+            {"step": _int()},
+            "plan the copies that fill these targets; reply: {lease, step, sources, tensors, objects}",
+        ),
+        MessageType("release", {"lease": _int()}, {}, "the client finished reading a restore's sources"),
+        MessageType("status", {}, {}, "reply: the daemon's state as a JSON-able map"),
+        MessageType("shutdown", {}, {}, "stop the daemon (keeps shm segments for re-adoption)"),
+    ]
+}
+
+
+# --- envelopes ---------------------------------------------------------------------------------
+
+
+def pack(msg_type: str, req_id: int, body: dict) -> bytes:
+    return msgpack.packb({"v": PROTOCOL_VERSION, "t": msg_type, "id": req_id, "body": body}, use_bin_type=True)
+
+
+def unpack_envelope(frame: bytes) -> tuple[str, int, Any]:
+    """Decode an envelope; raises ProtocolError for anything malformed."""
+    if len(frame) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        env = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ProtocolError(f"frame is not valid msgpack: {exc}") from None
+    if not isinstance(env, dict) or set(env) != {"v", "t", "id", "body"}:
+        raise ProtocolError("envelope must be a map with exactly the keys v, t, id, body")
+    if env["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"protocol version {env['v']!r} is not {PROTOCOL_VERSION}: client and daemon come from different ucpd releases"
+        )
+    if not isinstance(env["t"], str) or not isinstance(env["id"], int):
+        raise ProtocolError("envelope fields t (string) and id (integer) are malformed")
+    return env["t"], env["id"], env["body"]
+
+
+def decode_request(frame: bytes) -> tuple[str, int, dict]:
+    """Decode and validate a request (daemon side)."""
+    msg_type, req_id, body = unpack_envelope(frame)
+    spec = REQUESTS.get(msg_type)
+    if spec is None:
+        raise ProtocolError(f"unknown request type {msg_type!r}; known: {', '.join(REQUESTS)}")
+    return msg_type, req_id, validate_fields(msg_type, body, spec.required, spec.optional)
+
+
+def request(msg_type: str, req_id: int, **body: Any) -> bytes:
+    """Encode a request (client side); validates it the way the daemon will."""
+    spec = REQUESTS[msg_type]
+    validate_fields(msg_type, body, spec.required, spec.optional)
+    return pack(msg_type, req_id, body)
+
+
+def ok(req_id: int, body: dict) -> bytes:
+    return pack("ok", req_id, body)
+
+
+def error(req_id: int, exc: UcpdError) -> bytes:
+    return pack("error", req_id, {"code": exc.code, "message": str(exc)})
+
+
+def decode_reply(frame: bytes) -> tuple[int, dict | None, UcpdError | None]:
+    """Decode a reply (client side): (id, body, None) for ok, (id, None, typed error) for error."""
+    from .errors import error_from_code
+
+    msg_type, req_id, body = unpack_envelope(frame)
+    if msg_type == "ok" and isinstance(body, dict):
+        return req_id, body, None
+    if msg_type == "error" and isinstance(body, dict):
+        return req_id, None, error_from_code(str(body.get("code")), str(body.get("message")))
+    raise ProtocolError(f"unexpected reply type {msg_type!r}")
