@@ -160,7 +160,7 @@ class Checkpointer:
         return handle
 
     def _entry(self, name: str, t: torch.Tensor, placement) -> Entry:
-        from ucpd.ucl import InvalidPlacement
+        from ucpd.errors import InvalidPlacement
 
         try:
             from torch.distributed.tensor import DTensor

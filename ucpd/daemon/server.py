@@ -275,7 +275,7 @@ class Daemon:
             return None
         from ..format import list_versions
 
-        complete = [v.step for v in list_versions(self.config.flush_dir) if v.complete]
+        complete = [v.step for v in list_versions(self.config.flush_dir) if v.state == "complete"]
         return max(complete) if complete else None
 
     def _on_restore(self, ident, req_id, body):
