@@ -153,7 +153,7 @@ def trainer(rank, world, tp, run_dir, port, first_step, last_step, progress):
         call = time.perf_counter() - t0
         h.staged()
         if rank == 0:
-            progress.put(("step", step, float(loss), call))
+            progress.put(("step", step, loss.item(), call))
         step += 1
     h.wait()
     if rank == 0:

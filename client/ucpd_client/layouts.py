@@ -8,7 +8,7 @@ Megatron-style tensor/pipeline/expert parallelism::
     L.fused_qkv(tp_rank, tp, num_heads=32, num_kv_heads=8, head_dim=128)
     L.padded_vocab(tp_rank, tp, vocab_size=50257)  # embedding / output layer
     L.global_layer_name("layers.3.mlp.fc1.weight", L.pipeline_layer_offset(pp_rank, pp, 32))
-    L.expert(global_index, count=num_experts)      # one expert's weight in a stacked tensor
+    L.expert(L.expert_index(ep_rank, n_local, i), name="layers.0.mlp.experts.fc1.weight")
 
 ZeRO partition tables::
 
@@ -138,10 +138,18 @@ def expert_index(ep_rank: int, num_local_experts: int, local_index: int) -> int:
     return ep_rank * num_local_experts + local_index
 
 
-def expert(index: int, *, inner: Placement | None = None, count: int | None = None, dim: int = 0) -> Stacked:
-    """One expert's tensor as item ``index`` of the global stacked tensor (dim ``dim``).
-    ``inner`` places the expert's own dims (e.g. ``column_parallel`` under expert-TP)."""
-    return Stacked(dim, index, inner if inner is not None else Replicated(), count)
+def expert(
+    index: int,
+    *,
+    name: str | None = None,
+    inner: Placement | None = None,
+    count: int | None = None,
+    dim: int = 0,
+) -> Stacked:
+    """One expert's tensor as item ``index`` of the global stacked tensor ``name`` (stacked on
+    ``dim``; None: the local name). ``inner`` places the expert's own dims (e.g.
+    ``column_parallel`` under expert-tensor-parallelism)."""
+    return Stacked(dim, index, inner if inner is not None else Replicated(), count, name)
 
 
 # ---------------------------------------------------------------------------------------------

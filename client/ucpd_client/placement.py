@@ -10,6 +10,8 @@ builds placements from Megatron-style ranks and ZeRO partition tables.
 
 from __future__ import annotations
 
+from itertools import permutations
+from math import prod
 from typing import Any, Sequence
 
 from ucpd.errors import InvalidPlacement, PlacementMismatch
@@ -99,8 +101,10 @@ def from_dtensor(obj: Any, *, coordinate: Sequence[int] | None = None) -> Placem
     (``device_mesh`` or ``mesh``, with ``shape`` and ``get_coordinate()``) and the global
     ``shape``. ``coordinate`` overrides this rank's mesh coordinate (to compute another rank's
     placement). Shard and Replicate are supported on any number of mesh dims, several of them
-    sharding one tensor dim included; uneven torch.chunk-style splits become a Box. Partial
-    (pending reduction) and strided (_StridedShard) placements raise InvalidPlacement.
+    sharding one tensor dim included, in DTensor's order (left to right, or as the spec's
+    ``shard_order`` or ``_StridedShard`` split factors say, e.g. FSDP2 over TP); uneven
+    torch.chunk-style splits become a Box. Partial (pending reduction) placements and uneven
+    strided sharding raise InvalidPlacement.
     """
     spec = getattr(obj, "_spec", obj)  # a DTensor carries its spec
     placements = getattr(spec, "placements", None)
@@ -124,31 +128,69 @@ def from_dtensor(obj: Any, *, coordinate: Sequence[int] | None = None) -> Placem
             raise PlacementMismatch("this rank is not part of the DTensor's device mesh")
     coordinate = tuple(int(c) for c in coordinate)
     shard_dims: list[int | None] = []
+    split_factors: list[int] = []
     for m, pl in enumerate(placements):
-        cls = type(pl).__name__
-        if "Strided" in cls:
-            raise InvalidPlacement(
-                f"mesh dim {m}: strided sharding ({pl}) holds non-contiguous rows; redistribute "
-                f"to plain Shard placements before checkpointing"
-            )
         if _is(pl, "is_partial", "Partial"):
             raise InvalidPlacement(
                 f"mesh dim {m}: a Partial DTensor holds unreduced values; reduce it (e.g. "
                 f".redistribute(placements=[Replicate()])) before checkpointing"
             )
+        strided = "Strided" in type(pl).__name__
         if _is(pl, "is_replicate", "Replicate"):
             shard_dims.append(None)
-        elif _is(pl, "is_shard", "Shard"):
+            split_factors.append(1)
+        elif strided or _is(pl, "is_shard", "Shard"):
             d = int(pl.dim)
             shard_dims.append(d + len(gshape) if d < 0 else d)
+            split_factors.append(int(getattr(pl, "split_factor", 1)) if strided else 1)
         else:
             raise InvalidPlacement(f"mesh dim {m}: unsupported DTensor placement {pl!r}")
     order = None
-    shard_order = getattr(spec, "shard_order", None)
-    if shard_order:
-        order = {int(e.tensor_dim): tuple(int(m) for m in e.mesh_dims) for e in shard_order}
+    if any(f != 1 for f in split_factors):
+        order = _order_from_split_factors(gshape, mesh_shape, shard_dims, split_factors)
+    else:
+        shard_order = getattr(spec, "shard_order", None)
+        if shard_order:
+            order = {int(e.tensor_dim): tuple(int(m) for m in e.mesh_dims) for e in shard_order}
     offsets, lengths = chunk_box(gshape, mesh_shape, coordinate, shard_dims, order)
-    return simplify_box(offsets, lengths, gshape)
+    parts = [prod(n for n, x in zip(mesh_shape, shard_dims) if x == d) for d in range(len(gshape))]
+    return simplify_box(offsets, lengths, gshape, parts)
+
+
+def _order_from_split_factors(
+    gshape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    shard_dims: Sequence[int | None],
+    split_factors: Sequence[int],
+) -> dict[int, tuple[int, ...]]:
+    """The order in which mesh dims shard each tensor dim, from DTensor's strided placements.
+
+    ``_StridedShard(d, split_factor=f)`` on mesh dim m means: the mesh dims that shard d before
+    m and sit after m in the mesh have sizes multiplying to f (FSDP2 over TP: the TP split
+    comes first). Only even splits are accepted: then every rank's rows are contiguous.
+    """
+    order: dict[int, tuple[int, ...]] = {}
+    for d in sorted({x for x in shard_dims if x is not None}):
+        mesh_dims = [m for m, x in enumerate(shard_dims) if x == d]
+        total = prod(mesh_shape[m] for m in mesh_dims)
+        if gshape[d] % total:
+            raise InvalidPlacement(
+                f"tensor dim {d} of size {gshape[d]} is strided-sharded over {total} ranks "
+                f"unevenly; only even strided sharding is supported"
+            )
+        for perm in permutations(mesh_dims):
+            if all(
+                split_factors[m] == prod(mesh_shape[e] for e in perm[:i] if e > m)
+                for i, m in enumerate(perm)
+            ):
+                order[d] = perm
+                break
+        else:
+            raise InvalidPlacement(
+                f"tensor dim {d}: split factors {[split_factors[m] for m in mesh_dims]} on mesh "
+                f"dims {mesh_dims} match no sharding order"
+            )
+    return order
 
 
 def _is(pl: Any, method: str, cls_name: str) -> bool:

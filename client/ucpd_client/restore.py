@@ -40,12 +40,12 @@ def _view(raw) -> View:
 
 def touched_chunks(sources: list[dict], tensors: list[dict]) -> dict[int, set[int]]:
     """Per source index, the numbers of the byte chunks that any copy reads."""
-    chunk = native.CHUNK_BYTES
     out: dict[int, set[int]] = {}
     for t in tensors:
         for src, (off, shape, strides), _ in t["copies"]:
             if not shape or 0 in shape:
                 continue
+            chunk = sources[src]["chunk"]
             isz = lookup_dtype(sources[src]["dtype"]).itemsize
             lo = off * isz
             hi = (off + sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * isz - 1
@@ -55,9 +55,9 @@ def touched_chunks(sources: list[dict], tensors: list[dict]) -> dict[int, set[in
 
 def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[int, set[int]]) -> None:
     """Check every touched chunk of every source against its CRC (raises ChecksumMismatch)."""
-    chunk = native.CHUNK_BYTES
     for idx, chunks in touched.items():
         src, arr = sources[idx], arrays[idx]
+        chunk = src["chunk"]
         raw = arr.view(np.uint8)
         nchunks = len(src["crcs"])
         if len(chunks) * 2 >= nchunks:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import PlacementMismatch
+from ..native import CHUNK_BYTES
 from ..ucl import placement_from_dict, resolve
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import SourcePiece, plan_restore
@@ -28,6 +29,7 @@ class SourceTensor:
     nbytes: int
     dtype: str
     crcs: tuple[int, ...]
+    chunk: int  # bytes covered by each CRC
 
 
 @dataclass
@@ -44,7 +46,7 @@ def from_ram(version, slot_path) -> SourceSet:
     for rank, part in version.parts.items():
         path = slot_path(part.slot)
         for idx, t in enumerate(part.tensors):
-            tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs)
+            tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
     return SourceSet(globals_, tensors)
 
@@ -56,7 +58,8 @@ def from_disk(reader) -> SourceSet:
         shape = tuple(info.shape)
         pieces = [SourcePiece(name, contiguous_view(shape), full_box(shape))] if math.prod(shape) else []
         globals_[name] = (info.dtype, shape, pieces)
-        tensors[name] = SourceTensor(str(info.file), info.data_offset, info.nbytes, info.dtype, tuple(info.crcs))
+        path = str(reader.path / info.file)
+        tensors[name] = SourceTensor(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
     return SourceSet(globals_, tensors)
 
 
@@ -103,7 +106,7 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
                 st = sources.tensors[c.src_key]
                 idx = used[c.src_key] = len(table)
                 table.append(
-                    {"path": st.path, "offset": st.offset, "nbytes": st.nbytes, "dtype": st.dtype, "crcs": list(st.crcs)}
+                    {"path": st.path, "offset": st.offset, "nbytes": st.nbytes, "dtype": st.dtype, "crcs": list(st.crcs), "chunk": st.chunk}
                 )
             copies.append([idx, _view(c.src_view), _view(c.dst_view)])
         fills = [[_view(f.view), f.value] for f in cp.fills]

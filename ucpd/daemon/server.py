@@ -245,7 +245,7 @@ class Daemon:
         return None
 
     def _wait_answer(self, step: int):
-        v = self.store.table.versions.get(step)
+        v = self.store.table.find(step)
         if v is None:
             newest = self.store.table.latest_committed()
             if newest is not None and newest.step > step:

@@ -60,7 +60,7 @@ class NodeStore:
     def take_free_slot(self, rank: int, step: int, nbytes: int) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
         slot = self.slots.find_free(nbytes, rank)
-        if slot is None and self._evict_for(0):
+        if slot is None and self.enforce_keep():
             slot = self.slots.find_free(nbytes, rank)
         if slot is not None:
             self.slots.lend(slot, rank, step)
@@ -139,7 +139,7 @@ class NodeStore:
         for old in self.table.abandoned_before(v.step):
             old.state = VersionState.ABANDONED
             self._free_parts(old)
-        self._evict_for(0)
+        self.enforce_keep()
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -159,31 +159,26 @@ class NodeStore:
     # --- eviction ------------------------------------------------------------------------------
 
     def _evictable(self) -> list[Version]:
+        """Versions whose RAM may go, oldest first: never the newest committed, never pinned."""
         newest = self.table.latest_committed()
-        out = []
-        for v in sorted(self.table.versions.values(), key=lambda v: v.step):
-            if v.pins or not v.parts or v is newest:
-                continue
-            if v.state in (VersionState.ABANDONED, VersionState.EVICTED):
-                out.append(v)
-            elif v.state in RESTORABLE:
-                out.append(v)
-            elif newest is not None and v.step < newest.step:
-                out.append(v)  # incomplete and older than a committed one: it can never commit
-        return out
+        return [
+            v
+            for v in sorted(self.table.versions.values(), key=lambda v: v.step)
+            if v.parts and not v.pins and v is not newest
+            and (v.state in RESTORABLE or (newest is not None and v.step < newest.step))
+        ]
 
-    def _evict_for(self, size: int) -> bool:
-        """Evict versions beyond ``keep`` (always) and more while ``size`` bytes do not fit."""
+    def enforce_keep(self) -> bool:
+        """Evict committed versions beyond ``keep`` and incomplete ones that can never commit."""
         freed = False
-        restorable = self.table.committed()
-        surplus = len(restorable) - self.keep
+        surplus = len(self.table.committed()) - self.keep
         for v in self._evictable():
-            over_keep = v.state in RESTORABLE and surplus > 0
-            if over_keep or v.state not in RESTORABLE or (size and not self.slots.fits(size)):
-                if v.state in RESTORABLE:
-                    surplus -= 1
-                self._evict(v)
-                freed = True
+            if v.state in RESTORABLE:
+                if surplus <= 0:
+                    continue
+                surplus -= 1
+            self._evict(v)
+            freed = True
         return freed
 
     def _evict(self, v: Version) -> None:
@@ -197,6 +192,7 @@ class NodeStore:
             self.slots.release(p.slot)
         v.parts = {}
         v._globals = None
+        self.table.retire(v)
 
     def _make_room(self, size: int) -> None:
         """Delete free slots, then evict old versions, until size more bytes fit the limit."""

@@ -163,9 +163,22 @@ class SingleNodeCommit:
 
 
 class VersionTable:
+    RETIRED_MEMORY = 256  # how many dropped versions' final states are remembered for `wait`
+
     def __init__(self, policy: CommitPolicy | None = None):
         self.versions: dict[int, Version] = {}
+        self.retired: dict[int, Version] = {}  # evicted or abandoned, parts gone; oldest first
         self.policy = policy or SingleNodeCommit()
+
+    def retire(self, version: Version) -> None:
+        """Drop a version whose RAM was given back, remembering how it ended."""
+        self.versions.pop(version.step, None)
+        self.retired[version.step] = version
+        while len(self.retired) > self.RETIRED_MEMORY:
+            del self.retired[next(iter(self.retired))]
+
+    def find(self, step: int) -> Version | None:
+        return self.versions.get(step) or self.retired.get(step)
 
     def get_or_create(self, step: int, world_size: int) -> Version:
         v = self.versions.get(step)

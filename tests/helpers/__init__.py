@@ -1,0 +1,1 @@
+"""Shared test helpers: real trainer ranks and a GPT-like state at any layout."""

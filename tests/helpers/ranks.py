@@ -1,0 +1,62 @@
+"""Running real trainer ranks: spawned processes joined by a gloo process group."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def spawn(target, world: int, *args, wait_for: int | None = None, timeout: float = 180.0):
+    """Start ``world`` ranks of ``target(rank, world, port, queue, *args)``; collect one message
+    per rank from the queue (``wait_for`` messages, default ``world``). Returns (procs, messages)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, q, *args), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    messages = []
+    deadline = time.monotonic() + timeout
+    while len(messages) < (world if wait_for is None else wait_for):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            kill(procs)
+            raise TimeoutError(f"ranks sent {len(messages)} of {world} messages: {messages}")
+        try:
+            messages.append(q.get(timeout=min(left, 1.0)))
+        except Exception:
+            dead = [p for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                kill(procs)
+                raise RuntimeError(f"rank processes died: {[p.exitcode for p in dead]}; messages {messages}")
+    return procs, messages
+
+
+def kill(procs) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(10)
+
+
+def join(procs, timeout: float = 60.0) -> None:
+    for p in procs:
+        p.join(timeout)
+        assert p.exitcode == 0, f"rank exited with {p.exitcode}"
