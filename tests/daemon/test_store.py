@@ -1,0 +1,117 @@
+"""The node store's rules, without sockets: slots, sealing, keep, eviction, re-adoption."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from ucpd.daemon.slots import SlotState
+from ucpd.daemon.store import NodeStore, prepare_slot_file
+from ucpd.daemon.versions import VersionState
+from ucpd.errors import PlacementMismatch, ProtocolError, SnapshotRejected
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def shm(dirs):
+    os.makedirs(dirs["shm"], mode=0o700)
+    return dirs["shm"]
+
+
+def lend(store: NodeStore, rank: int, step: int, nbytes: int = MiB):
+    store.check_begin(rank, step)
+    slot = store.take_free_slot(rank, step, nbytes)
+    if slot is None:
+        sid, path, size = store.reserve_new_slot(nbytes)
+        prepare_slot_file(path, size)
+        slot = store.finish_new_slot(sid, rank, step)
+    return slot
+
+
+def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None, shape=(4,)):
+    slot = lend(store, rank, step)
+    n = 1
+    for d in shape:
+        n *= d
+    entry = {
+        "name": "w", "dtype": "float32", "shape": list(shape), "placement": placement or {"kind": "replicated"},
+        "offset": 0, "nbytes": 4 * n, "crcs": [0] if n else [],
+    }
+    return store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry], "objects": b""})
+
+
+def test_a_version_commits_when_every_rank_sealed_it(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    v, committed = seal(store, 0, 1, world=2, placement={"kind": "shard", "dim": 0, "index": 0, "parts": 2})
+    assert v.state is VersionState.WRITING and committed == []
+    v, committed = seal(store, 1, 1, world=2, placement={"kind": "shard", "dim": 0, "index": 1, "parts": 2})
+    assert v.state is VersionState.COMMITTED and committed == [v]
+    assert store.table.latest_committed() is v
+    assert v.globals()["w"].shape == (8,)
+
+
+def test_slots_are_reused_and_keep_bounds_the_versions_in_ram(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    for step in range(1, 6):
+        seal(store, 0, step)
+    assert [v.step for v in store.table.committed()] == [4, 5]
+    assert len(store.slots.slots) == 3  # keep + 1 being written, reused round-robin
+    assert store.table.find(1).state is VersionState.EVICTED
+
+
+def test_memory_limit_refuses_and_keeps_the_newest_committed(shm):
+    store = NodeStore(shm, 4 * MiB, keep=1)
+    seal(store, 0, 1)  # 2 MiB slot (rounded)
+    seal(store, 0, 2)  # a second slot; step 1 is evicted, its slot freed
+    with pytest.raises(SnapshotRejected, match="memory limit"):
+        lend(store, 0, 3, nbytes=3 * MiB)
+    assert store.table.latest_committed().step == 2
+    assert store.counters.rejected == 1
+
+
+def test_ranks_that_disagree_on_a_global_shape_are_refused(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1, world=2, shape=(4,))
+    with pytest.raises(PlacementMismatch, match="global tensor 'w'"):
+        seal(store, 1, 1, world=2, shape=(5,))
+
+
+def test_commit_of_a_slot_lent_for_another_step_is_refused(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    slot = lend(store, 0, 1)
+    with pytest.raises(ProtocolError, match="not lent"):
+        store.seal({"rank": 0, "world_size": 1, "step": 2, "slot": slot.id, "tensors": [], "objects": b""})
+
+
+def test_incomplete_versions_are_abandoned_when_a_newer_one_commits(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1, world=2)  # rank 1 never seals step 1
+    seal(store, 0, 2, world=1)  # a (re-started) job of one rank commits step 2
+    assert store.table.find(1).state is VersionState.ABANDONED
+    assert all(s.state is not SlotState.WRITING for s in store.slots.slots.values())
+
+
+def test_a_restarted_store_re_adopts_committed_versions_and_frees_the_rest(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1)
+    seal(store, 0, 2)
+    lend(store, 0, 3)  # in flight when the daemon dies
+    store.close()
+    again = NodeStore(shm, 64 * MiB, keep=2)
+    assert [v.step for v in again.table.committed()] == [1, 2]
+    states = sorted(s.state.value for s in again.slots.slots.values())
+    assert states == ["free", "held", "held"]
+
+
+def test_a_damaged_index_starts_empty_and_removes_stray_segments(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1)
+    store.close()
+    with open(os.path.join(shm, "index.msgpack"), "wb") as f:
+        f.write(b"\x00garbage")
+    again = NodeStore(shm, 64 * MiB, keep=2)
+    assert again.table.latest_committed() is None
+    assert not [n for n in os.listdir(shm) if n.startswith("slot-")]
+    assert any("index unreadable" in d for d in again.adopted.dropped)
