@@ -25,7 +25,7 @@ from typing import Any, Mapping
 import torch
 
 from ucpd import knobs, native
-from ucpd.errors import DaemonUnreachable, UcpdError
+from ucpd.errors import UcpdError
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 

@@ -20,7 +20,7 @@ from ucpd.dtypes import dtype as lookup_dtype
 from ucpd.errors import ChecksumMismatch, PlacementMismatch
 from ucpd.ucl.execute import execute
 from ucpd.ucl.geometry import View
-from ucpd.ucl.plan import Copy, CopyPlan, Fill
+from ucpd.ucl.plan import Copy, CopyPlan
 
 from . import state as state_mod
 from .staging import dtype_name
@@ -38,44 +38,75 @@ def _view(raw) -> View:
     return View(raw[0], tuple(raw[1]), tuple(raw[2]))
 
 
-def touched_chunks(sources: list[dict], tensors: list[dict]) -> dict[int, set[int]]:
-    """Per source index, the numbers of the byte chunks that any copy reads."""
+def _byte_range(view: View, itemsize: int) -> tuple[int, int]:
+    """[first, last+1) bytes a non-empty window reads."""
+    hi = view.offset + sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
+    return view.offset * itemsize, hi * itemsize
+
+
+def touched_chunks(sources: list[dict], copies: list[Copy]) -> dict[int, set[int]]:
+    """Per source index, the numbers of the byte chunks that the copies read."""
     out: dict[int, set[int]] = {}
-    for t in tensors:
-        for src, (off, shape, strides), _ in t["copies"]:
-            if not shape or 0 in shape:
-                continue
-            chunk = sources[src]["chunk"]
-            isz = lookup_dtype(sources[src]["dtype"]).itemsize
-            lo = off * isz
-            hi = (off + sum((n - 1) * st for n, st in zip(shape, strides)) + 1) * isz - 1
-            out.setdefault(src, set()).update(range(lo // chunk, hi // chunk + 1))
+    for c in copies:
+        if not c.src_view.shape or 0 in c.src_view.shape:
+            continue
+        src = sources[c.src_key]
+        lo, hi = _byte_range(c.src_view, lookup_dtype(src["dtype"]).itemsize)
+        out.setdefault(c.src_key, set()).update(range(lo // src["chunk"], (hi - 1) // src["chunk"] + 1))
     return out
+
+
+def _damaged(src: dict, i: int, crc: int) -> ChecksumMismatch:
+    lo = i * src["chunk"]
+    return ChecksumMismatch(
+        f"restore source {src['path']} (tensor bytes at offset {src['offset']}): chunk {i} "
+        f"(bytes {lo}..{min(lo + src['chunk'], src['nbytes'])}) has CRC32C {crc:#010x}, expected "
+        f"{src['crcs'][i]:#010x}; the copy is damaged — restore another step or from the flush directory"
+    )
 
 
 def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[int, set[int]]) -> None:
     """Check every touched chunk of every source against its CRC (raises ChecksumMismatch)."""
     for idx, chunks in touched.items():
-        src, arr = sources[idx], arrays[idx]
+        src, raw = sources[idx], arrays[idx].view(np.uint8)
         chunk = src["chunk"]
-        raw = arr.view(np.uint8)
-        nchunks = len(src["crcs"])
-        if len(chunks) * 2 >= nchunks:
+        if len(chunks) * 2 >= len(src["crcs"]):
             got = native.crc32c_chunks(raw, chunk, threads=knobs.copy_threads())
-            pairs = [(i, got[i]) for i in sorted(chunks) if i < nchunks]
+            pairs = [(i, got[i]) for i in sorted(chunks)]
         else:
-            pairs = []
-            for i in sorted(chunks):
-                byte_lo = i * chunk
-                pairs.append((i, native.crc32c(raw[byte_lo : byte_lo + chunk])))
+            pairs = [(i, native.crc32c(raw[i * chunk : (i + 1) * chunk])) for i in sorted(chunks)]
         for i, crc in pairs:
             if crc != src["crcs"][i]:
-                lo = i * chunk
-                raise ChecksumMismatch(
-                    f"restore source {src['path']} (tensor bytes at offset {src['offset']}): chunk {i} "
-                    f"(bytes {lo}..{min(lo + chunk, src['nbytes'])}) has CRC32C {crc:#010x}, expected "
-                    f"{src['crcs'][i]:#010x}; the copy is damaged — restore another step or from the flush directory"
-                )
+                raise _damaged(src, i, crc)
+
+
+class _Fused:
+    """Copies that read whole CRC chunks contiguously: one native batch copies them and
+    checksums what it reads in the same pass (the common same-layout restore costs one copy)."""
+
+    def __init__(self):
+        self.items: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
+        self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
+
+    def take(self, c: Copy, src: dict, arr: np.ndarray, dst_ptr: int, itemsize: int) -> bool:
+        if not (c.src_view.is_contiguous and c.dst_view.is_contiguous) or c.src_view.numel == 0:
+            return False
+        lo, hi = _byte_range(c.src_view, itemsize)
+        chunk = src["chunk"]
+        if lo % chunk or (hi % chunk and hi != src["nbytes"]):
+            return False
+        self.items.setdefault(chunk, []).append((dst_ptr + c.dst_view.offset * itemsize, arr.ctypes.data + lo, hi - lo))
+        self.expect.setdefault(chunk, []).append((c.src_key, lo // chunk))
+        return True
+
+    def run(self, sources: list[dict]) -> None:
+        for chunk, items in self.items.items():
+            got = native.copy_batch(items, threads=knobs.copy_threads(), crc_chunk=chunk)
+            for (key, first), crcs in zip(self.expect[chunk], got):
+                src = sources[key]
+                for j, crc in enumerate(crcs):
+                    if crc != src["crcs"][first + j]:
+                        raise _damaged(src, first + j, crc)
 
 
 def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements: Mapping[str, Any] | None) -> int:
@@ -97,31 +128,33 @@ def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements:
             whole = ckpt._maps.get(s["path"], writable=False)
             if s["offset"] + s["nbytes"] > whole.nbytes:
                 raise PlacementMismatch(f"restore source {s['path']} is shorter than the plan says")
-            storage = lookup_dtype(s["dtype"]).storage
-            arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(storage))
-        touched = touched_chunks(sources, plan["tensors"])
-        verify_sources(sources, arrays, touched)
+            arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage))
+        fused = _Fused()
+        work = []  # (target, host buffer, general copies, fills)
         for e, t in zip(entries, plan["tensors"]):
-            _fill_target(e.tensor, t, arrays)
+            target = e.tensor
+            on_host = target.device.type == "cpu" and target.is_contiguous()
+            host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
+            isz = host.element_size()
+            general = [
+                c
+                for c in (Copy(src, _view(sv), _view(dv)) for src, sv, dv in t["copies"])
+                if not fused.take(c, sources[c.src_key], arrays[c.src_key], host.data_ptr(), isz)
+            ]
+            work.append((target, host, general, t["fills"]))
+        verify_sources(sources, arrays, touched_chunks(sources, [c for w in work for c in w[2]]))
+        fused.run(sources)
+        by_key = dict(enumerate(arrays))
+        for target, host, general, fills in work:
+            if general:
+                execute(CopyPlan(copies=tuple(general), fills=()), by_key, _numpy_view(host))
+            flat = host.view(-1)
+            for (off, shape, strides), value in fills:
+                torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
+            if host is not target:
+                target.copy_(host)
         values = pickle.loads(plan["objects"]) if plan.get("objects") else {}
     finally:
         conn.call("release", lease=plan["lease"])
     state_mod.assign_values(target_state, values)  # type: ignore[arg-type]
     return plan["step"]
-
-
-def _fill_target(target: torch.Tensor, t: dict, arrays: list[np.ndarray]) -> None:
-    dev = target.device
-    host = target if dev.type == "cpu" and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
-    dst = _numpy_view(host)
-    cp = CopyPlan(
-        copies=[Copy(src, _view(sv), _view(dv)) for src, sv, dv in t["copies"]],
-        fills=[],
-    )
-    execute(cp, {i: arrays[i] for i in {c.src_key for c in cp.copies}}, dst)
-    if t["fills"]:
-        flat = host.view(-1)
-        for (off, shape, strides), value in t["fills"]:
-            torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
-    if host is not target:
-        target.copy_(host, non_blocking=False)

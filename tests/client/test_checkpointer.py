@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -83,8 +84,12 @@ def test_older_steps_stay_restorable_within_keep(daemon):
         target = _zeros_like(_state(0))
         assert ckpt.restore(target, step=2) == 2
         _assert_equal(_state(2), target)
-        status = ckpt.status()
-        in_ram = [v["step"] for v in status["versions"] if v["state"] in ("committed", "flushed")]
+        deadline = time.monotonic() + 20  # a version being flushed is pinned until written
+        while True:
+            in_ram = [v["step"] for v in ckpt.status()["versions"] if v["state"] in ("committed", "flushed")]
+            if in_ram == [2, 3] or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
         assert in_ram == [2, 3]  # --keep 2
 
 

@@ -119,6 +119,8 @@ class Flusher:
                 with self.store.lock:
                     if version is not None:
                         version.pins -= 1
+                        if self.store.enforce_keep():  # it may have outlived --keep while pinned
+                            self.store.save_index()
                     self.progress.step = None
 
     def _flush(self, version) -> None:

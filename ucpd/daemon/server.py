@@ -325,6 +325,8 @@ class Daemon:
         pin, _ = self._leases.pop(lease, (None, 0.0))
         if pin is not None:
             pin.pins -= 1
+            if self.store.enforce_keep():
+                self.store.save_index()
 
     def _on_status(self, ident, req_id, body):
         from .status import collect
