@@ -59,30 +59,51 @@ def copy_to_slot_cpu(entries: list[Entry], slot: np.ndarray) -> list[list[int]]:
 
 
 class CudaStager:
-    """Device-to-host staging for one slot: pinned once, copies queued on a side stream."""
+    """Device-to-host staging for one slot: pinned once, copies queued on a side stream.
+
+    With the native CUDA module, all tensors of a snapshot go in one ``pack_d2h`` call (small
+    ones packed by one kernel, large ones on the copy engines); without it, one torch
+    ``copy_(non_blocking=True)`` per tensor into the pinned slot.
+    """
 
     def __init__(self, slot: np.ndarray):
         self.slot = slot
         self.stream = torch.cuda.Stream()
+        self._native = native.cuda_available()
         self._registered = False
-        if native.cuda_available():
+        if self._native:
             native.host_register(slot.ctypes.data, slot.nbytes)
             self._registered = True
+        else:
+            torch.cuda.cudart().cudaHostRegister(slot.ctypes.data, slot.nbytes, 0)
         self.host = torch.from_numpy(slot)
+        self._inflight: list[torch.Tensor] = []
 
     def queue(self, entries: list[Entry]) -> torch.cuda.Event:
-        """Queue D2H copies of the CUDA entries after the current stream's pending work."""
+        """Queue D2H copies of the CUDA entries after the current stream's pending work;
+        returns an event that fires when every byte is in the slot."""
         self.stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.stream):
+            srcs = []
             for e in entries:
-                dst = self.host[e.offset : e.offset + e.nbytes]
-                src = e.tensor.contiguous().view(-1).view(torch.uint8)
-                dst.copy_(src, non_blocking=True)
+                t = e.tensor if e.tensor.is_contiguous() else e.tensor.contiguous()
+                t.record_stream(self.stream)  # the allocator must not reuse it before the copy
+                srcs.append(t)
+            if self._native:
+                items = [(t.data_ptr(), e.offset, e.nbytes) for t, e in zip(srcs, entries)]
+                native.pack_d2h(items, self.slot.ctypes.data, self.stream.cuda_stream, dst_nbytes=self.slot.nbytes)
+            else:
+                for t, e in zip(srcs, entries):
+                    self.host[e.offset : e.offset + e.nbytes].copy_(t.view(-1).view(torch.uint8), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self.stream)
+        self._inflight = srcs
         return event
 
     def close(self) -> None:
+        self._inflight = []
         if self._registered:
             native.host_unregister(self.slot.ctypes.data)
-            self._registered = False
+        elif not self._native:
+            torch.cuda.cudart().cudaHostUnregister(self.slot.ctypes.data)
+        self._registered = False
