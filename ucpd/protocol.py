@@ -63,6 +63,12 @@ def _dict(field: str, v: Any) -> dict:
     return v
 
 
+def _bool(field: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"field {field!r} must be true or false")
+    return v
+
+
 def _float(field: str, v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
         raise ProtocolError(f"field {field!r} must be a non-negative number")
@@ -121,7 +127,10 @@ TENSOR_ENTRY = _record(
         "offset": _int(),
         "nbytes": _int(),
         "crcs": _list_of(_int(0, 0xFFFFFFFF)),
-    }
+    },
+    # skipped: this rank did not write the tensor because a lower rank writes the same
+    # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
+    {"skipped": _bool},
 )
 # A tensor a restore wants filled.
 TARGET_ENTRY = _record({"name": _str, "dtype": _str, "shape": _shape, "placement": _dict})
@@ -150,7 +159,7 @@ REQUESTS: dict[str, MessageType] = {
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
             {},
-            "ask for a free slot of at least nbytes for step; reply: {slot, path, size}",
+            "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip}",
         ),
         MessageType(
             "commit",

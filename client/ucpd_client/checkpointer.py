@@ -50,6 +50,7 @@ class SnapshotHandle:
         self._sealed = threading.Event()
         self._error: BaseException | None = None
         self._committed = False
+        self.skipped = 0  # tensors not written because a lower rank holds the same elements
         self.timings: dict[str, float] = {"called": time.perf_counter()}
 
     def _fail(self, exc: BaseException) -> None:
@@ -127,6 +128,8 @@ class Checkpointer:
         self._stagers: dict[str, CudaStager] = {}
         self._last: SnapshotHandle | None = None
         self._closed = False
+        self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
+        self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
 
     # --- connections ---------------------------------------------------------------------------
 
@@ -187,16 +190,37 @@ class Checkpointer:
             except BaseException as exc:  # surfaced by staged()/wait()
                 handle._fail(exc)
 
+    def _begin(self, conn, step: int, entries: list[Entry]) -> tuple[dict, list[Entry], set[str]]:
+        """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank
+        also holds (with the dtype, shape and placement of our last snapshot) are skipped.
+
+        The slot is asked for with last time's skip list; the reply's fresh list may only let
+        us skip more (the layout shrinks, so it still fits), else we ask again."""
+        unchanged = {e.name for e in entries if self._signatures.get(e.name) == e.signature}
+        skip = self._skip & unchanged
+        while True:
+            write = [e for e in entries if e.name not in skip]
+            reply = conn.call(
+                "begin", rank=self.rank, world_size=self.world_size, step=step, nbytes=layout(write, knobs.slot_alignment())
+            )
+            fresh = set(reply.get("skip") or ()) & unchanged
+            self._skip = set(reply.get("skip") or ())
+            if skip <= fresh:
+                write = [e for e in entries if e.name not in fresh]
+                layout(write, knobs.slot_alignment())
+                return reply, write, fresh
+            conn.call("abort", rank=self.rank, step=step, slot=reply["slot"])  # layouts changed: ask again
+            skip &= fresh
+
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict) -> None:
         conn = self._conn()
-        nbytes = layout(entries, knobs.slot_alignment())
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
-        reply = conn.call("begin", rank=self.rank, world_size=self.world_size, step=handle.step, nbytes=nbytes)
+        reply, write, skipped = self._begin(conn, handle.step, entries)
         handle.timings["slot"] = time.perf_counter()
         slot = self._maps.get(reply["path"], writable=True)
         try:
-            cpu = [e for e in entries if not e.tensor.is_cuda]
-            gpu = [e for e in entries if e.tensor.is_cuda]
+            cpu = [e for e in write if not e.tensor.is_cuda]
+            gpu = [e for e in write if e.tensor.is_cuda]
             crcs = dict(zip((e.name for e in cpu), copy_to_slot_cpu(cpu, slot))) if cpu else {}
             if gpu:
                 stager = self._stagers.get(reply["path"]) or self._stagers.setdefault(reply["path"], CudaStager(slot))
@@ -208,20 +232,17 @@ class Checkpointer:
         except BaseException:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise
-        manifest = [
-            {
-                "name": e.name,
-                "dtype": dtype_name(e.tensor),
-                "shape": list(e.tensor.shape),
-                "placement": e.placement,
-                "offset": e.offset,
-                "nbytes": e.nbytes,
-                "crcs": list(crcs[e.name]),
-            }
-            for e in entries
-        ]
+        manifest = []
+        for e in entries:
+            item = {"name": e.name, "dtype": e.signature[0], "shape": list(e.tensor.shape), "placement": e.placement}
+            if e.name in skipped:
+                manifest.append({**item, "offset": 0, "nbytes": 0, "crcs": [], "skipped": True})
+            else:
+                manifest.append({**item, "offset": e.offset, "nbytes": e.nbytes, "crcs": list(crcs[e.name])})
         conn.call("commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"], tensors=manifest, objects=objects)
+        self._signatures = {e.name: e.signature for e in entries}
         handle.timings["sealed"] = time.perf_counter()
+        handle.skipped = len(skipped)
         handle._sealed.set()
 
     def guard(self, optimizer: torch.optim.Optimizer):

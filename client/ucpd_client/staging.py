@@ -31,6 +31,11 @@ class Entry:
     def nbytes(self) -> int:
         return self.tensor.numel() * self.tensor.element_size()
 
+    @property
+    def signature(self) -> tuple:
+        """What must not change for a skipped duplicate to stay valid."""
+        return (dtype_name(self.tensor), tuple(self.tensor.shape), repr(self.placement))
+
 
 def layout(entries: list[Entry], align: int) -> int:
     """Assign each entry an aligned offset in the slot; returns the bytes needed."""

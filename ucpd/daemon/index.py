@@ -96,7 +96,10 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
                 if rp["slot"] not in slots.slots:
                     break
                 tensors = [
-                    TensorEntry(t["name"], t["dtype"], tuple(t["shape"]), t["placement"], t["offset"], t["nbytes"], tuple(t["crcs"]))
+                    TensorEntry(
+                        t["name"], t["dtype"], tuple(t["shape"]), t["placement"], t["offset"], t["nbytes"],
+                        tuple(t["crcs"]), bool(t.get("skipped")),
+                    )
                     for t in rp["tensors"]
                 ]
                 parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"))

@@ -195,11 +195,12 @@ class Daemon:
         rank, step, nbytes = body["rank"], body["step"], body["nbytes"]
         self.store.check_begin(rank, step)
         slot = self.store.take_free_slot(rank, step, nbytes)
+        skip = self.store.skip_for(rank, body["world_size"])
         if slot is not None:
             self._prepare_spare(rank, slot.size)
-            return {"slot": slot.id, "path": slot.path, "size": slot.size}
+            return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
         sid, path, size = self.store.reserve_new_slot(nbytes)
-        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank})
+        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank, "skip": skip})
         self._allocate_async(sid, path, size)
         return None
 
@@ -358,7 +359,8 @@ class Daemon:
                     continue
                 slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None)
                 if parked is not None and parked.ident:
-                    self._reply(parked.ident, protocol.ok(parked.req_id, {"slot": slot.id, "path": slot.path, "size": slot.size}))
+                    reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
+                    self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
     def _answer_waits(self) -> None:
         if not self._waits:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
-from .versions import RESTORABLE, RankPart, Version, VersionState, VersionTable, validate_entry
+from .versions import RESTORABLE, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry
 
 log = logging.getLogger("ucpd.store")
 
@@ -44,6 +44,7 @@ class NodeStore:
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
         self._preparing: set[int] = set()  # ranks with a background allocation under way
+        self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
 
     # --- snapshot path --------------------------------------------------------------------------
 
@@ -105,10 +106,10 @@ class NodeStore:
         entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
         names = set()
         end = 0
-        for e in sorted(entries, key=lambda e: e.offset):
-            if e.offset < end:
+        for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+            if e.nbytes and e.offset < end:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} overlaps the tensor before it in the slot")
-            end = e.offset + e.nbytes
+            end = max(end, e.offset + e.nbytes)
             if e.name in names:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
             names.add(e.name)
@@ -121,7 +122,10 @@ class NodeStore:
         except Exception:
             version.parts.pop(rank, None)
             version._globals = None
+            self._dedupe_ok = False
             raise
+        if committed:
+            self._dedupe_ok = True
         self.slots.hold(slot)
         self.counters.snapshots += 1
         self.counters.snapshot_bytes += part.nbytes
@@ -129,6 +133,14 @@ class NodeStore:
             self._after_commit(v)
         self.save_index()
         return version, committed
+
+    def skip_for(self, rank: int, world_size: int) -> list[str]:
+        """Tensors this rank need not write: in the newest committed version of the same job
+        shape, a lower rank held every global element of them (replicas stored once)."""
+        v = self.table.latest_committed()
+        if not self._dedupe_ok or v is None or v.world_size != world_size or not v.parts:
+            return []
+        return duplicates(v).get(rank, [])
 
     def abort(self, rank: int, step: int, sid: int) -> None:
         slot = self.slots.slots.get(sid)

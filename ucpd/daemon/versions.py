@@ -49,9 +49,11 @@ class TensorEntry:
     offset: int
     nbytes: int
     crcs: tuple[int, ...]
+    skipped: bool = False  # not written: a lower rank holds the same global elements
 
     def to_wire(self) -> dict:
         return {
+            "skipped": self.skipped,
             "name": self.name,
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -124,8 +126,9 @@ class Version:
                             g = out[frag.name] = GlobalTensor(frag.name, t.dtype, tuple(frag.global_shape), t.placement)
                         else:
                             g.shape = _agree(self.step, rank, frag.name, g, t.dtype, tuple(frag.global_shape))
-                        for piece in frag.pieces:
-                            g.sources.append(SourcePiece((rank, idx), piece.local, piece.box))
+                        if not t.skipped:
+                            for piece in frag.pieces:
+                                g.sources.append(SourcePiece((rank, idx), piece.local, piece.box))
             for g in out.values():
                 if None in g.shape:  # a stacked dim whose count no placement gave: what the items cover
                     g.shape = tuple(
@@ -146,6 +149,48 @@ def _agree(step: int, rank: int, name: str, g: GlobalTensor, dtype: str, shape: 
             f"another rank said {g.dtype}{list(g.shape)}"
         )
     return tuple(a if a is not None else b for a, b in zip(g.shape, shape))
+
+
+def duplicates(version: "Version") -> dict[int, list[str]]:
+    """Per rank, the tensors whose every global element a lower rank also holds (replicas
+    across data-parallel ranks, replicated norms): they need not be written again."""
+    boxes: dict[tuple[int, int], set] = {}
+    for g in version.globals().values():
+        for s in g.sources:
+            boxes.setdefault(s.key, set()).add((g.name, tuple(s.box.offsets), tuple(s.box.lengths)))
+    owned: set = set()
+    out: dict[int, list[str]] = {}
+    for rank in sorted(version.parts):
+        for idx, t in enumerate(version.parts[rank].tensors):
+            if t.skipped:  # checked covered when the version completed: still a duplicate
+                out.setdefault(rank, []).append(t.name)
+                continue
+            mine = boxes.get((rank, idx))
+            if mine is None:
+                continue  # padding only
+            if mine <= owned:
+                out.setdefault(rank, []).append(t.name)
+            else:
+                owned |= mine
+    return out
+
+
+def check_skipped_covered(version: "Version") -> None:
+    """Every tensor a rank skipped must be held by another rank; raises PlacementMismatch."""
+    from ..ucl.plan import plan_restore
+
+    by_name = {name: g.sources for name, g in version.globals().items()}
+    for rank, part in version.parts.items():
+        for t in part.tensors:
+            if t.skipped:
+                frags = resolve(t.name, placement_from_dict(t.placement), t.shape)
+                try:
+                    plan_restore(frags, by_name)
+                except PlacementMismatch as exc:
+                    raise PlacementMismatch(
+                        f"step {version.step}: rank {rank} skipped {t.name!r} as a duplicate, but no other rank "
+                        f"wrote it ({exc}); the version cannot commit — snapshot again"
+                    ) from None
 
 
 class CommitPolicy(Protocol):
@@ -191,8 +236,9 @@ class VersionTable:
         version.parts[part.rank] = part
         version._globals = None
         if version.state is VersionState.WRITING and len(version.parts) == version.world_size:
-            version.state = VersionState.COMPLETE
             version.globals()  # validate agreement across ranks now, not at restore time
+            check_skipped_covered(version)
+            version.state = VersionState.COMPLETE
         if version.state is VersionState.COMPLETE and self.policy.on_complete(version):
             version.state = VersionState.COMMITTED
             version.committed_at = time.time()
@@ -225,6 +271,12 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     numel = 1
     for d in raw["shape"]:
         numel *= d
+    skipped = bool(raw.get("skipped"))
+    if skipped:
+        if raw["nbytes"] or raw["crcs"]:
+            raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
+        resolve(name, placement_from_dict(raw["placement"]), tuple(raw["shape"]))
+        return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True)
     if numel * dt.itemsize != raw["nbytes"]:
         raise ProtocolError(
             f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
