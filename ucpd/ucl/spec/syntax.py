@@ -1,0 +1,813 @@
+"""The text form of UCL patterns: tokenizer, recursive-descent parser, syntax tree, printer and
+the evaluation of expressions.
+
+Grammar (whitespace is free)::
+
+    rule      := placement [":" shape]            # shape: the GLOBAL shape, checked
+    shape     := "[" [expr ("," expr)*] "]"
+    placement := KIND ["(" [arg ("," arg)*] ")"]
+    arg       := [NAME "="] (placement | list | expr)
+    list      := "[" [arg ("," arg)*] "]"
+    expr      := and ("or" and)*
+    and       := not ("and" not)*
+    not       := "not" not | cmp
+    cmp       := sum [("==" | "!=" | "<" | "<=" | ">" | ">=") sum]
+    sum       := term (("+" | "-") term)*
+    term      := unary (("*" | "/" | "//" | "%") unary)*
+    unary     := "-" unary | atom
+    atom      := NUMBER | NAME | FUNC "(" expr ("," expr)* ")" | "(" expr ")"
+
+KIND is one of ``replicated average shard box fused padded stacked``; FUNC one of ``min max
+cdiv``. ``/`` must divide exactly (an error otherwise), ``//`` floors, ``cdiv`` rounds up;
+comparisons and ``and``/``or``/``not`` give 1 or 0.
+
+Placements (``docs/UCL.md``, "Spec files"): ``replicated``; ``average(axis)`` (replicated,
+averaged over ``axis`` on consolidation); ``shard(dim, axis[, max=n])`` and ``shard(dim, index,
+parts)``; ``box([offsets], [lengths], [global_shape])``; ``fused(dim, [label=size, ...] | n,
+inner | [inner, ...])``; ``padded(dim, logical[, inner][, value=v])``; ``stacked(dim, axis[,
+inner][, count=n][, by=capture])`` and ``stacked(dim, index=i, count=n[, inner])``.
+
+Every node records ``pos``, its character offset in the text (not part of equality), so that
+errors found later (at binding or resolution) still point at the column.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Union
+
+from .errors import TextError
+
+KINDS = ("replicated", "average", "shard", "box", "fused", "padded", "stacked")
+FUNCS = ("min", "max", "cdiv")
+KEYWORDS = ("and", "or", "not")
+
+# --------------------------------------------------------------------------------------------
+# tokens
+
+_TOKEN = re.compile(
+    r"""
+    (?P<ws>\s+)
+  | (?P<num>\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+|\d+|\.\d+(?:[eE][-+]?\d+)?)
+  | (?P<name>[A-Za-z_][A-Za-z0-9_]*)
+  | (?P<op>//|==|!=|<=|>=|[-+*/%()\[\],=:<>])
+    """,
+    re.VERBOSE,
+)
+
+
+@dataclass(frozen=True)
+class Token:
+    kind: str  # "num" | "name" | "op" | "end"
+    value: str
+    pos: int
+
+
+def tokenize(text: str) -> list[Token]:
+    """Split ``text`` into tokens; an unexpected character raises TextError at its column."""
+    out: list[Token] = []
+    pos = 0
+    while pos < len(text):
+        m = _TOKEN.match(text, pos)
+        if m is None:
+            raise TextError(f"unexpected character {text[pos]!r}", pos, text)
+        if m.lastgroup != "ws":
+            out.append(Token(m.lastgroup or "", m.group(), pos))
+        pos = m.end()
+    out.append(Token("end", "", len(text)))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# expressions
+
+
+@dataclass(frozen=True)
+class Num:
+    value: int | float
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Name:
+    id: str
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Unary:
+    op: str  # "-" | "not"
+    operand: "Expr"
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Binary:
+    op: str
+    left: "Expr"
+    right: "Expr"
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class Func:
+    name: str
+    args: tuple["Expr", ...]
+    pos: int = field(default=0, compare=False)
+
+
+Expr = Union[Num, Name, Unary, Binary, Func]
+
+_PREC = {"or": 1, "and": 2, "not": 3, "==": 4, "!=": 4, "<": 4, "<=": 4, ">": 4, ">=": 4,
+         "+": 5, "-": 5, "*": 6, "/": 6, "//": 6, "%": 6, "neg": 7}
+
+
+class EvalError(Exception):
+    """An expression cannot be evaluated: ``reason`` at character ``pos`` of its text."""
+
+    def __init__(self, reason: str, pos: int):
+        super().__init__(reason)
+        self.reason, self.pos = reason, pos
+
+
+def names_in(node: Any) -> list[Name]:
+    """Every Name node in an expression or placement tree, in text order."""
+    out: list[Name] = []
+
+    def walk(n: Any) -> None:
+        if isinstance(n, Name):
+            out.append(n)
+        elif isinstance(n, (tuple, list)):
+            for x in n:
+                walk(x)
+        elif hasattr(n, "__dataclass_fields__"):
+            for f in n.__dataclass_fields__:
+                if f != "pos":
+                    walk(getattr(n, f))
+
+    walk(node)
+    return out
+
+
+def evaluate(e: Expr, env: Mapping[str, int | float]) -> int | float:
+    """The value of ``e`` with names from ``env``. Raises EvalError (unknown name, a ``/`` that
+    does not divide, division by zero)."""
+    if isinstance(e, Num):
+        return e.value
+    if isinstance(e, Name):
+        if e.id not in env:
+            raise EvalError(f"symbol {e.id!r} is not bound", e.pos)
+        return env[e.id]
+    if isinstance(e, Unary):
+        v = evaluate(e.operand, env)
+        return -v if e.op == "-" else int(not v)
+    if isinstance(e, Func):
+        vals = [evaluate(a, env) for a in e.args]
+        if e.name == "min":
+            return min(vals)
+        if e.name == "max":
+            return max(vals)
+        a, b = vals
+        if b == 0:
+            raise EvalError("cdiv by zero", e.pos)
+        return -(-a // b)
+    op = e.op
+    if op == "and":
+        return int(bool(evaluate(e.left, env)) and bool(evaluate(e.right, env)))
+    if op == "or":
+        return int(bool(evaluate(e.left, env)) or bool(evaluate(e.right, env)))
+    a, b = evaluate(e.left, env), evaluate(e.right, env)
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    if op in ("/", "//", "%") and b == 0:
+        raise EvalError(f"division by zero in {format_expr(e)}", e.pos)
+    if op == "/":
+        if isinstance(a, int) and isinstance(b, int):
+            if a % b:
+                raise EvalError(f"{format_expr(e)} = {a} / {b} is not a whole number", e.pos)
+            return a // b
+        return a / b
+    if op == "//":
+        return a // b
+    if op == "%":
+        return a % b
+    return int({"==": a == b, "!=": a != b, "<": a < b, "<=": a <= b, ">": a > b, ">=": a >= b}[op])
+
+
+def format_expr(e: Expr, parent: int = 0) -> str:
+    """Canonical text of an expression (parenthesized only where precedence needs it)."""
+    if isinstance(e, Num):
+        return repr(e.value)
+    if isinstance(e, Name):
+        return e.id
+    if isinstance(e, Func):
+        return f"{e.name}(" + ", ".join(format_expr(a) for a in e.args) + ")"
+    if isinstance(e, Unary):
+        prec = _PREC["neg" if e.op == "-" else "not"]
+        text = ("-" if e.op == "-" else "not ") + format_expr(e.operand, prec)
+    else:
+        prec = _PREC[e.op]
+        # left-associative: the right operand needs parens at equal precedence
+        text = f"{format_expr(e.left, prec)} {e.op} {format_expr(e.right, prec + 1)}"
+    return f"({text})" if prec < parent else text
+
+
+# --------------------------------------------------------------------------------------------
+# placements
+
+
+@dataclass(frozen=True)
+class PReplicated:
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PAverage:
+    """Replicated in UCL; its replicas are averaged over ``axis`` on consolidation (metadata)."""
+
+    axis: Name
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PShard:
+    """``shard(dim, axis[, max=n])`` (axis form) or ``shard(dim, index, parts)``."""
+
+    dim: Expr
+    axis: Name | None = None
+    index: Expr | None = None
+    parts: Expr | None = None
+    max: Expr | None = None
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PBox:
+    offsets: tuple[Expr, ...]
+    lengths: tuple[Expr, ...]
+    shape: tuple[Expr, ...]
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PFused:
+    """``sizes``: ((label or None, global size), ...), or None with ``count`` equal parts whose
+    sizes come from the local shape. ``inner``: one placement or a tuple, one per sub-tensor."""
+
+    dim: Expr
+    sizes: tuple[tuple[str | None, Expr], ...] | None
+    count: Expr | None
+    inner: Any
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PPadded:
+    dim: Expr
+    logical: Expr
+    inner: Any = PReplicated()
+    value: Expr | None = None
+    pos: int = field(default=0, compare=False)
+
+
+@dataclass(frozen=True)
+class PStacked:
+    """``stacked(dim, axis, ...)``: item ``axis_rank * (count / axis) + <capture>``; or an
+    explicit ``index``. ``by`` names the capture (default: ``expert``, or the pattern's only
+    capture); ``count`` defaults to the symbol ``experts``."""
+
+    dim: Expr
+    axis: Name | None = None
+    inner: Any = PReplicated()
+    count: Expr | None = None
+    index: Expr | None = None
+    by: Name | None = None
+    pos: int = field(default=0, compare=False)
+
+
+PNode = Union[PReplicated, PAverage, PShard, PBox, PFused, PPadded, PStacked]
+
+
+@dataclass(frozen=True)
+class RuleText:
+    """A parsed rule: the placement and, optionally, the global shape it must produce."""
+
+    placement: PNode
+    shape: tuple[Expr, ...] | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# printer
+
+
+def _fmt_value(v: Any) -> str:
+    if isinstance(v, tuple):
+        return "[" + ", ".join(_fmt_value(x) for x in v) + "]"
+    if isinstance(v, (Num, Name, Unary, Binary, Func)):
+        return format_expr(v)
+    return format_placement(v)
+
+
+def format_placement(p: PNode) -> str:
+    """Canonical text of a placement node: ``parse_placement(format_placement(p)) == p``."""
+    if isinstance(p, PReplicated):
+        return "replicated"
+    if isinstance(p, PAverage):
+        return f"average({p.axis.id})"
+    if isinstance(p, PShard):
+        if p.axis is not None:
+            extra = f", max={format_expr(p.max)}" if p.max is not None else ""
+            return f"shard({format_expr(p.dim)}, {p.axis.id}{extra})"
+        return f"shard({format_expr(p.dim)}, {format_expr(p.index)}, {format_expr(p.parts)})"
+    if isinstance(p, PBox):
+        return f"box({_fmt_value(p.offsets)}, {_fmt_value(p.lengths)}, {_fmt_value(p.shape)})"
+    if isinstance(p, PFused):
+        if p.sizes is not None:
+            sizes = "[" + ", ".join((f"{k}=" if k else "") + format_expr(v) for k, v in p.sizes) + "]"
+        else:
+            sizes = format_expr(p.count)
+        return f"fused({format_expr(p.dim)}, {sizes}, {_fmt_value(p.inner)})"
+    if isinstance(p, PPadded):
+        inner = "" if isinstance(p.inner, PReplicated) else f", {format_placement(p.inner)}"
+        value = f", value={format_expr(p.value)}" if p.value is not None else ""
+        return f"padded({format_expr(p.dim)}, {format_expr(p.logical)}{inner}{value})"
+    if isinstance(p, PStacked):
+        args = [format_expr(p.dim)]
+        if p.axis is not None:
+            args.append(p.axis.id)
+        if not isinstance(p.inner, PReplicated):
+            args.append(format_placement(p.inner))
+        for k in ("count", "index"):
+            v = getattr(p, k)
+            if v is not None:
+                args.append(f"{k}={format_expr(v)}")
+        if p.by is not None:
+            args.append(f"by={p.by.id}")
+        return "stacked(" + ", ".join(args) + ")"
+    raise TypeError(f"not a placement node: {p!r}")
+
+
+def format_rule(r: RuleText) -> str:
+    text = format_placement(r.placement)
+    if r.shape is not None:
+        text += " : [" + ", ".join(format_expr(e) for e in r.shape) + "]"
+    return text
+
+
+# --------------------------------------------------------------------------------------------
+# parser
+
+
+@dataclass
+class _Arg:
+    label: str | None
+    value: Any  # expression, placement node, or _List
+    pos: int
+
+
+@dataclass
+class _List:
+    items: list[_Arg]
+    pos: int
+
+
+class _Parser:
+    def __init__(self, text: str):
+        self.text = text
+        self.toks = tokenize(text)
+        self.i = 0
+
+    # -- helpers
+
+    @property
+    def tok(self) -> Token:
+        return self.toks[self.i]
+
+    def peek(self, k: int = 1) -> Token:
+        return self.toks[min(self.i + k, len(self.toks) - 1)]
+
+    def error(self, reason: str, pos: int | None = None) -> TextError:
+        return TextError(reason, self.tok.pos if pos is None else pos, self.text)
+
+    def found(self) -> str:
+        t = self.tok
+        return "the end of the text" if t.kind == "end" else repr(t.value)
+
+    def take(self, value: str) -> Token:
+        if self.tok.value != value or self.tok.kind == "end":
+            raise self.error(f"expected {value!r}, found {self.found()}")
+        t = self.tok
+        self.i += 1
+        return t
+
+    def accept(self, value: str) -> bool:
+        if self.tok.kind == "op" and self.tok.value == value:
+            self.i += 1
+            return True
+        return False
+
+    def end(self) -> None:
+        if self.tok.kind != "end":
+            raise self.error(f"unexpected {self.found()} after the end")
+
+    # -- expressions
+
+    def expr(self) -> Expr:
+        left = self.and_()
+        while self.tok.kind == "name" and self.tok.value == "or":
+            pos = self.tok.pos
+            self.i += 1
+            left = Binary("or", left, self.and_(), pos)
+        return left
+
+    def and_(self) -> Expr:
+        left = self.not_()
+        while self.tok.kind == "name" and self.tok.value == "and":
+            pos = self.tok.pos
+            self.i += 1
+            left = Binary("and", left, self.not_(), pos)
+        return left
+
+    def not_(self) -> Expr:
+        if self.tok.kind == "name" and self.tok.value == "not":
+            pos = self.tok.pos
+            self.i += 1
+            return Unary("not", self.not_(), pos)
+        left = self.sum()
+        if self.tok.kind == "op" and self.tok.value in ("==", "!=", "<", "<=", ">", ">="):
+            t = self.tok
+            self.i += 1
+            left = Binary(t.value, left, self.sum(), t.pos)
+        return left
+
+    def sum(self) -> Expr:
+        left = self.term()
+        while self.tok.kind == "op" and self.tok.value in ("+", "-"):
+            t = self.tok
+            self.i += 1
+            left = Binary(t.value, left, self.term(), t.pos)
+        return left
+
+    def term(self) -> Expr:
+        left = self.unary()
+        while self.tok.kind == "op" and self.tok.value in ("*", "/", "//", "%"):
+            t = self.tok
+            self.i += 1
+            left = Binary(t.value, left, self.unary(), t.pos)
+        return left
+
+    def unary(self) -> Expr:
+        if self.tok.kind == "op" and self.tok.value == "-":
+            pos = self.tok.pos
+            self.i += 1
+            operand = self.unary()
+            if isinstance(operand, Num):
+                return Num(-operand.value, pos)
+            return Unary("-", operand, pos)
+        return self.atom()
+
+    def atom(self) -> Expr:
+        t = self.tok
+        if t.kind == "num":
+            self.i += 1
+            v = float(t.value) if any(c in t.value for c in ".eE") else int(t.value)
+            return Num(v, t.pos)
+        if t.kind == "name":
+            if t.value in KEYWORDS:
+                raise self.error(f"expected a value, found {t.value!r}")
+            self.i += 1
+            if self.tok.kind == "op" and self.tok.value == "(":
+                if t.value in KINDS:
+                    raise self.error(f"placement {t.value!r} cannot appear in an expression", t.pos)
+                if t.value not in FUNCS:
+                    raise self.error(f"unknown function {t.value!r}; expected one of {', '.join(FUNCS)}", t.pos)
+                self.i += 1
+                args = [self.expr()]
+                while self.accept(","):
+                    args.append(self.expr())
+                self.take(")")
+                want = 2 if t.value == "cdiv" else None
+                if (want and len(args) != want) or len(args) < 1:
+                    raise self.error(f"{t.value} takes {want or 'at least 1'} arguments, got {len(args)}", t.pos)
+                return Func(t.value, tuple(args), t.pos)
+            if t.value in KINDS:
+                raise self.error(f"placement {t.value!r} cannot appear in an expression", t.pos)
+            return Name(t.value, t.pos)
+        if self.accept("("):
+            e = self.expr()
+            self.take(")")
+            return e
+        raise self.error(f"expected a value, found {self.found()}")
+
+    # -- placements
+
+    def arg(self) -> _Arg:
+        label = None
+        pos = self.tok.pos
+        if self.tok.kind == "name" and self.peek().kind == "op" and self.peek().value == "=":
+            label = self.tok.value
+            self.i += 2
+        return _Arg(label, self.value(), pos)
+
+    def value(self) -> Any:
+        t = self.tok
+        if t.kind == "name" and t.value in KINDS:
+            return self.placement()
+        if t.kind == "op" and t.value == "[":
+            self.i += 1
+            items: list[_Arg] = []
+            if not self.accept("]"):
+                items.append(self.arg())
+                while self.accept(","):
+                    items.append(self.arg())
+                self.take("]")
+            return _List(items, t.pos)
+        return self.expr()
+
+    def placement(self) -> PNode:
+        t = self.tok
+        if t.kind != "name":
+            raise self.error(f"expected a placement ({', '.join(KINDS)}), found {self.found()}")
+        if t.value not in KINDS:
+            hint = _closest(t.value, KINDS)
+            raise self.error(
+                f"unknown placement {t.value!r}" + (f" (did you mean {hint!r}?)" if hint else "")
+                + f"; expected one of {', '.join(KINDS)}"
+            )
+        self.i += 1
+        args: list[_Arg] = []
+        if self.accept("("):
+            if not self.accept(")"):
+                args.append(self.arg())
+                while self.accept(","):
+                    args.append(self.arg())
+                self.take(")")
+        elif t.value != "replicated":
+            raise self.error(f"{t.value} needs arguments: expected '(', found {self.found()}")
+        return _build(t.value, args, t.pos, self)
+
+    def rule(self) -> RuleText:
+        p = self.placement()
+        shape = None
+        if self.accept(":"):
+            start = self.tok.pos
+            v = self.value()
+            if not isinstance(v, _List):
+                raise self.error("expected the global shape as a list, e.g. [vocab, hidden]", start)
+            shape = tuple(self._expr_item(a, "a global shape dim") for a in v.items)
+        self.end()
+        return RuleText(p, shape)
+
+    def _expr_item(self, a: _Arg, what: str) -> Expr:
+        if a.label is not None:
+            raise self.error(f"{what} takes no label", a.pos)
+        if isinstance(a.value, (_List,)) or not _is_expr(a.value):
+            raise self.error(f"{what} must be an expression", a.pos)
+        return a.value
+
+
+def _is_expr(v: Any) -> bool:
+    return isinstance(v, (Num, Name, Unary, Binary, Func))
+
+
+def _closest(word: str, choices: tuple[str, ...]) -> str | None:
+    import difflib
+
+    m = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    return m[0] if m else None
+
+
+# signatures: kind -> ordered parameter names; keyword-only names after "*"
+_SIGS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "replicated": ((), ()),
+    "average": (("axis",), ()),
+    "shard": (("dim", "axis", "parts"), ("max",)),
+    "box": (("offsets", "lengths", "shape"), ()),
+    "fused": (("dim", "sizes", "inner"), ()),
+    "padded": (("dim", "logical", "inner"), ("value",)),
+    "stacked": (("dim", "axis", "inner"), ("count", "index", "by")),
+}
+_REQUIRED = {
+    "average": ("axis",), "shard": ("dim", "axis"), "box": ("offsets", "lengths", "shape"),
+    "fused": ("dim", "sizes"), "padded": ("dim", "logical"), "stacked": ("dim",),
+}
+
+
+def _build(kind: str, args: list[_Arg], pos: int, ps: _Parser) -> PNode:
+    positional, keywords = _SIGS[kind]
+    got: dict[str, _Arg] = {}
+    seen_kw = False
+    for i, a in enumerate(args):
+        if a.label is None:
+            if seen_kw:
+                raise ps.error(f"{kind}: a positional argument cannot follow a keyword argument", a.pos)
+            # stacked(dim, inner): a placement in the axis slot is the inner placement
+            if kind == "stacked" and i == 1 and not _is_expr(a.value):
+                got["inner"] = a
+                continue
+            slot = len([k for k in got if k in positional])
+            if slot >= len(positional):
+                raise ps.error(f"{kind} takes at most {len(positional)} positional arguments", a.pos)
+            got[positional[slot]] = a
+        else:
+            seen_kw = True
+            if a.label not in positional and a.label not in keywords:
+                allowed = ", ".join(positional + keywords) or "none"
+                raise ps.error(f"{kind} has no argument {a.label!r} (arguments: {allowed})", a.pos)
+            if a.label in got:
+                raise ps.error(f"{kind}: argument {a.label!r} given twice", a.pos)
+            got[a.label] = a
+    for k in _REQUIRED.get(kind, ()):
+        if k not in got and not (kind == "shard" and k == "axis" and "parts" in got):
+            raise ps.error(f"{kind} is missing its argument {k!r}", pos)
+
+    def expr(k: str) -> Expr | None:
+        a = got.get(k)
+        if a is None:
+            return None
+        if not _is_expr(a.value):
+            raise ps.error(f"{kind}: {k} must be an expression", a.pos)
+        return a.value
+
+    def axis(k: str) -> Name | None:
+        a = got.get(k)
+        if a is None:
+            return None
+        if not isinstance(a.value, Name):
+            raise ps.error(f"{kind}: {k} must be an axis name such as tp, pp, dp or ep", a.pos)
+        return a.value
+
+    def exprs(k: str) -> tuple[Expr, ...]:
+        a = got[k]
+        if not isinstance(a.value, _List):
+            raise ps.error(f"{kind}: {k} must be a list, e.g. [0, 128]", a.pos)
+        return tuple(ps._expr_item(x, f"{kind} {k} entry") for x in a.value.items)
+
+    def placement(k: str, allowed: tuple[type, ...] | None = None) -> Any:
+        a = got.get(k)
+        if a is None:
+            return PReplicated()
+        if isinstance(a.value, _List):
+            raise ps.error(f"{kind}: {k} must be one placement", a.pos)
+        return _check_inner(kind, a, allowed, ps)
+
+    if kind == "replicated":
+        return PReplicated(pos)
+    if kind == "average":
+        return PAverage(axis("axis"), pos)
+    if kind == "shard":
+        if "parts" in got:  # shard(dim, index, parts)
+            if "max" in got:
+                raise ps.error("shard: max= goes with the axis form shard(dim, axis, max=n)", got["max"].pos)
+            if "axis" not in got:
+                raise ps.error("shard is missing its argument 'index'", pos)
+            return PShard(expr("dim"), None, _as_expr(got["axis"], "index", ps), expr("parts"), None, pos)
+        return PShard(expr("dim"), axis("axis"), None, None, expr("max"), pos)
+    if kind == "box":
+        return PBox(exprs("offsets"), exprs("lengths"), exprs("shape"), pos)
+    if kind == "fused":
+        s = got["sizes"]
+        sizes = count = None
+        if isinstance(s.value, _List):
+            if not s.value.items:
+                raise ps.error("fused: sizes must list at least one sub-tensor", s.pos)
+            sizes = tuple((x.label, ps._expr_item(_Arg(None, x.value, x.pos), "a fused size")) for x in s.value.items)
+        elif _is_expr(s.value):
+            count = s.value
+        else:
+            raise ps.error("fused: sizes must be a list [q=..., k=...] or a count of equal parts", s.pos)
+        a = got.get("inner")
+        if a is None:
+            inner: Any = PReplicated()
+        elif isinstance(a.value, _List):
+            if a.value.items and any(x.label for x in a.value.items):
+                raise ps.error("fused: inner placements take no labels", a.pos)
+            inner = tuple(_check_inner(kind, x, _FUSED_INNER, ps) for x in a.value.items)
+            n = len(sizes) if sizes is not None else None
+            if n is not None and len(inner) != n:
+                raise ps.error(f"fused: {len(inner)} inner placements for {n} sub-tensors", a.pos)
+        else:
+            inner = _check_inner(kind, a, _FUSED_INNER, ps)
+        return PFused(expr("dim"), sizes, count, inner, pos)
+    if kind == "padded":
+        return PPadded(expr("dim"), expr("logical"), placement("inner"), expr("value"), pos)
+    # stacked
+    if "axis" not in got and "index" not in got:
+        raise ps.error("stacked needs an axis (stacked(0, ep)) or index=...", pos)
+    if "axis" in got and "index" in got:
+        raise ps.error("stacked: give an axis or index=, not both", got["index"].pos)
+    if "by" in got and "axis" not in got:
+        raise ps.error("stacked: by= goes with the axis form stacked(dim, axis, by=capture)", got["by"].pos)
+    by = got.get("by")
+    if by is not None and not isinstance(by.value, Name):
+        raise ps.error("stacked: by= must name a capture of the pattern, e.g. by=expert", by.pos)
+    return PStacked(
+        expr("dim"), axis("axis"), placement("inner"), expr("count"), expr("index"),
+        by.value if by is not None else None, pos,
+    )
+
+
+_FUSED_INNER = (PReplicated, PShard, PBox)
+
+
+def _as_expr(a: _Arg, what: str, ps: _Parser) -> Expr:
+    if not _is_expr(a.value):
+        raise ps.error(f"shard: {what} must be an expression", a.pos)
+    return a.value
+
+
+def _check_inner(kind: str, a: _Arg, allowed: tuple[type, ...] | None, ps: _Parser) -> Any:
+    v = a.value
+    if _is_expr(v) or isinstance(v, _List):
+        raise ps.error(f"{kind}: expected an inner placement, found an expression", a.pos)
+    if isinstance(v, PAverage):
+        raise ps.error("average(...) is only allowed as a whole rule, not inside another placement", a.pos)
+    if allowed is not None and not isinstance(v, allowed):
+        raise ps.error(f"{kind}: an inner placement must be replicated, shard or box", a.pos)
+    return v
+
+
+# --------------------------------------------------------------------------------------------
+# entry points
+
+
+def parse_expr(text: str) -> Expr:
+    """Parse one expression (``heads * hd``, ``pp_rank == 0 or tie``)."""
+    ps = _Parser(text)
+    e = ps.expr()
+    ps.end()
+    return e
+
+
+def parse_placement(text: str) -> PNode:
+    """Parse a placement in text form (no trailing shape)."""
+    ps = _Parser(text)
+    p = ps.placement()
+    ps.end()
+    return p
+
+
+def parse_rule(text: str) -> RuleText:
+    """Parse a rule's right-hand side: a placement and an optional ``: [global shape]``."""
+    return _Parser(text).rule()
+
+
+def expr_value_text(e: Expr, env: Mapping[str, Any]) -> str:
+    """An expression with its bound names shown: ``heads*hd`` -> ``heads*hd=64`` when every
+    name is bound, else the expression unchanged."""
+    try:
+        v = evaluate(e, env)
+    except EvalError:
+        return format_expr(e)
+    text = format_expr(e)
+    return text if isinstance(e, Num) else f"{text}={v if not isinstance(v, float) or not v.is_integer() else int(v)}"
+
+
+def render(p: Any, env: Mapping[str, Any]) -> str:
+    """A placement's text with the values of its bound symbols (``shard(0, tp=2)``); names
+    not in ``env`` (rank coordinates, captures) are left as they are."""
+    if isinstance(p, tuple):
+        return "[" + ", ".join(render(x, env) for x in p) + "]"
+    if _is_expr(p):
+        return expr_value_text(p, env)
+    if isinstance(p, PReplicated):
+        return "replicated"
+    if isinstance(p, PAverage):
+        return f"average({expr_value_text(p.axis, env)})"
+    if isinstance(p, PShard):
+        if p.axis is not None:
+            extra = f", max={expr_value_text(p.max, env)}" if p.max is not None else ""
+            return f"shard({render(p.dim, env)}, {expr_value_text(p.axis, env)}{extra})"
+        return f"shard({render(p.dim, env)}, {render(p.index, env)}, {render(p.parts, env)})"
+    if isinstance(p, PBox):
+        return f"box({render(p.offsets, env)}, {render(p.lengths, env)}, {render(p.shape, env)})"
+    if isinstance(p, PFused):
+        if p.sizes is not None:
+            sizes = "[" + ", ".join((f"{k}: " if k else "") + render(v, env) for k, v in p.sizes) + "]"
+        else:
+            sizes = render(p.count, env)
+        return f"fused({render(p.dim, env)}, {sizes}, {render(p.inner, env)})"
+    if isinstance(p, PPadded):
+        value = f", value={render(p.value, env)}" if p.value is not None else ""
+        return f"padded({render(p.dim, env)}, {render(p.logical, env)}, {render(p.inner, env)}{value})"
+    if isinstance(p, PStacked):
+        args = [render(p.dim, env)]
+        if p.axis is not None:
+            args.append(expr_value_text(p.axis, env))
+        args.append(render(p.inner, env))
+        for k in ("count", "index"):
+            v = getattr(p, k)
+            if v is not None:
+                args.append(f"{k}={render(v, env)}")
+        return "stacked(" + ", ".join(args) + ")"
+    return str(p)
+
+
+def is_whole(v: Any) -> bool:
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
