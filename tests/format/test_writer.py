@@ -1,0 +1,228 @@
+"""write_version / retain / LATEST: round trips, sharding, pacing, failure and crash safety."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from ucpd.errors import FormatError
+from ucpd.format import (
+    REPLICATED,
+    TensorSource,
+    list_versions,
+    open_version,
+    read_latest,
+    retain,
+    validate,
+    write_version,
+)
+
+from .helpers import rand_bytes, sample_state, source, sources_of
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def check_roundtrip(root, step, state):
+    with open_version(root, step) as r:
+        assert set(r.tensors) == set(state)
+        for name, (dtype, arr) in state.items():
+            t = r.tensors[name]
+            assert (t.dtype, t.shape) == (dtype, arr.shape)
+            assert t.data_offset % t.dt.itemsize == 0  # typed views stay aligned
+            got = r.array(name)
+            assert got.shape == arr.shape and not got.flags.writeable
+            np.testing.assert_array_equal(got, arr)
+            r.verify(name)
+
+
+@pytest.mark.parametrize("io", ["pwrite", "mmap"])
+@pytest.mark.parametrize("callable_fill", [True, False])
+def test_roundtrip_dtypes_scalars_empty(tmp_path, io, callable_fill):
+    state = sample_state()
+    write_version(tmp_path, 3, sources_of(state, callable_fill), layout={"tp": 2}, io=io)
+    check_roundtrip(tmp_path, 3, state)
+    assert validate(tmp_path) == []
+
+
+def test_sharding_many_small_some_big_and_staging_overflow(tmp_path):
+    rng = np.random.default_rng(7)
+    state = {f"s.{i}": ("float32", rand_bytes("float32", (i % 13 + 1, 3), rng)) for i in range(150)}
+    state["big.a"] = ("bfloat16", rand_bytes("bfloat16", (1536, 2048), rng))  # 6 MiB: 2 chunks
+    state["big.b"] = ("float32", rand_bytes("float32", (700, 1000), rng))
+    path = write_version(
+        tmp_path, 1, sources_of(state), layout={}, shard_bytes=4 << 20, staging_bytes=1 << 20, fsync=False
+    )
+    files = sorted(p.name for p in path.glob("*.safetensors"))
+    assert files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    check_roundtrip(tmp_path, 1, state)
+    with open_version(tmp_path) as r:
+        assert len(r.tensors["big.a"].crcs) == 2 and r.meta.chunk_bytes == 4 << 20
+
+
+def test_chunk_crcs_match_reference(tmp_path):
+    crc32c = pytest.importorskip("crc32c")
+    arr = rand_bytes("uint8", (1000,))
+    write_version(tmp_path, 0, [source("x", arr, "uint8")], chunk_bytes=64, fsync=False)
+    with open_version(tmp_path) as r:
+        t = r.tensors["x"]
+        raw = arr.tobytes()
+        assert list(t.crcs) == [crc32c.crc32c(raw[i : i + 64]) for i in range(0, 1000, 64)]
+
+
+def test_objects_roundtrip(tmp_path):
+    objs = {"global": b"\x00global-state", "ranks": {0: b"r0", 3: b"", 12: os.urandom(100)}}
+    write_version(tmp_path, 9, [], layout={"x": [1, 2]}, objects=objs, chunk_bytes=16)
+    with open_version(tmp_path) as r:
+        assert r.objects == {"global": objs["global"], "ranks": objs["ranks"]}
+        assert r.meta.layout == {"x": [1, 2]} and r.tensors == {}
+
+
+def test_progress_throttle_and_rate_limit(tmp_path):
+    state = {f"t{i}": ("float32", rand_bytes("float32", (256, 256))) for i in range(4)}  # 4 x 256 KiB
+    seen, throttled = [], []
+    t0 = time.monotonic()
+    write_version(
+        tmp_path, 1, sources_of(state, callable_fill=False), progress=lambda d, t: seen.append((d, t)),
+        throttle=throttled.append, rate_limit=4 << 20, fsync=False,
+    )
+    elapsed = time.monotonic() - t0
+    total = 4 * (256 << 10)
+    assert seen[-1] == (total, total) and all(b >= a for (a, _), (b, _) in zip(seen, seen[1:]))
+    assert sum(throttled) == total
+    assert elapsed >= 0.2  # 1 MiB at 4 MiB/s
+
+
+def test_throttle_can_abort_and_fill_exception_leaves_nothing(tmp_path):
+    write_version(tmp_path, 1, [source("a", rand_bytes("float32", (4,)), "float32")])
+
+    def boom(out):
+        raise RuntimeError("injected")
+
+    srcs = [source("a", rand_bytes("float32", (4,)), "float32"), TensorSource("b", "float32", (4,), REPLICATED, boom)]
+    with pytest.raises(RuntimeError, match="injected"):
+        write_version(tmp_path, 2, srcs)
+
+    def stop(n):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_version(tmp_path, 3, sources_of(sample_state(), callable_fill=False), throttle=stop)
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step-1"]
+    assert read_latest(tmp_path) == 1 and open_version(tmp_path).step == 1
+
+
+def test_bad_arguments(tmp_path):
+    a = rand_bytes("float32", (2,))
+    with pytest.raises(FormatError, match="twice"):
+        write_version(tmp_path, 1, [source("a", a, "float32"), source("a", a, "float32")])
+    with pytest.raises(FormatError, match="dtype"):
+        write_version(tmp_path, 1, [TensorSource("a", "float128", (2,), REPLICATED, b"")])
+    with pytest.raises(FormatError, match="holds 4 bytes, expected 8"):
+        write_version(tmp_path, 1, [TensorSource("a", "float32", (2,), REPLICATED, b"1234")])
+    with pytest.raises(FormatError, match="JSON"):
+        write_version(tmp_path, 1, [TensorSource("a", "float32", (2,), {1, 2}, a)])
+    with pytest.raises(FormatError, match="objects"):
+        write_version(tmp_path, 1, [], objects={"global": "not bytes"})
+    assert list_versions(tmp_path) == []
+    write_version(tmp_path, 1, [])
+    with pytest.raises(FormatError, match="immutable"):
+        write_version(tmp_path, 1, [])
+
+
+def test_latest_only_moves_forward(tmp_path):
+    write_version(tmp_path, 5, [])
+    write_version(tmp_path, 3, [])
+    assert read_latest(tmp_path) == 5
+    write_version(tmp_path, 7, [], update_latest=False)
+    assert read_latest(tmp_path) == 5 and open_version(tmp_path).step == 5  # LATEST is respected
+
+
+def test_retain(tmp_path):
+    for s in (1, 2, 3, 4):
+        write_version(tmp_path, s, [source("a", rand_bytes("int32", (3,)), "int32")], fsync=False)
+    (tmp_path / ".step-9.tmp-999999999").mkdir()  # stale: no such pid
+    (tmp_path / "step-0").mkdir()  # torn, older than the newest complete
+    from ucpd.format.writer import write_latest
+
+    write_latest(tmp_path, 2)  # a rolled-back LATEST is never deleted
+    removed = {p.name for p in retain(tmp_path, keep=1)}
+    assert removed == {"step-1", "step-3", "step-0", ".step-9.tmp-999999999"}
+    assert sorted(os.listdir(tmp_path)) == ["LATEST", "step-2", "step-4"]
+    with pytest.raises(FormatError):
+        retain(tmp_path, 0)
+
+
+CRASH_CHILD = textwrap.dedent(
+    """
+    import sys, time, numpy as np
+    from ucpd.format import TensorSource, write_version, REPLICATED
+    root, marker = sys.argv[1], sys.argv[2]
+    def fill(i):
+        def f(out):
+            out[:] = i
+            if i == 3:
+                open(marker, "w").close()
+                time.sleep(60)
+        return f
+    srcs = [TensorSource(f"t{i}", "uint8", (1 << 16,), REPLICATED, fill(i)) for i in range(6)]
+    write_version(root, 2, srcs, shard_bytes=1 << 17, staging_bytes=1 << 16)
+    """
+)
+
+
+def test_sigkill_mid_write_keeps_previous_version(tmp_path):
+    root = tmp_path / "ckpt"
+    write_version(root, 1, [source("t0", rand_bytes("uint8", (10,)), "uint8")])
+    marker = tmp_path / "marker"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "client")]))
+    child = subprocess.Popen([sys.executable, "-c", CRASH_CHILD, str(root), str(marker)], env=env)
+    try:
+        deadline = time.monotonic() + 30
+        while not marker.exists():
+            assert child.poll() is None, "writer exited early"
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+    states = {(v.step, v.state) for v in list_versions(root)}
+    assert states == {(1, "complete"), (2, "partial")}
+    assert read_latest(root) == 1
+    with open_version(root) as r:
+        assert r.step == 1
+    assert any("stale" in p for p in validate(root))
+    retain(root, keep=1)
+    assert sorted(os.listdir(root)) == ["LATEST", "step-1"] and validate(root) == []
+
+
+def test_fill_rows_streams_big_tensors_in_row_blocks(tmp_path):
+    crc32c = pytest.importorskip("crc32c")
+    big = rand_bytes("float32", (999, 37))  # 147852 bytes; rows of 148 bytes do not divide chunks
+    raw = big.reshape(-1).view(np.uint8)
+    calls = []
+
+    def fill(out):
+        raise AssertionError("fill_rows should be used")
+
+    def fill_rows(out, r0, r1):
+        calls.append((r0, r1))
+        out[:] = raw[r0 * 148 : r1 * 148]
+
+    src = TensorSource("big", "float32", big.shape, REPLICATED, fill, fill_rows)
+    write_version(tmp_path, 1, [src, source("small", rand_bytes("int8", (5,)), "int8")],
+                  staging_bytes=2 << 14, chunk_bytes=1000, fsync=False)
+    assert len(calls) > 4 and calls[0][0] == 0 and calls[-1][1] == 999
+    assert all(a[1] == b[0] for a, b in zip(calls, calls[1:]))
+    with open_version(tmp_path) as r:
+        np.testing.assert_array_equal(r.array("big"), big)
+        data = raw.tobytes()
+        assert list(r.tensors["big"].crcs) == [crc32c.crc32c(data[i : i + 1000]) for i in range(0, len(data), 1000)]

@@ -1,0 +1,400 @@
+"""Import and export: torch.save files, DCP directories, DeepSpeed universal checkpoint folders,
+plain safetensors. torch is imported here only, inside the functions.
+
+Non-tensor state imported from torch-based sources is stored as the global object, encoded with
+``torch.save`` of a flat ``{key: value}`` dict (``layout["objects_encoding"] == "torch.save"``).
+Keys are nested dict keys joined with ``.``.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..dtypes import BY_NAME
+from ..errors import FormatError
+from .reader import open_version
+from .writer import REPLICATED, TensorSource, write_safetensors, write_version
+
+Progress = Callable[[int, int], None] | None
+UCPD_KEY = "__ucpd__"  # prefix of the entries that carry ucp.json facts through DCP
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is present wherever conversions are used
+        raise FormatError("this conversion needs PyTorch (pip install torch)") from None
+    return torch
+
+
+def dtype_name(t: Any) -> str:
+    name = str(t.dtype).removeprefix("torch.")
+    if name not in BY_NAME:
+        raise FormatError(f"dtype {name} is not supported by the universal format")
+    return name
+
+
+def tensor_bytes(t: Any) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a CPU tensor's bytes (made contiguous if needed)."""
+    torch = _torch()
+    if t.layout != torch.strided or t.is_quantized:
+        raise FormatError(f"only dense tensors can be stored, got layout {t.layout}")
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return np.empty(0, np.uint8)
+    return t.reshape(-1).view(torch.uint8).numpy()
+
+
+def tensor_from_array(arr: np.ndarray, dtype: str) -> Any:
+    """A zero-copy torch tensor over a (possibly read-only) storage-typed numpy array."""
+    torch = _torch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only mmap views: we never write them
+        flat = np.ascontiguousarray(arr).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
+        return torch.from_numpy(flat).view(getattr(torch, dtype)).reshape(arr.shape)
+
+
+def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split a nested state into ``({flat_name: tensor}, {flat_name: other_value})``.
+
+    Dicts are walked (keys joined with ``.``); lists and tuples only when they hold tensors
+    (by index); everything else is a leaf."""
+    torch = _torch()
+    tensors: dict[str, Any] = {}
+    others: dict[str, Any] = {}
+
+    def has_tensor(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return True
+        if isinstance(x, dict):
+            return any(has_tensor(v) for v in x.values())
+        if isinstance(x, (list, tuple)):
+            return any(has_tensor(v) for v in x)
+        return False
+
+    def walk(x: Any, name: str) -> None:
+        if isinstance(x, torch.Tensor):
+            tensors[name] = x
+        elif isinstance(x, dict) and (x or not name):
+            for k, v in x.items():
+                walk(v, f"{name}.{k}" if name else str(k))
+        elif isinstance(x, (list, tuple)) and has_tensor(x):
+            for i, v in enumerate(x):
+                walk(v, f"{name}.{i}" if name else str(i))
+        else:
+            others[name or "_"] = x
+
+    walk(obj, prefix)
+    return tensors, others
+
+
+def _torch_save_bytes(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _torch().save(obj, buf)
+    return buf.getvalue()
+
+
+def _guess_step(values: dict[str, Any], default: int = 0) -> int:
+    for key in ("step", "iteration", "global_step", "trainer.step"):
+        v = values.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return default
+
+
+def _load(path: Path, unsafe_pickle: bool) -> Any:
+    torch = _torch()
+    try:
+        return torch.load(path, map_location="cpu", mmap=True, weights_only=not unsafe_pickle)
+    except Exception as exc:
+        if not unsafe_pickle and "weights_only" in str(exc):
+            raise FormatError(
+                f"{path}: holds objects that torch.load(weights_only=True) refuses; if you trust "
+                f"the file, pass --unsafe-pickle"
+            ) from None
+        raise FormatError(f"{path}: cannot load ({type(exc).__name__}: {exc})") from None
+
+
+def _sources(tensors: dict[str, Any], pattern: Any = REPLICATED) -> list[TensorSource]:
+    return [
+        TensorSource(name, dtype_name(t), tuple(t.shape), pattern, tensor_bytes(t)) for name, t in tensors.items()
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# into the universal format
+# --------------------------------------------------------------------------------------------
+
+
+def torch_to_universal(
+    src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
+    shard_bytes: int | None = None, progress: Progress = None, unsafe_pickle: bool = False,
+) -> Path:
+    """A ``torch.save``d (nested) state dict -> version ``step`` under ``root``; every tensor
+    Replicated (a single-process save holds whole tensors)."""
+    src = Path(src)
+    state = _load(src, unsafe_pickle)
+    tensors, others = flatten_state(state)
+    step = _guess_step(others) if step is None else step
+    layout = {"source": "torch", "path": str(src), "objects_encoding": "torch.save"}
+    objects = {"global": _torch_save_bytes(others)} if others else None
+    kw = {"shard_bytes": shard_bytes} if shard_bytes else {}
+    return write_version(root, step, _sources(tensors), layout=layout, objects=objects, progress=progress, **kw)
+
+
+def _dcp_metadata(src: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (src / ".metadata").is_file():
+        raise FormatError(f"{src}: not a DCP checkpoint (no .metadata file)")
+    try:
+        return FileSystemReader(str(src)).read_metadata()
+    except Exception as exc:
+        raise FormatError(f"{src}/.metadata: cannot read ({type(exc).__name__}: {exc})") from None
+
+
+def _dcp_load(src: Path, state: dict) -> None:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=FileSystemReader(str(src)), no_dist=True)
+
+
+def dcp_to_universal(
+    src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
+    shard_bytes: int | None = None, progress: Progress = None,
+) -> Path:
+    """A DCP directory (``.metadata`` + ``*.distcp``) -> version ``step`` under ``root``.
+
+    Each tensor is loaded by DCP straight into the writer's staging buffer. Entries written by
+    ``universal_to_dcp`` under ``__ucpd__.*`` restore the layout, patterns and objects exactly.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    torch = _torch()
+    src = Path(src)
+    md = _dcp_metadata(src)
+    tensor_md = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+    other_keys = [k for k in md.state_dict_metadata if k not in tensor_md]
+    others: dict[str, Any] = {k: None for k in other_keys}
+    if others:
+        _dcp_load(src, others)
+    meta_json = others.pop(f"{UCPD_KEY}.meta", None)
+    carried = json.loads(meta_json) if isinstance(meta_json, str) else None
+
+    def make_fill(fqn: str, shape: tuple[int, ...], dname: str):
+        def fill(out: np.ndarray) -> None:
+            t = torch.from_numpy(out).view(getattr(torch, dname)).reshape(shape)
+            _dcp_load(src, {fqn: t})
+
+        return fill
+
+    sources = []
+    for fqn, m in tensor_md.items():
+        dname = str(m.properties.dtype).removeprefix("torch.")
+        if dname not in BY_NAME:
+            raise FormatError(f"{src}: tensor {fqn!r} has unsupported dtype {dname}")
+        shape = tuple(int(s) for s in m.size)
+        pattern = carried["patterns"].get(fqn, REPLICATED) if carried else REPLICATED
+        sources.append(TensorSource(fqn, dname, shape, pattern, make_fill(fqn, shape, dname)))
+    if carried:
+        objects = {
+            "global": others.pop(f"{UCPD_KEY}.objects.global", None),
+            "ranks": {
+                int(k.rsplit(".", 1)[1]): others.pop(k)
+                for k in list(others)
+                if k.startswith(f"{UCPD_KEY}.objects.rank.")
+            },
+        }
+        layout = carried["layout"]
+        step = carried["step"] if step is None else step
+    else:
+        layout = {"source": "dcp", "path": str(src), "objects_encoding": "torch.save"}
+        objects = {"global": _torch_save_bytes(others)} if others else None
+        step = _guess_step(others) if step is None else step
+    kw = {"shard_bytes": shard_bytes} if shard_bytes else {}
+    return write_version(root, step, sources, layout=layout, objects=objects, progress=progress, **kw)
+
+
+def _deepspeed_folder(src: Path) -> Path:
+    """The folder holding ``zero/``: ``src`` itself, or what ``src/latest_universal`` names."""
+    if (src / "zero").is_dir():
+        return src
+    latest = src / "latest_universal"
+    if latest.is_file():
+        sub = src / latest.read_text().strip()
+        if (sub / "zero").is_dir():
+            return sub
+    raise FormatError(
+        f"{src}: not a DeepSpeed universal checkpoint (expected zero/<param>/fp32.pt, or a "
+        f"latest_universal file naming such a folder)"
+    )
+
+
+DS_STATES = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def deepspeed_ucp_to_universal(
+    src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
+    shard_bytes: int | None = None, progress: Progress = None, unsafe_pickle: bool = False,
+) -> Path:
+    """A DeepSpeed universal checkpoint folder -> version ``step`` under ``root``.
+
+    Reads ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` (dicts holding the consolidated tensor
+    under ``"param"``, plus ``cat_dim``/``vocab_tensor`` hints) and ``zero/<param>/step.pt``;
+    writes ``optim/<param>/fp32``, ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``
+    (Replicated). The hints go to ``layout["params"]``; ``zero/optimizer_state.pt`` and the
+    per-parameter steps go to the global object. The ``mp_rank_*`` model files (TP-sharded
+    low-precision copies) are not imported: the fp32 master weights supersede them.
+    """
+    src = _deepspeed_folder(Path(src))
+    zero = src / "zero"
+    params = sorted(p.name for p in zero.iterdir() if p.is_dir() and (p / "fp32.pt").is_file())
+    if not params:
+        raise FormatError(f"{zero}: no parameter folders with fp32.pt")
+    torch = _torch()
+    sources: list[TensorSource] = []
+    hints: dict[str, dict] = {}
+    steps: dict[str, Any] = {}
+    for p in params:
+        for state in DS_STATES:
+            f = zero / p / f"{state}.pt"
+            if not f.is_file():
+                if state == "fp32":
+                    raise FormatError(f"{f}: missing")
+                continue
+            d = _load(f, unsafe_pickle)
+            t = d.get("param") if isinstance(d, dict) else d
+            if not isinstance(t, torch.Tensor):
+                raise FormatError(f"{f}: expected a dict with a tensor under 'param'")
+            if isinstance(d, dict) and state == "fp32":
+                extra = {k: v for k, v in d.items() if k != "param" and isinstance(v, (int, float, bool, str))}
+                if extra:
+                    hints[p] = extra
+            sources.append(TensorSource(f"optim/{p}/{state}", dtype_name(t), tuple(t.shape), REPLICATED, tensor_bytes(t)))
+        sf = zero / p / "step.pt"
+        if sf.is_file():
+            s = _load(sf, unsafe_pickle)
+            steps[p] = s.item() if isinstance(s, torch.Tensor) else s
+    opt = zero / "optimizer_state.pt"
+    glob_obj = {"steps": steps, "optimizer_state": _load(opt, unsafe_pickle) if opt.is_file() else None}
+    if step is None:
+        m = re.search(r"(\d+)$", src.name)
+        vals = [v for v in steps.values() if isinstance(v, (int, float))]
+        step = int(m.group(1)) if m else int(max(vals)) if vals else 0
+    layout = {"source": "deepspeed-ucp", "path": str(src), "params": hints, "objects_encoding": "torch.save"}
+    kw = {"shard_bytes": shard_bytes} if shard_bytes else {}
+    return write_version(
+        root, step, sources, layout=layout, objects={"global": _torch_save_bytes(glob_obj)}, progress=progress, **kw
+    )
+
+
+def universal_to_universal(
+    src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
+    shard_bytes: int | None = None, progress: Progress = None,
+) -> Path:
+    """Copy one version to another root (verifying every chunk), e.g. to re-shard its files."""
+    with open_version(src, step) as r:
+        sources = []
+        for name, t in r.tensors.items():
+            r.verify(name)
+            sources.append(TensorSource(name, t.dtype, t.shape, t.pattern, r.bytes_view(name)))
+        kw = {"shard_bytes": shard_bytes} if shard_bytes else {}
+        return write_version(
+            root, r.step, sources, layout=r.meta.layout, objects=r.objects, progress=progress,
+            chunk_bytes=r.meta.chunk_bytes, **kw,
+        )
+
+
+# --------------------------------------------------------------------------------------------
+# out of the universal format
+# --------------------------------------------------------------------------------------------
+
+
+def universal_to_safetensors(
+    src: str | os.PathLike, dst: str | os.PathLike, *, step: int | None = None, progress: Progress = None
+) -> Path:
+    """One version -> one consolidated safetensors file (tensors only; every chunk verified).
+    Its ``__metadata__`` records the step and the patterns (``ucpd.patterns``, JSON)."""
+    dst = Path(dst)
+    if dst.is_dir():
+        raise FormatError(f"{dst}: is a directory; give the path of the .safetensors file to write")
+    with open_version(src, step) as r:
+        sources = []
+        for name, t in r.tensors.items():
+            r.verify(name)
+            sources.append(TensorSource(name, t.dtype, t.shape, t.pattern, r.bytes_view(name)))
+        md = {
+            "format": "pt",
+            "ucpd.step": str(r.step),
+            "ucpd.patterns": json.dumps({n: t.pattern for n, t in r.tensors.items()}, separators=(",", ":")),
+        }
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        write_safetensors(dst, sources, metadata=md, progress=progress)
+    return dst
+
+
+def universal_to_dcp(
+    src: str | os.PathLike, dst: str | os.PathLike, *, step: int | None = None, progress: Progress = None
+) -> Path:
+    """One version -> a DCP directory (``torch.distributed.checkpoint.save``, no process group).
+
+    Tensors keep their universal names. ``__ucpd__.meta`` (JSON: step, layout, patterns) and
+    ``__ucpd__.objects.*`` (raw bytes) make the way back lossless; objects stored as
+    ``torch.save`` dicts are also expanded into plain entries for DCP users.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    torch = _torch()
+    dst = Path(dst)
+    with open_version(src, step) as r:
+        state: dict[str, Any] = {}
+        done, total = 0, r.meta.total_bytes
+        for name, t in r.tensors.items():
+            r.verify(name)
+            state[name] = tensor_from_array(r.array(name), t.dtype)
+            done += t.nbytes
+            if progress:
+                progress(done, total)
+        objs = r.objects
+        meta = {"step": r.step, "layout": r.meta.layout, "patterns": {n: t.pattern for n, t in r.tensors.items()}}
+        state[f"{UCPD_KEY}.meta"] = json.dumps(meta)
+        if objs["global"] is not None:
+            state[f"{UCPD_KEY}.objects.global"] = objs["global"]
+            if r.meta.layout.get("objects_encoding") == "torch.save":
+                try:  # plain values only: never unpickle arbitrary objects from a checkpoint
+                    decoded = torch.load(io.BytesIO(objs["global"]), weights_only=True)
+                except Exception:
+                    decoded = None
+                if isinstance(decoded, dict):
+                    for k, v in decoded.items():
+                        state.setdefault(str(k), v)
+        for rank, b in objs["ranks"].items():
+            state[f"{UCPD_KEY}.objects.rank.{rank}"] = b
+        dst.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save(state, storage_writer=FileSystemWriter(str(dst)), no_dist=True)
+    return dst
+
+
+CONVERTERS = {
+    ("torch", "universal"): torch_to_universal,
+    ("dcp", "universal"): dcp_to_universal,
+    ("deepspeed-ucp", "universal"): deepspeed_ucp_to_universal,
+    ("universal", "universal"): universal_to_universal,
+    ("universal", "safetensors"): universal_to_safetensors,
+    ("universal", "dcp"): universal_to_dcp,
+}

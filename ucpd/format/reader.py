@@ -1,0 +1,395 @@
+"""Reading versions: ``list_versions``, ``open_version`` and ``VersionReader``.
+
+Every file is bounds-checked against ``ucp.json`` when a version is opened (sizes, headers,
+offsets); tensor bytes are verified against their chunk CRCs when they are read through
+``verify``/``read_local`` (``array`` gives raw zero-copy views and verifies nothing).
+
+Threads: a ``VersionReader`` may be shared by threads for reading (``array``, ``verify``,
+``read_local``); ``close`` must not race with them.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, VersionNotFound
+from . import spec
+from ._checksum import chunk_crcs
+from .header import read_header
+from .spec import BlobInfo, Meta, TensorInfo
+from .writer import read_latest
+
+log = logging.getLogger("ucpd.format")
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One ``step-<N>`` folder (or a writer's temporary folder) under a root, cheaply checked.
+
+    ``state``: ``"complete"`` (ucp.json parses, every file is there with its recorded size),
+    ``"torn"`` (a ``step-<N>`` folder that is not; ``problem`` says why) or ``"partial"``
+    (``.step-<N>.tmp-<pid>``: a write in progress, or left by a writer that died).
+    """
+
+    step: int
+    path: Path
+    state: str
+    tensors: int = 0
+    nbytes: int = 0
+    created: float | None = None
+    latest: bool = False
+    problem: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "state": self.state,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "created": self.created,
+            "latest": self.latest,
+            "problem": self.problem,
+        }
+
+
+def read_meta(path: Path, step: int | None = None) -> Meta:
+    """Read and check ``<path>/ucp.json``; FormatError if missing or malformed."""
+    f = path / spec.META_FILE
+    try:
+        data = f.read_bytes()
+    except FileNotFoundError:
+        raise FormatError(
+            f"{f}: missing; the version is torn (its writer did not commit it) and cannot be read"
+        ) from None
+    except OSError as exc:
+        raise FormatError(f"{f}: cannot read ({exc})") from None
+    return spec.parse_meta(data, str(f), expect_step=step)
+
+
+def _check_files_present(path: Path, meta: Meta) -> None:
+    for f in meta.files.values():
+        p = path / f.name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise FormatError(f"{p}: missing (listed in ucp.json)") from None
+        if size != f.size:
+            raise FormatError(
+                f"{p}: {size} bytes, ucp.json records {f.size}" + (" (truncated)" if size < f.size else "")
+            )
+    if meta.objects_global is not None or meta.objects_ranks:
+        p = path / spec.OBJECTS_FILE
+        end = max(b.offset + b.nbytes for b in _blobs(meta))
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            raise FormatError(f"{p}: missing (ucp.json records non-tensor state)") from None
+        if size < end:
+            raise FormatError(f"{p}: {size} bytes, but ucp.json records objects up to byte {end} (truncated)")
+
+
+def _blobs(meta: Meta) -> list[BlobInfo]:
+    out = [meta.objects_global] if meta.objects_global is not None else []
+    return out + [meta.objects_ranks[r] for r in sorted(meta.objects_ranks)]
+
+
+def _summarize(path: Path, step: int, latest: int | None) -> VersionSummary:
+    try:
+        meta = read_meta(path, step)
+        _check_files_present(path, meta)
+    except FormatError as exc:
+        return VersionSummary(step, path, "torn", latest=step == latest, problem=str(exc))
+    return VersionSummary(
+        step, path, "complete", len(meta.tensors), meta.total_bytes, meta.created_unix, step == latest
+    )
+
+
+def list_versions(root: str | os.PathLike) -> list[VersionSummary]:
+    """Every ``step-<N>`` folder under ``root`` (and writers' temporary folders), by step.
+
+    Cheap: reads each ``ucp.json`` and stats the files; use ``validate`` for checksums.
+    A missing ``root`` has no versions.
+    """
+    root = Path(root)
+    latest = read_latest(root)
+    out: list[VersionSummary] = []
+    try:
+        entries = list(os.scandir(root))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    for e in entries:
+        if not e.is_dir(follow_symlinks=True):
+            continue
+        step = spec.parse_step_dirname(e.name)
+        if step is not None:
+            out.append(_summarize(Path(e.path), step, latest))
+            continue
+        m = spec.TMP_RE.match(e.name)
+        if m:
+            pid = int(m.group(2))
+            from .writer import _pid_alive
+
+            how = "in progress" if _pid_alive(pid) else "stale: its writer is gone"
+            out.append(VersionSummary(int(m.group(1)), Path(e.path), "partial", problem=f"writer pid {pid} ({how})"))
+    out.sort(key=lambda v: (v.step, v.state != "complete"))
+    return out
+
+
+def _default_step(root: Path) -> int:
+    versions = [v for v in list_versions(root) if v.state == "complete"]
+    latest = read_latest(root)
+    if latest is not None:
+        if any(v.step == latest for v in versions):
+            return latest
+        log.warning(
+            "%s names step-%d, which is missing or torn; using the newest complete version",
+            root / spec.LATEST_FILE, latest,
+        )
+    if not versions:
+        if not root.is_dir():
+            raise VersionNotFound(f"{root}: no such directory; pass the checkpoint root (the folder holding step-<N>/)")
+        raise VersionNotFound(f"{root}: no complete version (step-<N>/ with ucp.json); nothing to restore")
+    return versions[-1].step
+
+
+def open_version(root: str | os.PathLike, step: int | None = None) -> VersionReader:
+    """Open version ``step`` under ``root``; ``None`` = the one ``LATEST`` names, or the newest
+    complete one when ``LATEST`` is missing or names a missing/torn folder.
+
+    Raises VersionNotFound (no such step / nothing complete) or FormatError (torn or malformed:
+    missing or bad ucp.json, missing/truncated file, bad header, header disagreeing with
+    ucp.json), each naming the path and the problem.
+    """
+    root = Path(root)
+    if step is None:
+        step = _default_step(root)
+    path = root / spec.step_dirname(step)
+    if not path.is_dir():
+        have = [v.step for v in list_versions(root) if v.state == "complete"]
+        raise VersionNotFound(f"{path}: no such version; complete versions under {root}: {have or 'none'}")
+    return VersionReader(path, read_meta(path, step))
+
+
+class VersionReader:
+    """An open, structurally checked version. Use as a context manager or call ``close``."""
+
+    def __init__(self, path: Path, meta: Meta) -> None:
+        self.path = Path(path)
+        self.meta = meta
+        self.step = meta.step
+        self.tensors: dict[str, TensorInfo] = meta.tensors
+        self._maps: dict[str, mmap.mmap] = {}
+        self._objects: dict | None = None
+        try:
+            _check_files_present(self.path, meta)
+            for f in meta.files.values():
+                self._maps[f.name] = self._open_file(f)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- opening ---------------------------------------------------------------------------
+
+    def _open_file(self, f: spec.FileInfo) -> mmap.mmap:
+        p = self.path / f.name
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError as exc:
+            raise FormatError(f"{p}: cannot open ({exc})") from None
+        try:
+            size = os.fstat(fd).st_size
+            if size != f.size:
+                raise FormatError(f"{p}: {size} bytes, ucp.json records {f.size}")
+            h = read_header(fd, size, str(p))
+            if h.data_offset != f.data_offset:
+                raise FormatError(f"{p}: data starts at {h.data_offset}, ucp.json records {f.data_offset}")
+            mine = {n: t for n, t in self.tensors.items() if t.file == f.name}
+            extra = sorted(set(h.entries) - set(mine))
+            lost = sorted(set(mine) - set(h.entries))
+            if extra or lost:
+                raise FormatError(
+                    f"{p}: header and ucp.json disagree: only in header {extra[:5]}, only in ucp.json {lost[:5]}"
+                )
+            for n, t in mine.items():
+                e = h.entries[n]
+                if (e.dtype.name, e.shape, h.data_offset + e.begin) != (t.dtype, t.shape, t.data_offset):
+                    raise FormatError(
+                        f"{p}: tensor {n!r}: header says {e.dtype.name}{list(e.shape)} at {h.data_offset + e.begin},"
+                        f" ucp.json says {t.dtype}{list(t.shape)} at {t.data_offset}"
+                    )
+            return mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        maps, self._maps = self._maps, {}
+        for m in maps.values():
+            try:
+                m.close()
+            except BufferError:  # arrays handed out still view it; it unmaps when they go
+                pass
+
+    def __enter__(self) -> VersionReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"VersionReader({str(self.path)!r}, {len(self.tensors)} tensors, {self.meta.total_bytes} bytes)"
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise PlacementMismatch(f"{self.path}: no tensor {name!r} in this version") from None
+
+    def _map(self, t: TensorInfo) -> mmap.mmap:
+        try:
+            return self._maps[t.file]
+        except KeyError:
+            raise FormatError(f"{self.path}: version is closed") from None
+
+    def array(self, name: str) -> np.ndarray:
+        """Read-only zero-copy view of tensor ``name``: numpy ``DType.storage``, global shape.
+
+        Verifies nothing; call ``verify`` for the ranges you rely on.
+        """
+        t = self.info(name)
+        m = self._map(t)
+        storage = t.dt.storage
+        if t.nbytes == 0:
+            a = np.empty(t.shape, dtype=storage)
+            a.flags.writeable = False
+            return a
+        return np.frombuffer(m, dtype=storage, count=t.numel, offset=t.data_offset).reshape(t.shape)
+
+    def bytes_view(self, name: str) -> np.ndarray:
+        """Read-only zero-copy 1-D uint8 view of tensor ``name``'s bytes."""
+        t = self.info(name)
+        if t.nbytes == 0:
+            return np.empty(0, np.uint8)
+        return np.frombuffer(self._map(t), dtype=np.uint8, count=t.nbytes, offset=t.data_offset)
+
+    def bad_chunks(
+        self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None
+    ) -> list[tuple[int, int, int, int, int]]:
+        """``(chunk, begin, end, crc_found, crc_recorded)`` of every corrupt chunk that overlaps
+        ``byte_ranges`` (byte offsets inside the tensor; None = the whole tensor)."""
+        t = self.info(name)
+        C = self.meta.chunk_bytes
+        runs = _chunk_runs(t.nbytes, C, byte_ranges)
+        bad = []
+        m = self._map(t)
+        with memoryview(m) as mv:
+            for i0, i1 in runs:
+                b, e = i0 * C, min(i1 * C, t.nbytes)
+                got = chunk_crcs(mv[t.data_offset + b : t.data_offset + e], C)
+                for k, crc in enumerate(got):
+                    i = i0 + k
+                    if crc != t.crcs[i]:
+                        bad.append((i, i * C, min((i + 1) * C, t.nbytes), crc, t.crcs[i]))
+        return bad
+
+    def verify(self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None) -> None:
+        """Check the CRC32C of every chunk of ``name`` overlapping ``byte_ranges`` (``[(begin,
+        end)]`` inside the tensor's bytes; None = all). Raises ChecksumMismatch naming the
+        tensor, chunk, byte range and file."""
+        bad = self.bad_chunks(name, byte_ranges)
+        if bad:
+            raise self.checksum_error(name, bad)
+
+    def checksum_error(self, name: str, bad: Sequence[tuple[int, int, int, int, int]]) -> ChecksumMismatch:
+        """The error for ``bad`` chunks of ``name`` (as ``bad_chunks`` lists them)."""
+        t = self.tensors[name]
+        i, b, e, got, want = bad[0]
+        more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+        return ChecksumMismatch(
+            f"{self.path / t.file}: tensor {name!r} chunk {i} (tensor bytes [{b}, {e}), file bytes "
+            f"[{t.data_offset + b}, {t.data_offset + e})) has crc32c {got:#010x}, ucp.json records "
+            f"{want:#010x}{more}; the file is corrupt: restore it from another copy or use an older step"
+        )
+
+    # -- non-tensor state -------------------------------------------------------------------
+
+    @property
+    def objects(self) -> dict:
+        """``{"global": bytes | None, "ranks": {rank: bytes}}``, verified against their CRCs."""
+        if self._objects is None:
+            self._objects = self._read_objects()
+        return self._objects
+
+    def _read_objects(self) -> dict:
+        out: dict[str, Any] = {"global": None, "ranks": {}}
+        blobs = _blobs(self.meta)
+        if not blobs:
+            return out
+        p = self.path / spec.OBJECTS_FILE
+        try:
+            with open(p, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            raise FormatError(f"{p}: cannot read ({exc})") from None
+        C = self.meta.chunk_bytes
+        for bl in blobs:
+            if bl.offset + bl.nbytes > len(data):
+                raise FormatError(f"{p}: object {bl.key!r} runs past the end of the file (truncated)")
+            b = data[bl.offset : bl.offset + bl.nbytes]
+            got = chunk_crcs(b, C)
+            for i, (x, y) in enumerate(zip(got, bl.crcs)):
+                if x != y:
+                    raise ChecksumMismatch(
+                        f"{p}: object {bl.key!r} chunk {i} (bytes [{bl.offset + i * C}, "
+                        f"{bl.offset + min((i + 1) * C, bl.nbytes)}) of the file) has crc32c {x:#010x}, "
+                        f"ucp.json records {y:#010x}; the file is corrupt"
+                    )
+            if bl.key == "global":
+                out["global"] = b
+            else:
+                out["ranks"][int(bl.key.split("/", 1)[1])] = b
+        return out
+
+    # -- resharded reads ----------------------------------------------------------------------
+
+    def read_local(
+        self, name: str, placement: Any, local_shape: Sequence[int], out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The local tensor that ``placement`` (a ``ucpd.ucl`` placement or its dict) of
+        ``name`` holds, shape ``local_shape``, in ``DType.storage``; padding is filled as the
+        placement says. Verifies exactly the chunks it reads (ChecksumMismatch otherwise).
+        ``out``: a writable C-contiguous array of the local size to fill instead of a new one.
+        Raises PlacementMismatch if the version lacks a tensor or the shapes disagree."""
+        from .local import read_local
+
+        return read_local(self, name, placement, local_shape, out)
+
+
+def _chunk_runs(nbytes: int, C: int, byte_ranges: Iterable[tuple[int, int]] | None) -> list[tuple[int, int]]:
+    """Half-open runs ``[i0, i1)`` of chunk indices covering ``byte_ranges`` (merged)."""
+    n = spec.n_chunks(nbytes, C)
+    if byte_ranges is None:
+        return [(0, n)] if n else []
+    idx: list[tuple[int, int]] = []
+    for b, e in byte_ranges:
+        b, e = max(0, int(b)), min(nbytes, int(e))
+        if b < e:
+            idx.append((b // C, (e - 1) // C + 1))
+    idx.sort()
+    runs: list[tuple[int, int]] = []
+    for i0, i1 in idx:
+        if runs and i0 <= runs[-1][1]:
+            runs[-1] = (runs[-1][0], max(runs[-1][1], i1))
+        else:
+            runs.append((i0, i1))
+    return runs
