@@ -2,7 +2,7 @@
 
 One thread per daemon. Every ``flush_every``-th committed version is pinned (so eviction
 leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
-output (the UCL planner's ``plan_consolidate``), every source chunk it reads is checked
+output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
 against its CRC, and the version is committed on disk by the format's writer (temp dir,
 fsync, rename, ``LATEST``). The thread runs at a lower CPU priority and at most
 ``flush_rate`` bytes per second, so the trainers keep their share of the memory bandwidth.
@@ -23,8 +23,8 @@ from .. import native
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch
 from ..format import TensorSource, retain, write_version
+from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
-from ..ucl.plan import plan_consolidate
 
 log = logging.getLogger("ucpd.flush")
 
@@ -38,23 +38,6 @@ class FlushProgress:
     last_seconds: float = 0.0
     last_error: str | None = None
     flushed_count: int = 0
-
-
-class Throttle:
-    """Sleeps so that bytes pass at no more than ``rate`` per second (0 = no limit)."""
-
-    def __init__(self, rate: float):
-        self.rate = rate
-        self.start = time.monotonic()
-        self.done = 0
-
-    def __call__(self, nbytes: int) -> None:
-        if self.rate <= 0:
-            return
-        self.done += nbytes
-        ahead = self.done / self.rate - (time.monotonic() - self.start)
-        if ahead > 0:
-            time.sleep(ahead)
 
 
 def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
@@ -141,26 +124,37 @@ class Flusher:
                 arrays[key] = (arr, t)
             return arrays[key]
 
-        throttle = Throttle(self.rate)
+        def copy_into(g, out: np.ndarray, frags) -> None:
+            plan = plan_restore(frags, {g.name: g.sources})
+            srcs = {}
+            for c in plan.copies:
+                arr, t = source_array(c.src_key)
+                if c.src_key not in verified:
+                    verify_source(arr, t.crcs, f"step {version.step}, rank {c.src_key[0]}, tensor {t.name!r}")
+                    verified.add(c.src_key)
+                srcs[c.src_key] = arr
+            execute(plan, srcs, out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out)
 
         def make_fill(g):
             def fill(out: np.ndarray) -> None:
-                plan = plan_consolidate(g.name, g.shape, g.sources)
-                srcs = {}
-                for c in plan.copies:
-                    arr, t = source_array(c.src_key)
-                    if c.src_key not in verified:
-                        verify_source(arr, t.crcs, f"step {version.step}, rank {c.src_key[0]}, tensor {t.name!r}")
-                        verified.add(c.src_key)
-                    srcs[c.src_key] = arr
-                dst = out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out
-                execute(plan, srcs, dst)
-                throttle(out.nbytes)
+                box = full_box(g.shape)
+                copy_into(g, out, [Fragment(g.name, g.shape, (Piece(contiguous_view(box.lengths), box),))])
 
             return fill
 
+        def make_fill_rows(g):
+            if not g.shape:
+                return None
+
+            def fill_rows(out: np.ndarray, r0: int, r1: int) -> None:
+                box = GBox((r0,) + (0,) * (len(g.shape) - 1), (r1 - r0,) + tuple(g.shape[1:]))
+                copy_into(g, out, [Fragment(g.name, g.shape, (Piece(contiguous_view(box.lengths), box),))])
+
+            return fill_rows
+
         tensors = [
-            TensorSource(g.name, g.dtype, g.shape, g.pattern, make_fill(g)) for g in sorted(globals_.values(), key=lambda g: g.name)
+            TensorSource(g.name, g.dtype, g.shape, g.pattern, make_fill(g), make_fill_rows(g))
+            for g in sorted(globals_.values(), key=lambda g: g.name)
         ]
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
         self.progress = FlushProgress(
@@ -178,7 +172,9 @@ class Flusher:
             },
         }
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
-        write_version(self.flush_dir, version.step, tensors, layout=layout, objects=objects, progress=progress)
+        write_version(
+            self.flush_dir, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
+        )
         arrays.clear()
         if self.keep_on_disk:
             retain(self.flush_dir, self.keep_on_disk)
