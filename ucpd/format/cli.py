@@ -31,6 +31,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--step", type=int, default=None, help="version to show (default: LATEST)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--verify", action="store_true", help="also validate the version (all checksums)")
+    p.add_argument("--spec", metavar="FILE_OR_NAME", help="show which rule of this UCL spec each tensor followed")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="bind a spec symbol (repeatable)")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("convert", help="import or export checkpoints (via the universal format)",
@@ -125,6 +127,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         if args.verify:
             with progress_bar("verify") as progress:
                 problems = validate(root, r.step, full=True, progress=progress)
+        explained = _explain(r, args) if args.spec else None
         if args.json:
             out = {
                 "path": str(r.path), "step": r.step, "format_version": m.format_version,
@@ -140,8 +143,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             }
             if problems is not None:
                 out["problems"] = problems
+            if explained is not None:
+                out["spec"] = explained.to_json()
             print(json.dumps(out, indent=1))
-            return 1 if problems else 0
+            return 1 if problems or (explained is not None and not explained.ok) else 0
         from rich.table import Table
 
         con = _console()
@@ -170,7 +175,17 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                     con.print("  " + p, markup=False)
             else:
                 con.print("verified: no problems")
-        return 1 if problems else 0
+        if explained is not None:
+            con.print(explained.format(), markup=False)
+        return 1 if problems or (explained is not None and not explained.ok) else 0
+
+
+def _explain(reader, args: argparse.Namespace):
+    """Which rule of the spec each tensor of the version followed (``inspect --spec``)."""
+    from ..ucl.spec.explain import bind_for_cli, explain
+
+    spec, symbols = bind_for_cli(args.spec, args.set)  # a SpecError says line:column; exit 2
+    return explain(reader, spec, symbols)
 
 
 @contextmanager

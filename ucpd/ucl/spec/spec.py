@@ -23,7 +23,7 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .errors import SpecError, TextError
 from .patterns import Match, NamePattern, compile_pattern
@@ -45,6 +45,9 @@ from .syntax import (
     parse_expr,
     parse_rule,
 )
+
+if TYPE_CHECKING:
+    from .layout import BoundSpec
 
 SPEC_VERSION = 1
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
@@ -418,7 +421,7 @@ class Spec:
                 for n in names_in(r.expect.expr):
                     if n.id in caps:
                         raise r.expect.error(f"expect cannot use the capture {n.id!r}", n.pos)
-        for k, loc in self.symbols.items():
+        for loc in self.symbols.values():
             for n in names_in(loc.expr):
                 if n.id.endswith("_rank"):
                     raise loc.error(f"a symbol cannot depend on the rank coordinate {n.id!r}; use [coords]", n.pos)
@@ -533,6 +536,8 @@ def known_symbols(spec: Spec) -> set[str]:
         known.update(n.id for n in names_in(loc.expr))
     for r in spec.rules:
         known -= set(r.pattern.captures)
+        if any(isinstance(n, PStacked) and n.axis is not None and n.count is None for n in _walk(r.placement)):
+            known.add("experts")  # stacked(dim, axis) counts its items with the symbol experts
     return {k for k in known if not k.endswith("_rank")}
 
 

@@ -33,7 +33,6 @@ errors found later (at binding or resolution) still point at the column.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
@@ -759,19 +758,23 @@ def parse_rule(text: str) -> RuleText:
 
 
 def expr_value_text(e: Expr, env: Mapping[str, Any]) -> str:
-    """An expression with its bound names shown: ``heads*hd`` -> ``heads*hd=64`` when every
-    name is bound, else the expression unchanged."""
+    """An expression's value when every name in it is bound (``heads*hd`` -> ``64``), else the
+    expression itself."""
     try:
         v = evaluate(e, env)
     except EvalError:
         return format_expr(e)
-    text = format_expr(e)
-    return text if isinstance(e, Num) else f"{text}={v if not isinstance(v, float) or not v.is_integer() else int(v)}"
+    return str(int(v)) if isinstance(v, float) and v.is_integer() else str(v)
+
+
+def _axis_text(a: Name, env: Mapping[str, Any]) -> str:
+    return f"{a.id}={env[a.id]}" if a.id in env else a.id
 
 
 def render(p: Any, env: Mapping[str, Any]) -> str:
-    """A placement's text with the values of its bound symbols (``shard(0, tp=2)``); names
-    not in ``env`` (rank coordinates, captures) are left as they are."""
+    """A placement's text with its expressions evaluated and its axes' sizes shown
+    (``fused(0, [q=64, k=32, v=32], shard(0, tp=2))``); what cannot be evaluated (rank
+    coordinates, captures, unbound symbols) is left as written."""
     if isinstance(p, tuple):
         return "[" + ", ".join(render(x, env) for x in p) + "]"
     if _is_expr(p):
@@ -779,17 +782,17 @@ def render(p: Any, env: Mapping[str, Any]) -> str:
     if isinstance(p, PReplicated):
         return "replicated"
     if isinstance(p, PAverage):
-        return f"average({expr_value_text(p.axis, env)})"
+        return f"average({_axis_text(p.axis, env)})"
     if isinstance(p, PShard):
         if p.axis is not None:
             extra = f", max={expr_value_text(p.max, env)}" if p.max is not None else ""
-            return f"shard({render(p.dim, env)}, {expr_value_text(p.axis, env)}{extra})"
+            return f"shard({render(p.dim, env)}, {_axis_text(p.axis, env)}{extra})"
         return f"shard({render(p.dim, env)}, {render(p.index, env)}, {render(p.parts, env)})"
     if isinstance(p, PBox):
         return f"box({render(p.offsets, env)}, {render(p.lengths, env)}, {render(p.shape, env)})"
     if isinstance(p, PFused):
         if p.sizes is not None:
-            sizes = "[" + ", ".join((f"{k}: " if k else "") + render(v, env) for k, v in p.sizes) + "]"
+            sizes = "[" + ", ".join((f"{k}=" if k else "") + render(v, env) for k, v in p.sizes) + "]"
         else:
             sizes = render(p.count, env)
         return f"fused({render(p.dim, env)}, {sizes}, {render(p.inner, env)})"
@@ -799,7 +802,7 @@ def render(p: Any, env: Mapping[str, Any]) -> str:
     if isinstance(p, PStacked):
         args = [render(p.dim, env)]
         if p.axis is not None:
-            args.append(expr_value_text(p.axis, env))
+            args.append(_axis_text(p.axis, env))
         args.append(render(p.inner, env))
         for k in ("count", "index"):
             v = getattr(p, k)
@@ -807,7 +810,3 @@ def render(p: Any, env: Mapping[str, Any]) -> str:
                 args.append(f"{k}={render(v, env)}")
         return "stacked(" + ", ".join(args) + ")"
     return str(p)
-
-
-def is_whole(v: Any) -> bool:
-    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v) and v.is_integer())
