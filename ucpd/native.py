@@ -38,6 +38,7 @@ from ucpd.errors import UcpdError
 
 __all__ = [
     "CHUNK_BYTES",
+    "SMALL_COPY_BYTES",
     "NativeError",
     "CudaError",
     "default_threads",
