@@ -22,13 +22,13 @@ import zmq
 
 from .. import protocol
 from ..errors import AlreadyRunning, ProtocolError, UcpdError, VersionNotFound
+from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .store import NodeStore, prepare_slot_file
 from .versions import VersionState
 
 log = logging.getLogger("ucpd.server")
 
-SOCKET_NAME = "ucpd.sock"
 LOCK_NAME = "ucpd.lock"
 LEASE_SECONDS = 600.0
 
