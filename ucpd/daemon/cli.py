@@ -71,10 +71,9 @@ def config_from_args(args):
         )
     node_rank = int(o.get("node_rank", 0))
     shm_dir = o.get("shm_dir") or knobs.shm_dir(node_rank)
-    os.makedirs(shm_dir, mode=0o700, exist_ok=True)
     mem_limit = knobs.parse_size(o["mem_limit"]) if o.get("mem_limit") else knobs.mem_limit()
-    if not mem_limit:
-        mem_limit = int(shm_free_bytes(shm_dir) * 0.8)
+    if not mem_limit:  # the folder is made later, once this daemon holds the run dir's lock
+        mem_limit = int(shm_free_bytes(shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)) * 0.8)
     return DaemonConfig(
         run_dir=o.get("run_dir") or knobs.run_dir(),
         shm_dir=shm_dir,
