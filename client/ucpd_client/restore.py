@@ -109,9 +109,29 @@ class _Fused:
                         raise _damaged(src, first + j, crc)
 
 
+def merged_values(objects: Mapping[int, bytes], rank: int) -> dict[str, Any]:
+    """The plain values of a version for ``rank``: its own rank's first, then any name it
+    lacks from the other source ranks, lowest first (a new rank gets rank 0's loader state)."""
+    out: dict[str, Any] = {}
+    for r in sorted(objects, key=lambda r: (r != rank, r)):
+        if objects[r]:
+            for name, value in pickle.loads(objects[r]).items():
+                out.setdefault(name, value)
+    return out
+
+
 def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements: Mapping[str, Any] | None) -> int:
+    """Fill the tensors of a nested state in place and put its plain values back."""
     tensors, _ = state_mod.split(dict(target_state))
     entries = [ckpt._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
+    step, values = restore_entries(ckpt, entries, step)
+    state_mod.assign_values(target_state, values)  # type: ignore[arg-type]
+    return step
+
+
+def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
+    """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
+    global elements its placement names. Returns (step, the version's plain values)."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -153,8 +173,7 @@ def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements:
                 torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
             if host is not target:
                 target.copy_(host)
-        values = pickle.loads(plan["objects"]) if plan.get("objects") else {}
+        values = merged_values(plan["objects"], ckpt.rank)
     finally:
         conn.call("release", lease=plan["lease"])
-    state_mod.assign_values(target_state, values)  # type: ignore[arg-type]
-    return plan["step"]
+    return plan["step"], values

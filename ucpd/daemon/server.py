@@ -279,29 +279,35 @@ class Daemon:
         complete = [v.step for v in list_versions(self.config.flush_dir) if v.state == "complete"]
         return max(complete) if complete else None
 
-    def _on_restore(self, ident, req_id, body):
-        step = body.get("step")
+    def _find_version(self, step: int | None):
+        """Where ``step`` (None: the newest committed) is: (sources, objects by rank, step,
+        the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer."""
         version = self.store.version_for_restore(step)
         disk = self._disk_latest() if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
             objects = {r: p.objects for r, p in version.parts.items()}
-            chosen, pin, where = version.step, version, "ram"
-        else:
-            reader = self._open_disk(step)
+            return sources, objects, version.step, version, "ram"
+        with self._open_disk(step) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): b for r, b in (reader.objects.get("ranks") or {}).items()}
-            chosen, pin, where = reader.step, None, "disk"
+            return sources, objects, reader.step, None, "disk"
+
+    def _on_restore(self, ident, req_id, body):
+        sources, objects, chosen, pin, where = self._find_version(body.get("step"))
         plan = restore_plan.plan(sources, body["targets"])
         lease = self._next_lease
         self._next_lease += 1
         if pin is not None:
             pin.pins += 1
         self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
-        rank = body["rank"]
-        mine = objects.get(rank, objects.get(min(objects)) if objects else b"")
         self.store.counters.restores += 1
-        return {"lease": lease, "step": chosen, "where": where, "objects": mine or b"", **plan}
+        return {"lease": lease, "step": chosen, "where": where, "objects": objects, **plan}
+
+    def _on_describe(self, ident, req_id, body):
+        sources, objects, chosen, _, where = self._find_version(body.get("step"))
+        tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
+        return {"step": chosen, "where": where, "tensors": tensors, "objects": objects}
 
     def _open_disk(self, step):
         from ..format import open_version

@@ -1,0 +1,198 @@
+"""PyTorch Distributed Checkpoint (DCP) storage backed by the node daemon.
+
+Code that already calls ``torch.distributed.checkpoint.save``/``load`` switches to ucpd by
+passing a storage object; DCP's planners (deduplication, resharding of DTensors and
+ShardedTensors) keep working, and the bytes go to the daemon's RAM instead of files::
+
+    import torch.distributed.checkpoint as dcp
+    from ucpd_client import Checkpointer
+    from ucpd_client.dcp import UcpdStorageWriter, UcpdStorageReader
+
+    ckpt = Checkpointer()
+    dcp.save(state_dict, storage_writer=UcpdStorageWriter(ckpt, step=100))
+    dcp.load(state_dict, storage_reader=UcpdStorageReader(ckpt))        # newest committed
+
+Each chunk DCP writes becomes a tensor with a UCL ``Box`` placement (its offsets in the global
+tensor); bytes items (non-tensor state) travel as plain values. On load the reader describes
+the version as one whole chunk per tensor, so DCP asks for exactly the regions each rank
+needs, whatever layout saved them, and the daemon serves them from RAM (or its flush dir).
+A ``checkpoint_id`` of ``step-N`` or ``N`` selects the step.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+from typing import Any
+
+import torch
+from torch.futures import Future
+from torch.distributed.checkpoint import Metadata, StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+
+from ucpd.errors import PlacementMismatch, UcpdError
+
+from . import restore as restore_mod
+from .placement import Box
+from .staging import Entry
+
+_STEP = re.compile(r"^(?:.*step-)?(\d+)$")
+
+
+def _step_of(checkpoint_id: str | os.PathLike | None) -> int | None:
+    if checkpoint_id is None:
+        return None
+    m = _STEP.match(os.fspath(checkpoint_id).rstrip("/"))
+    if m is None:
+        raise UcpdError(f"checkpoint_id {checkpoint_id!r} is not a step: use 'step-<N>' or '<N>'")
+    return int(m.group(1))
+
+
+def _done(value: Any) -> Future:
+    f: Future = Future()  # DCP waits on torch futures
+    f.set_result(value)
+    return f
+
+
+class UcpdStorageWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that snapshots into the daemon as ``step``.
+
+    ``write_data`` returns once the version is committed by every rank (``wait=True``) or
+    once this rank's tensors are staged (``wait=False``; call ``last_handle.wait()`` later).
+    """
+
+    def __init__(self, checkpointer, step: int | None = None, wait: bool = True):
+        super().__init__()
+        self.ckpt = checkpointer
+        self.step = step
+        self.wait = wait
+        self.last_handle = None
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return _STEP.match(os.fspath(checkpoint_id).rstrip("/")) is not None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            raise UcpdError("UcpdStorageWriter needs a step: pass step=N or checkpoint_id='step-N'")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        tensors: dict[str, torch.Tensor] = {}
+        placements: dict[str, Any] = {}
+        values: dict[str, bytes] = {}
+        results = []
+        for item in plan.items:
+            fqn = item.index.fqn
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+                values[fqn] = raw
+                results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=self.step))
+                continue
+            if fqn in tensors:
+                raise PlacementMismatch(
+                    f"DCP gave this rank two chunks of {fqn!r}; ucpd stores one chunk per tensor per rank"
+                )
+            td = item.tensor_data
+            tensors[fqn] = data.detach()
+            placements[fqn] = Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size))
+            results.append(WriteResult(index=item.index, size_in_bytes=data.numel() * data.element_size(), storage_data=self.step))
+        state = {**tensors, "__dcp_bytes__": values}
+        handle = self.ckpt.snapshot(self.step, state, placements=placements)
+        self.last_handle = handle
+        handle.wait() if self.wait else handle.staged()
+        return _done(results)
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing to write: the daemon committed the version (and flushes it if configured)."""
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"step-{self.step}")
+
+
+class UcpdStorageReader(StorageReader):
+    """A DCP ``StorageReader`` that restores ``step`` (None: the newest committed) from the
+    daemon, resharded to whatever layout the loading ranks have."""
+
+    def __init__(self, checkpointer, step: int | None = None):
+        super().__init__()
+        self.ckpt = checkpointer
+        self.step = step
+        self._bytes: dict[str, bytes] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+
+    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        step = _step_of(checkpoint_id)
+        if step is not None:
+            self.step = step
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
+        return UcpdStorageWriter.validate_checkpoint_id(checkpoint_id)
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        body = {} if self.step is None else {"step": self.step}
+        desc = self.ckpt._conn().call("describe", **body)
+        self.step = desc["step"]
+        values = restore_mod.merged_values(desc["objects"], self.ckpt.rank)
+        self._bytes = {}
+        for name, value in values.items():
+            if name.startswith("__dcp_bytes__."):
+                self._bytes[name.removeprefix("__dcp_bytes__.")] = value
+        md: dict[str, Any] = {}
+        for name, t in desc["tensors"].items():
+            shape = tuple(t["shape"])
+            self._shapes[name] = shape
+            dtype = getattr(torch, t["dtype"])
+            chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
+            md[name] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [chunk])
+        for name in self._bytes:
+            md[name] = BytesStorageMetadata()
+        return Metadata(state_dict_metadata=md, storage_data=self.step, storage_meta=StorageMeta(checkpoint_id=f"step-{self.step}"))
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self.step is None:
+            self.step = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        entries, items = [], []
+        for item in plan.items:
+            fqn = item.storage_index.fqn
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(self._bytes[fqn]))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            box = Box(tuple(item.storage_offsets), tuple(item.lengths), self._shapes[fqn])
+            entries.append(Entry(fqn, target, box.to_dict()))
+            items.append((item, target))
+        if entries:
+            restore_mod.restore_entries(self.ckpt, entries, self.step)
+        for item, target in items:
+            planner.commit_tensor(item, target)
+        return _done(None)
