@@ -31,7 +31,7 @@ from ucpd.ucl import Replicated
 
 from . import embedded, restore as restore_mod, state as state_mod
 from .mapping import Mappings
-from .staging import CudaStager, Entry, copy_to_slot_cpu, dtype_name, layout
+from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
 
 
 def _default_rank_world() -> tuple[int, int]:
