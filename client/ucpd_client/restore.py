@@ -81,23 +81,36 @@ def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[
 
 
 class _Fused:
-    """Copies that read whole CRC chunks contiguously: one native batch copies them and
-    checksums what it reads in the same pass (the common same-layout restore costs one copy)."""
+    """Contiguous copies run as one native batch that checksums the whole CRC chunks it reads
+    in the same pass (a same-layout restore costs one copy). A copy's partial first and last
+    chunks are split off: they are copied normally and their chunks verified on their own."""
 
     def __init__(self):
         self.items: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
         self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
 
-    def take(self, c: Copy, src: dict, arr: np.ndarray, dst_ptr: int, itemsize: int) -> bool:
+    def take(self, c: Copy, src: dict, arr: np.ndarray, dst_ptr: int, itemsize: int) -> list[Copy]:
+        """Queue what of ``c`` can be fused; returns the rest (0, 1 or 2 copies, or ``[c]``)."""
         if not (c.src_view.is_contiguous and c.dst_view.is_contiguous) or c.src_view.numel == 0:
-            return False
+            return [c]
         lo, hi = _byte_range(c.src_view, itemsize)
         chunk = src["chunk"]
-        if lo % chunk or (hi % chunk and hi != src["nbytes"]):
-            return False
-        self.items.setdefault(chunk, []).append((dst_ptr + c.dst_view.offset * itemsize, arr.ctypes.data + lo, hi - lo))
-        self.expect.setdefault(chunk, []).append((c.src_key, lo // chunk))
-        return True
+        body_lo = -(-lo // chunk) * chunk
+        body_hi = hi if hi == src["nbytes"] else hi // chunk * chunk
+        if body_hi <= body_lo or (body_lo - lo) % itemsize or (hi - body_hi) % itemsize:
+            return [c]
+        dst_lo = dst_ptr + c.dst_view.offset * itemsize + (body_lo - lo)
+        self.items.setdefault(chunk, []).append((dst_lo, arr.ctypes.data + body_lo, body_hi - body_lo))
+        self.expect.setdefault(chunk, []).append((c.src_key, body_lo // chunk))
+        rest = []
+        head, tail = (body_lo - lo) // itemsize, (hi - body_hi) // itemsize
+        s0, d0 = c.src_view.offset, c.dst_view.offset
+        if head:
+            rest.append(Copy(c.src_key, View(s0, (head,), (1,)), View(d0, (head,), (1,))))
+        if tail:
+            n = c.src_view.numel
+            rest.append(Copy(c.src_key, View(s0 + n - tail, (tail,), (1,)), View(d0 + n - tail, (tail,), (1,))))
+        return rest
 
     def run(self, sources: list[dict]) -> None:
         for chunk, items in self.items.items():
@@ -156,11 +169,10 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
             on_host = target.device.type == "cpu" and target.is_contiguous()
             host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
             isz = host.element_size()
-            general = [
-                c
-                for c in (Copy(src, _view(sv), _view(dv)) for src, sv, dv in t["copies"])
-                if not fused.take(c, sources[c.src_key], arrays[c.src_key], host.data_ptr(), isz)
-            ]
+            general = []
+            for src, sv, dv in t["copies"]:
+                c = Copy(src, _view(sv), _view(dv))
+                general += fused.take(c, sources[src], arrays[src], host.data_ptr(), isz)
             work.append((target, host, general, t["fills"]))
         verify_sources(sources, arrays, touched_chunks(sources, [c for w in work for c in w[2]]))
         fused.run(sources)

@@ -146,3 +146,26 @@ def test_embedded_daemon_starts_and_outlives_the_trainer(tmp_path, dirs):
         assert ckpt.restore(t) == 3
         assert torch.equal(t["w"], torch.arange(6.0))
         ckpt._conn().call("shutdown")
+
+
+def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemon, dirs):
+    n = (3 << 20) + 7  # 12 MiB + 28 bytes of float32: four CRC chunks, the last one short
+    full = torch.randn(n, generator=torch.Generator().manual_seed(9))
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(1, {"v": full}).wait()
+        for lo, length in ((12345, 2_000_000), (0, (1 << 20) + 3), (n - 1_500_001, 1_500_001), (5, 7)):
+            t = {"v": torch.zeros(length)}
+            ckpt.restore(t, placements={"v": P.Box((lo,), (length,), (n,))})
+            assert torch.equal(t["v"], full[lo : lo + length]), (lo, length)
+        # damage a byte that only a slice's partial first chunk covers
+        slot = sorted(p for p in os.listdir(dirs["shm"]) if p.startswith("slot-"))
+        held = [p for p in slot if os.path.getsize(os.path.join(dirs["shm"], p)) >= full.numel() * 4]
+        with open(os.path.join(dirs["shm"], held[0]), "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0x10]))
+        from ucpd_client.errors import ChecksumMismatch
+
+        with pytest.raises(ChecksumMismatch, match="chunk 0"):
+            ckpt.restore({"v": torch.zeros(2_000_000)}, placements={"v": P.Box((12345,), (2_000_000,), (n,))})

@@ -9,15 +9,16 @@ the CRC of every chunk it reads before it copies.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
-from ..ucl import placement_from_dict, resolve
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import SourcePiece, plan_restore
+from .versions import fragments_of
 
 
 @dataclass(frozen=True)
@@ -38,29 +39,40 @@ class SourceSet:
 
     globals: dict[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
     tensors: dict[Any, SourceTensor]  # source key -> bytes
+    # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
+    # same way is one whole copy, with no planning (the common same-layout restore)
+    same: dict[tuple, Any] = field(default_factory=dict)
+
+
+def _signature(name: str, dtype: str, shape, placement: dict) -> tuple:
+    return (name, dtype, tuple(shape), json.dumps(placement, sort_keys=True, separators=(",", ":")))
 
 
 def from_ram(version, slot_path) -> SourceSet:
     """Sources of a version held in RAM: its ranks' tensors inside their slots."""
-    tensors = {}
+    tensors, same = {}, {}
     for rank, part in version.parts.items():
         path = slot_path(part.slot)
         for idx, t in enumerate(part.tensors):
+            if t.skipped:
+                continue
             tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+            same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
-    return SourceSet(globals_, tensors)
+    return SourceSet(globals_, tensors, same)
 
 
 def from_disk(reader) -> SourceSet:
     """Sources of a flushed version: each consolidated tensor, whole, in its safetensors file."""
-    globals_, tensors = {}, {}
+    globals_, tensors, same = {}, {}, {}
     for name, info in reader.tensors.items():
         shape = tuple(info.shape)
         pieces = [SourcePiece(name, contiguous_view(shape), full_box(shape))] if math.prod(shape) else []
         globals_[name] = (info.dtype, shape, pieces)
         path = str(reader.path / info.file)
         tensors[name] = SourceTensor(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
-    return SourceSet(globals_, tensors)
+        same[_signature(name, info.dtype, shape, {"kind": "replicated"})] = name
+    return SourceSet(globals_, tensors, same)
 
 
 def _view(v: View) -> list:
@@ -76,8 +88,23 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
     used: dict[Any, int] = {}
     table: list[dict] = []
     out_tensors = []
+    def source_index(key) -> int:
+        idx = used.get(key)
+        if idx is None:
+            st = sources.tensors[key]
+            idx = used[key] = len(table)
+            table.append(
+                {"path": st.path, "offset": st.offset, "nbytes": st.nbytes, "dtype": st.dtype, "crcs": list(st.crcs), "chunk": st.chunk}
+            )
+        return idx
+
     for t in targets:
-        frags = resolve(t["name"], placement_from_dict(t["placement"]), tuple(t["shape"]))
+        frags = fragments_of(t["name"], t["placement"], tuple(t["shape"]))
+        twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], t["placement"]))
+        if twin is not None and len(frags) == 1 and not frags[0].fills and frags[0].name == t["name"]:
+            whole = [0, [math.prod(t["shape"])], [1]]
+            out_tensors.append({"name": t["name"], "copies": [[source_index(twin), whole, whole]], "fills": []})
+            continue
         by_name = {}
         for frag in frags:
             if not frag.pieces:
@@ -99,16 +126,7 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
                 )
             by_name[frag.name] = pieces
         cp = plan_restore(frags, by_name)
-        copies = []
-        for c in cp.copies:
-            idx = used.get(c.src_key)
-            if idx is None:
-                st = sources.tensors[c.src_key]
-                idx = used[c.src_key] = len(table)
-                table.append(
-                    {"path": st.path, "offset": st.offset, "nbytes": st.nbytes, "dtype": st.dtype, "crcs": list(st.crcs), "chunk": st.chunk}
-                )
-            copies.append([idx, _view(c.src_view), _view(c.dst_view)])
+        copies = [[source_index(c.src_key), _view(c.src_view), _view(c.dst_view)] for c in cp.copies]
         fills = [[_view(f.view), f.value] for f in cp.fills]
         out_tensors.append({"name": t["name"], "copies": copies, "fills": fills})
     return {"sources": table, "tensors": out_tensors}

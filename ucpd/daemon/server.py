@@ -218,6 +218,8 @@ class Daemon:
         """Fault in the rank's next slot now, so its next snapshot never waits for pages."""
         if not self.config.prepare_spare or self.store.spare_slots(rank) or rank in self.store._preparing:
             return
+        if not self.store.slots.fits(self.store.slots.round_size(size)):
+            return  # a spare never evicts a version: the next begin will reuse or evict
         try:
             sid, path, size = self.store.reserve_new_slot(size)
         except UcpdError:
@@ -364,6 +366,8 @@ class Daemon:
                         self._reply(parked.ident, protocol.error(parked.req_id, err))
                     continue
                 slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None)
+                if parked is not None and not parked.extra.get("spare"):
+                    self._prepare_spare(rank, slot.size)  # the next snapshot's slot, now
                 if parked is not None and parked.ident:
                     reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))

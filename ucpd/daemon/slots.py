@@ -18,6 +18,8 @@ import mmap
 import os
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ..errors import SnapshotRejected
 
 
@@ -62,11 +64,20 @@ def shm_free_bytes(path: str) -> int:
 
 
 def allocate_file(path: str, size: int) -> None:
-    """Create a 0600 segment of ``size`` bytes with every page allocated (faulted) now."""
+    """Create a 0600 segment of ``size`` bytes with every page allocated and touched now.
+
+    ``posix_fallocate`` reserves tmpfs pages but leaves zeroing (and, in a VM, the host's
+    fault-in) to the first write: measured ~1 s/GiB, paid here on a background thread instead
+    of in the trainer's first snapshot. One written byte per page is enough.
+    """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
+            with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+                pages = np.frombuffer(mm, dtype=np.uint8)
+                pages[:: mmap.PAGESIZE] = 0
+                del pages
         except OSError as exc:
             os.unlink(path)
             raise SnapshotRejected(

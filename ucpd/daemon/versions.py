@@ -16,6 +16,8 @@ Thread-safety: callers hold the daemon's state lock.
 from __future__ import annotations
 
 import enum
+import functools
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,6 +26,17 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import PlacementMismatch
 from ..ucl import placement_from_dict, resolve
 from ..ucl.plan import SourcePiece
+
+
+@functools.lru_cache(maxsize=65536)
+def _fragments(name: str, placement_json: str, shape: tuple[int, ...]):
+    return tuple(resolve(name, placement_from_dict(json.loads(placement_json)), shape))
+
+
+def fragments_of(name: str, placement: dict, shape: tuple[int, ...]):
+    """``resolve`` of a wire placement, memoised: a job snapshots the same layout every step,
+    so commit validation, indexing and restore planning resolve each tensor once."""
+    return _fragments(name, json.dumps(placement, sort_keys=True, separators=(",", ":")), tuple(shape))
 
 
 class VersionState(enum.Enum):
@@ -118,7 +131,7 @@ class Version:
             out: dict[str, GlobalTensor] = {}
             for rank in sorted(self.parts):
                 for idx, t in enumerate(self.parts[rank].tensors):
-                    for frag in resolve(t.name, placement_from_dict(t.placement), t.shape):
+                    for frag in fragments_of(t.name, t.placement, t.shape):
                         if not frag.pieces:
                             continue  # partition padding: nothing global to keep
                         g = out.get(frag.name)
@@ -183,7 +196,7 @@ def check_skipped_covered(version: "Version") -> None:
     for rank, part in version.parts.items():
         for t in part.tensors:
             if t.skipped:
-                frags = resolve(t.name, placement_from_dict(t.placement), t.shape)
+                frags = fragments_of(t.name, t.placement, t.shape)
                 try:
                     plan_restore(frags, by_name)
                 except PlacementMismatch as exc:
@@ -275,7 +288,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     if skipped:
         if raw["nbytes"] or raw["crcs"]:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
-        resolve(name, placement_from_dict(raw["placement"]), tuple(raw["shape"]))
+        fragments_of(name, raw["placement"], tuple(raw["shape"]))
         return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True)
     if numel * dt.itemsize != raw["nbytes"]:
         raise ProtocolError(
@@ -290,6 +303,5 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     chunks = (raw["nbytes"] + CHUNK_BYTES - 1) // CHUNK_BYTES
     if len(raw["crcs"]) != chunks:
         raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
-    placement = placement_from_dict(raw["placement"])
-    resolve(name, placement, tuple(raw["shape"]))  # shape must agree with the placement
+    fragments_of(name, raw["placement"], tuple(raw["shape"]))  # shape must agree with the placement
     return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]))
