@@ -14,6 +14,7 @@ talks to the daemon has its own connection.
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import queue
@@ -25,13 +26,25 @@ from typing import Any, Mapping
 import torch
 
 from ucpd import knobs, native
-from ucpd.errors import UcpdError
+from ucpd.errors import InvalidPlacement, UcpdError
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 
 from . import embedded, restore as restore_mod, state as state_mod
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
+
+
+_REPLICATED = Replicated().to_dict()
+
+
+@functools.lru_cache(maxsize=1)
+def _dtensor_class() -> type:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return type(None)
+    return DTensor
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -163,21 +176,16 @@ class Checkpointer:
         return handle
 
     def _entry(self, name: str, t: torch.Tensor, placement) -> Entry:
-        from ucpd.errors import InvalidPlacement
-
-        try:
-            from torch.distributed.tensor import DTensor
-        except ImportError:  # pragma: no cover - old torch
-            DTensor = ()
-        if isinstance(t, DTensor):
+        if type(t) is not torch.Tensor and isinstance(t, _dtensor_class()):
             from .placement import from_dtensor
 
             placement = placement or from_dtensor(t)
             t = t.to_local()
-        p = placement if placement is not None else Replicated()
-        if not hasattr(p, "to_dict"):
-            raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {p!r}")
-        return Entry(name, t.detach(), p.to_dict())
+        if placement is None:
+            return Entry(name, t.detach(), _REPLICATED)
+        if not hasattr(placement, "to_dict"):
+            raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {placement!r}")
+        return Entry(name, t.detach(), placement.to_dict())
 
     def _work(self) -> None:
         while True:
