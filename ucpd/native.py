@@ -4,7 +4,8 @@ What it offers, all on raw bytes (it never interprets elements):
 
 - parallel memcpy over a persistent thread pool: :func:`copy`, :func:`copy_ptr`, and
   :func:`copy_batch` (many tensors in one call, optionally with per-chunk CRC32C of the source
-  computed in the same pass: the snapshot hot path);
+  computed in the same pass: the snapshot hot path); strided N-D windows (resharding):
+  :func:`copy_window` (numpy views) and :func:`copy_strided` (raw addresses);
 - CRC32C (Castagnoli; identical to the ``crc32c`` package): :func:`crc32c`, :func:`crc32c_ptr`,
   :func:`crc32c_combine`, :func:`crc32c_chunks`, :func:`crc32c_chunks_ptr`;
 - parity: :func:`xor_parity` (any number of buffers, unequal lengths zero-padded) and a systematic
@@ -29,9 +30,12 @@ CUDA call failing raises :class:`CudaError` (also a ``RuntimeError``).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Optional, Union
+
+import numpy as np
 
 from ucpd import _native
 from ucpd.errors import UcpdError
@@ -45,6 +49,8 @@ __all__ = [
     "copy",
     "copy_ptr",
     "copy_batch",
+    "copy_strided",
+    "copy_window",
     "crc32c",
     "crc32c_ptr",
     "crc32c_combine",
@@ -179,6 +185,88 @@ def copy_batch(
     if crc_chunk < 0:
         raise NativeError(f"crc_chunk must be >= 0, got {crc_chunk}")
     return _call(_native.copy_batch, items, _threads(threads), crc_chunk)
+
+
+def copy_strided(
+    dst_ptr: int,
+    dst_strides: Sequence[int],
+    src_ptr: int,
+    src_strides: Sequence[int],
+    shape: Sequence[int],
+    itemsize: int,
+    threads: Optional[int] = None,
+) -> None:
+    """Copy the N-D window ``shape`` from address ``src_ptr`` to ``dst_ptr``.
+
+    Strides are in *elements* of ``itemsize`` bytes (one per dimension, both sides, all >= 0, any
+    order: permuted, stepped, broadcast with 0 on the source). Dimensions are reordered and merged
+    where contiguous on both sides; the innermost contiguous run is one memcpy, else elements are
+    copied one by one. Work is split across threads (rows, or parts of long rows); windows under
+    512 KiB run inline. A destination dimension of stride 0 receives its last index (as
+    ``np.copyto``); the windows must not overlap each other.
+
+    Args:
+        dst_ptr, src_ptr: addresses of element ``(0, ..., 0)``; may be 0 for an empty window.
+        dst_strides, src_strides, shape: one int per dimension, at most 16 dimensions.
+        itemsize: bytes per element (> 0).
+        threads: threads to use (None: :func:`default_threads`).
+
+    Raises:
+        NativeError: lengths differ, more than 16 dimensions, a negative size or stride,
+            ``itemsize <= 0``, or a null pointer with a non-empty window.
+    """
+    if itemsize <= 0:
+        raise NativeError(f"itemsize must be > 0, got {itemsize}")
+    _call(
+        _native.copy_strided, dst_ptr, list(dst_strides), src_ptr, list(src_strides), list(shape),
+        itemsize, _threads(threads),
+    )
+
+
+def copy_window(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = None) -> None:
+    """``dst[...] = src`` for two numpy views of one shape and item size, contiguous or strided.
+
+    The multi-threaded, GIL-free equivalent of ``np.copyto(dst, src)`` without casting or
+    broadcasting: bytes are moved, never converted (the dtypes may differ if their item sizes
+    agree). Either side may be any view with non-negative strides (slices with steps, column
+    shards, transposes, ``as_strided`` windows; 0 strides on ``src``). Byte strides that are not
+    multiples of the item size are handled (the copy then works on smaller units).
+
+    Raises:
+        NativeError: not numpy arrays, shapes or item sizes differ, ``dst`` is read-only, or a
+            negative stride.
+    """
+    if not isinstance(dst, np.ndarray) or not isinstance(src, np.ndarray):
+        raise NativeError(
+            f"copy_window: dst and src must be numpy arrays, got {type(dst).__name__} and "
+            f"{type(src).__name__}"
+        )
+    if dst.shape != src.shape:
+        raise NativeError(f"copy_window: shapes differ: dst {dst.shape}, src {src.shape}")
+    if dst.itemsize != src.itemsize:
+        raise NativeError(
+            f"copy_window: item sizes differ: dst {dst.itemsize}, src {src.itemsize} bytes"
+        )
+    if not dst.flags.writeable:
+        raise NativeError("copy_window: dst is read-only")
+    if dst.size == 0:
+        return
+    item = dst.itemsize
+    shape = list(dst.shape)
+    dstr, sstr = list(dst.strides), list(src.strides)
+    if any(s < 0 for s in dstr) or any(s < 0 for s in sstr):
+        raise NativeError(
+            f"copy_window: negative strides are not supported (dst {dst.strides}, src {src.strides})"
+        )
+    unit = math.gcd(item, *dstr, *sstr)  # strides from as_strided / structured views may be odd
+    if unit != item:
+        shape.append(item // unit)
+        dstr.append(unit)
+        sstr.append(unit)
+    copy_strided(
+        dst.ctypes.data, [s // unit for s in dstr], src.ctypes.data, [s // unit for s in sstr],
+        shape, unit, threads,
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -4,6 +4,8 @@
 
 On one pre-faulted buffer of N MiB (default 1024) it measures, as medians of R repetitions:
 - copy: ctypes.memmove (one-thread memcpy ceiling), numpy.copyto, native copy 1 and 2 threads;
+- strided windows: a column half of an fp32 [8192, 8192] tensor (smaller when N < 256 MiB) read
+  out of it and written into it, native copy_window 1 and 2 threads vs numpy.copyto;
 - copy_batch of 544 GPT-like fp32 tensors (weights + two Adam moments) into a packed slot,
   without and with per-chunk CRC32C (4 MiB chunks), and the CRC/copy fusion variants;
 - CRC32C: native 1 thread, crc32c_chunks 2 threads, the `crc32c` package, zlib.crc32;
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import math
 import os
 import platform
 import statistics
@@ -102,6 +105,22 @@ def main(argv=None) -> int:
     run("native copy 2T", lambda: native.copy(dst, src, threads=2))
     assert np.array_equal(dst[:4096], src[:4096]) and np.array_equal(dst[-4096:], src[-4096:])
 
+    # -- strided windows (resharding): column halves of an fp32 [S, S] tensor (S = 8192 from
+    # 256 MiB up), read out of it (src strided) and written into it (dst strided)
+    side = min(8192, math.isqrt(n // 4)) // 2 * 2
+    full = src[: side * side * 4].view(np.float32).reshape(side, side)
+    whole = dst[: side * side * 4].view(np.float32).reshape(side, side)
+    half = np.ones((side, side // 2), np.float32)  # pre-faulted
+    hb, c = half.nbytes, side // 2
+    run(f"window src [{side},{c}] numpy.copyto", lambda: np.copyto(half, full[:, c:]), hb)
+    run(f"window src [{side},{c}] native 1T", lambda: native.copy_window(half, full[:, c:], threads=1), hb)
+    run(f"window src [{side},{c}] native 2T", lambda: native.copy_window(half, full[:, c:], threads=2), hb)
+    assert np.array_equal(half.view(np.uint32), full[:, c:].view(np.uint32))  # bits: NaNs
+    run(f"window dst [{side},{c}] numpy.copyto", lambda: np.copyto(whole[:, c:], half), hb)
+    run(f"window dst [{side},{c}] native 1T", lambda: native.copy_window(whole[:, c:], half, threads=1), hb)
+    run(f"window dst [{side},{c}] native 2T", lambda: native.copy_window(whole[:, c:], half, threads=2), hb)
+    assert np.array_equal(whole[:, c:].view(np.uint32), half.view(np.uint32))
+
     # -- copy_batch: 544 tensors packed at 64-byte aligned offsets of a slot
     sizes = gpt_tensors(n - 544 * 64)
     items, o = [], 0
@@ -155,6 +174,10 @@ def main(argv=None) -> int:
         "native 2T / memcpy": ratio("native copy 2T", "memcpy (ctypes.memmove) 1T"),
         "native 2T / native 1T": ratio("native copy 2T", "native copy 1T"),
         "native 1T / numpy.copyto": ratio("native copy 1T", "numpy.copyto"),
+        "window src 1T / numpy.copyto": ratio(f"window src [{side},{c}] native 1T", f"window src [{side},{c}] numpy.copyto"),
+        "window src 2T / numpy.copyto": ratio(f"window src [{side},{c}] native 2T", f"window src [{side},{c}] numpy.copyto"),
+        "window dst 1T / numpy.copyto": ratio(f"window dst [{side},{c}] native 1T", f"window dst [{side},{c}] numpy.copyto"),
+        "window dst 2T / numpy.copyto": ratio(f"window dst [{side},{c}] native 2T", f"window dst [{side},{c}] numpy.copyto"),
         "copy_batch 1T / memcpy": ratio("copy_batch 544 tensors 1T", "memcpy (ctypes.memmove) 1T"),
         "copy_batch 2T / memcpy": ratio("copy_batch 544 tensors 2T", "memcpy (ctypes.memmove) 1T"),
         "copy_batch+crc 1T / copy_batch 1T": ratio("copy_batch +crc32c 1T", "copy_batch 544 tensors 1T"),

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "crc32c.h"
 #include "thread_pool.h"
@@ -74,6 +76,35 @@ __attribute__((target("avx2"))) void copy_stream_avx2(unsigned char* d, const un
   stream_run(d, s, n);
   _mm_sfence();  // streaming stores are weakly ordered: drain before the task reports done
 }
+
+// Streaming copy of one run of a strided window (a few KiB to a few hundred KiB, at any page
+// offset): 64-byte align the destination, then walk four equal quarters of the run at once (one
+// 128-byte step in each, round robin), the idea of copy_stream_avx2 without its need for whole
+// aligned 4-page groups. No fence: the caller issues one _mm_sfence after its last run.
+__attribute__((target("avx2"))) void stream_quarters_avx2(unsigned char* d,
+                                                          const unsigned char* s, std::size_t n) {
+  std::size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  if (head > n) head = n;
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  const std::size_t q = n / 512 * 128;  // bytes per quarter, a multiple of 128
+  for (std::size_t l = 0; l < q; l += 128) {
+    for (std::size_t p = 0; p < 4 * q; p += q) {
+      const unsigned char* ss = s + p + l;
+      unsigned char* dd = d + p + l;
+      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ss));
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ss + 32));
+      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ss + 64));
+      const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ss + 96));
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dd), a);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dd + 32), b);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dd + 64), c);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(dd + 96), e);
+    }
+  }
+  stream_run(d + 4 * q, s + 4 * q, n - 4 * q);
+}
+
 #endif
 
 CopyFn stream_copy_fn() {
@@ -211,6 +242,237 @@ void copy_parallel(void* dst, const void* src, std::size_t n, int threads) {
   CopyOptions o;
   o.threads = threads;
   copy_batch({CopyItem{dst, src, n}}, o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Strided (N-D window) copy
+
+namespace {
+
+// Runs of a strided copy at least this long are written with streaming stores (four quarters of
+// the run at once, see stream_quarters_avx2) when the whole window is at least kMinTask bytes.
+// Measured on [N, 2k] <-> [N, k] column windows of 128 MiB (1 and 2 threads): from 1 KiB runs
+// 1.2-1.6x faster than memcpy when the destination is strided; when only the source is, about
+// even for 1-4 KiB runs and 1.1-1.3x faster for 8-16 KiB runs.
+constexpr std::size_t kStridedStreamRun = 1024;
+
+// The streaming run copier, or null when the CPU has none (then memcpy). It issues no fence.
+CopyFn strided_stream_fn() {
+  static const CopyFn fn = [] {
+#ifdef UCPD_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) return static_cast<CopyFn>(stream_quarters_avx2);
+#endif
+    return static_cast<CopyFn>(nullptr);
+  }();
+  return fn;
+}
+
+struct SDim {
+  std::size_t n, ds, ss;  // size, destination and source strides in bytes
+};
+
+// A collapsed window: outer dimensions (outer[0] slowest) over rows; a row is `len` bytes
+// contiguous on both sides (contig) or `len` elements of `unit` bytes at byte strides ds / ss.
+struct StridedPlan {
+  unsigned char* dst = nullptr;
+  const unsigned char* src = nullptr;
+  SDim outer[kMaxStridedDims];
+  int nouter = 0;
+  std::size_t rows = 1;
+  bool contig = true;
+  std::size_t len = 0, unit = 1, ds = 0, ss = 0;
+  bool stream = false;  // write runs of at least kStridedStreamRun bytes with streaming stores
+};
+
+template <std::size_t U>
+void copy_elems_t(unsigned char* d, const unsigned char* s, std::size_t n, std::size_t ds,
+                  std::size_t ss) {
+  for (; n; --n, d += ds, s += ss) std::memcpy(d, s, U);
+}
+
+void copy_elems(unsigned char* d, const unsigned char* s, std::size_t n, std::size_t unit,
+                std::size_t ds, std::size_t ss) {
+  switch (unit) {
+    case 1: return copy_elems_t<1>(d, s, n, ds, ss);
+    case 2: return copy_elems_t<2>(d, s, n, ds, ss);
+    case 4: return copy_elems_t<4>(d, s, n, ds, ss);
+    case 8: return copy_elems_t<8>(d, s, n, ds, ss);
+    case 16: return copy_elems_t<16>(d, s, n, ds, ss);
+    default:
+      for (; n; --n, d += ds, s += ss) std::memcpy(d, s, unit);
+  }
+}
+
+// Copies part [a, b) (bytes if contig, else elements) of every row in [r0, r1).
+void copy_rows(const StridedPlan& p, std::size_t r0, std::size_t r1, std::size_t a,
+               std::size_t b) {
+  if (a >= b) return;
+  std::size_t idx[kMaxStridedDims];
+  std::size_t doff = 0, soff = 0, r = r0;
+  for (int k = p.nouter - 1; k >= 0; --k) {
+    const SDim& g = p.outer[k];
+    idx[k] = r % g.n;
+    r /= g.n;
+    doff += idx[k] * g.ds;
+    soff += idx[k] * g.ss;
+  }
+  const CopyFn stream =
+      p.contig && p.stream && b - a >= kStridedStreamRun ? strided_stream_fn() : nullptr;
+  for (std::size_t row = r0; row < r1; ++row) {
+    unsigned char* d = p.dst + doff;
+    const unsigned char* s = p.src + soff;
+    if (p.contig) {
+      if (stream)
+        stream(d + a, s + a, b - a);
+      else
+        std::memcpy(d + a, s + a, b - a);
+    } else {
+      copy_elems(d + a * p.ds, s + a * p.ss, b - a, p.unit, p.ds, p.ss);
+    }
+    // Next row: odometer over the outer dimensions (unsigned wrap-around cancels out).
+    for (int k = p.nouter - 1; k >= 0; --k) {
+      const SDim& g = p.outer[k];
+      doff += g.ds;
+      soff += g.ss;
+      if (++idx[k] < g.n) break;
+      idx[k] = 0;
+      doff -= g.n * g.ds;
+      soff -= g.n * g.ss;
+    }
+  }
+#ifdef UCPD_X86
+  if (stream) _mm_sfence();  // streaming stores are weakly ordered: drain before reporting done
+#endif
+}
+
+[[noreturn]] void strided_error(const std::string& what) {
+  throw std::invalid_argument("copy_strided: " + what);
+}
+
+}  // namespace
+
+void copy_strided(void* dst, const std::vector<std::int64_t>& dst_strides, const void* src,
+                  const std::vector<std::int64_t>& src_strides,
+                  const std::vector<std::int64_t>& shape, std::size_t itemsize, int threads) {
+  using u128 = unsigned __int128;
+  constexpr u128 kLimit = u128(1) << 62;
+  const std::size_t nd = shape.size();
+  if (nd > static_cast<std::size_t>(kMaxStridedDims))
+    strided_error("at most " + std::to_string(kMaxStridedDims) + " dimensions, got " +
+                  std::to_string(nd));
+  if (dst_strides.size() != nd || src_strides.size() != nd)
+    strided_error("shape has " + std::to_string(nd) + " dimensions but dst_strides has " +
+                  std::to_string(dst_strides.size()) + " and src_strides " +
+                  std::to_string(src_strides.size()));
+  if (itemsize == 0) strided_error("itemsize must be > 0");
+  bool empty = false;
+  for (std::size_t i = 0; i < nd; ++i) {
+    if (shape[i] < 0)
+      strided_error("negative size " + std::to_string(shape[i]) + " in dimension " +
+                    std::to_string(i));
+    if (dst_strides[i] < 0 || src_strides[i] < 0)
+      strided_error("negative stride in dimension " + std::to_string(i));
+    empty |= shape[i] == 0;
+  }
+  if (empty) return;
+  u128 volume = itemsize, dext = 0, sext = 0;
+  for (std::size_t i = 0; i < nd; ++i) {
+    const u128 n = static_cast<u128>(shape[i]);
+    volume *= n;
+    dext += (n - 1) * static_cast<u128>(dst_strides[i]) * itemsize;
+    sext += (n - 1) * static_cast<u128>(src_strides[i]) * itemsize;
+    if (volume > kLimit || dext > kLimit || sext > kLimit) strided_error("window too large");
+  }
+  if (!dst || !src) strided_error("null pointer with a non-empty window");
+
+  StridedPlan p;
+  p.dst = static_cast<unsigned char*>(dst);
+  p.src = static_cast<const unsigned char*>(src);
+  SDim dims[kMaxStridedDims];
+  int k = 0;
+  for (std::size_t i = 0; i < nd; ++i) {
+    const std::size_t n = static_cast<std::size_t>(shape[i]);
+    const std::size_t ds = static_cast<std::size_t>(dst_strides[i]) * itemsize;
+    const std::size_t ss = static_cast<std::size_t>(src_strides[i]) * itemsize;
+    if (n == 1) continue;
+    if (ds == 0) {  // every index lands on the same destination: the last one wins (numpy)
+      p.src += (n - 1) * ss;
+      continue;
+    }
+    dims[k++] = SDim{n, ds, ss};
+  }
+  // Destination-stride order (slowest first): writes go forward, and a dimension contiguous on
+  // both sides ends up innermost. Iteration order does not change the result.
+  std::stable_sort(dims, dims + k, [](const SDim& a, const SDim& b) {
+    return a.ds != b.ds ? a.ds > b.ds : a.ss > b.ss;
+  });
+  // Merge each dimension into its outer neighbour when the pair is contiguous on both sides.
+  SDim merged[kMaxStridedDims];
+  int m = 0;
+  for (int i = 0; i < k; ++i) {
+    const SDim& g = dims[i];
+    if (m > 0 && merged[m - 1].ds == g.n * g.ds && merged[m - 1].ss == g.n * g.ss) {
+      merged[m - 1] = SDim{merged[m - 1].n * g.n, g.ds, g.ss};
+    } else {
+      merged[m++] = g;
+    }
+  }
+  if (m == 0) {
+    p.contig = true;
+    p.len = itemsize;
+  } else if (merged[m - 1].ds == itemsize && merged[m - 1].ss == itemsize) {
+    p.contig = true;
+    p.len = merged[m - 1].n * itemsize;
+    --m;
+  } else {
+    p.contig = false;
+    p.len = merged[m - 1].n;
+    p.unit = itemsize;
+    p.ds = merged[m - 1].ds;
+    p.ss = merged[m - 1].ss;
+    --m;
+  }
+  p.nouter = m;
+  for (int i = 0; i < m; ++i) {
+    p.outer[i] = merged[i];
+    p.rows *= merged[i].n;
+  }
+
+  const std::size_t total = static_cast<std::size_t>(volume);
+  if (p.contig && p.rows == 1) {  // one run: the contiguous copy (split across threads)
+    copy_parallel(p.dst, p.src, p.len, threads);
+    return;
+  }
+  p.stream = total >= kMinTask;
+  std::size_t want = 1;
+  if (threads > 1 && total >= 2 * kMinTask)
+    want = std::min<std::size_t>(static_cast<std::size_t>(threads) * kTasksPerThread,
+                                 total / kMinTask);
+  if (want <= 1) {
+    copy_rows(p, 0, p.rows, 0, p.len);
+    return;
+  }
+  if (p.rows >= want) {  // balanced runs of whole rows
+    const std::size_t rows = p.rows;
+    parallel_for(want, threads, [&](std::size_t t) {
+      copy_rows(p, static_cast<std::size_t>(u128(rows) * t / want),
+                static_cast<std::size_t>(u128(rows) * (t + 1) / want), 0, p.len);
+    });
+    return;
+  }
+  // Few long rows: split every row into `pieces` parts (64-byte multiples when contiguous).
+  const std::size_t pieces = (want + p.rows - 1) / p.rows;
+  auto bound = [&](std::size_t j) -> std::size_t {
+    if (j >= pieces) return p.len;
+    std::size_t x = static_cast<std::size_t>(u128(p.len) * j / pieces);
+    if (p.contig) x &= ~std::size_t(63);
+    return x;
+  };
+  parallel_for(p.rows * pieces, threads, [&](std::size_t t) {
+    const std::size_t r = t / pieces, j = t % pieces;
+    copy_rows(p, r, r + 1, bound(j), bound(j + 1));
+  });
 }
 
 }  // namespace ucpd

@@ -38,4 +38,20 @@ std::vector<std::vector<uint32_t>> copy_batch(const std::vector<CopyItem>& items
 // One contiguous copy of n bytes, split across `threads` threads when it is large enough.
 void copy_parallel(void* dst, const void* src, std::size_t n, int threads);
 
+constexpr int kMaxStridedDims = 16;
+
+// Copies the N-D window `shape` (ndim <= kMaxStridedDims; ndim 0 is one element) from src to
+// dst. Strides are in elements of `itemsize` bytes, one per dimension and side, all >= 0 (any
+// order). Dimensions are reordered (destination-stride order), size-1 ones dropped and
+// neighbours contiguous on both sides merged; the innermost run contiguous on both sides is
+// copied with memcpy (streaming stores for long runs), otherwise element by element. Work is
+// split across `threads` threads in balanced pieces (rows, or parts of rows when there are few);
+// windows under 512 KiB run inline. A destination dimension of stride 0 receives its last index
+// (as numpy's copyto); other aliasing destination elements and src/dst overlap are the caller's
+// problem. Throws std::invalid_argument for bad sizes/strides, or null pointers with a non-zero
+// volume. A zero-volume window copies nothing (pointers may be null).
+void copy_strided(void* dst, const std::vector<std::int64_t>& dst_strides, const void* src,
+                  const std::vector<std::int64_t>& src_strides,
+                  const std::vector<std::int64_t>& shape, std::size_t itemsize, int threads);
+
 }  // namespace ucpd

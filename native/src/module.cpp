@@ -85,6 +85,15 @@ NB_MODULE(_native, m) {
     copy_parallel(as_ptr(dst), as_ptr(src), n, threads);
   }, "dst_ptr"_a, "src_ptr"_a, "nbytes"_a, "threads"_a);
 
+  m.def("copy_strided", [](uintptr_t dst, const std::vector<int64_t>& dst_strides, uintptr_t src,
+                           const std::vector<int64_t>& src_strides,
+                           const std::vector<int64_t>& shape, std::size_t itemsize, int threads) {
+    threads = check_threads(threads);
+    nb::gil_scoped_release nogil;
+    copy_strided(as_ptr(dst), dst_strides, as_ptr(src), src_strides, shape, itemsize, threads);
+  }, "dst_ptr"_a, "dst_strides"_a, "src_ptr"_a, "src_strides"_a, "shape"_a, "itemsize"_a,
+     "threads"_a);
+
   m.def("copy_batch", [](nb::handle items, int threads, std::size_t crc_chunk,
                          const std::string& mode, std::size_t block) -> nb::object {
     CopyOptions o;

@@ -3,8 +3,9 @@
 Buffers are 1-D, C-contiguous numpy arrays of a dtype's storage type
 (``ucpd.dtypes.DType.storage``: unsigned integers of the element width). Elements are moved,
 never converted. Every block copy goes through :func:`_copy_block`, which uses
-``ucpd.native.copy`` (multi-threaded, releases the GIL) for large contiguous blocks when the
-native module is built, and ``np.copyto`` otherwise.
+``ucpd.native.copy`` (multi-threaded, releases the GIL) for large contiguous blocks and
+``ucpd.native.copy_window`` for large strided ones (resharded layouts: column shards and the
+like) when the native module is built, and ``np.copyto`` otherwise.
 
 :func:`execute_torch` does the same on torch CPU tensors through zero-copy numpy views (numpy has
 no bfloat16). torch is imported only there, so ``ucpd.ucl`` works without torch.
@@ -25,9 +26,11 @@ from ..errors import PlacementMismatch
 from .geometry import View
 from .plan import CopyPlan
 
-NATIVE_MIN_BYTES = 1 << 20  # blocks at least this large go to ucpd.native.copy when present
+NATIVE_MIN_BYTES = 1 << 20  # contiguous blocks at least this large go to ucpd.native.copy
+NATIVE_WINDOW_MIN_BYTES = 256 << 10  # strided blocks at least this large: ucpd.native.copy_window
 
 _native_copy: Any = None  # None: not looked up yet; False: unavailable; else the function
+_native_copy_window: Any = None  # the same for ucpd.native.copy_window
 
 
 def _native() -> Any:
@@ -42,12 +45,30 @@ def _native() -> Any:
     return _native_copy
 
 
+def _native_window() -> Any:
+    global _native_copy_window
+    if _native_copy_window is None:
+        try:
+            from .. import native
+
+            _native_copy_window = native.copy_window
+        except (ImportError, AttributeError, OSError):
+            _native_copy_window = False
+    return _native_copy_window
+
+
 def _copy_block(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy ``src`` into ``dst`` (equal shapes and item sizes). The one place bytes move."""
-    if dst.nbytes >= NATIVE_MIN_BYTES and dst.flags.c_contiguous and src.flags.c_contiguous:
-        copy = _native()
-        if copy:
-            copy(dst.reshape(-1), src.reshape(-1))
+    if dst.flags.c_contiguous and src.flags.c_contiguous:
+        if dst.nbytes >= NATIVE_MIN_BYTES:
+            copy = _native()
+            if copy:
+                copy(dst.reshape(-1), src.reshape(-1))
+                return
+    elif dst.nbytes >= NATIVE_WINDOW_MIN_BYTES:
+        copy_window = _native_window()
+        if copy_window:  # strided windows (strides >= 0, checked by window()): multi-threaded
+            copy_window(dst, src)
             return
     np.copyto(dst, src, casting="no")
 
