@@ -76,7 +76,7 @@ __all__ = [
 ]
 
 #: Bytes per checksum chunk (the repository-wide convention, see docs/ARCHITECTURE.md).
-CHUNK_BYTES: int = 4 << 20
+CHUNK_BYTES: int = 1 << 20  # per-chunk CRCs of snapshots in RAM: a resharded restore re-reads at most a chunk at each edge
 
 #: Default size below which :func:`pack_d2h` / :func:`unpack_h2d` copy an item with the
 #: batched kernel instead of one copy-engine transfer each.

@@ -80,46 +80,74 @@ def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[
                 raise _damaged(src, i, crc)
 
 
-class _Fused:
-    """Contiguous copies run as one native batch that checksums the whole CRC chunks it reads
-    in the same pass (a same-layout restore costs one copy). A copy's partial first and last
-    chunks are split off: they are copied normally and their chunks verified on their own."""
+class _Executor:
+    """Runs a restore plan's copies in the cheapest way each allows, reading every byte it
+    copies once where it can:
 
-    def __init__(self):
-        self.items: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
+    - contiguous whole CRC chunks: one native batch copies them and checksums what it reads
+      in the same pass (a same-layout restore is just this);
+    - contiguous partial chunks (a slice's first and last): one native batch without CRC,
+      after their chunks are verified on their own;
+    - strided windows: per source, its touched chunks are verified and then copied while
+      they are still in cache (multi-threaded native window copies inside ``execute``).
+    """
+
+    def __init__(self, sources: list[dict], arrays: list[np.ndarray]):
+        self.sources, self.arrays = sources, arrays
+        self.fused: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
         self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
+        self.plain: list[tuple[int, int, int]] = []
+        self.plain_copies: list[Copy] = []  # what `plain` reads, for verification
+        self.strided: dict[int, list[tuple[np.ndarray, Copy]]] = {}
 
-    def take(self, c: Copy, src: dict, arr: np.ndarray, dst_ptr: int, itemsize: int) -> list[Copy]:
-        """Queue what of ``c`` can be fused; returns the rest (0, 1 or 2 copies, or ``[c]``)."""
-        if not (c.src_view.is_contiguous and c.dst_view.is_contiguous) or c.src_view.numel == 0:
-            return [c]
+    def add(self, c: Copy, host: torch.Tensor) -> None:
+        src, itemsize = self.sources[c.src_key], host.element_size()
+        if c.src_view.numel == 0:
+            return
+        if not (c.src_view.is_contiguous and c.dst_view.is_contiguous):
+            self.strided.setdefault(c.src_key, []).append((_numpy_view(host), c))
+            return
         lo, hi = _byte_range(c.src_view, itemsize)
         chunk = src["chunk"]
         body_lo = -(-lo // chunk) * chunk
         body_hi = hi if hi == src["nbytes"] else hi // chunk * chunk
+        dst = host.data_ptr() + c.dst_view.offset * itemsize - lo  # + a source byte offset
+        base = self.arrays[c.src_key].ctypes.data
         if body_hi <= body_lo or (body_lo - lo) % itemsize or (hi - body_hi) % itemsize:
-            return [c]
-        dst_lo = dst_ptr + c.dst_view.offset * itemsize + (body_lo - lo)
-        self.items.setdefault(chunk, []).append((dst_lo, arr.ctypes.data + body_lo, body_hi - body_lo))
+            self._plain(c, dst, base, lo, hi)
+            return
+        self.fused.setdefault(chunk, []).append((dst + body_lo, base + body_lo, body_hi - body_lo))
         self.expect.setdefault(chunk, []).append((c.src_key, body_lo // chunk))
-        rest = []
-        head, tail = (body_lo - lo) // itemsize, (hi - body_hi) // itemsize
-        s0, d0 = c.src_view.offset, c.dst_view.offset
-        if head:
-            rest.append(Copy(c.src_key, View(s0, (head,), (1,)), View(d0, (head,), (1,))))
-        if tail:
-            n = c.src_view.numel
-            rest.append(Copy(c.src_key, View(s0 + n - tail, (tail,), (1,)), View(d0 + n - tail, (tail,), (1,))))
-        return rest
+        if body_lo > lo:
+            self._plain(c, dst, base, lo, body_lo)
+        if hi > body_hi:
+            self._plain(c, dst, base, body_hi, hi)
 
-    def run(self, sources: list[dict]) -> None:
-        for chunk, items in self.items.items():
-            got = native.copy_batch(items, threads=knobs.copy_threads(), crc_chunk=chunk)
+    def _plain(self, c: Copy, dst: int, base: int, lo: int, hi: int) -> None:
+        itemsize = lookup_dtype(self.sources[c.src_key]["dtype"]).itemsize
+        self.plain.append((dst + lo, base + lo, hi - lo))
+        n = (hi - lo) // itemsize
+        self.plain_copies.append(Copy(c.src_key, View(lo // itemsize, (n,), (1,)), View(0, (n,), (1,))))
+
+    def run(self) -> None:
+        threads = knobs.copy_threads()
+        verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.plain_copies))
+        if self.plain:
+            native.copy_batch(self.plain, threads=threads)
+        for chunk, items in self.fused.items():
+            got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
             for (key, first), crcs in zip(self.expect[chunk], got):
-                src = sources[key]
+                src = self.sources[key]
                 for j, crc in enumerate(crcs):
                     if crc != src["crcs"][first + j]:
                         raise _damaged(src, first + j, crc)
+        for key, work in self.strided.items():
+            verify_sources(self.sources, self.arrays, touched_chunks(self.sources, [c for _, c in work]))
+            by_dst: dict[int, tuple[np.ndarray, list[Copy]]] = {}
+            for dst, c in work:
+                by_dst.setdefault(id(dst), (dst, []))[1].append(c)
+            for dst, copies in by_dst.values():
+                execute(CopyPlan(copies=tuple(copies), fills=()), {key: self.arrays[key]}, dst)
 
 
 def merged_values(objects: Mapping[int, bytes], rank: int) -> dict[str, Any]:
@@ -162,24 +190,17 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
             if s["offset"] + s["nbytes"] > whole.nbytes:
                 raise PlacementMismatch(f"restore source {s['path']} is shorter than the plan says")
             arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage))
-        fused = _Fused()
-        work = []  # (target, host buffer, general copies, fills)
+        run = _Executor(sources, arrays)
+        finish = []  # (target, host buffer, fills)
         for e, t in zip(entries, plan["tensors"]):
             target = e.tensor
             on_host = target.device.type == "cpu" and target.is_contiguous()
             host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
-            isz = host.element_size()
-            general = []
             for src, sv, dv in t["copies"]:
-                c = Copy(src, _view(sv), _view(dv))
-                general += fused.take(c, sources[src], arrays[src], host.data_ptr(), isz)
-            work.append((target, host, general, t["fills"]))
-        verify_sources(sources, arrays, touched_chunks(sources, [c for w in work for c in w[2]]))
-        fused.run(sources)
-        by_key = dict(enumerate(arrays))
-        for target, host, general, fills in work:
-            if general:
-                execute(CopyPlan(copies=tuple(general), fills=()), by_key, _numpy_view(host))
+                run.add(Copy(src, _view(sv), _view(dv)), host)
+            finish.append((target, host, t["fills"]))
+        run.run()
+        for target, host, fills in finish:
             flat = host.view(-1)
             for (off, shape, strides), value in fills:
                 torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import msgpack
 
+from ..native import CHUNK_BYTES
+
 from .slots import SlotState, SlotStore
 from .versions import RankPart, TensorEntry, Version, VersionState, VersionTable
 
@@ -48,6 +50,7 @@ def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
         )
     doc = {
         "index_version": INDEX_VERSION,
+        "chunk_bytes": CHUNK_BYTES,
         "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots.slots.values()],
         "versions": versions,
     }
@@ -78,6 +81,8 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
                 doc = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
             if not isinstance(doc, dict) or doc.get("index_version") != INDEX_VERSION:
                 raise ValueError("unknown index version")
+            if doc.get("chunk_bytes") != CHUNK_BYTES:
+                raise ValueError(f"its checksums use {doc.get('chunk_bytes')}-byte chunks, this build {CHUNK_BYTES}")
         except Exception as exc:  # a damaged index: start empty rather than trust it
             dropped.append(f"index unreadable ({exc}); starting empty")
             doc = None

@@ -97,6 +97,7 @@ class Daemon:
             self.metrics = Metrics(self, config.metrics_port)
         self._done: queue.Queue = queue.Queue()
         self._parked_begins: dict[int, _Parked] = {}  # slot id being allocated -> who waits
+        self._preparing: set[int] = set()  # ranks whose spare slot is being allocated
         self._waits: list[_Parked] = []
         self._leases: dict[int, tuple[object, float]] = {}
         self._next_lease = 1
@@ -199,6 +200,11 @@ class Daemon:
         if slot is not None:
             self._prepare_spare(rank, slot.size)
             return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
+        for sid, parked in self._parked_begins.items():  # this rank's spare is on its way: take it
+            if parked.extra.get("spare") and parked.extra["rank"] == rank and self.store.slots.slots[sid].size >= nbytes:
+                self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank, "skip": skip})
+                self._preparing.discard(rank)
+                return None
         sid, path, size = self.store.reserve_new_slot(nbytes)
         self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank, "skip": skip})
         self._allocate_async(sid, path, size)
@@ -216,7 +222,7 @@ class Daemon:
 
     def _prepare_spare(self, rank: int, size: int) -> None:
         """Fault in the rank's next slot now, so its next snapshot never waits for pages."""
-        if not self.config.prepare_spare or self.store.spare_slots(rank) or rank in self.store._preparing:
+        if not self.config.prepare_spare or self.store.spare_slots(rank) or rank in self._preparing:
             return
         if not self.store.slots.fits(self.store.slots.round_size(size)):
             return  # a spare never evicts a version: the next begin will reuse or evict
@@ -224,13 +230,14 @@ class Daemon:
             sid, path, size = self.store.reserve_new_slot(size)
         except UcpdError:
             return  # no room for a spare: the next begin will evict or refuse
-        self.store._preparing.add(rank)
+        self._preparing.add(rank)
         self._parked_begins[sid] = _Parked(b"", 0, 0.0, None, {"rank": rank, "spare": True})
         self._allocate_async(sid, path, size)
 
     def _on_commit(self, ident, req_id, body):
         version, committed = self.store.seal(body)
         for v in committed:
+            self._ram_sources(v)  # ready before anyone asks to restore it
             if self.flusher is not None:
                 self.flusher.on_commit(v)
         return {"state": version.state.value}
@@ -287,13 +294,19 @@ class Daemon:
         version = self.store.version_for_restore(step)
         disk = self._disk_latest() if step is None else None
         if version is not None and (disk is None or disk <= version.step):
-            sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+            sources = self._ram_sources(version)
             objects = {r: p.objects for r, p in version.parts.items()}
             return sources, objects, version.step, version, "ram"
         with self._open_disk(step) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): b for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
+
+    def _ram_sources(self, version):
+        """A RAM version's restore sources, indexed once (at commit) and kept with it."""
+        if version.restore_sources is None:
+            version.restore_sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+        return version.restore_sources
 
     def _on_restore(self, ident, req_id, body):
         sources, objects, chosen, pin, where = self._find_version(body.get("step"))
@@ -358,7 +371,7 @@ class Daemon:
             with self.store.lock:
                 rank = parked.extra["rank"] if parked else None
                 if parked is not None and parked.extra.get("spare"):
-                    self.store._preparing.discard(rank)
+                    self._preparing.discard(rank)
                 if exc is not None:
                     self.store.drop_new_slot(sid)
                     if parked is not None and parked.ident:

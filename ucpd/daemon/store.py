@@ -43,7 +43,6 @@ class NodeStore:
         self.adopted = index.load(shm_dir, self.slots, self.table)
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
-        self._preparing: set[int] = set()  # ranks with a background allocation under way
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
 
     # --- snapshot path --------------------------------------------------------------------------
@@ -204,6 +203,7 @@ class NodeStore:
             self.slots.release(p.slot)
         v.parts = {}
         v._globals = None
+        v.restore_sources = None
         self.table.retire(v)
 
     def _make_room(self, size: int) -> None:

@@ -111,6 +111,7 @@ class Version:
     committed_at: float | None = None
     pins: int = 0  # restores and flushes reading it right now
     on_disk: bool = False
+    restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
     _globals: dict[str, GlobalTensor] | None = None
 
     @property

@@ -22,7 +22,7 @@ OBJECTS_FILE = "objects.bin"
 LATEST_FILE = "LATEST"
 CHECKSUM = "crc32c"
 
-CHUNK_BYTES = 4 << 20  # == ucpd.native.CHUNK_BYTES; recorded per version in ucp.json
+CHUNK_BYTES = 4 << 20  # default CRC chunk on disk; recorded per version in ucp.json
 DEFAULT_SHARD_BYTES = 1 << 30
 MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is refused (as upstream)
 
