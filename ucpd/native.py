@@ -42,6 +42,7 @@ from ucpd.errors import UcpdError
 
 __all__ = [
     "CHUNK_BYTES",
+    "scatter_crc",
     "SMALL_COPY_BYTES",
     "NativeError",
     "CudaError",
@@ -185,6 +186,34 @@ def copy_batch(
     if crc_chunk < 0:
         raise NativeError(f"crc_chunk must be >= 0, got {crc_chunk}")
     return _call(_native.copy_batch, items, _threads(threads), crc_chunk)
+
+
+def scatter_crc(
+    dst_ptr: int,
+    dst_strides: Sequence[int],
+    src_ptr: int,
+    shape: Sequence[int],
+    itemsize: int,
+    chunk: int,
+    src_offset: int,
+    threads: Optional[int] = None,
+) -> tuple[int, list[int]]:
+    """Copy a contiguous source range into the strided window ``shape`` at ``dst_ptr`` (element
+    strides ``dst_strides``), checksumming the source in the same pass.
+
+    ``src_offset`` is the byte offset of ``src_ptr`` inside its source tensor, whose CRC chunks
+    are ``chunk`` bytes from the tensor's start. Returns ``(first, crcs)``: the CRC32C of each
+    chunk lying wholly inside the copied range, the first being chunk number ``first``; the
+    partial chunks at either edge are not checksummed (verify them separately).
+
+    Raises:
+        NativeError: mismatched lengths, negative sizes or strides, a ``chunk`` or ``src_offset``
+            that is not a multiple of ``itemsize``, or a null pointer with a non-empty window.
+    """
+    first, crcs = _call(
+        _native.scatter_crc, dst_ptr, list(dst_strides), src_ptr, list(shape), itemsize, chunk, src_offset, _threads(threads)
+    )
+    return first, list(crcs)
 
 
 def copy_strided(

@@ -88,7 +88,9 @@ class _Executor:
       in the same pass (a same-layout restore is just this);
     - contiguous partial chunks (a slice's first and last): one native batch without CRC,
       after their chunks are verified on their own;
-    - strided windows: per source, its touched chunks are verified and then copied while
+    - a contiguous source into a strided window (a whole tensor from inner-dim shards): one
+      native scatter per copy that checksums the whole chunks it reads as it copies;
+    - other strided windows: per source, its touched chunks are verified and then copied while
       they are still in cache (multi-threaded native window copies inside ``execute``).
     """
 
@@ -97,18 +99,27 @@ class _Executor:
         self.fused: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
         self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
         self.plain: list[tuple[int, int, int]] = []
-        self.plain_copies: list[Copy] = []  # what `plain` reads, for verification
+        self.apart: list[Copy] = []  # source ranges whose chunks are verified in a pass of their own
+        self.scatter: list[tuple] = []  # (key, dst_ptr, dst_strides, src_ptr, shape, itemsize, lo)
         self.strided: dict[int, list[tuple[np.ndarray, Copy]]] = {}
 
     def add(self, c: Copy, host: torch.Tensor) -> None:
         src, itemsize = self.sources[c.src_key], host.element_size()
         if c.src_view.numel == 0:
             return
+        lo, hi = _byte_range(c.src_view, itemsize)
+        chunk = src["chunk"]
+        if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
+            base = self.arrays[c.src_key].ctypes.data
+            dst = host.data_ptr() + c.dst_view.offset * itemsize
+            self.scatter.append((c.src_key, dst, c.dst_view.strides, base + lo, c.dst_view.shape, itemsize, lo))
+            for a, b in ((lo, min(hi, -(-lo // chunk) * chunk)), (max(lo, hi // chunk * chunk), hi)):
+                if a < b and (a % chunk or b % chunk):  # scatter_crc checksums whole chunks only
+                    self._apart(c.src_key, a, b, itemsize)
+            return
         if not (c.src_view.is_contiguous and c.dst_view.is_contiguous):
             self.strided.setdefault(c.src_key, []).append((_numpy_view(host), c))
             return
-        lo, hi = _byte_range(c.src_view, itemsize)
-        chunk = src["chunk"]
         body_lo = -(-lo // chunk) * chunk
         body_hi = hi if hi == src["nbytes"] else hi // chunk * chunk
         dst = host.data_ptr() + c.dst_view.offset * itemsize - lo  # + a source byte offset
@@ -124,16 +135,24 @@ class _Executor:
             self._plain(c, dst, base, body_hi, hi)
 
     def _plain(self, c: Copy, dst: int, base: int, lo: int, hi: int) -> None:
-        itemsize = lookup_dtype(self.sources[c.src_key]["dtype"]).itemsize
         self.plain.append((dst + lo, base + lo, hi - lo))
+        self._apart(c.src_key, lo, hi, lookup_dtype(self.sources[c.src_key]["dtype"]).itemsize)
+
+    def _apart(self, key: int, lo: int, hi: int, itemsize: int) -> None:
         n = (hi - lo) // itemsize
-        self.plain_copies.append(Copy(c.src_key, View(lo // itemsize, (n,), (1,)), View(0, (n,), (1,))))
+        self.apart.append(Copy(key, View(lo // itemsize, (n,), (1,)), View(0, (n,), (1,))))
 
     def run(self) -> None:
         threads = knobs.copy_threads()
-        verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.plain_copies))
+        verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.apart))
         if self.plain:
             native.copy_batch(self.plain, threads=threads)
+        for key, dst, strides, src_ptr, shape, itemsize, lo in self.scatter:
+            src = self.sources[key]
+            first, crcs = native.scatter_crc(dst, strides, src_ptr, shape, itemsize, src["chunk"], lo, threads)
+            for j, crc in enumerate(crcs):
+                if crc != src["crcs"][first + j]:
+                    raise _damaged(src, first + j, crc)
         for chunk, items in self.fused.items():
             got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
             for (key, first), crcs in zip(self.expect[chunk], got):

@@ -16,6 +16,7 @@
 #include "crc32c.h"
 #include "parity.h"
 #include "reed_solomon.h"
+#include "scatter.h"
 #include "thread_pool.h"
 #ifdef UCPD_HAVE_CUDA
 #include "cuda_stage.h"
@@ -92,6 +93,20 @@ NB_MODULE(_native, m) {
     nb::gil_scoped_release nogil;
     copy_strided(as_ptr(dst), dst_strides, as_ptr(src), src_strides, shape, itemsize, threads);
   }, "dst_ptr"_a, "dst_strides"_a, "src_ptr"_a, "src_strides"_a, "shape"_a, "itemsize"_a,
+     "threads"_a);
+
+  m.def("scatter_crc", [](uintptr_t dst, const std::vector<int64_t>& dst_strides, uintptr_t src,
+                          const std::vector<int64_t>& shape, std::size_t itemsize, std::size_t chunk,
+                          std::size_t src_offset, int threads) {
+    threads = check_threads(threads);
+    ScatterResult r;
+    {
+      nb::gil_scoped_release nogil;
+      r = scatter_crc(as_ptr(dst), dst_strides, reinterpret_cast<const void*>(src), shape, itemsize, chunk,
+                      src_offset, threads);
+    }
+    return nb::make_tuple(r.first_chunk, r.crcs);
+  }, "dst_ptr"_a, "dst_strides"_a, "src_ptr"_a, "shape"_a, "itemsize"_a, "chunk"_a, "src_offset"_a,
      "threads"_a);
 
   m.def("copy_batch", [](nb::handle items, int threads, std::size_t crc_chunk,

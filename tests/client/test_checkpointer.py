@@ -169,3 +169,32 @@ def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemo
 
         with pytest.raises(ChecksumMismatch, match="chunk 0"):
             ckpt.restore({"v": torch.zeros(2_000_000)}, placements={"v": P.Box((12345,), (2_000_000,), (n,))})
+
+
+def test_whole_tensor_from_column_shards_is_exact_and_checked(daemon, dirs):
+    g = torch.Generator().manual_seed(4)
+    full = torch.randn(513, 4099, generator=g)  # odd sizes: shards end inside CRC chunks
+    halves = [full[:, :2050].contiguous(), full[:, 2050:].contiguous()]
+    ckpts = [Checkpointer(daemon.run_dir, rank=r, world_size=2, embedded=False) for r in range(2)]
+    try:
+        boxes = [P.Box((0, 0), (513, 2050), (513, 4099)), P.Box((0, 2050), (513, 2049), (513, 4099))]
+        hs = [c.snapshot(1, {"w": halves[r]}, placements={"w": boxes[r]}) for r, c in enumerate(ckpts)]
+        for h in hs:
+            h.wait()
+        target = {"w": torch.zeros(513, 4099)}
+        ckpts[0].restore(target)
+        assert torch.equal(target["w"], full)
+        slots = sorted(p for p in os.listdir(dirs["shm"]) if p.startswith("slot-"))
+        for name in slots:  # damage the middle of every slot: both halves' chunk 2
+            with open(os.path.join(dirs["shm"], name), "r+b") as f:
+                f.seek((2 << 20) + 12345)
+                b = f.read(1)
+                f.seek((2 << 20) + 12345)
+                f.write(bytes([b[0] ^ 0x01]))
+        from ucpd_client.errors import ChecksumMismatch
+
+        with pytest.raises(ChecksumMismatch, match="chunk 2"):
+            ckpts[0].restore({"w": torch.zeros(513, 4099)})
+    finally:
+        for c in ckpts:
+            c.close()
