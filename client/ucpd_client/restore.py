@@ -98,7 +98,8 @@ class _Executor:
         self.sources, self.arrays = sources, arrays
         self.fused: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
         self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
-        self.plain: list[tuple[int, int, int]] = []
+        self.plain: list[tuple[int, int, int]] = []  # parts of one chunk each: (dst, src, nbytes)
+        self.partial: list[tuple[int, int, int]] = []  # what each plain item reads: (source, lo, hi)
         self.apart: list[Copy] = []  # source ranges whose chunks are verified in a pass of their own
         self.scatter: list[tuple] = []  # (key, dst_ptr, dst_strides, src_ptr, shape, itemsize, lo)
         self.strided: dict[int, list[tuple[np.ndarray, Copy]]] = {}
@@ -135,8 +136,13 @@ class _Executor:
             self._plain(c, dst, base, body_hi, hi)
 
     def _plain(self, c: Copy, dst: int, base: int, lo: int, hi: int) -> None:
-        self.plain.append((dst + lo, base + lo, hi - lo))
-        self._apart(c.src_key, lo, hi, lookup_dtype(self.sources[c.src_key]["dtype"]).itemsize)
+        """Copy source bytes [lo, hi) that cover no whole chunk, cut at chunk boundaries."""
+        chunk = self.sources[c.src_key]["chunk"]
+        while lo < hi:
+            end = min(hi, (lo // chunk + 1) * chunk)
+            self.plain.append((dst + lo, base + lo, end - lo))
+            self.partial.append((c.src_key, lo, end))
+            lo = end
 
     def _apart(self, key: int, lo: int, hi: int, itemsize: int) -> None:
         n = (hi - lo) // itemsize
@@ -146,7 +152,7 @@ class _Executor:
         threads = knobs.copy_threads()
         verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.apart))
         if self.plain:
-            native.copy_batch(self.plain, threads=threads)
+            self._run_partial(threads)
         for key, dst, strides, src_ptr, shape, itemsize, lo in self.scatter:
             src = self.sources[key]
             first, crcs = native.scatter_crc(dst, strides, src_ptr, shape, itemsize, src["chunk"], lo, threads)
@@ -167,6 +173,22 @@ class _Executor:
                 by_dst.setdefault(id(dst), (dst, []))[1].append(c)
             for dst, copies in by_dst.values():
                 execute(CopyPlan(copies=tuple(copies), fills=()), {key: self.arrays[key]}, dst)
+
+
+    def _run_partial(self, threads: int) -> None:
+        """Copy the partial chunks, checksumming what is copied in the same pass; each chunk's
+        CRC is completed from the bytes around the copied part (read, not copied) and compared."""
+        biggest = max(hi - lo for _, lo, hi in self.partial)
+        got = native.copy_batch(self.plain, threads=threads, crc_chunk=biggest)
+        for (key, lo, hi), crcs in zip(self.partial, got):
+            src, raw = self.sources[key], self.arrays[key].view(np.uint8)
+            chunk = src["chunk"]
+            i = lo // chunk
+            c_lo, c_hi = i * chunk, min((i + 1) * chunk, src["nbytes"])
+            crc = native.crc32c_combine(native.crc32c(raw[c_lo:lo]), crcs[0], hi - lo)
+            crc = native.crc32c_combine(crc, native.crc32c(raw[hi:c_hi]), c_hi - hi)
+            if crc != src["crcs"][i]:
+                raise _damaged(src, i, crc)
 
 
 def merged_values(objects: Mapping[int, bytes], rank: int) -> dict[str, Any]:

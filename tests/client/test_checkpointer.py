@@ -169,6 +169,16 @@ def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemo
 
         with pytest.raises(ChecksumMismatch, match="chunk 0"):
             ckpt.restore({"v": torch.zeros(2_000_000)}, placements={"v": P.Box((12345,), (2_000_000,), (n,))})
+        with open(os.path.join(dirs["shm"], held[0]), "r+b") as f:  # mend it; damage a copied byte
+            f.seek(100)
+            f.write(b)
+            f.seek(12345 * 4 + 10)
+            c = f.read(1)
+            f.seek(12345 * 4 + 10)
+            f.write(bytes([c[0] ^ 0x10]))
+        with pytest.raises(ChecksumMismatch, match="chunk 0"):
+            ckpt.restore({"v": torch.zeros(2_000_000)}, placements={"v": P.Box((12345,), (2_000_000,), (n,))})
+        ckpt.restore({"v": torch.zeros(5)}, placements={"v": P.Box((n - 5,), (5,), (n,))})  # other chunks fine
 
 
 def test_whole_tensor_from_column_shards_is_exact_and_checked(daemon, dirs):

@@ -9,7 +9,6 @@ the CRC of every chunk it reads before it copies.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,7 +17,7 @@ from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import SourcePiece, plan_restore
-from .versions import fragments_of
+from .versions import fragments_of, placement_key
 
 
 @dataclass(frozen=True)
@@ -44,8 +43,8 @@ class SourceSet:
     same: dict[tuple, Any] = field(default_factory=dict)
 
 
-def _signature(name: str, dtype: str, shape, placement: dict) -> tuple:
-    return (name, dtype, tuple(shape), json.dumps(placement, sort_keys=True, separators=(",", ":")))
+def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
+    return (name, dtype, tuple(shape), placement if isinstance(placement, str) else placement_key(placement))
 
 
 def from_ram(version, slot_path) -> SourceSet:
@@ -99,8 +98,9 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
         return idx
 
     for t in targets:
-        frags = fragments_of(t["name"], t["placement"], tuple(t["shape"]))
-        twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], t["placement"]))
+        pkey = placement_key(t["placement"])
+        frags = fragments_of(t["name"], pkey, tuple(t["shape"]))
+        twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], pkey))
         if twin is not None and len(frags) == 1 and not frags[0].fills and frags[0].name == t["name"]:
             whole = [0, [math.prod(t["shape"])], [1]]
             out_tensors.append({"name": t["name"], "copies": [[source_index(twin), whole, whole]], "fills": []})

@@ -33,10 +33,17 @@ def _fragments(name: str, placement_json: str, shape: tuple[int, ...]):
     return tuple(resolve(name, placement_from_dict(json.loads(placement_json)), shape))
 
 
-def fragments_of(name: str, placement: dict, shape: tuple[int, ...]):
-    """``resolve`` of a wire placement, memoised: a job snapshots the same layout every step,
-    so commit validation, indexing and restore planning resolve each tensor once."""
-    return _fragments(name, json.dumps(placement, sort_keys=True, separators=(",", ":")), tuple(shape))
+def placement_key(placement: dict) -> str:
+    """A wire placement as a canonical string (a cache and comparison key)."""
+    return json.dumps(placement, sort_keys=True, separators=(",", ":"))
+
+
+def fragments_of(name: str, placement: dict | str, shape: tuple[int, ...]):
+    """``resolve`` of a wire placement (or its ``placement_key``), memoised: a job snapshots the
+    same layout every step, so commit validation, indexing and restore planning resolve each
+    tensor once."""
+    key = placement if isinstance(placement, str) else placement_key(placement)
+    return _fragments(name, key, tuple(shape))
 
 
 class VersionState(enum.Enum):
