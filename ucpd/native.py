@@ -43,6 +43,7 @@ from ucpd.errors import UcpdError
 __all__ = [
     "CHUNK_BYTES",
     "scatter_crc",
+    "scatter_crc_batch",
     "SMALL_COPY_BYTES",
     "NativeError",
     "CudaError",
@@ -214,6 +215,15 @@ def scatter_crc(
         _native.scatter_crc, dst_ptr, list(dst_strides), src_ptr, list(shape), itemsize, chunk, src_offset, _threads(threads)
     )
     return first, list(crcs)
+
+
+def scatter_crc_batch(
+    items: Sequence[tuple[int, Sequence[int], int, Sequence[int], int, int, int]], threads: Optional[int] = None
+) -> list[tuple[int, list[int]]]:
+    """Many :func:`scatter_crc` calls in one: items are ``(dst_ptr, dst_strides, src_ptr, shape,
+    itemsize, chunk, src_offset)``; their chunk-sized pieces share the thread pool. Returns one
+    ``(first, crcs)`` per item."""
+    return [(f, list(c)) for f, c in _call(_native.scatter_crc_batch, [tuple(i) for i in items], _threads(threads))]
 
 
 def copy_strided(

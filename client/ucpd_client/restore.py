@@ -153,12 +153,13 @@ class _Executor:
         verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.apart))
         if self.plain:
             self._run_partial(threads)
-        for key, dst, strides, src_ptr, shape, itemsize, lo in self.scatter:
-            src = self.sources[key]
-            first, crcs = native.scatter_crc(dst, strides, src_ptr, shape, itemsize, src["chunk"], lo, threads)
-            for j, crc in enumerate(crcs):
-                if crc != src["crcs"][first + j]:
-                    raise _damaged(src, first + j, crc)
+        if self.scatter:
+            items = [(d, st, sp, sh, isz, self.sources[k]["chunk"], lo) for k, d, st, sp, sh, isz, lo in self.scatter]
+            for (key, *_), (first, crcs) in zip(self.scatter, native.scatter_crc_batch(items, threads)):
+                src = self.sources[key]
+                for j, crc in enumerate(crcs):
+                    if crc != src["crcs"][first + j]:
+                        raise _damaged(src, first + j, crc)
         for chunk, items in self.fused.items():
             got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
             for (key, first), crcs in zip(self.expect[chunk], got):

@@ -109,6 +109,28 @@ NB_MODULE(_native, m) {
   }, "dst_ptr"_a, "dst_strides"_a, "src_ptr"_a, "shape"_a, "itemsize"_a, "chunk"_a, "src_offset"_a,
      "threads"_a);
 
+  m.def("scatter_crc_batch", [](nb::list items, int threads) {
+    threads = check_threads(threads);
+    std::vector<ScatterItem> v;
+    v.reserve(items.size());
+    for (nb::handle h : items) {
+      auto t = nb::cast<nb::tuple>(h);
+      if (t.size() != 7) throw std::invalid_argument("scatter_crc_batch: items are 7-tuples");
+      v.push_back(ScatterItem{as_ptr(nb::cast<uintptr_t>(t[0])), nb::cast<std::vector<int64_t>>(t[1]),
+                              reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[2])),
+                              nb::cast<std::vector<int64_t>>(t[3]), nb::cast<std::size_t>(t[4]),
+                              nb::cast<std::size_t>(t[5]), nb::cast<std::size_t>(t[6])});
+    }
+    std::vector<ScatterResult> r;
+    {
+      nb::gil_scoped_release nogil;
+      r = scatter_crc_batch(v, threads);
+    }
+    nb::list out;
+    for (auto& x : r) out.append(nb::make_tuple(x.first_chunk, x.crcs));
+    return out;
+  }, "items"_a, "threads"_a);
+
   m.def("copy_batch", [](nb::handle items, int threads, std::size_t crc_chunk,
                          const std::string& mode, std::size_t block) -> nb::object {
     CopyOptions o;

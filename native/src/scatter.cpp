@@ -52,57 +52,86 @@ uint32_t copy_range(const Window& w, unsigned char* dst, const unsigned char* sr
   return crc;
 }
 
+
+// One item prepared: its window and its units (cut at absolute chunk boundaries).
+struct Prepared {
+  Window w;
+  unsigned char* dst;
+  const unsigned char* src;  // the window's first source byte
+  std::size_t lo, hi;        // source byte range inside the tensor
+  std::vector<std::size_t> cuts;
+  std::size_t first_unit;    // index of this item's first unit in the shared task list
+};
+
+Prepared prepare(const ScatterItem& it) {
+  if (it.shape.size() != it.dst_strides.size() || it.shape.size() > 16)
+    throw std::invalid_argument("scatter_crc: shape and dst_strides need the same length (<= 16)");
+  if (it.itemsize == 0 || it.chunk == 0 || it.chunk % it.itemsize || it.src_offset % it.itemsize)
+    throw std::invalid_argument("scatter_crc: chunk and src_offset must be multiples of a non-zero itemsize");
+  Prepared p{};
+  p.w.ndim = static_cast<int>(it.shape.size());
+  p.w.itemsize = it.itemsize;
+  std::int64_t n = 1;
+  for (int k = 0; k < p.w.ndim; ++k) {
+    if (it.shape[k] < 0 || it.dst_strides[k] < 0) throw std::invalid_argument("scatter_crc: negative size or stride");
+    p.w.shape[k] = it.shape[k];
+    p.w.dstride[k] = it.dst_strides[k];
+    n *= it.shape[k];
+  }
+  if (p.w.ndim == 0) {  // a scalar: one element
+    p.w.ndim = 1;
+    p.w.shape[0] = 1;
+    p.w.dstride[0] = 1;
+  }
+  p.dst = static_cast<unsigned char*>(it.dst);
+  p.src = static_cast<const unsigned char*>(it.src);
+  p.lo = it.src_offset;
+  p.hi = it.src_offset + static_cast<std::size_t>(n) * it.itemsize;
+  if (n == 0) return p;
+  if (!p.dst || !p.src) throw std::invalid_argument("scatter_crc: null pointer");
+  p.cuts.push_back(p.lo);
+  for (std::size_t b = (p.lo / it.chunk + 1) * it.chunk; b < p.hi; b += it.chunk) p.cuts.push_back(b);
+  p.cuts.push_back(p.hi);
+  return p;
+}
+
 }  // namespace
+
+std::vector<ScatterResult> scatter_crc_batch(const std::vector<ScatterItem>& items, int threads) {
+  std::vector<Prepared> prep;
+  prep.reserve(items.size());
+  std::vector<std::pair<std::size_t, std::size_t>> tasks;  // (item, unit)
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    prep.push_back(prepare(items[i]));
+    prep.back().first_unit = tasks.size();
+    for (std::size_t u = 0; u + 1 < prep.back().cuts.size(); ++u) tasks.emplace_back(i, u);
+  }
+  std::vector<uint32_t> crc(tasks.size(), 0);
+  parallel_for(tasks.size(), tasks.size() > 1 ? threads : 1, [&](std::size_t t) {
+    const Prepared& p = prep[tasks[t].first];
+    const std::size_t u = tasks[t].second;
+    const std::int64_t isz = static_cast<std::int64_t>(p.w.itemsize);
+    const std::int64_t e0 = static_cast<std::int64_t>(p.cuts[u] - p.lo) / isz;
+    const std::int64_t e1 = static_cast<std::int64_t>(p.cuts[u + 1] - p.lo) / isz;
+    crc[t] = copy_range(p.w, p.dst, p.src, e0, e1, 0);
+  });
+  std::vector<ScatterResult> out(items.size());
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const Prepared& p = prep[i];
+    const std::size_t chunk = items[i].chunk;
+    const std::size_t units = p.cuts.empty() ? 0 : p.cuts.size() - 1;
+    const bool head_whole = p.lo % chunk == 0, tail_whole = p.hi % chunk == 0;
+    out[i].first_chunk = head_whole ? p.lo / chunk : p.lo / chunk + 1;
+    for (std::size_t u = 0; u < units; ++u)
+      if ((u > 0 || head_whole) && (u + 1 < units || tail_whole)) out[i].crcs.push_back(crc[p.first_unit + u]);
+  }
+  return out;
+}
 
 ScatterResult scatter_crc(void* dst, const std::vector<std::int64_t>& dst_strides, const void* src,
                           const std::vector<std::int64_t>& shape, std::size_t itemsize,
                           std::size_t chunk, std::size_t src_offset, int threads) {
-  if (shape.size() != dst_strides.size() || shape.size() > 16)
-    throw std::invalid_argument("scatter_crc: shape and dst_strides need the same length (<= 16)");
-  if (itemsize == 0 || chunk == 0 || chunk % itemsize || src_offset % itemsize)
-    throw std::invalid_argument("scatter_crc: chunk and src_offset must be multiples of a non-zero itemsize");
-  Window w{};
-  w.ndim = static_cast<int>(shape.size());
-  w.itemsize = itemsize;
-  std::int64_t n = 1;
-  for (int k = 0; k < w.ndim; ++k) {
-    if (shape[k] < 0 || dst_strides[k] < 0) throw std::invalid_argument("scatter_crc: negative size or stride");
-    w.shape[k] = shape[k];
-    w.dstride[k] = dst_strides[k];
-    n *= shape[k];
-  }
-  if (w.ndim == 0) {  // a scalar: one element
-    w.ndim = 1;
-    w.shape[0] = 1;
-    w.dstride[0] = 1;
-    n = 1;
-  }
-  ScatterResult out{0, {}};
-  if (n == 0) return out;
-  if (!dst || !src) throw std::invalid_argument("scatter_crc: null pointer");
-  const std::size_t lo = src_offset, hi = src_offset + static_cast<std::size_t>(n) * itemsize;
-  // units: [lo, first boundary), whole chunks, [last boundary, hi)
-  std::vector<std::size_t> cuts{lo};
-  for (std::size_t b = (lo / chunk + 1) * chunk; b < hi; b += chunk) cuts.push_back(b);
-  cuts.push_back(hi);
-  const std::size_t units = cuts.size() - 1;
-  const bool head_whole = lo % chunk == 0;
-  const bool tail_whole = hi % chunk == 0;
-  out.first_chunk = head_whole ? lo / chunk : lo / chunk + 1;
-  std::vector<uint32_t> crc(units, 0);
-  auto* d = static_cast<unsigned char*>(dst);
-  const auto* s = static_cast<const unsigned char*>(src) - lo;  // indexed by tensor byte offsets
-  const std::int64_t isz = static_cast<std::int64_t>(itemsize);
-  parallel_for(units, units > 1 ? threads : 1, [&](std::size_t u) {
-    const std::int64_t e0 = static_cast<std::int64_t>(cuts[u] - lo) / isz;
-    const std::int64_t e1 = static_cast<std::int64_t>(cuts[u + 1] - lo) / isz;
-    crc[u] = copy_range(w, d, s + lo, e0, e1, 0);
-  });
-  for (std::size_t u = 0; u < units; ++u) {
-    const bool whole = (u > 0 || head_whole) && (u + 1 < units || tail_whole);
-    if (whole) out.crcs.push_back(crc[u]);
-  }
-  return out;
+  return scatter_crc_batch({ScatterItem{dst, dst_strides, src, shape, itemsize, chunk, src_offset}}, threads)[0];
 }
 
 }  // namespace ucpd

@@ -24,4 +24,16 @@ ScatterResult scatter_crc(void* dst, const std::vector<std::int64_t>& dst_stride
                           const std::vector<std::int64_t>& shape, std::size_t itemsize,
                           std::size_t chunk, std::size_t src_offset, int threads);
 
+struct ScatterItem {
+  void* dst;
+  std::vector<std::int64_t> dst_strides;
+  const void* src;
+  std::vector<std::int64_t> shape;
+  std::size_t itemsize, chunk, src_offset;
+};
+
+// Many scatters in one call: every item's chunk-sized units share one task list, so the threads
+// stay busy however small each item is. Same per-item semantics as scatter_crc.
+std::vector<ScatterResult> scatter_crc_batch(const std::vector<ScatterItem>& items, int threads);
+
 }  // namespace ucpd

@@ -49,3 +49,19 @@ def test_bad_arguments_are_native_errors():
         native.scatter_crc(1, [1, 1], 1, [4], 4, 8, 0)
     with pytest.raises(native.NativeError):
         native.scatter_crc(1, [-1], 1, [4], 4, 8, 0)
+
+
+def test_batch_equals_one_call_per_item():
+    rng = np.random.default_rng(7)
+    dsts, items, singles = [], [], []
+    srcs = [rng.integers(0, 1 << 30, size=n, dtype=np.uint32) for n in (3000, 17, 1, 9000)]
+    for i, src in enumerate(srcs):
+        cols = 3 if src.size % 3 == 0 else 1
+        dst = np.zeros((src.size // cols, cols * 2), np.uint32)
+        window = dst[:, :cols]
+        dsts.append((dst, window, src))
+        items.append((window.ctypes.data, [2 * cols, 1], src.ctypes.data, list(window.shape), 4, 256, 4 * i))
+    got = native.scatter_crc_batch(items, threads=2)
+    for (dst, window, src), (first, crcs), item in zip(dsts, got, items):
+        assert np.array_equal(window, src.reshape(window.shape))
+        assert (first, crcs) == native.scatter_crc(*item, 1)
