@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .. import protocol
+from .. import knobs, protocol
 from ..errors import AlreadyRunning, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
@@ -84,7 +84,7 @@ class Daemon:
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         ensure_private_dir(config.shm_dir)
-        self.store = NodeStore(config.shm_dir, config.mem_limit, config.keep)
+        self.store = NodeStore(config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding())
         self.flusher = None
         if config.flush_dir:
             from .flush import Flusher
