@@ -61,6 +61,7 @@ class NodeStore:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
         slot = self.slots.find_free(nbytes, rank)
         if slot is None and self.enforce_keep():
+            self.save_index()  # the evicted versions leave the index before their slots are reused
             slot = self.slots.find_free(nbytes, rank)
         if slot is not None:
             self.slots.lend(slot, rank, step)
@@ -214,8 +215,9 @@ class NodeStore:
             self.slots.delete(slot.id)
         for v in self._evictable():
             if self.slots.fits(size):
-                return
+                break
             self._evict(v)
+            self.save_index()
             for p_slot in self.slots.free_slots():
                 if not self.slots.fits(size):
                     self.slots.delete(p_slot.id)
