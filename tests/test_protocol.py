@@ -9,7 +9,7 @@ from ucpd.errors import ProtocolError, SnapshotRejected
 
 def test_request_round_trip():
     frame = protocol.request("begin", 7, rank=1, world_size=4, step=10, nbytes=4096)
-    assert protocol.decode_request(frame) == ("begin", 7, {"rank": 1, "world_size": 4, "step": 10, "nbytes": 4096})
+    assert protocol.decode_request(frame) == ("begin", 7, {"rank": 1, "world_size": 4, "step": 10, "nbytes": 4096, "incarnation": None})
 
 
 def test_reply_carries_typed_error():
@@ -48,3 +48,13 @@ def test_oversized_frame_is_refused():
 def test_every_request_type_is_documented():
     for spec in protocol.REQUESTS.values():
         assert spec.doc
+
+
+def test_rank_must_be_inside_the_world():
+    with pytest.raises(ProtocolError, match="outside a world of 2"):
+        protocol.decode_request(protocol.pack("begin", 1, {"rank": 2, "world_size": 2, "step": 0, "nbytes": 0}))
+
+
+def test_wait_seconds_must_be_finite():
+    with pytest.raises(ProtocolError, match="finite"):
+        protocol.decode_request(protocol.pack("wait", 1, {"step": 0, "seconds": float("inf")}))

@@ -24,6 +24,7 @@ PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20  # manifests and plans only; tensor bytes travel through shm
 MAX_NAME_LEN = 1024
 MAX_RANKS = 1 << 20
+MAX_ITEMS = 1 << 20  # longest list or map a frame may hold (msgpack allocates before we validate)
 
 
 # --- field validators: each returns the value or raises ProtocolError ------------------------
@@ -70,8 +71,8 @@ def _bool(field: str, v: Any) -> bool:
 
 
 def _float(field: str, v: Any) -> float:
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or v < 0:
-        raise ProtocolError(f"field {field!r} must be a non-negative number")
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
+        raise ProtocolError(f"field {field!r} must be a finite non-negative number")
     return float(v)
 
 
@@ -158,7 +159,7 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
-            {},
+            {"incarnation": _str},
             "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip}",
         ),
         MessageType(
@@ -171,7 +172,7 @@ REQUESTS: dict[str, MessageType] = {
                 "tensors": _list_of(TENSOR_ENTRY),
                 "objects": _bytes,
             },
-            {"layout": _dict},
+            {"layout": _dict, "incarnation": _str},
             "seal a written slot as this rank's part of step; reply: {state}",
         ),
         MessageType(
@@ -218,7 +219,9 @@ def unpack_envelope(frame: bytes) -> tuple[str, int, Any]:
     if len(frame) > MAX_FRAME_BYTES:
         raise ProtocolError(f"frame of {len(frame)} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
     try:
-        env = msgpack.unpackb(frame, raw=False, strict_map_key=False)
+        env = msgpack.unpackb(
+            frame, raw=False, strict_map_key=False, max_array_len=MAX_ITEMS, max_map_len=MAX_ITEMS
+        )
     except Exception as exc:  # msgpack raises several unrelated types for bad bytes
         raise ProtocolError(f"frame is not valid msgpack: {exc}") from None
     if not isinstance(env, dict) or set(env) != {"v", "t", "id", "body"}:
@@ -234,11 +237,18 @@ def unpack_envelope(frame: bytes) -> tuple[str, int, Any]:
 
 def decode_request(frame: bytes) -> tuple[str, int, dict]:
     """Decode and validate a request (daemon side)."""
-    msg_type, req_id, body = unpack_envelope(frame)
+    return validate_request(*unpack_envelope(frame))
+
+
+def validate_request(msg_type: str, req_id: int, body: Any) -> tuple[str, int, dict]:
+    """Validate a decoded envelope's body against its request type's schema."""
     spec = REQUESTS.get(msg_type)
     if spec is None:
         raise ProtocolError(f"unknown request type {msg_type!r}; known: {', '.join(REQUESTS)}")
-    return msg_type, req_id, validate_fields(msg_type, body, spec.required, spec.optional)
+    fields = validate_fields(msg_type, body, spec.required, spec.optional)
+    if "world_size" in fields and fields["rank"] >= fields["world_size"]:
+        raise ProtocolError(f"{msg_type}: rank {fields['rank']} is outside a world of {fields['world_size']} ranks")
+    return msg_type, req_id, fields
 
 
 def request(msg_type: str, req_id: int, **body: Any) -> bytes:

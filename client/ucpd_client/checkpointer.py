@@ -47,6 +47,14 @@ def _dtensor_class() -> type:
     return DTensor
 
 
+def _default_job_id() -> str | None:
+    if os.environ.get("UCPD_JOB_ID"):
+        return os.environ["UCPD_JOB_ID"]
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        return f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return None
+
+
 def _default_rank_world() -> tuple[int, int]:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
@@ -120,29 +128,43 @@ class Checkpointer:
         rank, world_size: this rank and how many ranks seal each version (default: from
             ``torch.distributed``, else ``$RANK``/``$WORLD_SIZE``, else 0/1).
         embedded: start a daemon when none answers at ``run_dir`` (default True).
+        job_id: names this run of the job, the same on every rank (default ``$UCPD_JOB_ID``,
+            else torchrun's run id and restart count). A restarted run never completes a
+            version that a run before it left half-written.
     Raises:
         DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
     """
 
-    def __init__(self, run_dir: str | None = None, rank: int | None = None, world_size: int | None = None, embedded: bool = True):
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        embedded: bool = True,
+        job_id: str | None = None,
+    ):
         r, w = _default_rank_world()
+        self.job_id = job_id or _default_job_id()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
         self.run_dir = run_dir or knobs.run_dir()
         self._local = threading.local()
         self._hello = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname()}
         conn, self.daemon_info = embedded_mod_connect(self.run_dir, self._hello, embedded)
+        conn.timeout = knobs.rpc_timeout()  # hello used a short one to detect a missing daemon
         self._local.conn = conn
         self._conns = [conn]
-        self._maps = Mappings()
+        self._maps = Mappings(on_drop=self._drop_stager)
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"ucpd-snapshot-r{self.rank}", daemon=True)
         self._worker.start()
         self._stagers: dict[str, CudaStager] = {}
         self._last: SnapshotHandle | None = None
         self._closed = False
+        self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
+        self._job = {"incarnation": self.job_id} if self.job_id else {}
 
     # --- connections ---------------------------------------------------------------------------
 
@@ -162,15 +184,16 @@ class Checkpointer:
         DTensors: their own). Do not modify the tensors until ``handle.staged()`` returns
         (``guard(optimizer)`` does that for you before each optimizer step).
         """
-        if self._closed:
-            raise UcpdError("this Checkpointer is closed")
         handle = SnapshotHandle(self, step)
         tensors, values = state_mod.split(dict(state))
         entries = [self._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
         unknown = set(placements or {}) - set(tensors)
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
-        self._jobs.put((handle, entries, values))
+        with self._closing:
+            if self._closed:
+                raise UcpdError("this Checkpointer is closed")
+            self._jobs.put((handle, entries, values))
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
@@ -198,6 +221,11 @@ class Checkpointer:
             except BaseException as exc:  # surfaced by staged()/wait()
                 handle._fail(exc)
 
+    def _drop_stager(self, path: str) -> None:
+        stager = self._stagers.pop(path, None)
+        if stager is not None:
+            stager.close()
+
     def _begin(self, conn, step: int, entries: list[Entry]) -> tuple[dict, list[Entry], set[str]]:
         """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank
         also holds (with the dtype, shape and placement of our last snapshot) are skipped.
@@ -209,7 +237,8 @@ class Checkpointer:
         while True:
             write = [e for e in entries if e.name not in skip]
             reply = conn.call(
-                "begin", rank=self.rank, world_size=self.world_size, step=step, nbytes=layout(write, knobs.slot_alignment())
+                "begin", rank=self.rank, world_size=self.world_size, step=step,
+                nbytes=layout(write, knobs.slot_alignment()), **self._job,
             )
             fresh = set(reply.get("skip") or ()) & unchanged
             self._skip = set(reply.get("skip") or ())
@@ -225,6 +254,7 @@ class Checkpointer:
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         reply, write, skipped = self._begin(conn, handle.step, entries)
         handle.timings["slot"] = time.perf_counter()
+        self._maps.forget_missing()  # slots the daemon deleted: give their pages back
         slot = self._maps.get(reply["path"], writable=True)
         try:
             cpu = [e for e in write if not e.tensor.is_cuda]
@@ -247,7 +277,10 @@ class Checkpointer:
                 manifest.append({**item, "offset": 0, "nbytes": 0, "crcs": [], "skipped": True})
             else:
                 manifest.append({**item, "offset": e.offset, "nbytes": e.nbytes, "crcs": list(crcs[e.name])})
-        conn.call("commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"], tensors=manifest, objects=objects)
+        conn.call(
+            "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],
+            tensors=manifest, objects=objects, **self._job,
+        )
         self._signatures = {e.name: e.signature for e in entries}
         handle.timings["sealed"] = time.perf_counter()
         handle.skipped = len(skipped)
@@ -282,16 +315,15 @@ class Checkpointer:
 
     def close(self) -> None:
         """Finish queued snapshots and drop the connections (the daemon keeps running)."""
-        if self._closed:
-            return
-        self._closed = True
-        self._jobs.put(None)
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+            self._jobs.put(None)
         self._worker.join()
-        for s in self._stagers.values():
-            s.close()
         for c in self._conns:
             c.close()
-        self._maps.close()
+        self._maps.close()  # also unregisters the CUDA stagers of those slots
 
     def __enter__(self) -> "Checkpointer":
         return self

@@ -227,6 +227,7 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
     try:
         sources = plan["sources"]
         arrays = []
+        ckpt._maps.forget_missing()
         for s in sources:
             whole = ckpt._maps.get(s["path"], writable=False)
             if s["offset"] + s["nbytes"] > whole.nbytes:

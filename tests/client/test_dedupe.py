@@ -40,7 +40,7 @@ def test_second_rank_skips_replicas_after_the_first_snapshot(daemon):
         assert versions[3] == (1000 + 64 * 64 + 64 * 8) * 4  # norm and w once, both halves of e
         _, shared, e = states(3)
         target = {"norm": torch.zeros(1000), "w": torch.zeros(64, 64), "e": torch.zeros(64, 8)}
-        with Checkpointer(daemon.run_dir, rank=1, world_size=1, embedded=False) as reader:
+        with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as reader:
             assert reader.restore(target) == 3
         assert torch.equal(target["norm"], shared["norm"]) and torch.equal(target["w"], shared["w"])
         assert torch.equal(target["e"], e)

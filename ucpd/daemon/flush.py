@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import queue
 import threading
 import time
 from dataclasses import dataclass
@@ -60,26 +59,36 @@ class Flusher:
         self.rate = rate
         self.keep_on_disk = keep_on_disk
         self.progress = FlushProgress()
-        self._queue: queue.Queue[int | None] = queue.Queue()
+        self._pending = None  # the one version waiting to be flushed (pinned); newer replaces it
+        self._wake = threading.Condition(store.lock)
+        self._stopping = False
         self._committed_since = 0
         self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
         os.makedirs(flush_dir, exist_ok=True)
         self._thread.start()
 
     def on_commit(self, version) -> None:
-        """Called under the store lock for each newly committed version."""
+        """Called under the store lock for each newly committed version. At most one version
+        waits: when flushing is slower than snapshotting, the newer due version replaces the
+        waiting one, so pins never pile up past ``--keep``."""
         self._committed_since += 1
-        if self._committed_since >= self.every:
-            self._committed_since = 0
-            version.pins += 1
-            self._queue.put(version.step)
+        if self._committed_since < self.every:
+            return
+        self._committed_since = 0
+        if self._pending is not None:
+            self._pending.pins -= 1
+        version.pins += 1
+        self._pending = version
+        self._wake.notify()
 
     def stop(self) -> None:
-        self._queue.put(None)
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
         self._thread.join(timeout=30)
 
     def idle(self) -> bool:
-        return self._queue.empty() and self.progress.step is None
+        return self._pending is None and self.progress.step is None
 
     def _run(self) -> None:
         try:  # lower this thread's priority; Linux applies setpriority to one thread id
@@ -87,24 +96,26 @@ class Flusher:
         except (OSError, AttributeError):
             pass
         while True:
-            step = self._queue.get()
-            if step is None:
-                return
-            with self.store.lock:
-                version = self.store.table.versions.get(step)
+            with self._wake:
+                while self._pending is None and not self._stopping:
+                    self._wake.wait()
+                if self._stopping:
+                    return
+                version, self._pending = self._pending, None
+                self.progress.step = version.step
             try:
-                if version is not None and version.parts:
+                if version.parts:
                     self._flush(version)
             except Exception as exc:  # keep serving; the error shows in `ucpd status`
-                log.exception("flush of step %s failed", step)
-                self.progress.last_error = f"step {step}: {exc}"
-            finally:
+                log.exception("flush of step %s failed", version.step)
+                self.progress.last_error = f"step {version.step}: {exc}"
+            try:
                 with self.store.lock:
-                    if version is not None:
-                        version.pins -= 1
-                        if self.store.enforce_keep():  # it may have outlived --keep while pinned
-                            self.store.save_index()
+                    version.pins -= 1
                     self.progress.step = None
+                    self.store.enforce_keep()  # it may have outlived --keep while pinned
+            except Exception:  # never let the flush thread die with versions pinned
+                log.exception("after flushing step %s", version.step)
 
     def _flush(self, version) -> None:
         t0 = time.monotonic()

@@ -51,6 +51,7 @@ def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
     doc = {
         "index_version": INDEX_VERSION,
         "chunk_bytes": CHUNK_BYTES,
+        "next_slot": slots.next_id,  # never reused: a trainer may still map an old slot's path
         "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots.slots.values()],
         "versions": versions,
     }
@@ -88,6 +89,7 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
             doc = None
     known: set[str] = set()
     if doc:
+        slots.next_id = max(slots.next_id, int(doc.get("next_slot", 1)))
         for s in doc["slots"]:
             p = os.path.join(shm_dir, s["path"])
             if os.path.exists(p) and os.path.getsize(p) == s["size"]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from .. import knobs, protocol
-from ..errors import AlreadyRunning, ProtocolError, UcpdError, VersionNotFound
+from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .store import NodeStore, prepare_slot_file
@@ -84,6 +84,15 @@ class Daemon:
         os.ftruncate(self._lock_fd, 0)
         os.write(self._lock_fd, f"{os.getpid()}\n".encode())
         ensure_private_dir(config.shm_dir)
+        self._shm_lock_fd = os.open(os.path.join(config.shm_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._shm_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._shm_lock_fd)
+            os.close(self._lock_fd)
+            raise AlreadyRunning(
+                f"another ucpd daemon already keeps its segments in {config.shm_dir}; give each daemon its own --shm-dir"
+            ) from None
         self.store = NodeStore(config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding())
         self.flusher = None
         if config.flush_dir:
@@ -114,6 +123,7 @@ class Daemon:
         sock = ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)  # larger frames: the peer is dropped
         path = os.path.join(self.config.run_dir, SOCKET_NAME)
         if os.path.exists(path):
             os.unlink(path)  # we hold the lock, so the socket file is a dead daemon's
@@ -138,9 +148,11 @@ class Daemon:
                         if ident is None:
                             continue
                         self._handle(ident, frame)
-                self._drain_done()
-                self._answer_waits()
-                self._housekeeping()
+                for step in (self._drain_done, self._answer_waits, self._housekeeping):
+                    try:
+                        step()
+                    except Exception:  # a bug or an I/O error must not take the daemon down
+                        log.exception("daemon loop step %s failed", step.__name__)
         finally:
             self.close()
 
@@ -163,14 +175,15 @@ class Daemon:
         self._last_activity = time.monotonic()
         req_id = 0
         try:
-            msg_type, req_id, body = protocol.decode_request(frame)
+            msg_type, req_id, raw = protocol.unpack_envelope(frame)
+            msg_type, req_id, body = protocol.validate_request(msg_type, req_id, raw)
             handler = getattr(self, f"_on_{msg_type}")
             with self.store.lock:
                 reply = handler(ident, req_id, body)
             if reply is not None:
                 self._reply(ident, protocol.ok(req_id, reply))
         except UcpdError as exc:
-            if isinstance(exc, ProtocolError):
+            if isinstance(exc, (ProtocolError, InvalidPlacement, PlacementMismatch)):
                 self.store.counters.bad_messages += 1
                 log.warning("bad message: %s", exc)
             self._reply(ident, protocol.error(req_id, exc))
@@ -194,7 +207,7 @@ class Daemon:
 
     def _on_begin(self, ident, req_id, body):
         rank, step, nbytes = body["rank"], body["step"], body["nbytes"]
-        self.store.check_begin(rank, step)
+        self.store.check_begin(rank, step, body.get("incarnation"))
         slot = self.store.take_free_slot(rank, step, nbytes)
         skip = self.store.skip_for(rank, body["world_size"])
         if slot is not None:
@@ -347,8 +360,7 @@ class Daemon:
         pin, _ = self._leases.pop(lease, (None, 0.0))
         if pin is not None:
             pin.pins -= 1
-            if self.store.enforce_keep():
-                self.store.save_index()
+            self.store.enforce_keep()
 
     def _on_status(self, ident, req_id, body):
         from .status import collect
@@ -432,4 +444,5 @@ class Daemon:
             os.unlink(os.path.join(self.config.run_dir, SOCKET_NAME))
         except OSError:
             pass
+        os.close(self._shm_lock_fd)
         os.close(self._lock_fd)

@@ -97,7 +97,7 @@ class SlotStore:
         self.mem_limit = mem_limit
         self.rounding = rounding
         self.slots: dict[int, Slot] = {}
-        self._next_id = 1
+        self.next_id = 1
 
     # --- accounting -------------------------------------------------------------------------
 
@@ -115,14 +115,18 @@ class SlotStore:
     # --- lifecycle --------------------------------------------------------------------------
 
     def new_slot_path(self) -> tuple[int, str]:
-        sid = self._next_id
-        self._next_id += 1
-        return sid, os.path.join(self.shm_dir, f"slot-{sid:06d}.shm")
+        """A fresh slot id and file name; a stray file (a lost index) is never reused."""
+        while True:
+            sid = self.next_id
+            self.next_id += 1
+            path = os.path.join(self.shm_dir, f"slot-{sid:06d}.shm")
+            if not os.path.exists(path):
+                return sid, path
 
     def add(self, sid: int, path: str, size: int) -> Slot:
         slot = Slot(sid, path, size)
         self.slots[sid] = slot
-        self._next_id = max(self._next_id, sid + 1)
+        self.next_id = max(self.next_id, sid + 1)
         return slot
 
     def delete(self, sid: int) -> None:

@@ -30,6 +30,7 @@ class Counters:
     restores: int = 0
     restore_bytes: int = 0
     evicted: int = 0
+    index_errors: int = 0
 
 
 class NodeStore:
@@ -47,8 +48,15 @@ class NodeStore:
 
     # --- snapshot path --------------------------------------------------------------------------
 
-    def check_begin(self, rank: int, step: int) -> None:
-        v = self.table.versions.get(step)
+    def check_begin(self, rank: int, step: int, incarnation: str | None = None) -> None:
+        """Refuse a snapshot that could not commit cleanly; release the rank's unfinished slot."""
+        newest = self.table.latest_committed()
+        if newest is not None and step < newest.step:
+            raise SnapshotRejected(
+                f"step {step} is older than the newest committed step {newest.step}: snapshot steps must "
+                f"increase (after restoring an older step, continue numbering above {newest.step})"
+            )
+        v = self._current(step, incarnation)
         if v is not None and v.state in RESTORABLE:
             raise SnapshotRejected(f"step {step} is already committed; snapshot a new step number")
         if v is not None and rank in v.parts:
@@ -57,11 +65,20 @@ class NodeStore:
             if slot.state is SlotState.WRITING and slot.rank == rank:
                 self.slots.release(slot.id)
 
+    def _current(self, step: int, incarnation: str | None) -> Version | None:
+        """The version of ``step``; one still being written by another run of the job (it died
+        mid-snapshot) is abandoned, so a restarted job never completes it with its own parts."""
+        v = self.table.versions.get(step)
+        if v is not None and v.state is VersionState.WRITING and v.incarnation != incarnation:
+            log.warning("step %d: abandoning the parts of job run %s (now %s)", step, v.incarnation, incarnation)
+            self._evict(v)
+            return None
+        return v
+
     def take_free_slot(self, rank: int, step: int, nbytes: int) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
         slot = self.slots.find_free(nbytes, rank)
         if slot is None and self.enforce_keep():
-            self.save_index()  # the evicted versions leave the index before their slots are reused
             slot = self.slots.find_free(nbytes, rank)
         if slot is not None:
             self.slots.lend(slot, rank, step)
@@ -113,7 +130,12 @@ class NodeStore:
             if e.name in names:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
             names.add(e.name)
-        version = self.table.get_or_create(step, body["world_size"])
+        incarnation = body.get("incarnation")
+        version = self._current(step, incarnation) or self.table.get_or_create(step, body["world_size"])
+        if not version.parts:
+            version.incarnation = incarnation
+        if version.state is not VersionState.WRITING:
+            raise ProtocolError(f"rank {rank} commits step {step}, which is already {version.state.value}")
         if version.world_size != body["world_size"]:
             raise ProtocolError(f"rank {rank} says world size {body['world_size']}, others said {version.world_size}")
         part = RankPart(rank, sid, entries, body["objects"], body.get("layout"))
@@ -131,7 +153,8 @@ class NodeStore:
         self.counters.snapshot_bytes += part.nbytes
         for v in committed:
             self._after_commit(v)
-        self.save_index()
+        if committed:
+            self.save_index()
         return version, committed
 
     def skip_for(self, rank: int, world_size: int) -> list[str]:
@@ -196,16 +219,24 @@ class NodeStore:
     def _evict(self, v: Version) -> None:
         if v.state in RESTORABLE:
             self.counters.evicted += 1
-        v.state = VersionState.EVICTED
+            v.state = VersionState.EVICTED
+        else:
+            v.state = VersionState.ABANDONED  # never committed: its waiters hear so
         self._free_parts(v)
 
     def _free_parts(self, v: Version) -> None:
-        for p in v.parts.values():
-            self.slots.release(p.slot)
+        """Give a version's slots back. A version the index lists leaves the index first, so a
+        crash can never re-adopt it over bytes a newer snapshot is writing."""
+        persisted = v.committed_at is not None  # the index lists committed versions only
+        sids = [p.slot for p in v.parts.values()]
         v.parts = {}
         v._globals = None
         v.restore_sources = None
         self.table.retire(v)
+        if persisted and not self.save_index():
+            return  # the slots stay held (unlendable) until the index can be written
+        for sid in sids:
+            self.slots.release(sid)
 
     def _make_room(self, size: int) -> None:
         """Delete free slots, then evict old versions, until size more bytes fit the limit."""
@@ -217,7 +248,6 @@ class NodeStore:
             if self.slots.fits(size):
                 break
             self._evict(v)
-            self.save_index()
             for p_slot in self.slots.free_slots():
                 if not self.slots.fits(size):
                     self.slots.delete(p_slot.id)
@@ -233,8 +263,16 @@ class NodeStore:
 
     # --- persistence -----------------------------------------------------------------------------
 
-    def save_index(self) -> None:
-        index.save(self.shm_dir, self.slots, self.table)
+    def save_index(self) -> bool:
+        """Rewrite the on-shm index; False (logged, counted) when it cannot be written — the
+        daemon keeps serving, and slots of versions it could not drop from the index stay held."""
+        try:
+            index.save(self.shm_dir, self.slots, self.table)
+            return True
+        except OSError as exc:
+            self.counters.index_errors += 1
+            log.error("cannot write the index in %s: %s", self.shm_dir, exc)
+            return False
 
     def spare_slots(self, rank: int) -> int:
         return sum(1 for s in self.slots.slots.values() if s.state is SlotState.FREE and s.rank == rank)

@@ -117,6 +117,7 @@ class Version:
     created: float = field(default_factory=time.time)
     committed_at: float | None = None
     pins: int = 0  # restores and flushes reading it right now
+    incarnation: str | None = None  # the job run that writes it (a restarted job is another)
     on_disk: bool = False
     restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
     _globals: dict[str, GlobalTensor] | None = None
