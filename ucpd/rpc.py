@@ -29,20 +29,37 @@ class Connection:
                 f"no ucpd daemon at {run_dir} (no socket); start one with `ucpd serve --run-dir {run_dir}` "
                 "or set UCPD_RUN_DIR to where yours runs"
             )
+        self._ids = itertools.count(1)
+        self._connect()
+
+    def _connect(self) -> None:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon that is not there
         self._sock.connect(self.address)
-        self._ids = itertools.count(1)
+
+    def _reconnect(self) -> None:
+        self._sock.close(linger=0)
+        self._connect()
 
     def call(self, msg_type: str, timeout: float | None = None, **body) -> dict:
         """Send one request and return its reply body; raises the typed error the daemon sent,
         or DaemonUnreachable when no reply comes within the timeout."""
         req_id = next(self._ids)
-        self._sock.send(protocol.request(msg_type, req_id, **body))
+        frame = protocol.request(msg_type, req_id, **body)
+        self._sock.setsockopt(zmq.SNDTIMEO, int(1000 * (self.timeout if timeout is None else timeout)))
+        try:
+            self._sock.send(frame)
+        except zmq.Again:  # no connection to a daemon (IMMEDIATE): it is gone or not up yet
+            self._reconnect()
+            raise DaemonUnreachable(
+                f"cannot reach the daemon at {self.run_dir}; check `ucpd status --run-dir {self.run_dir}`"
+            ) from None
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:
             left = deadline - time.monotonic()
             if left <= 0 or not self._sock.poll(int(left * 1000) + 1):
+                self._reconnect()  # drop the queued request: a restarted daemon must not replay it
                 raise DaemonUnreachable(
                     f"the daemon at {self.run_dir} did not answer {msg_type!r} within "
                     f"{self.timeout if timeout is None else timeout:.0f} s; check `ucpd status --run-dir {self.run_dir}`"

@@ -20,11 +20,13 @@ from ucpd.rpc import Connection
 
 def start(run_dir: str, extra_args: list[str] | None = None) -> subprocess.Popen:
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
-    log = open(os.path.join(run_dir, "ucpd-embedded.log"), "ab")
     args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", run_dir, "--idle-exit", str(knobs.embedded_idle_exit())]
     if os.environ.get("UCPD_SHM_DIR"):
         args += ["--shm-dir", os.environ["UCPD_SHM_DIR"]]
-    return subprocess.Popen(args + (extra_args or []), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+    with open(os.path.join(run_dir, "ucpd-embedded.log"), "ab") as log:
+        return subprocess.Popen(
+            args + (extra_args or []), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True
+        )
 
 
 def connect_or_start(run_dir: str, hello: dict, embedded: bool) -> tuple[Connection, dict]:

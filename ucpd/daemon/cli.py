@@ -72,8 +72,10 @@ def config_from_args(args):
     node_rank = int(o.get("node_rank", 0))
     shm_dir = o.get("shm_dir") or knobs.shm_dir(node_rank)
     mem_limit = knobs.parse_size(o["mem_limit"]) if o.get("mem_limit") else knobs.mem_limit()
-    if not mem_limit:  # the folder is made later, once this daemon holds the run dir's lock
-        mem_limit = int(shm_free_bytes(shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)) * 0.8)
+    if not mem_limit:  # 80% of what the shm file system can give us, counting our own segments
+        where = shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)
+        ours = sum(e.stat().st_size for e in os.scandir(shm_dir) if e.name.startswith("slot-")) if os.path.isdir(shm_dir) else 0
+        mem_limit = int((shm_free_bytes(where) + ours) * 0.8)
     return DaemonConfig(
         run_dir=o.get("run_dir") or knobs.run_dir(),
         shm_dir=shm_dir,

@@ -195,7 +195,9 @@ class Daemon:
     # --- handlers: each returns a reply body, or None when the reply is parked ----------------
 
     def _on_hello(self, ident, req_id, body):
-        self._clients[body["pid"]] = time.monotonic()
+        now = time.monotonic()
+        self._clients = {pid: t for pid, t in self._clients.items() if now - t < 3600}
+        self._clients[body["pid"]] = now
         return {
             "pid": os.getpid(),
             "node_rank": self.config.node_rank,
@@ -294,9 +296,15 @@ class Daemon:
         return {"step": step}
 
     def _disk_latest(self) -> int | None:
+        """The flush dir's newest complete version, by its LATEST pointer (no directory scan)."""
         if not self.config.flush_dir or not os.path.isdir(self.config.flush_dir):
             return None
-        from ..format import list_versions
+        from ..format import read_latest
+
+        step = read_latest(self.config.flush_dir)
+        if step is not None and os.path.isfile(os.path.join(self.config.flush_dir, f"step-{step}", "ucp.json")):
+            return step
+        from ..format import list_versions  # LATEST missing or stale: look at what is there
 
         complete = [v.step for v in list_versions(self.config.flush_dir) if v.state == "complete"]
         return max(complete) if complete else None

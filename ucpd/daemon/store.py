@@ -87,6 +87,16 @@ class NodeStore:
     def reserve_new_slot(self, nbytes: int) -> tuple[int, str, int]:
         """Account for a new slot (id, path, size) that the caller then allocates; may evict."""
         size = self.slots.round_size(nbytes)
+        reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
+            self.slots.slots[p.slot].size for v in self._evictable() for p in v.parts.values() if p.slot in self.slots.slots
+        )
+        if self.slots.used_bytes - reclaimable + size > self.slots.mem_limit:
+            self.counters.rejected += 1
+            raise SnapshotRejected(
+                f"memory limit: a slot of {size >> 20} MiB cannot fit in --mem-limit {self.slots.mem_limit >> 20} MiB "
+                f"even after evicting every version but the newest committed ({self.slots.used_bytes >> 20} MiB in use). "
+                "Raise --mem-limit, lower --keep, or snapshot less state; the last committed version is kept."
+            )
         if not self.slots.fits(size):
             self._make_room(size)
         free = shm_free_bytes(self.shm_dir)
@@ -174,6 +184,9 @@ class NodeStore:
         for old in self.table.abandoned_before(v.step):
             old.state = VersionState.ABANDONED
             self._free_parts(old)
+        for slot in self.slots.slots.values():  # lent to a rank that never came back for them
+            if slot.state is SlotState.WRITING and slot.step is not None and slot.step < v.step:
+                self.slots.release(slot.id)
         self.enforce_keep()
 
     # --- reading -------------------------------------------------------------------------------

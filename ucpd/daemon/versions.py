@@ -154,7 +154,7 @@ class Version:
             for g in out.values():
                 if None in g.shape:  # a stacked dim whose count no placement gave: what the items cover
                     g.shape = tuple(
-                        max(p.box.offsets[d] + p.box.lengths[d] for p in g.sources) if n is None else n
+                        max((p.box.offsets[d] + p.box.lengths[d] for p in g.sources), default=0) if n is None else n
                         for d, n in enumerate(g.shape)
                     )
             self._globals = out
