@@ -109,6 +109,12 @@ class _Executor:
         if c.src_view.numel == 0:
             return
         lo, hi = _byte_range(c.src_view, itemsize)
+        dlo, dhi = _byte_range(c.dst_view, itemsize)
+        if lo < 0 or hi > src["nbytes"] or dlo < 0 or dhi > host.numel() * itemsize or min(c.src_view.strides + c.dst_view.strides, default=0) < 0:
+            raise PlacementMismatch(  # the native fast paths take raw pointers: check every window
+                f"restore plan window outside its buffer (source bytes {lo}..{hi} of {src['nbytes']}, "
+                f"target bytes {dlo}..{dhi} of {host.numel() * itemsize}); the daemon and client disagree"
+            )
         chunk = src["chunk"]
         if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
             base = self.arrays[c.src_key].ctypes.data

@@ -445,7 +445,7 @@ class Daemon:
             self.store.save_index()
             self.store.close()
         try:
-            self._sock.close(linger=0)
+            self._sock.close(linger=1000)  # let the last replies (shutdown) leave
         except AttributeError:
             pass
         try:

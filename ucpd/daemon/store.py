@@ -155,6 +155,9 @@ class NodeStore:
             version.parts.pop(rank, None)
             version._globals = None
             self._dedupe_ok = False
+            self.slots.release(sid)
+            if len(version.parts) + 1 == version.world_size:
+                self._evict(version)  # every rank sealed but it cannot commit: waiters hear so now
             raise
         if committed:
             self._dedupe_ok = True

@@ -18,6 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -197,6 +198,23 @@ def duplicates(version: "Version") -> dict[int, list[str]]:
     return out
 
 
+def check_covered(version: "Version") -> None:
+    """Every global tensor must be held whole by the ranks together; raises PlacementMismatch.
+
+    A cheap necessary condition: the distinct boxes the ranks hold must add up to the tensor
+    (replicas hold identical boxes, so they count once)."""
+    for g in version.globals().values():
+        total = 1
+        for n in g.shape:
+            total *= n
+        held = sum(math.prod(b[1]) for b in {(tuple(s.box.offsets), tuple(s.box.lengths)) for s in g.sources})
+        if held < total:
+            raise PlacementMismatch(
+                f"step {version.step}: the ranks together hold {held} of the {total} elements of {g.name!r} "
+                f"{list(g.shape)}; the version cannot commit — check the placements of the ranks that save it"
+            )
+
+
 def check_skipped_covered(version: "Version") -> None:
     """Every tensor a rank skipped must be held by another rank; raises PlacementMismatch."""
     from ..ucl.plan import plan_restore
@@ -258,7 +276,7 @@ class VersionTable:
         version.parts[part.rank] = part
         version._globals = None
         if version.state is VersionState.WRITING and len(version.parts) == version.world_size:
-            version.globals()  # validate agreement across ranks now, not at restore time
+            check_covered(version)  # agreement and coverage now, not at restore time
             check_skipped_covered(version)
             version.state = VersionState.COMPLETE
         if version.state is VersionState.COMPLETE and self.policy.on_complete(version):
