@@ -61,7 +61,7 @@ def test_a_skip_that_is_no_longer_covered_fails_that_version_only(daemon):
         h0 = ckpts[0].snapshot(3, s0, placements={**p0, "w": P.Shard(0, 0, 2)})
         h0._sealed.wait()
         h1 = ckpts[1].snapshot(3, *per_rank[1])
-        with pytest.raises(PlacementMismatch, match="skipped 'w' as a duplicate"):
+        with pytest.raises(PlacementMismatch, match="cannot commit"):
             h1.wait()
         assert ckpts[0].latest() == 2  # the last committed version is whole
         h = snap_all(ckpts, 4)  # dedupe is off until the next commit: everything is written

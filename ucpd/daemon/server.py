@@ -119,8 +119,8 @@ class Daemon:
     # --- loop ------------------------------------------------------------------------------------
 
     def serve(self, ready: threading.Event | None = None) -> None:
-        ctx = zmq.Context.instance()
-        sock = ctx.socket(zmq.ROUTER)
+        self._ctx = zmq.Context()  # the daemon's own: close() terminates it
+        sock = self._ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_FRAME_BYTES)  # larger frames: the peer is dropped
@@ -445,7 +445,8 @@ class Daemon:
             self.store.save_index()
             self.store.close()
         try:
-            self._sock.close(linger=1000)  # let the last replies (shutdown) leave
+            self._sock.close(linger=1000)  # let the last replies (shutdown) leave: term() waits for them
+            self._ctx.term()
         except AttributeError:
             pass
         try:
