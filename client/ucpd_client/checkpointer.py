@@ -48,10 +48,24 @@ def _dtensor_class() -> type:
 
 
 def _default_job_id() -> str | None:
+    """One id per run of the job, the same on every rank: $UCPD_JOB_ID, torchrun's run id and
+    restart count, or one that rank 0 puts in the process group's store (no collective)."""
     if os.environ.get("UCPD_JOB_ID"):
         return os.environ["UCPD_JOB_ID"]
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        try:
+            import datetime
+            import uuid
+
+            store = torch.distributed.distributed_c10d._get_default_store()
+            if torch.distributed.get_rank() == 0:
+                store.compare_set("ucpd/job-id", "", uuid.uuid4().hex)
+            store.wait(["ucpd/job-id"], datetime.timedelta(seconds=60))
+            return store.get("ucpd/job-id").decode()
+        except Exception:  # a store without these calls, or rank 0 never made a Checkpointer
+            return None
     return None
 
 

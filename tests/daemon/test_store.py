@@ -20,8 +20,8 @@ def shm(dirs):
     return dirs["shm"]
 
 
-def lend(store: NodeStore, rank: int, step: int, nbytes: int = MiB):
-    store.check_begin(rank, step)
+def lend(store: NodeStore, rank: int, step: int, nbytes: int = MiB, job=None, world=None):
+    store.check_begin(rank, step, job, world)
     slot = store.take_free_slot(rank, step, nbytes)
     if slot is None:
         sid, path, size = store.reserve_new_slot(nbytes)
@@ -30,8 +30,8 @@ def lend(store: NodeStore, rank: int, step: int, nbytes: int = MiB):
     return slot
 
 
-def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None, shape=(4,)):
-    slot = lend(store, rank, step)
+def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None, shape=(4,), job=None):
+    slot = lend(store, rank, step, job=job, world=world)
     n = 1
     for d in shape:
         n *= d
@@ -39,7 +39,9 @@ def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None,
         "name": "w", "dtype": "float32", "shape": list(shape), "placement": placement or {"kind": "replicated"},
         "offset": 0, "nbytes": 4 * n, "crcs": [0] if n else [],
     }
-    return store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry], "objects": b""})
+    return store.seal(
+        {"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry], "objects": b"", "incarnation": job}
+    )
 
 
 def test_a_version_commits_when_every_rank_sealed_it(shm):
@@ -115,3 +117,29 @@ def test_a_damaged_index_starts_empty_and_removes_stray_segments(shm):
     assert again.table.latest_committed() is None
     assert not [n for n in os.listdir(shm) if n.startswith("slot-")]
     assert any("index unreadable" in d for d in again.adopted.dropped)
+
+
+def test_a_restarted_job_never_completes_a_version_an_earlier_run_left_half_written(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    half = {"kind": "shard", "dim": 0, "index": 0, "parts": 2}
+    other = {"kind": "shard", "dim": 0, "index": 1, "parts": 2}
+    seal(store, 0, 5, world=2, placement=half, job="run-A")  # run A dies after rank 0 sealed step 5
+    v, committed = seal(store, 1, 5, world=2, placement=other, job="run-B")  # run B's rank 1 first
+    assert committed == [] and sorted(v.parts) == [1] and v.incarnation == "run-B"
+    v, committed = seal(store, 0, 5, world=2, placement=half, job="run-B")
+    assert committed == [v]
+
+
+def test_a_smaller_restarted_job_abandons_the_old_unfinished_step(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 7, world=4)  # a 4-rank job died mid-step 7
+    v, committed = seal(store, 0, 7, world=1)  # the 1-rank restart snapshots step 7 again
+    assert committed == [v] and v.world_size == 1
+    assert all(s.state is not SlotState.WRITING for s in store.slots.slots.values())
+
+
+def test_steps_must_increase_past_the_newest_committed(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 9)
+    with pytest.raises(SnapshotRejected, match="older than the newest committed step 9"):
+        lend(store, 0, 3)

@@ -209,7 +209,7 @@ class Daemon:
 
     def _on_begin(self, ident, req_id, body):
         rank, step, nbytes = body["rank"], body["step"], body["nbytes"]
-        self.store.check_begin(rank, step, body.get("incarnation"))
+        self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"])
         slot = self.store.take_free_slot(rank, step, nbytes)
         skip = self.store.skip_for(rank, body["world_size"])
         if slot is not None:

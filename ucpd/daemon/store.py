@@ -48,7 +48,7 @@ class NodeStore:
 
     # --- snapshot path --------------------------------------------------------------------------
 
-    def check_begin(self, rank: int, step: int, incarnation: str | None = None) -> None:
+    def check_begin(self, rank: int, step: int, incarnation: str | None = None, world_size: int | None = None) -> None:
         """Refuse a snapshot that could not commit cleanly; release the rank's unfinished slot."""
         newest = self.table.latest_committed()
         if newest is not None and step < newest.step:
@@ -56,21 +56,22 @@ class NodeStore:
                 f"step {step} is older than the newest committed step {newest.step}: snapshot steps must "
                 f"increase (after restoring an older step, continue numbering above {newest.step})"
             )
-        v = self._current(step, incarnation)
+        v = self._current(step, incarnation, rank, world_size)
         if v is not None and v.state in RESTORABLE:
             raise SnapshotRejected(f"step {step} is already committed; snapshot a new step number")
-        if v is not None and rank in v.parts:
-            raise SnapshotRejected(f"rank {rank} already sealed step {step}")
         for slot in self.slots.slots.values():  # a rank writes one snapshot at a time
             if slot.state is SlotState.WRITING and slot.rank == rank:
                 self.slots.release(slot.id)
 
-    def _current(self, step: int, incarnation: str | None) -> Version | None:
-        """The version of ``step``; one still being written by another run of the job (it died
-        mid-snapshot) is abandoned, so a restarted job never completes it with its own parts."""
+    def _current(self, step: int, incarnation: str | None, rank: int | None = None, world_size: int | None = None):
+        """The version of ``step``. One still being written by another run of the job (it died
+        mid-snapshot) is abandoned, so a restarted job never completes it with its own parts:
+        another job id, another world size, or a rank starting a step it already sealed."""
         v = self.table.versions.get(step)
-        if v is not None and v.state is VersionState.WRITING and v.incarnation != incarnation:
-            log.warning("step %d: abandoning the parts of job run %s (now %s)", step, v.incarnation, incarnation)
+        if v is not None and v.state is VersionState.WRITING and (
+            v.incarnation != incarnation or (world_size is not None and v.world_size != world_size) or rank in v.parts
+        ):
+            log.warning("step %d: abandoning the unfinished parts of an earlier run of the job", step)
             self._evict(v)
             return None
         return v
@@ -141,7 +142,9 @@ class NodeStore:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
             names.add(e.name)
         incarnation = body.get("incarnation")
-        version = self._current(step, incarnation) or self.table.get_or_create(step, body["world_size"])
+        version = self._current(step, incarnation, None, body["world_size"]) or self.table.get_or_create(
+            step, body["world_size"]
+        )
         if not version.parts:
             version.incarnation = incarnation
         if version.state is not VersionState.WRITING:
