@@ -52,3 +52,15 @@ def test_sharded_big_tensors_flush_consolidated(make_daemon, dirs):
             for k in st.keys():
                 found[k] = st.get_tensor(k)
     assert torch.equal(found["big"], big) and torch.equal(found["bf"], bf)
+
+
+def test_a_restarted_daemon_flushes_the_committed_version_it_never_wrote(make_daemon, dirs):
+    d = make_daemon("--mem-limit", "256M", "--flush-every", "1000")  # nothing is due to flush
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(4, {"w": torch.arange(10.0)}).wait()
+    assert list_versions(dirs["flush"]) == []
+    d.kill()
+    d.start()  # re-adopts step 4, sees it never reached disk, flushes it
+    wait_flushed(dirs["flush"], 4)
+    with open_version(dirs["flush"], 4) as reader:
+        assert reader.tensors["w"].shape == (10,)

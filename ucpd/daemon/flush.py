@@ -81,6 +81,15 @@ class Flusher:
         self._pending = version
         self._wake.notify()
 
+    def resume(self) -> None:
+        """After a restart: flush the newest re-adopted committed version if it never reached
+        disk (the daemon died before or while flushing it). Caller holds the store lock."""
+        newest = self.store.table.latest_committed()
+        if newest is not None and not newest.on_disk and self._pending is None:
+            newest.pins += 1
+            self._pending = newest
+            self._wake.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._stopping = True

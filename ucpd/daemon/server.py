@@ -99,6 +99,8 @@ class Daemon:
             from .flush import Flusher
 
             self.flusher = Flusher(self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep)
+            with self.store.lock:
+                self.flusher.resume()
         self.metrics = None
         if config.metrics_port is not None:
             from .metrics import Metrics
