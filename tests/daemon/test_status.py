@@ -20,10 +20,12 @@ def ucpd(*args: str) -> subprocess.CompletedProcess:
 def test_status_table_and_json(daemon):
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(7, {"w": torch.ones(1024)}).wait()
+        ckpt.restore({"w": torch.zeros(1024)})
     out = ucpd("status", "--run-dir", daemon.run_dir)
     assert out.returncode == 0, out.stderr
     assert "latest committed" in out.stdout and "committed" in out.stdout and "7" in out.stdout
     js = json.loads(ucpd("status", "--run-dir", daemon.run_dir, "--json").stdout)
+    assert js["counters"]["restores"] == 1 and js["counters"]["restore_bytes"] == 4096
     assert js["latest_committed"] == 7
     assert js["versions"][0]["state"] in ("committed", "flushed") and js["versions"][0]["bytes"] == 4096
     assert js["mem_used"] > 0 and js["mem_limit"] == 1 << 30

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import queue
 import stat
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from .. import knobs, protocol
+from ..dtypes import dtype as lookup_dtype
 from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
@@ -340,6 +342,9 @@ class Daemon:
             pin.pins += 1
         self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
         self.store.counters.restores += 1
+        self.store.counters.restore_bytes += sum(
+            math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
+        )
         return {"lease": lease, "step": chosen, "where": where, "objects": objects, **plan}
 
     def _on_describe(self, ident, req_id, body):
