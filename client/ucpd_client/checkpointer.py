@@ -30,7 +30,7 @@ from ucpd.errors import InvalidPlacement, UcpdError
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 
-from . import embedded, restore as restore_mod, state as state_mod
+from . import embedded as embedded_daemon, restore as restore_mod, state as state_mod
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
 
@@ -164,7 +164,7 @@ class Checkpointer:
         self.run_dir = run_dir or knobs.run_dir()
         self._local = threading.local()
         self._hello = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname()}
-        conn, self.daemon_info = embedded_mod_connect(self.run_dir, self._hello, embedded)
+        conn, self.daemon_info = embedded_daemon.connect_or_start(self.run_dir, self._hello, embedded)
         conn.timeout = knobs.rpc_timeout()  # hello used a short one to detect a missing daemon
         self._local.conn = conn
         self._conns = [conn]
@@ -357,7 +357,3 @@ class _Conn:
 
     def call_wait(self, step: int, timeout: float) -> dict:
         return self._c.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout)
-
-
-def embedded_mod_connect(run_dir: str, hello: dict, allow: bool):
-    return embedded.connect_or_start(run_dir, hello, allow)
