@@ -17,8 +17,8 @@ def full() -> dict:
     return {"w": torch.randn(8, 6, generator=g), "b": torch.randn(6, generator=g)}
 
 
-def save_ranks(rank, world, port, q, run_dir):
-    ranks.init_gloo(rank, world, port)
+def save_ranks(rank, world, rendezvous, q, run_dir):
+    ranks.init_gloo(rank, world, rendezvous)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -34,8 +34,8 @@ def save_ranks(rank, world, port, q, run_dir):
     q.put((rank, True))
 
 
-def load_ranks(rank, world, port, q, run_dir):
-    ranks.init_gloo(rank, world, port)
+def load_ranks(rank, world, rendezvous, q, run_dir):
+    ranks.init_gloo(rank, world, rendezvous)
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor

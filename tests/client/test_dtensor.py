@@ -16,8 +16,8 @@ def full(step: int) -> dict[str, torch.Tensor]:
     return {"w": torch.randn(10, 6, generator=g), "b": torch.randn(6, generator=g), "r": torch.randn(3, generator=g)}
 
 
-def dtensor_ranks(rank, world, port, q, run_dir):
-    ranks.init_gloo(rank, world, port)
+def dtensor_ranks(rank, world, rendezvous, q, run_dir):
+    ranks.init_gloo(rank, world, rendezvous)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 

@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 STEPS = (1, 2, 3)
 
 
-def snapshot_ranks(rank, world, port, q, run_dir, tp, steps, hold):
-    ranks.init_gloo(rank, world, port)
+def snapshot_ranks(rank, world, rendezvous, q, run_dir, tp, steps, hold):
+    ranks.init_gloo(rank, world, rendezvous)
     from ucpd_client import Checkpointer
 
     ckpt = Checkpointer(run_dir, embedded=False)
@@ -37,8 +37,8 @@ def snapshot_ranks(rank, world, port, q, run_dir, tp, steps, hold):
     ckpt.close()
 
 
-def restore_ranks(rank, world, port, q, run_dir, tp, step):
-    ranks.init_gloo(rank, world, port)
+def restore_ranks(rank, world, rendezvous, q, run_dir, tp, step):
+    ranks.init_gloo(rank, world, rendezvous)
     from ucpd_client import Checkpointer
 
     want, placements = rank_state(step, rank, tp, world // tp)
@@ -102,9 +102,9 @@ def test_rank_killed_mid_snapshot_leaves_the_previous_version_whole(daemon):
     restore_everywhere_step(daemon.run_dir, 1, 1, 1)  # step 1, whole, on one rank
 
 
-def half_snapshot_ranks(rank, world, port, q, run_dir):
+def half_snapshot_ranks(rank, world, rendezvous, q, run_dir):
     """Rank 0 snapshots step 2 completely; rank 1 is stuck mid-copy when it is killed."""
-    ranks.init_gloo(rank, world, port)
+    ranks.init_gloo(rank, world, rendezvous)
     from ucpd_client import Checkpointer, staging
 
     ckpt = Checkpointer(run_dir, embedded=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
 import time
 
 import torch.multiprocessing as mp
@@ -15,20 +16,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_gloo(rank: int, world: int, port: int) -> None:
+def init_gloo(rank: int, world: int, rendezvous: str) -> None:
+    """Join the test's gloo group through a file store (no TCP port that another process could
+    take between choosing it and binding it)."""
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
 
 
 def spawn(target, world: int, *args, wait_for: int | None = None, timeout: float = 180.0):
-    """Start ``world`` ranks of ``target(rank, world, port, queue, *args)``; collect one message
-    per rank from the queue (``wait_for`` messages, default ``world``). Returns (procs, messages)."""
+    """Start ``world`` ranks of ``target(rank, world, rendezvous, queue, *args)``; collect one
+    message per rank from the queue (``wait_for`` messages, default ``world``). Returns (procs,
+    messages)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, q, *args), daemon=True) for r in range(world)]
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="ucpd-gloo-"), "rendezvous")
+    procs = [ctx.Process(target=target, args=(r, world, rendezvous, q, *args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     messages = []
