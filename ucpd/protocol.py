@@ -172,7 +172,7 @@ REQUESTS: dict[str, MessageType] = {
                 "tensors": _list_of(TENSOR_ENTRY),
                 "objects": _bytes,
             },
-            {"layout": _dict, "incarnation": _str},
+            {"layout": _dict, "incarnation": _str, "objects_crc": _int(0, 0xFFFFFFFF)},
             "seal a written slot as this rank's part of step; reply: {state}",
         ),
         MessageType(

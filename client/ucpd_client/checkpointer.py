@@ -293,7 +293,7 @@ class Checkpointer:
                 manifest.append({**item, "offset": e.offset, "nbytes": e.nbytes, "crcs": list(crcs[e.name])})
         conn.call(
             "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],
-            tensors=manifest, objects=objects, **self._job,
+            tensors=manifest, objects=objects, objects_crc=native.crc32c(objects), **self._job,
         )
         self._signatures = {e.name: e.signature for e in entries}
         handle.timings["sealed"] = time.perf_counter()

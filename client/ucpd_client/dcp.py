@@ -154,7 +154,7 @@ class UcpdStorageReader(StorageReader):
         body = {} if self.step is None else {"step": self.step}
         desc = self.ckpt._conn().call("describe", **body)
         self.step = desc["step"]
-        values = restore_mod.merged_values(desc["objects"], self.ckpt.rank)
+        values = restore_mod.merged_values(desc["objects"], self.ckpt.rank, desc.get("objects_crcs"))
         self._bytes = {}
         for name, value in values.items():
             if name.startswith("__dcp_bytes__."):

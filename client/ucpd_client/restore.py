@@ -198,11 +198,15 @@ class _Executor:
                 raise _damaged(src, i, crc)
 
 
-def merged_values(objects: Mapping[int, bytes], rank: int) -> dict[str, Any]:
+def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, int | None] | None = None) -> dict[str, Any]:
     """The plain values of a version for ``rank``: its own rank's first, then any name it
-    lacks from the other source ranks, lowest first (a new rank gets rank 0's loader state)."""
+    lacks from the other source ranks, lowest first (a new rank gets rank 0's loader state).
+    Each rank's pickle is checked against its CRC32C before it is unpickled."""
     out: dict[str, Any] = {}
     for r in sorted(objects, key=lambda r: (r != rank, r)):
+        want = (crcs or {}).get(r)
+        if want is not None and native.crc32c(objects[r]) != want:
+            raise ChecksumMismatch(f"the plain values (step, RNG, loader state) saved by rank {r} are damaged")
         if objects[r]:
             for name, value in pickle.loads(objects[r]).items():
                 out.setdefault(name, value)
@@ -255,7 +259,7 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
                 torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
             if host is not target:
                 target.copy_(host)
-        values = merged_values(plan["objects"], ckpt.rank)
+        values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))
     finally:
         conn.call("release", lease=plan["lease"])
     return plan["step"], values

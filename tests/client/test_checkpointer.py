@@ -220,3 +220,17 @@ def test_a_daemon_that_dies_gives_daemon_unreachable_not_a_hang(make_daemon):
             ckpt.latest()
         d.start()  # a restarted daemon re-adopts step 1 and the same connection works again
         assert ckpt.latest() == 1
+
+
+def test_plain_values_are_checked_before_they_are_unpickled():
+    import pickle
+
+    from ucpd import native
+    from ucpd_client.errors import ChecksumMismatch
+    from ucpd_client.restore import merged_values
+
+    good = pickle.dumps({"step": 3, "loader": 7})
+    assert merged_values({0: good}, 0, {0: native.crc32c(good)}) == {"step": 3, "loader": 7}
+    bad = good[:-2] + bytes([good[-2] ^ 1]) + good[-1:]
+    with pytest.raises(ChecksumMismatch, match="saved by rank 0"):
+        merged_values({0: bad}, 0, {0: native.crc32c(good)})

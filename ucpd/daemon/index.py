@@ -41,6 +41,7 @@ def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
                         "rank": p.rank,
                         "slot": p.slot,
                         "objects": p.objects,
+                        "objects_crc": p.objects_crc,
                         "layout": p.layout,
                         "tensors": [t.to_wire() for t in p.tensors],
                     }
@@ -109,7 +110,9 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
                     )
                     for t in rp["tensors"]
                 ]
-                parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"))
+                parts[rp["rank"]] = RankPart(
+                    rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"), rp.get("objects_crc")
+                )
             else:
                 v = Version(raw["step"], raw["world_size"], VersionState(raw["state"]), parts, raw["created"], raw["committed_at"])
                 v.on_disk = raw.get("on_disk", False)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .. import knobs, protocol
+from .. import knobs, native, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
@@ -59,6 +59,11 @@ class _Parked:
     deadline: float
     step: int | None = None
     extra: dict = field(default_factory=dict)
+
+
+def _objects_body(objects: dict) -> dict:
+    """{rank: (bytes, crc)} as the reply fields ``objects`` and ``objects_crcs``."""
+    return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
 
 
 def ensure_private_dir(path: str) -> None:
@@ -320,11 +325,12 @@ class Daemon:
         disk = self._disk_latest() if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             sources = self._ram_sources(version)
-            objects = {r: p.objects for r, p in version.parts.items()}
+            objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
             return sources, objects, version.step, version, "ram"
         with self._open_disk(step) as reader:
             sources = restore_plan.from_disk(reader)
-            objects = {int(r): b for r, b in (reader.objects.get("ranks") or {}).items()}
+            # the reader checked these against the version's own checksums
+            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
 
     def _ram_sources(self, version):
@@ -345,12 +351,12 @@ class Daemon:
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )
-        return {"lease": lease, "step": chosen, "where": where, "objects": objects, **plan}
+        return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), **plan}
 
     def _on_describe(self, ident, req_id, body):
         sources, objects, chosen, _, where = self._find_version(body.get("step"))
         tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
-        return {"step": chosen, "where": where, "tensors": tensors, "objects": objects}
+        return {"step": chosen, "where": where, "tensors": tensors, **_objects_body(objects)}
 
     def _open_disk(self, step):
         from ..format import open_version

@@ -151,7 +151,7 @@ class NodeStore:
             raise ProtocolError(f"rank {rank} commits step {step}, which is already {version.state.value}")
         if version.world_size != body["world_size"]:
             raise ProtocolError(f"rank {rank} says world size {body['world_size']}, others said {version.world_size}")
-        part = RankPart(rank, sid, entries, body["objects"], body.get("layout"))
+        part = RankPart(rank, sid, entries, body["objects"], body.get("layout"), body.get("objects_crc"))
         try:
             committed = self.table.seal(version, part)
         except Exception:

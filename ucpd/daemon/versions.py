@@ -92,6 +92,7 @@ class RankPart:
     tensors: list[TensorEntry]
     objects: bytes
     layout: dict | None = None
+    objects_crc: int | None = None  # CRC32C of ``objects``, checked by the client that unpickles them
 
     @property
     def nbytes(self) -> int:
