@@ -226,3 +226,12 @@ def test_fill_rows_streams_big_tensors_in_row_blocks(tmp_path):
         np.testing.assert_array_equal(r.array("big"), big)
         data = raw.tobytes()
         assert list(r.tensors["big"].crcs) == [crc32c.crc32c(data[i : i + 1000]) for i in range(0, len(data), 1000)]
+
+
+def test_retain_leaves_protected_steps_alone(tmp_path):
+    from ucpd.format import TensorSource, list_versions, retain, write_version
+
+    for step in (1, 2, 3, 4):
+        write_version(tmp_path, step, [TensorSource("w", "uint8", (3,), {"kind": "replicated"}, b"abc")], fsync=False)
+    retain(tmp_path, 1, protect=[2])
+    assert sorted(v.step for v in list_versions(tmp_path)) == [2, 4]

@@ -197,7 +197,9 @@ class Flusher:
         )
         arrays.clear()
         if self.keep_on_disk:
-            retain(self.flush_dir, self.keep_on_disk)
+            with self.store.lock:
+                reading = set(self.store.disk_readers)
+            retain(self.flush_dir, self.keep_on_disk, protect=reading)
         with self.store.lock:
             version.on_disk = True
             from .versions import VersionState

@@ -346,6 +346,9 @@ class Daemon:
         self._next_lease += 1
         if pin is not None:
             pin.pins += 1
+        else:  # reading flushed files: retention must leave this step alone meanwhile
+            self.store.disk_readers[chosen] = self.store.disk_readers.get(chosen, 0) + 1
+            pin = chosen
         self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
@@ -379,7 +382,13 @@ class Daemon:
 
     def _end_lease(self, lease: int) -> None:
         pin, _ = self._leases.pop(lease, (None, 0.0))
-        if pin is not None:
+        if isinstance(pin, int):
+            left = self.store.disk_readers.get(pin, 1) - 1
+            if left:
+                self.store.disk_readers[pin] = left
+            else:
+                self.store.disk_readers.pop(pin, None)
+        elif pin is not None:
             pin.pins -= 1
             self.store.enforce_keep()
 

@@ -45,6 +45,7 @@ class NodeStore:
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
+        self.disk_readers: dict[int, int] = {}  # flushed step -> restores reading it (retain keeps it)
 
     # --- snapshot path --------------------------------------------------------------------------
 

@@ -790,8 +790,9 @@ def _remove_dir(root: Path, path: Path, step: int) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def retain(root: str | os.PathLike, keep: int) -> list[Path]:
-    """Delete all but the newest ``keep`` complete versions (never the one ``LATEST`` names),
+def retain(root: str | os.PathLike, keep: int, protect: Iterable[int] = ()) -> list[Path]:
+    """Delete all but the newest ``keep`` complete versions (never the one ``LATEST`` names,
+    nor the steps in ``protect``: versions being read),
     torn ``step-<N>`` folders older than the newest complete version, and temporary or
     half-deleted folders whose writer process is gone. Returns the paths removed."""
     if keep < 1:
@@ -805,7 +806,7 @@ def retain(root: str | os.PathLike, keep: int) -> list[Path]:
     versions = list_versions(root)
     complete = sorted(v.step for v in versions if v.state == "complete")
     latest = read_latest(root)
-    keep_steps = set(complete[-keep:])
+    keep_steps = set(complete[-keep:]) | set(protect)
     if latest is not None:
         keep_steps.add(latest)
     newest = complete[-1] if complete else None
