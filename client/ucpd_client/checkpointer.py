@@ -320,7 +320,8 @@ class Checkpointer:
         committed) under their placements, and put its plain values back. Returns the step.
 
         Raises VersionNotFound, PlacementMismatch (unknown tensor, wrong shape or dtype,
-        uncovered region), ChecksumMismatch (a source's bytes are damaged).
+        uncovered region), ChecksumMismatch (a source's bytes are damaged; targets may then be
+        partly written — restore another step, or from the flush directory).
         """
         return restore_mod.restore(self, target_state, step, placements)
 

@@ -95,16 +95,18 @@ def test_incomplete_versions_are_abandoned_when_a_newer_one_commits(shm):
     assert all(s.state is not SlotState.WRITING for s in store.slots.slots.values())
 
 
-def test_a_restarted_store_re_adopts_committed_versions_and_frees_the_rest(shm):
+def test_a_restarted_store_re_adopts_committed_versions_and_drops_the_rest(shm):
     store = NodeStore(shm, 64 * MiB, keep=2)
     seal(store, 0, 1)
     seal(store, 0, 2)
-    lend(store, 0, 3)  # in flight when the daemon dies
+    writing = lend(store, 0, 3)  # in flight when the daemon dies: the trainer may still write it
+    store.save_index()
     store.close()
     again = NodeStore(shm, 64 * MiB, keep=2)
     assert [v.step for v in again.table.committed()] == [1, 2]
-    states = sorted(s.state.value for s in again.slots.slots.values())
-    assert states == ["free", "held", "held"]
+    assert sorted(s.state.value for s in again.slots.slots.values()) == ["held", "held"]
+    assert not os.path.exists(writing.path)  # never lent again
+    assert again.slots.new_slot_path()[0] > writing.id  # nor is its name
 
 
 def test_a_damaged_index_starts_empty_and_removes_stray_segments(shm):

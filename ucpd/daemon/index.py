@@ -3,8 +3,9 @@
 ``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions with
 every rank's manifest. It is rewritten whole on each change that matters, to a temporary
 file that is then renamed over the old one: a crash mid-update leaves the old index or the
-new one, never a torn one. Slots that were being written when the daemon died come back free;
-versions that were not complete come back as nothing.
+new one, never a torn one. Slots that were being written (or spare) when the daemon died are
+deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
+Versions that were not complete come back as nothing.
 """
 
 from __future__ import annotations
@@ -122,6 +123,11 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
                     slot.state, slot.rank, slot.step = SlotState.HELD, p.rank, v.step
                 continue
             dropped.append(f"step {raw['step']}: a slot it needs is gone")
+    for slot in [s for s in slots.slots.values() if s.state is SlotState.FREE]:
+        # not holding a committed version: a trainer that outlived the old daemon may still be
+        # writing into it, so it is never lent again (its mapping keeps the old inode alive)
+        slots.delete(slot.id)
+        known.discard(os.path.basename(slot.path))
     for name in os.listdir(shm_dir):
         if name.startswith("slot-") and name not in known:
             os.unlink(os.path.join(shm_dir, name))
