@@ -12,15 +12,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Per-node asynchronous in-memory checkpoint daemon and universal-format tools.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    from .daemon import cli as daemon_cli
     from .format import cli as format_cli
 
     format_cli.add_commands(sub)
-    try:
-        from .daemon import cli as daemon_cli
-    except ImportError:  # pragma: no cover - while the daemon package is being built
-        daemon_cli = None
-    if daemon_cli is not None:
-        daemon_cli.add_commands(sub)
+    daemon_cli.add_commands(sub)
     return parser
 
 
