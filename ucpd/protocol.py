@@ -39,13 +39,6 @@ def _int(lo: int = 0, hi: int = 1 << 62) -> Callable[[str, Any], int]:
     return check
 
 
-def _opt(check: Callable[[str, Any], Any]) -> Callable[[str, Any], Any]:
-    def inner(field: str, v: Any) -> Any:
-        return None if v is None else check(field, v)
-
-    return inner
-
-
 def _str(field: str, v: Any) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN:
         raise ProtocolError(f"field {field!r} must be a non-empty string of at most {MAX_NAME_LEN} characters")

@@ -13,7 +13,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
+from ..errors import ProtocolError, SnapshotRejected
 from . import index
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
 from .versions import RESTORABLE, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry
@@ -204,12 +204,6 @@ class NodeStore:
             return self.table.latest_committed()
         v = self.table.versions.get(step)
         return v if v is not None and v.state in RESTORABLE else None
-
-    def require_version(self, step: int) -> Version:
-        v = self.version_for_restore(step)
-        if v is None:
-            raise VersionNotFound(f"step {step} is not committed in this daemon's RAM")
-        return v
 
     # --- eviction ------------------------------------------------------------------------------
 
