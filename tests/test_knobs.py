@@ -22,4 +22,11 @@ def test_default_dirs_are_per_user(monkeypatch):
     monkeypatch.delenv("UCPD_RUN_DIR", raising=False)
     monkeypatch.delenv("UCPD_SHM_DIR", raising=False)
     assert knobs.run_dir().endswith(f"ucpd-{knobs.user()}")
-    assert knobs.shm_dir(3) == f"/dev/shm/ucpd-{knobs.user()}-3"
+    assert knobs.shm_dir(3).startswith(f"/dev/shm/ucpd-{knobs.user()}-") and knobs.shm_dir(3).endswith("-3")
+
+
+def test_two_run_dirs_never_share_a_shm_dir(monkeypatch, tmp_path):
+    monkeypatch.delenv("UCPD_SHM_DIR", raising=False)
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    assert knobs.shm_dir(0, a) != knobs.shm_dir(0, b)
+    assert knobs.shm_dir(0, a) == knobs.shm_dir(0, a) != knobs.shm_dir(1, a)

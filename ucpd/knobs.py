@@ -46,9 +46,14 @@ def run_dir() -> str:
     return _get("UCPD_RUN_DIR", os.path.join(tempfile.gettempdir(), f"ucpd-{user()}"))
 
 
-def shm_dir(node_rank: int = 0) -> str:
-    """Where the daemon keeps its shared-memory segments (a tmpfs folder)."""
-    return _get("UCPD_SHM_DIR", f"/dev/shm/ucpd-{user()}-{node_rank}")
+def shm_dir(node_rank: int = 0, run_dir_path: str | None = None) -> str:
+    """Where the daemon keeps its shared-memory segments (a tmpfs folder): one per user, run
+    dir and node rank, so that two run dirs never share (and fight over) one."""
+    import hashlib
+
+    rd = os.path.realpath(run_dir_path or run_dir())
+    tag = hashlib.sha256(rd.encode()).hexdigest()[:8]
+    return _get("UCPD_SHM_DIR", f"/dev/shm/ucpd-{user()}-{tag}-{node_rank}")
 
 
 def copy_threads() -> int:

@@ -152,7 +152,7 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
-            {"incarnation": _str},
+            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS)},
             "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip}",
         ),
         MessageType(
@@ -165,7 +165,9 @@ REQUESTS: dict[str, MessageType] = {
                 "tensors": _list_of(TENSOR_ENTRY),
                 "objects": _bytes,
             },
-            {"layout": _dict, "incarnation": _str, "objects_crc": _int(0, 0xFFFFFFFF)},
+            # local_world_size: the job's ranks on this node (torchrun's LOCAL_WORLD_SIZE); in a
+            # team of daemons a version is complete on a node when that many ranks sealed it
+            {"layout": _dict, "incarnation": _str, "objects_crc": _int(0, 0xFFFFFFFF), "local_world_size": _int(1, MAX_RANKS)},
             "seal a written slot as this rank's part of step; reply: {state}",
         ),
         MessageType(
@@ -198,6 +200,86 @@ REQUESTS: dict[str, MessageType] = {
         MessageType("shutdown", {}, {}, "stop the daemon (keeps shm segments for re-adoption)"),
     ]
 }
+
+
+# --- peer messages: between the daemons of a team (ucpd.team) ------------------------------------
+# The transport (ucpd.team.transport) signs and frames them; these are their bodies. Tensor
+# bytes travel as payload frames beside the body, each with its CRC32C in the signed header.
+
+# One rank's part of a version as a node holds it: its manifest, with offsets inside its slot.
+PART = _record(
+    {
+        "rank": _int(0, MAX_RANKS),
+        "tensors": _list_of(TENSOR_ENTRY),
+        "objects": _bytes,
+        "used": _int(),  # bytes of the slot that the tensors occupy (what a replica copies)
+    },
+    {"objects_crc": _int(0, 0xFFFFFFFF), "layout": _dict},
+)
+# What a node holds of one version: its own ranks' parts (origin = itself) or a replica.
+HOLDING = _record(
+    {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "ranks": _list_of(_int(0, MAX_RANKS))},
+    {"parts": _list_of(PART)},
+)
+
+PEER_REQUESTS: dict[str, MessageType] = {
+    m.name: m
+    for m in [
+        MessageType(
+            "replica_begin",
+            {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "parts": _list_of(PART)},
+            {},
+            "hold a copy of origin's part of step: make room for its parts (laid out one after another); reply: {}",
+        ),
+        MessageType(
+            "replica_data",
+            {"origin": _int(0, MAX_RANKS), "step": _int(), "rank": _int(0, MAX_RANKS), "offset": _int()},
+            {},
+            "payload: bytes of rank's slot from offset on (one-way, in order before replica_end)",
+        ),
+        MessageType(
+            "replica_end",
+            {"origin": _int(0, MAX_RANKS), "step": _int(), "frames": _int()},
+            {},
+            "every byte sent (`frames` replica_data messages): verify each chunk's CRC and keep it; reply: {}",
+        ),
+        MessageType(
+            "holdings",
+            {},
+            {"step": _int()},
+            "what versions this node holds (own parts and replicas); with step: that step's manifests; "
+            "reply: {node, items: [HOLDING]}",
+        ),
+        MessageType(
+            "fetch",
+            {"origin": _int(0, MAX_RANKS), "step": _int(), "rank": _int(0, MAX_RANKS), "ranges": _list_of(_list_of(_int(), 2))},
+            {},
+            "bytes of rank's part of step, as (offset, nbytes) ranges of its slot; reply payload: one buffer per range",
+        ),
+        MessageType("commit", {"m": _dict}, {}, "a message of the commit protocol (ucpd.team.commit); one-way"),
+        MessageType("hello", {"domain": _str}, {}, "the sender's failure domain (--domain); one-way"),
+    ]
+}
+
+
+def validate_peer(msg_type: str, body: Any) -> dict:
+    """Validate a peer message body against its schema; raises ProtocolError."""
+    spec = PEER_REQUESTS.get(msg_type)
+    if spec is None:
+        raise ProtocolError(f"unknown peer message type {msg_type!r}; known: {', '.join(PEER_REQUESTS)}")
+    return validate_fields(msg_type, body, spec.required, spec.optional)
+
+
+def part_to_wire(part, used: int) -> dict:
+    """A ``RankPart`` as a PART record."""
+    return {
+        "rank": part.rank,
+        "tensors": [t.to_wire() for t in part.tensors],
+        "objects": part.objects,
+        "used": used,
+        "objects_crc": part.objects_crc,
+        "layout": part.layout,
+    }
 
 
 # --- envelopes ---------------------------------------------------------------------------------

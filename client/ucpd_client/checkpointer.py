@@ -145,6 +145,9 @@ class Checkpointer:
         job_id: names this run of the job, the same on every rank (default ``$UCPD_JOB_ID``,
             else torchrun's run id and restart count). A restarted run never completes a
             version that a run before it left half-written.
+        local_world_size: the job's ranks on this node, which seal each version with this
+            node's daemon (default ``$LOCAL_WORLD_SIZE`` as torchrun sets it, else
+            ``world_size``). A team of daemons needs it; one node ignores it.
     Raises:
         DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
     """
@@ -156,6 +159,7 @@ class Checkpointer:
         world_size: int | None = None,
         embedded: bool = True,
         job_id: str | None = None,
+        local_world_size: int | None = None,
     ):
         r, w = _default_rank_world()
         self.job_id = job_id or _default_job_id()
@@ -179,6 +183,8 @@ class Checkpointer:
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
         self._job = {"incarnation": self.job_id} if self.job_id else {}
+        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.world_size
+        self._job["local_world_size"] = min(local, self.world_size)
 
     # --- connections ---------------------------------------------------------------------------
 

@@ -19,11 +19,16 @@ def add_commands(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (daemons) in the job (default 1)")
     p.add_argument("--listen", help="tcp://HOST:PORT for peer daemons (multi-node)")
     p.add_argument("--peers", help="comma-separated --listen addresses of every node, in node order")
+    p.add_argument("--hostfile", help="file with every node's --listen address, one per line, in node order")
     p.add_argument("--secret-file", help="job secret that peers prove (default $UCPD_SECRET_FILE)")
+    p.add_argument("--domain", help="this node's failure domain (rack, switch): copies go to other domains")
+    p.add_argument("--net-limit", help="bandwidth for copies to peers in bytes/s, e.g. 1G (0: unlimited)")
+    p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats to peers (default 0.25)")
+    p.add_argument("--dead-after", type=float, default=None, help="a peer silent this long is dead (default 3)")
     p.add_argument("--mem-limit", help="RAM for snapshot slots, e.g. 64G (default 80%% of free /dev/shm)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--replicas", type=int, help="copies of each version on buddy nodes")
-    g.add_argument("--parity", type=int, help="erasure-code group size k across nodes")
+    g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")
+    g.add_argument("--parity", help="erasure-coded groups: K (XOR over K+1 nodes) or K+M (Reed-Solomon)")
     p.add_argument("--flush-dir", help="directory for the universal-format flush (none: no flush)")
     p.add_argument("--flush-every", type=int, default=None, help="flush every Nth committed version (default 1)")
     p.add_argument("--flush-rate", help="flush bandwidth limit in bytes/s, e.g. 2G (0: unlimited)")
@@ -64,20 +69,18 @@ def config_from_args(args):
 
     o = _merged(args)
     nodes = int(o.get("nodes", 1))
-    if nodes > 1 or o.get("peers") or o.get("replicas") or o.get("parity"):
-        raise UcpdError(
-            "multi-node redundancy (--nodes > 1, --peers, --replicas, --parity) is not available in this build: "
-            "run one daemon per node with --nodes 1 and a --flush-dir for durability"
-        )
     node_rank = int(o.get("node_rank", 0))
-    shm_dir = o.get("shm_dir") or knobs.shm_dir(node_rank)
+    run_dir = o.get("run_dir") or knobs.run_dir()
+    shm_dir = o.get("shm_dir") or knobs.shm_dir(node_rank, run_dir)
+    team = team_config(o, nodes, node_rank)
     mem_limit = knobs.parse_size(o["mem_limit"]) if o.get("mem_limit") else knobs.mem_limit()
     if not mem_limit:  # 80% of what the shm file system can give us, counting our own segments
         where = shm_dir if os.path.isdir(shm_dir) else os.path.dirname(shm_dir)
         ours = sum(e.stat().st_size for e in os.scandir(shm_dir) if e.name.startswith("slot-")) if os.path.isdir(shm_dir) else 0
         mem_limit = int((shm_free_bytes(where) + ours) * 0.8)
     return DaemonConfig(
-        run_dir=o.get("run_dir") or knobs.run_dir(),
+        team=team,
+        run_dir=run_dir,
         shm_dir=shm_dir,
         mem_limit=mem_limit,
         keep=int(o.get("keep", knobs.keep_versions())),
@@ -89,6 +92,65 @@ def config_from_args(args):
         flush_keep=int(o.get("flush_keep", 0)),
         idle_exit=float(o.get("idle_exit", 0)),
         metrics_port=o.get("metrics_port"),
+    )
+
+
+def team_config(o: dict, nodes: int, node_rank: int):
+    """The team section of the options (None for one node), checked: every error says what to pass."""
+    from ..team.config import TeamConfig
+    from ..team.placement import parse_parity
+
+    multi = ("peers", "hostfile", "listen", "replicas", "parity", "domain")
+    if nodes <= 1:
+        given = [f"--{k.replace('_', '-')}" for k in multi if o.get(k)]
+        if given:
+            raise UcpdError(f"{', '.join(given)} need a team: pass --nodes N (N > 1) and --node-rank I")
+        return None
+    if not 0 <= node_rank < nodes:
+        raise UcpdError(f"--node-rank {node_rank} is outside a team of --nodes {nodes} (0..{nodes - 1})")
+    if o.get("hostfile"):
+        with open(o["hostfile"]) as f:
+            peers = [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+    elif o.get("peers"):
+        peers = [p.strip() for p in str(o["peers"]).split(",") if p.strip()]
+    else:
+        raise UcpdError("a team needs every node's address: pass --peers ADDR0,ADDR1,... or --hostfile FILE")
+    if len(peers) != nodes:
+        raise UcpdError(f"--nodes {nodes} but {len(peers)} peer addresses were given: list one per node, in node order")
+    listen = o.get("listen") or peers[node_rank]
+    secret_file = o.get("secret_file") or os.environ.get("UCPD_SECRET_FILE")
+    secret = None
+    if secret_file:
+        with open(secret_file, "rb") as f:
+            secret = f.read().strip()
+        if len(secret) < 16:
+            raise UcpdError(f"the job secret in {secret_file} is shorter than 16 bytes: use e.g. `openssl rand -hex 32`")
+    parity = None
+    if o.get("parity"):
+        try:
+            parity = parse_parity(str(o["parity"]))
+        except ValueError as exc:
+            raise UcpdError(str(exc)) from None
+        raise UcpdError(
+            "--parity is not available in this build yet (replicas are): use --replicas 1, or --replicas 2 to survive two losses"
+        )
+    replicas = int(o.get("replicas", 0) or 0)
+    if not 0 <= replicas < nodes:
+        raise UcpdError(f"--replicas {replicas} needs at least {replicas + 1} nodes; the team has {nodes}")
+    return TeamConfig(
+        nodes=nodes,
+        node_rank=node_rank,
+        listen=listen,
+        peers=peers,
+        secret=secret,
+        replicas=replicas,
+        parity=parity,
+        domain=o.get("domain"),
+        net_limit=float(knobs.parse_size(o["net_limit"])) if o.get("net_limit") else 0.0,
+        heartbeat=float(o.get("heartbeat") or 0.25),
+        dead_after=float(o.get("dead_after") or 3.0),
+        keep=int(o.get("keep", knobs.keep_versions())),
+        flush_dir=o.get("flush_dir"),
     )
 
 

@@ -50,6 +50,7 @@ class DaemonConfig:
     idle_exit: float = 0.0
     metrics_port: int | None = None
     prepare_spare: bool = True
+    team: object | None = None  # ucpd.team.TeamConfig when --nodes > 1
 
 
 @dataclass
@@ -100,14 +101,26 @@ class Daemon:
             raise AlreadyRunning(
                 f"another ucpd daemon already keeps its segments in {config.shm_dir}; give each daemon its own --shm-dir"
             ) from None
-        self.store = NodeStore(config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding())
+        self.team = None
+        if config.team is not None:
+            from ..team.team import Team
+
+            self.team = Team(config.team, config.shm_dir)
+        self.store = NodeStore(
+            config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=self.team
+        )
+        self.store.commit_listeners.append(self._ram_sources)  # ready before anyone asks to restore it
         self.flusher = None
-        if config.flush_dir:
+        if config.flush_dir and (self.team is None or self.team.flushes):
             from .flush import Flusher
 
             self.flusher = Flusher(self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep)
+            self.store.commit_listeners.append(self.flusher.on_commit)
             with self.store.lock:
                 self.flusher.resume()
+        if self.team is not None:
+            self.team.attach(self.store)
+        self._workers = None  # a thread pool for requests that wait on peers (team only)
         self.metrics = None
         if config.metrics_port is not None:
             from .metrics import Metrics
@@ -146,7 +159,7 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop:
-                busy = self._parked_begins or self._waits or not self._done.empty()
+                busy = self._parked_begins or self._waits or not self._done.empty() or self.team is not None
                 events = dict(poller.poll(10 if busy else 200))
                 if sock in events:
                     for _ in range(64):  # drain a burst before housekeeping
@@ -157,7 +170,7 @@ class Daemon:
                         if ident is None:
                             continue
                         self._handle(ident, frame)
-                for step in (self._drain_done, self._answer_waits, self._housekeeping):
+                for step in (self._drain_done, self._answer_waits, self._housekeeping, self._team_tick):
                     try:
                         step()
                     except Exception:  # a bug or an I/O error must not take the daemon down
@@ -259,11 +272,7 @@ class Daemon:
         self._allocate_async(sid, path, size)
 
     def _on_commit(self, ident, req_id, body):
-        version, committed = self.store.seal(body)
-        for v in committed:
-            self._ram_sources(v)  # ready before anyone asks to restore it
-            if self.flusher is not None:
-                self.flusher.on_commit(v)
+        version, _ = self.store.seal(body)
         return {"state": version.state.value}
 
     def _on_abort(self, ident, req_id, body):
@@ -297,12 +306,38 @@ class Daemon:
         return None
 
     def _on_latest(self, ident, req_id, body):
+        if self.team is not None:
+            return self._defer(ident, req_id, self._team_latest)
         v = self.store.table.latest_committed()
         step = v.step if v is not None else None
         disk = self._disk_latest()
         if disk is not None and (step is None or disk > step):
             step = disk
         return {"step": step}
+
+    def _team_latest(self) -> dict:
+        step = self.team.latest()
+        disk = self._disk_latest()
+        if disk is not None and (step is None or disk > step):
+            step = disk
+        return {"step": step}
+
+    def _defer(self, ident: bytes, req_id: int, work) -> None:
+        """Answer a request from a worker thread: ``work`` asks other daemons, which the loop
+        must never wait for. The reply goes out through the loop (``_drain_done``)."""
+        if self._workers is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._workers = ThreadPoolExecutor(4, thread_name_prefix="ucpd-team-req")
+
+        def run():
+            try:
+                self._done.put(("reply", ident, req_id, work(), None))
+            except Exception as exc:
+                self._done.put(("reply", ident, req_id, None, exc))
+
+        self._workers.submit(run)
+        return None
 
     def _disk_latest(self) -> int | None:
         """The flush dir's newest complete version, by its LATEST pointer (no directory scan)."""
@@ -321,6 +356,8 @@ class Daemon:
     def _find_version(self, step: int | None):
         """Where ``step`` (None: the newest committed) is: (sources, objects by rank, step,
         the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer."""
+        if self.team is not None:
+            return self._team_find(step)
         version = self.store.version_for_restore(step)
         disk = self._disk_latest() if step is None else None
         if version is not None and (disk is None or disk <= version.step):
@@ -333,6 +370,26 @@ class Daemon:
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
 
+    def _team_find(self, step: int | None):
+        """``_find_version`` across the team (a worker thread: it asks the peers). The team's
+        RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
+        disk = self._disk_latest() if step is None else None
+        try:
+            got = self.team.restore_sources(step)
+        except VersionNotFound:
+            if not self.config.flush_dir:
+                raise
+            got = None
+        if got is not None and (disk is None or disk <= got.step):
+            return got.sources, got.objects, got.step, got, "ram"
+        if got is not None:
+            with self.store.lock:
+                got.release()
+        with self._open_disk(step) as reader:
+            sources = restore_plan.from_disk(reader)
+            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
+            return sources, objects, reader.step, None, "disk"
+
     def _ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""
         if version.restore_sources is None:
@@ -340,11 +397,30 @@ class Daemon:
         return version.restore_sources
 
     def _on_restore(self, ident, req_id, body):
+        if self.team is not None:
+            return self._defer(ident, req_id, lambda: self._restore(body))
+        return self._restore(body)
+
+    def _restore(self, body):
         sources, objects, chosen, pin, where = self._find_version(body.get("step"))
-        plan = restore_plan.plan(sources, body["targets"])
+        try:
+            plan = restore_plan.plan(sources, body["targets"])
+            if self.team is not None and pin is not None:
+                plan = self.team.localize(pin, plan)  # bytes that live on peers, fetched and checked
+        except BaseException:
+            if hasattr(pin, "release"):
+                with self.store.lock:
+                    pin.release()
+            raise
+        with self.store.lock:
+            return self._lease_reply(body, objects, chosen, pin, where, plan)
+
+    def _lease_reply(self, body, objects, chosen, pin, where, plan):
         lease = self._next_lease
         self._next_lease += 1
-        if pin is not None:
+        if hasattr(pin, "release"):
+            pass  # a team restore's sources: pinned while they were gathered
+        elif pin is not None:
             pin.pins += 1
         else:  # reading flushed files: retention must leave this step alone meanwhile
             self.store.disk_readers[chosen] = self.store.disk_readers.get(chosen, 0) + 1
@@ -357,7 +433,15 @@ class Daemon:
         return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), **plan}
 
     def _on_describe(self, ident, req_id, body):
-        sources, objects, chosen, _, where = self._find_version(body.get("step"))
+        if self.team is not None:
+            return self._defer(ident, req_id, lambda: self._describe(body))
+        return self._describe(body)
+
+    def _describe(self, body):
+        sources, objects, chosen, pin, where = self._find_version(body.get("step"))
+        if hasattr(pin, "release"):
+            with self.store.lock:
+                pin.release()
         tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
         return {"step": chosen, "where": where, "tensors": tensors, **_objects_body(objects)}
 
@@ -382,7 +466,9 @@ class Daemon:
 
     def _end_lease(self, lease: int) -> None:
         pin, _ = self._leases.pop(lease, (None, 0.0))
-        if isinstance(pin, int):
+        if hasattr(pin, "release"):
+            pin.release()
+        elif isinstance(pin, int):
             left = self.store.disk_readers.get(pin, 1) - 1
             if left:
                 self.store.disk_readers[pin] = left
@@ -406,9 +492,13 @@ class Daemon:
     def _drain_done(self) -> None:
         while True:
             try:
-                kind, sid, exc = self._done.get_nowait()
+                item = self._done.get_nowait()
             except queue.Empty:
                 return
+            if item[0] == "reply":
+                self._deferred_reply(*item[1:])
+                continue
+            kind, sid, exc = item
             parked = self._parked_begins.pop(sid, None)
             with self.store.lock:
                 rank = parked.extra["rank"] if parked else None
@@ -426,6 +516,15 @@ class Daemon:
                 if parked is not None and parked.ident:
                     reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
+
+    def _deferred_reply(self, ident: bytes, req_id: int, body, exc) -> None:
+        if exc is None:
+            self._reply(ident, protocol.ok(req_id, body))
+            return
+        if not isinstance(exc, UcpdError):
+            log.error("internal error answering a deferred request", exc_info=exc)
+            exc = UcpdError(f"internal daemon error: {exc!r}")
+        self._reply(ident, protocol.error(req_id, exc))
 
     def _answer_waits(self) -> None:
         if not self._waits:
@@ -458,7 +557,15 @@ class Daemon:
             log.info("idle for %.0f s: exiting", idle)
             self._stop = True
 
+    def _team_tick(self) -> None:
+        if self.team is not None:
+            self.team.tick()
+
     def close(self) -> None:
+        if self.team is not None:
+            self.team.close()
+        if self._workers is not None:
+            self._workers.shutdown(wait=False, cancel_futures=True)
         if self.flusher is not None:
             self.flusher.stop()
         if self.metrics is not None:

@@ -59,7 +59,10 @@ def collect(daemon) -> dict:
         "slots": slots,
         "clients": len(daemon._clients),
         "flush": flush,
-        "redundancy": {"level": "L0 (this node's RAM)" if cfg.nodes == 1 else "L1", "healthy": True},
+        "redundancy": {"level": "L0 (this node's RAM)", "healthy": True}
+        if daemon.team is None
+        else {"level": (t := daemon.team.status())["level"], "healthy": t["health"] == "healthy"},
+        "team": t if daemon.team is not None else None,
         "counters": vars(store.counters).copy(),
     }
 
@@ -97,6 +100,9 @@ def render(status: dict, console) -> None:
             "yes" if v["on_disk"] else "no", f"{v['age_s']:.0f} s",
         )
     console.print(table)
+    team = status.get("team")
+    if team:
+        _render_team(team, console)
     f = status.get("flush")
     if f:
         if f["current_step"] is not None:
@@ -109,3 +115,30 @@ def render(status: dict, console) -> None:
             f"in {f['last_seconds']} s; {f['flushed_count']} flushed"
             + (f"; last error: {f['last_error']}" if f["last_error"] else "")
         )
+
+
+def _render_team(team: dict, console) -> None:
+    from rich.table import Table
+
+    nodes = Table(title=f"team: {team['level']}, {team['health']}, coordinator node {team['coordinator']}, "
+                        f"latest committed {team['team_latest']}")
+    for col in ("node", "address", "domain", "state"):
+        nodes.add_column(col)
+    for n in team["nodes"]:
+        state = ("live" if n["live"] else "DEAD") + (" (coordinator)" if n["coordinator"] else "")
+        nodes.add_row(str(n["node"]) + (" *" if n["node"] == team["node_rank"] else ""), str(n["address"]), str(n["domain"] or "-"), state)
+    console.print(nodes)
+    b = team["bytes"]
+    h = team["healing"]
+    console.print(
+        f"bytes held: own {_size(b['own'])}, replicas of others {_size(b['replicas'])}"
+        + (f" (overhead {team['overhead']}x)" if team["overhead"] else "")
+        + f"; re-protection: {h['pending']} pending, {h['done']} done, {h['failed']} failed"
+    )
+    if team["versions"]:
+        v = Table(title="redundancy of this node's versions")
+        for col in ("step", "copies on", "health"):
+            v.add_column(col)
+        for row in team["versions"]:
+            v.add_row(str(row["step"]), ", ".join(map(str, row["holders"])) or "-", row["health"])
+        console.print(v)

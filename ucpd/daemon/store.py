@@ -46,6 +46,9 @@ class NodeStore:
             log.warning("re-adoption: %s", note)
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
         self.disk_readers: dict[int, int] = {}  # flushed step -> restores reading it (retain keeps it)
+        # called (holding the lock) with each version that became committed: restore indexing,
+        # the flusher. One commit path, whoever decides (this node alone, or the team).
+        self.commit_listeners: list = []
 
     # --- snapshot path --------------------------------------------------------------------------
 
@@ -148,6 +151,7 @@ class NodeStore:
         )
         if not version.parts:
             version.incarnation = incarnation
+            version.local_size = body.get("local_world_size")
         if version.state is not VersionState.WRITING:
             raise ProtocolError(f"rank {rank} commits step {step}, which is already {version.state.value}")
         if version.world_size != body["world_size"]:
@@ -163,16 +167,24 @@ class NodeStore:
             if len(version.parts) + 1 == version.world_size:
                 self._evict(version)  # every rank sealed but it cannot commit: waiters hear so now
             raise
-        if committed:
-            self._dedupe_ok = True
         self.slots.hold(slot)
         self.counters.snapshots += 1
         self.counters.snapshot_bytes += part.nbytes
         for v in committed:
             self._after_commit(v)
-        if committed:
-            self.save_index()
+        if version.state is VersionState.COMPLETE:
+            self.save_index()  # a team may commit it later; a restarted daemon re-adopts it
         return version, committed
+
+    def mark_committed(self, step: int) -> Version | None:
+        """The team decided ``step`` is committed: COMPLETE -> COMMITTED here (None when this
+        node holds no complete part of it — a job on fewer nodes, or a replacement node)."""
+        v = self.table.versions.get(step)
+        if v is None or v.state is not VersionState.COMPLETE:
+            return None
+        self.table.mark_committed(v)
+        self._after_commit(v)
+        return v
 
     def skip_for(self, rank: int, world_size: int) -> list[str]:
         """Tensors this rank need not write: in the newest committed version of the same job
@@ -188,13 +200,17 @@ class NodeStore:
             self.slots.release(sid)
 
     def _after_commit(self, v: Version) -> None:
+        self._dedupe_ok = True
         for old in self.table.abandoned_before(v.step):
             old.state = VersionState.ABANDONED
             self._free_parts(old)
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
             if slot.state is SlotState.WRITING and slot.step is not None and slot.step < v.step:
                 self.slots.release(slot.id)
-        self.enforce_keep()
+        self.save_index()
+        self.enforce_keep()  # before the listeners: a flush they start must not evict a neighbour
+        for listener in self.commit_listeners:
+            listener(v)
 
     # --- reading -------------------------------------------------------------------------------
 

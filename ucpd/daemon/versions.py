@@ -72,6 +72,14 @@ class TensorEntry:
     crcs: tuple[int, ...]
     skipped: bool = False  # not written: a lower rank holds the same global elements
 
+    @classmethod
+    def from_wire(cls, raw: dict) -> "TensorEntry":
+        """An entry as ``to_wire`` wrote it (already validated by the protocol schema)."""
+        return cls(
+            raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
+            tuple(raw["crcs"]), bool(raw.get("skipped")),
+        )
+
     def to_wire(self) -> dict:
         return {
             "skipped": self.skipped,
@@ -120,6 +128,7 @@ class Version:
     committed_at: float | None = None
     pins: int = 0  # restores and flushes reading it right now
     incarnation: str | None = None  # the job run that writes it (a restarted job is another)
+    local_size: int | None = None  # ranks that seal it on this node (None: all world_size, one node)
     on_disk: bool = False
     restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
     _globals: dict[str, GlobalTensor] | None = None
@@ -235,14 +244,24 @@ def check_skipped_covered(version: "Version") -> None:
 
 
 class CommitPolicy(Protocol):
-    """Decides when a complete version becomes committed (the multi-node seam)."""
+    """Decides when a complete version becomes committed (the multi-node seam).
+
+    ``local_parts``: False when one node holds every rank of a version (coverage is checked
+    when it completes); True when a node holds only its local ranks' parts (a team of daemons:
+    a version completes on a node when its ``local_size`` ranks sealed it, and coverage is
+    checked across nodes when it is restored)."""
+
+    local_parts: bool
 
     def on_complete(self, version: Version) -> bool:
-        """Called once a version is complete on this node; True commits it now."""
+        """Called once (holding the store lock) when a version is complete on this node; True
+        commits it now, False leaves it COMPLETE until ``NodeStore.mark_committed``."""
 
 
 class SingleNodeCommit:
     """One node: a version every local rank sealed is committed."""
+
+    local_parts = False
 
     def on_complete(self, version: Version) -> bool:
         return True
@@ -276,15 +295,26 @@ class VersionTable:
         """Add a rank's sealed part; returns the versions whose state changed to COMMITTED."""
         version.parts[part.rank] = part
         version._globals = None
-        if version.state is VersionState.WRITING and len(version.parts) == version.world_size:
+        if version.state is not VersionState.WRITING:
+            return []
+        local = version.local_size if self.policy.local_parts and version.local_size else version.world_size
+        if len(version.parts) < local:
+            return []
+        if self.policy.local_parts:
+            version.globals()  # the node's ranks must agree on shapes; coverage spans nodes
+        else:
             check_covered(version)  # agreement and coverage now, not at restore time
-            check_skipped_covered(version)
-            version.state = VersionState.COMPLETE
-        if version.state is VersionState.COMPLETE and self.policy.on_complete(version):
-            version.state = VersionState.COMMITTED
-            version.committed_at = time.time()
+        check_skipped_covered(version)
+        version.state = VersionState.COMPLETE
+        if self.policy.on_complete(version):
+            self.mark_committed(version)
             return [version]
         return []
+
+    def mark_committed(self, version: Version) -> None:
+        """COMPLETE -> COMMITTED (the only place a version becomes committed)."""
+        version.state = VersionState.COMMITTED
+        version.committed_at = time.time()
 
     def latest_committed(self) -> Version | None:
         ready = [v for v in self.versions.values() if v.state in RESTORABLE]

@@ -1,0 +1,24 @@
+"""How a daemon joins its team: the options of ``ucpd serve`` that span nodes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class TeamConfig:
+    """How this daemon joins its team (``ucpd serve --nodes/--node-rank/--listen/--peers``)."""
+
+    nodes: int
+    node_rank: int
+    listen: str
+    peers: list[str]
+    secret: bytes | None = None
+    replicas: int = 0
+    parity: tuple[int, int] | None = None
+    domain: str | None = None
+    net_limit: float = 0.0
+    heartbeat: float = 0.25
+    dead_after: float = 3.0
+    keep: int = 2
+    flush_dir: str | None = None

@@ -1,0 +1,252 @@
+"""Copies of other nodes' parts that this node keeps in its RAM (redundancy level L1).
+
+A replica is one shm file per (origin node, step) in the daemon's ``--shm-dir``
+(``replica-*``, mode 0600), holding the origin's rank parts one after another, each at a
+64-byte aligned base, with the origin's manifests kept beside it in memory. It is filled by
+``replica_data`` messages and becomes *whole* only when every chunk's CRC32C matched the
+origin's manifest (``finish``). Freed files are kept as spares and reused, so the next
+replica writes into warm pages.
+
+Thread-safety: every method takes the store's lock (``lock``), which the transport's I/O
+thread and the daemon's workers share.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import uuid
+from dataclasses import dataclass, field
+
+from .. import native
+from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
+from ..daemon.versions import RankPart, TensorEntry
+
+log = logging.getLogger("ucpd.team.replicas")
+
+ALIGN = 64
+PREFIX = "replica-"
+
+
+@dataclass
+class Replica:
+    origin: int
+    step: int
+    world_size: int
+    path: str
+    size: int
+    parts: dict[int, RankPart]  # rank -> manifest (offsets inside the origin's slot)
+    bases: dict[int, int]  # rank -> where that slot's bytes start in our file
+    used: dict[int, int]  # rank -> bytes of its slot we hold
+    whole: bool = False
+    pins: int = 0  # restores and pushes reading it
+    frames: int = 0  # replica_data messages received
+    _map: mmap.mmap | None = field(default=None, repr=False)
+
+    def mapping(self) -> mmap.mmap:
+        if self._map is None:
+            fd = os.open(self.path, os.O_RDWR)
+            try:
+                self._map = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+        return self._map
+
+    def view(self, rank: int, offset: int, nbytes: int) -> memoryview:
+        """Bytes [offset, offset + nbytes) of ``rank``'s slot as we hold them."""
+        if rank not in self.bases or offset + nbytes > self.used[rank]:
+            raise ProtocolError(
+                f"replica of node {self.origin} step {self.step}: rank {rank} bytes {offset}+{nbytes} are not held"
+            )
+        base = self.bases[rank]
+        return memoryview(self.mapping())[base + offset : base + offset + nbytes]
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:  # a send still references it; the mapping goes with it
+                pass
+            self._map = None
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ReplicaStore:
+    """The replicas this node holds for others, and the spare files to hold the next ones."""
+
+    def __init__(self, shm_dir: str, lock, keep: int, room) -> None:
+        """``room(nbytes) -> bool``: whether nbytes more fit the daemon's memory limit."""
+        self.shm_dir = shm_dir
+        self.lock = lock
+        self.keep = keep
+        self._room = room
+        self.held: dict[tuple[int, int], Replica] = {}
+        self.spares: list[tuple[str, int]] = []  # (path, size) of freed files
+        self.checksum_errors = 0
+        for name in os.listdir(shm_dir):  # a previous daemon's replicas: nobody vouches for them now
+            if name.startswith(PREFIX):
+                os.unlink(os.path.join(shm_dir, name))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.size for r in self.held.values()) + sum(size for _, size in self.spares)
+
+    def begin(self, origin: int, step: int, world_size: int, parts: list[dict]) -> Replica:
+        """Make room for origin's parts of step (a previous unfinished copy is replaced)."""
+        with self.lock:
+            old = self.held.pop((origin, step), None)
+            if old is not None:
+                self._free(old)
+            bases, used, manifests, size = {}, {}, {}, 0
+            for p in parts:
+                bases[p["rank"]], used[p["rank"]] = size, p["used"]
+                for t in p["tensors"]:
+                    if not t.get("skipped") and t["offset"] + t["nbytes"] > p["used"]:
+                        raise ProtocolError(f"replica of node {origin} step {step}: tensor {t['name']!r} ends past its part")
+                manifests[p["rank"]] = RankPart(
+                    p["rank"], -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"], p.get("layout"),
+                    p.get("objects_crc"),
+                )
+                size += _aligned(p["used"])
+            self._drop_old(origin, step)
+            path, size = self._file(max(size, ALIGN))
+            rep = Replica(origin, step, world_size, path, size, manifests, bases, used)
+            self.held[(origin, step)] = rep
+            return rep
+
+    def write(self, origin: int, step: int, rank: int, offset: int, frames: list) -> None:
+        """Copy payload frames into the replica, from ``offset`` of ``rank``'s slot on."""
+        with self.lock:
+            rep = self.held.get((origin, step))
+            if rep is None or rep.whole:
+                raise ProtocolError(f"replica data for node {origin} step {step} without a replica_begin")
+            rep.frames += 1
+            n = sum(memoryview(f).nbytes for f in frames)
+            dst = rep.view(rank, offset, n)
+        pos = 0
+        for f in frames:
+            f = memoryview(f).cast("B")
+            native.copy(dst[pos : pos + f.nbytes], f)
+            pos += f.nbytes
+
+    def finish(self, origin: int, step: int, frames: int) -> Replica:
+        """Check every chunk of every tensor against the origin's CRCs; the replica is whole then.
+
+        Raises ChecksumMismatch (the copy is dropped; the origin sends it again) or
+        ProtocolError when data messages went missing."""
+        with self.lock:
+            rep = self.held.get((origin, step))
+            if rep is None:
+                raise ProtocolError(f"replica_end for node {origin} step {step} without a replica_begin")
+            if rep.frames != frames:
+                self.held.pop((origin, step))
+                self._free(rep)
+                raise ProtocolError(
+                    f"replica of node {origin} step {step}: {rep.frames} of {frames} data messages arrived; send it again"
+                )
+        try:
+            verify_part_crcs(rep, f"replica of node {origin} step {step}")
+        except ChecksumMismatch:
+            with self.lock:
+                self.checksum_errors += 1
+                if self.held.get((origin, step)) is rep:
+                    del self.held[(origin, step)]
+                    self._free(rep)
+            raise
+        with self.lock:
+            rep.whole = True
+        return rep
+
+    def get(self, origin: int, step: int) -> Replica | None:
+        rep = self.held.get((origin, step))
+        return rep if rep is not None and rep.whole else None
+
+    def drop(self, origin: int, step: int) -> None:
+        with self.lock:
+            rep = self.held.get((origin, step))
+            if rep is not None and not rep.pins:
+                del self.held[(origin, step)]
+                self._free(rep)
+
+    def unpin(self, rep: Replica) -> None:
+        with self.lock:
+            rep.pins -= 1
+
+    def close(self) -> None:
+        with self.lock:
+            for rep in self.held.values():
+                rep.close()
+                _unlink(rep.path)
+            for path, _ in self.spares:
+                _unlink(path)
+            self.held.clear()
+            self.spares.clear()
+
+    # --- internals ----------------------------------------------------------------------------
+
+    def _drop_old(self, origin: int, step: int) -> None:
+        """Keep the newest ``keep`` whole replicas of an origin (older than the incoming step)."""
+        mine = sorted((s for (o, s), r in self.held.items() if o == origin and s < step), reverse=True)
+        for s in mine[self.keep :]:
+            rep = self.held[(origin, s)]
+            if not rep.pins:
+                del self.held[(origin, s)]
+                self._free(rep)
+
+    def _file(self, size: int) -> tuple[str, int]:
+        """A file of at least ``size`` bytes: a spare that fits (at most 2x), or a new one."""
+        fits = [(s, p) for p, s in self.spares if size <= s <= 2 * size]
+        if fits:
+            s, p = min(fits)
+            self.spares.remove((p, s))
+            return p, s
+        while self.spares and not self._room(size):
+            p, _ = self.spares.pop(0)
+            _unlink(p)
+        if not self._room(size):
+            raise SnapshotRejected(
+                f"memory limit: a replica of {size >> 20} MiB does not fit beside this node's own versions; "
+                "raise --mem-limit or lower --keep"
+            )
+        path = os.path.join(self.shm_dir, f"{PREFIX}{uuid.uuid4().hex[:12]}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)  # reserved now: a full /dev/shm fails here, not with SIGBUS
+        except OSError:
+            os.close(fd)
+            _unlink(path)
+            raise SnapshotRejected(f"{self.shm_dir} cannot hold a replica of {size >> 20} MiB: /dev/shm is full") from None
+        os.close(fd)
+        return path, size
+
+    def _free(self, rep: Replica) -> None:
+        rep.close()
+        if len(self.spares) < 4:
+            self.spares.append((rep.path, rep.size))
+        else:
+            _unlink(rep.path)
+
+
+def verify_part_crcs(rep: Replica, what: str) -> None:
+    """Every chunk of every held tensor against its CRC32C; raises ChecksumMismatch."""
+    for rank, part in rep.parts.items():
+        for t in part.tensors:
+            if t.skipped or not t.nbytes:
+                continue
+            got = native.crc32c_chunks(rep.view(rank, t.offset, t.nbytes))
+            if list(got) != list(t.crcs):
+                bad = next(i for i, (a, b) in enumerate(zip(got, t.crcs)) if a != b)
+                raise ChecksumMismatch(
+                    f"{what}: rank {rank} tensor {t.name!r} chunk {bad} does not match its checksum"
+                )
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,668 @@
+"""The team of daemons as the node daemon sees it: the glue between the store and the peers.
+
+``Team`` is the daemon's ``CommitPolicy`` when ``--nodes > 1``. When a version is complete on
+this node it copies the node's part to its replica holders (``placement.replica_holders``),
+then reports it protected to the commit protocol (``commit.CommitNode``), whose decisions
+come back as ``Commit`` actions that ``NodeStore.mark_committed`` applies. It answers the
+peers' requests (hold a replica, list what we hold, send bytes), finds the sources of a
+restore across the team (local RAM, a local replica, a peer's RAM), and heals: when the
+membership changes, parts whose copies were on a lost node are copied again.
+
+Threads: the transport's I/O thread runs the peer callbacks; one replication thread pushes
+copies; the daemon's loop calls ``tick``; the daemon's worker threads call ``latest`` and
+``restore_sources``. Lock order: the store lock, then ``self._lock`` (the protocol's); peer
+requests are never made holding either.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from .. import native, protocol
+from ..daemon.restore import SourceSet, SourceTensor, _signature
+from ..daemon.versions import RESTORABLE, RankPart, TensorEntry, Version, VersionState
+from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
+from ..native import CHUNK_BYTES
+from . import placement
+from .commit import Commit, CommitNode, Record, Send
+from .config import TeamConfig
+from .membership import Membership
+from .replicas import ReplicaStore
+
+log = logging.getLogger("ucpd.team")
+
+DATA_BATCH = 32 << 20  # bytes per replica_data message (split into transport frames)
+FETCH_PREFIX = "fetch-"
+
+
+def used_bytes(part: RankPart) -> int:
+    """Bytes of a rank's slot that its tensors occupy."""
+    return max((t.offset + t.nbytes for t in part.tensors if not t.skipped), default=0)
+
+
+@dataclass
+class _Pushed:
+    """What this node knows of the copies of one of its own versions."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    holders: set[int] = field(default_factory=set)
+    protected: bool = False
+
+
+class Team:
+    """The daemon's commit policy and its link to the other daemons of the job."""
+
+    local_parts = True
+
+    def __init__(self, config: TeamConfig, shm_dir: str) -> None:
+        from .transport import PeerTransport
+
+        self.config = config
+        self.rank = config.node_rank
+        self.shm_dir = shm_dir
+        self.flushes = config.node_rank == 0 and bool(config.flush_dir)
+        self._lock = threading.Lock()
+        self.incarnation = uuid.uuid4().hex[:16]
+        now = time.monotonic()
+        self.membership = Membership(self.rank, config.nodes, config.dead_after, now)
+        self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
+        self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
+        self.pushed: dict[int, _Pushed] = {}
+        self.healing = {"pending": 0, "done": 0, "bytes": 0, "failed": 0}
+        self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0}
+        self.store = None
+        self.replicas: ReplicaStore | None = None
+        self._work: queue.Queue = queue.Queue()
+        self._stopping = False
+        self.transport = PeerTransport(
+            self.rank,
+            config.listen,
+            config.secret,
+            on_message=self._on_message,
+            on_request=self._on_request,
+            on_heartbeat=self._on_heartbeat,
+            heartbeat_interval=config.heartbeat,
+            net_limit=config.net_limit,
+            incarnation=self.incarnation,
+        )
+
+    # --- life cycle ----------------------------------------------------------------------------
+
+    def attach(self, store) -> None:
+        """Join: bind the peer port, connect to the peers, start the replication thread."""
+        self.store = store
+        with store.lock:
+            committed = [v.step for v in store.table.versions.values() if v.state in RESTORABLE]
+        self.commit = CommitNode(self.rank, self.config.nodes, committed=committed)
+        self.replicas = ReplicaStore(self.shm_dir, store.lock, self.config.keep, self._room)
+        self.address = self.transport.bind()
+        self.transport.start(self.config.peers)
+        self._thread = threading.Thread(target=self._run, name="ucpd-replicate", daemon=True)
+        self._thread.start()
+        with store.lock:  # re-adopted versions not yet committed: protect them again
+            for v in store.table.versions.values():
+                if v.state is VersionState.COMPLETE:
+                    self._work.put(("protect", v.step))
+        log.info("team: node %d of %d listening on %s", self.rank, self.config.nodes, self.address)
+
+    def close(self) -> None:
+        self._stopping = True
+        self._work.put(("stop", 0))
+        self.transport.close()
+        if self.replicas is not None:
+            self.replicas.close()
+        for name in os.listdir(self.shm_dir):
+            if name.startswith(FETCH_PREFIX):
+                _unlink(os.path.join(self.shm_dir, name))
+
+    def _room(self, nbytes: int) -> bool:
+        s = self.store.slots
+        return s.used_bytes + self.replicas.nbytes - sum(sz for _, sz in self.replicas.spares) + nbytes <= s.mem_limit
+
+    # --- the commit policy -----------------------------------------------------------------------
+
+    def on_complete(self, version: Version) -> bool:
+        """Every local rank sealed ``version``: protect it, then let the team decide (store lock held)."""
+        self._work.put(("protect", version.step))
+        return False
+
+    def tick(self) -> None:
+        """Timers: liveness, the protocol's resends. Called by the daemon's loop."""
+        now = time.monotonic()
+        with self._lock:
+            view = self.membership.on_tick(now)
+            out = self.commit.on_view(view.live, now) if view is not None else []
+            out += self.commit.on_tick(now)
+        self._apply(out)
+        if view is not None:
+            log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
+            for peer in view.live - {self.rank}:
+                self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+            self._work.put(("heal", 0))
+
+    def _apply(self, outputs: list) -> None:
+        for out in outputs:
+            if isinstance(out, Send):
+                self.transport.send(out.dest, "commit", {"m": out.msg})
+            elif isinstance(out, Commit):
+                with self.store.lock:
+                    self.store.mark_committed(out.step)
+                log.debug("team: step %d committed", out.step)
+            elif isinstance(out, Record):
+                log.debug("team: step %d decided, recorded", out.step)
+
+    def live(self) -> frozenset[int]:
+        with self._lock:
+            return self.membership.view.live
+
+    # --- replication (the replication thread) ----------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopping:
+            kind, step = self._work.get()
+            try:
+                if kind == "protect":
+                    self._protect(step)
+                elif kind == "heal":
+                    self._heal()
+            except Exception:
+                log.exception("team: %s of step %s failed", kind, step)
+
+    def _protect(self, step: int) -> None:
+        """Copy our part of ``step`` to its holders, then report it protected."""
+        with self.store.lock:
+            v = self.store.table.versions.get(step)
+            if v is None or v.state not in (VersionState.COMPLETE, *RESTORABLE) or not v.parts:
+                return
+            ranks = tuple(sorted(v.parts))
+            rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
+        wanted = self.config.replicas
+        tried: set[int] = set()
+        while len(rec.holders) < wanted:
+            live = sorted(self.live())
+            candidates = [h for h in placement.replica_holders(self.rank, live, wanted + len(tried), self.domains)
+                          if h not in rec.holders and h not in tried]
+            if not candidates:
+                break
+            h = candidates[0]
+            tried.add(h)
+            if self._push_own(h, step):
+                rec.holders.add(h)
+        if len(rec.holders) < wanted:
+            log.warning(
+                "team: step %d protected by %d of %d replicas (%d live nodes): degraded",
+                step, len(rec.holders), wanted, len(self.live()),
+            )
+        rec.protected = True
+        with self._lock:
+            out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic())
+        self._apply(out)
+        self._forget_old_pushes()
+
+    def _push_own(self, holder: int, step: int) -> bool:
+        with self.store.lock:
+            v = self.store.table.versions.get(step)
+            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+                return False
+            v.pins += 1
+            parts = list(v.parts.values())
+            views = {p.rank: memoryview(self.store.slots.slots[p.slot].mapping()) for p in parts}
+            world = v.world_size
+        try:
+            return self._push(holder, self.rank, step, world, parts, lambda r, off, n: views[r][off : off + n])
+        finally:
+            del views
+            with self.store.lock:
+                v.pins -= 1
+                self.store.enforce_keep()
+
+    def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read) -> bool:
+        """Send origin's parts of step to ``holder``; True once it verified and kept them."""
+        t0 = time.monotonic()
+        try:
+            self.transport.request(
+                holder, "replica_begin",
+                {"origin": origin, "step": step, "world_size": world,
+                 "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts]},
+            )
+            frames = 0
+            total = 0
+            for p in parts:
+                used = used_bytes(p)
+                for off in range(0, used, DATA_BATCH):
+                    n = min(DATA_BATCH, used - off)
+                    self.transport.send(
+                        holder, "replica_data", {"origin": origin, "step": step, "rank": p.rank, "offset": off},
+                        [read(p.rank, off, n)],
+                    )
+                    frames += 1
+                    total += n
+            self.transport.request(holder, "replica_end", {"origin": origin, "step": step, "frames": frames}, timeout=120.0)
+        except UcpdError as exc:
+            self.counters["push_failures"] += 1
+            log.warning("team: copying node %d's step %d to node %d failed: %s", origin, step, holder, exc)
+            return False
+        self.counters["replicated_bytes"] += total
+        log.debug("team: node %d step %d -> node %d: %d bytes in %.3f s", origin, step, holder, total, time.monotonic() - t0)
+        return True
+
+    def _forget_old_pushes(self) -> None:
+        with self.store.lock:
+            held = set(self.store.table.versions)
+        for step in [s for s in self.pushed if s not in held]:
+            del self.pushed[step]
+
+    # --- healing ----------------------------------------------------------------------------------
+
+    def _heal(self) -> None:
+        """Bring every part we are responsible for back to ``replicas`` live copies.
+
+        Our own versions: copy to the holders the current view designates. A part whose origin
+        is gone and that we hold: the lowest live holder copies it to more nodes."""
+        wanted = self.config.replicas
+        if not wanted:
+            return
+        live = sorted(self.live())
+        with self.store.lock:
+            own = [s for s, v in self.store.table.versions.items() if v.state in RESTORABLE and v.parts]
+        for step in own:
+            rec = self.pushed.get(step)
+            if rec is None:
+                continue
+            rec.holders &= set(live)
+            targets = [h for h in placement.replica_holders(self.rank, live, wanted, self.domains) if h not in rec.holders]
+            for h in targets[: max(0, wanted - len(rec.holders))]:
+                self._heal_push(h, step, lambda: self._push_own(h, step), rec.holders)
+        orphans = [(o, s) for (o, s), r in list(self.replicas.held.items()) if r.whole and o not in live]
+        if not orphans:
+            return
+        holdings = self._gather_summary(live)
+        for origin, step in orphans:
+            holders = {n for n, items in holdings.items() if any(i["origin"] == origin and i["step"] == step for i in items)}
+            holders.add(self.rank)
+            if min(holders) != self.rank:
+                continue  # the lowest live holder heals it
+            ring = [n for n in placement.replica_holders(origin, live + [origin], len(live), self.domains) if n != origin]
+            for h in [n for n in ring if n not in holders][: max(0, wanted - len(holders))]:
+                self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
+
+    def _heal_push(self, holder: int, step: int, push, holders: set) -> None:
+        self.healing["pending"] += 1
+        try:
+            if push():
+                holders.add(holder)
+                self.healing["done"] += 1
+            else:
+                self.healing["failed"] += 1
+        finally:
+            self.healing["pending"] -= 1
+
+    def _push_replica(self, holder: int, origin: int, step: int) -> bool:
+        with self.store.lock:
+            rep = self.replicas.get(origin, step)
+            if rep is None:
+                return False
+            rep.pins += 1
+        try:
+            return self._push(holder, origin, step, rep.world_size, list(rep.parts.values()), rep.view)
+        finally:
+            self.replicas.unpin(rep)
+
+    # --- peer callbacks (the transport's I/O thread) -----------------------------------------------
+
+    def _on_heartbeat(self, src: int, incarnation: str) -> None:
+        with self._lock:
+            self.membership.on_heartbeat(src, incarnation, time.monotonic())
+
+    def _on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
+        try:
+            if msg_type == "replica_data":
+                b = protocol.validate_peer(msg_type, body)
+                self.replicas.write(b["origin"], b["step"], b["rank"], b["offset"], frames)
+            elif msg_type == "commit":
+                b = protocol.validate_peer(msg_type, body)
+                with self._lock:
+                    out = self.commit.on_message(src, b["m"], time.monotonic())
+                self._apply(out)
+            elif msg_type == "hello":
+                self.domains[src] = protocol.validate_peer(msg_type, body)["domain"]
+            else:
+                protocol.validate_peer(msg_type, body)
+        except UcpdError as exc:
+            self.counters["peer_bad_messages"] += 1
+            log.warning("team: bad %s message from node %d: %s", msg_type, src, exc)
+
+    def _on_request(self, src: int, msg_type: str, body: dict, frames: list) -> tuple[dict, list]:
+        try:
+            b = protocol.validate_peer(msg_type, body)
+        except UcpdError:
+            self.counters["peer_bad_messages"] += 1
+            raise
+        if msg_type == "replica_begin":
+            self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"])
+            return {}, []
+        if msg_type == "replica_end":
+            self.replicas.finish(b["origin"], b["step"], b["frames"])
+            return {}, []
+        if msg_type == "holdings":
+            return {"node": self.rank, "items": self._holdings(b.get("step"))}, []
+        if msg_type == "fetch":
+            return {}, self._serve_fetch(b["origin"], b["step"], b["rank"], b["ranges"])
+        raise protocol.ProtocolError(f"peer message {msg_type!r} is not a request")
+
+    # --- what we hold ------------------------------------------------------------------------------
+
+    def _holdings(self, step: int | None) -> list[dict]:
+        """Our own parts and whole replicas (all steps, or one step with manifests)."""
+        items = []
+        with self.store.lock:
+            for v in self.store.table.versions.values():
+                if (step is None or v.step == step) and v.parts and v.state in (VersionState.COMPLETE, *RESTORABLE):
+                    item = {"origin": self.rank, "step": v.step, "world_size": v.world_size, "ranks": sorted(v.parts)}
+                    if step is not None:
+                        item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
+                    items.append(item)
+            for (origin, s), rep in self.replicas.held.items():
+                if rep.whole and (step is None or s == step):
+                    item = {"origin": origin, "step": s, "world_size": rep.world_size, "ranks": sorted(rep.parts)}
+                    if step is not None:
+                        item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
+                    items.append(item)
+        return items
+
+    def _serve_fetch(self, origin: int, step: int, rank: int, ranges: list) -> list:
+        with self.store.lock:
+            if origin == self.rank:
+                v = self.store.table.versions.get(step)
+                part = v.parts.get(rank) if v is not None else None
+                if part is None or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+                    raise VersionNotFound(f"node {self.rank} no longer holds rank {rank} of step {step}")
+                mm = memoryview(self.store.slots.slots[part.slot].mapping())
+                limit = used_bytes(part)
+                views = []
+                for off, n in ranges:
+                    if off + n > limit:
+                        raise protocol.ProtocolError(f"fetch of rank {rank} step {step}: {off}+{n} is outside its part")
+                    views.append(mm[off : off + n])
+                return views
+            rep = self.replicas.get(origin, step)
+            if rep is None or rank not in rep.parts:
+                raise VersionNotFound(f"node {self.rank} holds no copy of rank {rank} of step {step}")
+            return [rep.view(rank, off, n) for off, n in ranges]
+
+    def _ask_all(self, live, msg_type: str, body: dict) -> dict[int, dict]:
+        """A request to every other live node, in parallel; nodes that fail to answer are left out."""
+        replies: dict[int, dict] = {}
+
+        def ask(node):
+            try:
+                replies[node], _ = self.transport.request(node, msg_type, body, timeout=10.0)
+            except UcpdError as exc:
+                log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in live if n != self.rank]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return replies
+
+    def _gather_summary(self, live) -> dict[int, list[dict]]:
+        out = {n: protocol.validate_peer("holdings", {}) and r.get("items", []) for n, r in self._ask_all(live, "holdings", {}).items()}
+        out[self.rank] = self._holdings(None)
+        return out
+
+    # --- restore --------------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest committed step that the live nodes still hold whole (None: none)."""
+        live = sorted(self.live())
+        with self._lock:
+            committed = self.commit.committed_steps() if hasattr(self.commit, "committed_steps") else None
+        summary = self._gather_summary(live)
+        ranks: dict[int, set[int]] = {}
+        world: dict[int, int] = {}
+        for items in summary.values():
+            for i in items:
+                ranks.setdefault(i["step"], set()).update(i["ranks"])
+                world[i["step"]] = i["world_size"]
+        with self._lock:
+            for step in sorted(ranks, reverse=True):
+                if self.commit.is_committed(step) and ranks[step] >= set(range(world[step])):
+                    return step
+        del committed
+        return None
+
+    def restore_sources(self, step: int | None) -> "TeamSources":
+        """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
+        first: our RAM, a replica we hold, a live peer. Raises VersionNotFound naming what is lost."""
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise VersionNotFound("no committed version is held whole by the live nodes of the team")
+        with self._lock:
+            if not self.commit.is_committed(step):
+                raise VersionNotFound(f"step {step} is not committed by the team")
+        live = sorted(self.live())
+        found: dict[int, tuple[int, int, dict]] = {}  # rank -> (holder node, origin node, PART record)
+        world = None
+        mine = self._holdings(step)
+        replies = self._ask_all(live, "holdings", {"step": step})
+        order = [(self.rank, mine)] + sorted((n, r.get("items", [])) for n, r in replies.items())
+        for node, items in order:
+            for item in items:
+                item = protocol.validate_fields("holding", item, *_HOLDING_FIELDS)
+                world = item["world_size"]
+                for p in item["parts"] or []:
+                    prev = found.get(p["rank"])
+                    if prev is None or (prev[0] != item["origin"] and node == item["origin"]):
+                        found[p["rank"]] = (node, item["origin"], p)
+        if world is None or set(found) != set(range(world)):
+            lost = sorted(set(range(world or 0)) - set(found))
+            raise VersionNotFound(
+                f"step {step} is lost: no live node holds ranks {lost or 'any'} (more nodes failed than "
+                "the redundancy survives); restore an older step, or from the flush dir"
+            )
+        return self._sources(step, world, found)
+
+    def _sources(self, step: int, world: int, found: dict) -> "TeamSources":
+        parts: dict[int, RankPart] = {}
+        where: dict[int, tuple] = {}
+        pins: list = []
+        with self.store.lock:
+            for rank, (node, origin, p) in found.items():
+                part = RankPart(rank, -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"], p.get("layout"), p.get("objects_crc"))
+                parts[rank] = part
+                if node == self.rank and origin == self.rank:
+                    v = self.store.table.versions.get(step)
+                    own = v.parts.get(rank) if v is not None else None
+                    if own is None:
+                        raise VersionNotFound(f"step {step} left this node while restoring; ask again")
+                    if v not in pins:
+                        v.pins += 1
+                        pins.append(v)
+                    where[rank] = ("local", self.store.slots.slots[own.slot].path, 0)
+                elif node == self.rank:
+                    rep = self.replicas.get(origin, step)
+                    if rep is None:
+                        raise VersionNotFound(f"step {step}: the replica of node {origin} left this node; ask again")
+                    rep.pins += 1
+                    pins.append(rep)
+                    where[rank] = ("local", rep.path, rep.bases[rank])
+                else:
+                    where[rank] = ("peer", node, origin)
+        version = Version(step, world, VersionState.COMMITTED, parts)
+        tensors, same = {}, {}
+        for rank, part in parts.items():
+            kind, a, b = where[rank]
+            for idx, t in enumerate(part.tensors):
+                if t.skipped:
+                    continue
+                path, off = (a, b + t.offset) if kind == "local" else (f"peer:{a}:{b}:{rank}", t.offset)
+                tensors[(rank, idx)] = SourceTensor(path, off, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+                same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
+        globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
+        objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects)) for r, p in parts.items()}
+        return TeamSources(step, SourceSet(globals_, tensors, same), objects, pins, self)
+
+    def localize(self, sources: "TeamSources", plan: dict) -> dict:
+        """Bring the plan's sources that live on peers into a local file, checked on arrival."""
+        remote: dict[tuple[int, int, int], list[int]] = {}
+        for i, s in enumerate(plan["sources"]):
+            if s["path"].startswith("peer:"):
+                _, node, origin, rank = s["path"].split(":")
+                remote.setdefault((int(node), int(origin), int(rank)), []).append(i)
+        if not remote:
+            return plan
+        total = sum((plan["sources"][i]["nbytes"] + 63) // 64 * 64 for idx in remote.values() for i in idx)
+        path = os.path.join(self.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
+        sources.files.append(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(total, 64))
+            import mmap
+
+            mm = mmap.mmap(fd, max(total, 64), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        try:
+            at = 0
+            for (node, origin, rank), idx in remote.items():
+                for batch in _batches(idx, plan["sources"], DATA_BATCH):
+                    ranges = [[plan["sources"][i]["offset"], plan["sources"][i]["nbytes"]] for i in batch]
+                    _, frames = self.transport.request(
+                        node, "fetch", {"origin": origin, "step": sources.step, "rank": rank, "ranges": ranges}, timeout=120.0
+                    )
+                    got = _split(frames, [n for _, n in ranges])
+                    for i, buf in zip(batch, got):
+                        s = plan["sources"][i]
+                        dst = memoryview(mm)[at : at + s["nbytes"]]
+                        native.copy(dst, buf)
+                        crcs = native.crc32c_chunks(dst, s["chunk"])
+                        if list(crcs) != list(s["crcs"]):
+                            raise ChecksumMismatch(
+                                f"bytes of rank {rank} step {sources.step} from node {node} fail their checksum; "
+                                "restore again (another copy will be used if this one stays bad)"
+                            )
+                        del dst
+                        s["path"], s["offset"] = path, at
+                        at += (s["nbytes"] + 63) // 64 * 64
+                        self.counters["fetched_bytes"] += s["nbytes"]
+        finally:
+            mm.close()
+        return plan
+
+    # --- status ---------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        """The team as ``ucpd status`` shows it (caller holds the store lock)."""
+        with self._lock:
+            view = self.membership.view
+            pending = self.commit.pending() if self.commit is not None else {}
+            coordinator = self.commit.coordinator if self.commit is not None else None
+            latest = self.commit.latest() if self.commit is not None else None
+        nodes = []
+        for n in range(self.config.nodes):
+            nodes.append({
+                "node": n,
+                "address": self.config.peers[n] if n < len(self.config.peers) else None,
+                "live": n in view.live,
+                "domain": self.domains.get(n),
+                "coordinator": n == coordinator,
+            })
+        own_bytes = sum(v.nbytes for v in self.store.table.versions.values() if v.parts)
+        rep_bytes = sum(r.size for r in self.replicas.held.values()) if self.replicas else 0
+        versions = []
+        for step, rec in sorted(self.pushed.items()):
+            live_holders = rec.holders & set(view.live)
+            if not rec.protected:
+                health = "protecting"
+            elif len(live_holders) >= self.config.replicas:
+                health = "healthy"
+            else:
+                health = "degraded"
+            versions.append({"step": step, "holders": sorted(live_holders), "health": health})
+        held = sorted([o, s] for (o, s), r in self.replicas.held.items() if r.whole) if self.replicas else []
+        degraded = any(v["health"] == "degraded" for v in versions) or len(view.live) < self.config.nodes
+        return {
+            "node_rank": self.rank,
+            "nodes": nodes,
+            "epoch": view.epoch,
+            "coordinator": coordinator,
+            "team_latest": latest,
+            "level": f"L1 ({self.config.replicas} replica(s))" if self.config.replicas else "L0 (no copies on other nodes)",
+            "health": "degraded" if degraded else "healthy",
+            "bytes": {"own": own_bytes, "replicas": rep_bytes},
+            "overhead": round((own_bytes + rep_bytes) / own_bytes, 3) if own_bytes else None,
+            "versions": versions,
+            "replicas_held": held,
+            "healing": dict(self.healing),
+            "protocol": pending,
+            "transport": dict(self.transport.counters),
+            "counters": dict(self.counters, replica_checksum_errors=self.replicas.checksum_errors if self.replicas else 0),
+        }
+
+
+_HOLDING_FIELDS = (
+    {"origin": protocol._int(), "step": protocol._int(), "world_size": protocol._int(1), "ranks": protocol._list_of(protocol._int())},
+    {"parts": protocol._list_of(protocol.PART)},
+)
+
+
+class TeamSources:
+    """A restore's sources across the team, with what they pin until the lease ends."""
+
+    def __init__(self, step, sources, objects, pins, team) -> None:
+        self.step, self.sources, self.objects, self.pins, self.team = step, sources, objects, pins, team
+        self.files: list[str] = []
+
+    def release(self) -> None:
+        """The client finished reading: unpin, delete fetched copies (caller holds the store lock)."""
+        for p in self.pins:
+            p.pins -= 1
+        self.pins = []
+        for f in self.files:
+            _unlink(f)
+        self.files = []
+
+
+def _batches(idx: list[int], sources: list[dict], limit: int):
+    batch, size = [], 0
+    for i in idx:
+        if batch and size + sources[i]["nbytes"] > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(i)
+        size += sources[i]["nbytes"]
+    if batch:
+        yield batch
+
+
+def _split(frames: list, sizes: list[int]) -> list[memoryview]:
+    """The reply's frames as one buffer per requested range (the transport may cut a buffer
+    into several frames, or send one frame per range)."""
+    frames = [memoryview(f).cast("B") for f in frames]
+    if len(frames) == len(sizes) and all(f.nbytes == n for f, n in zip(frames, sizes)):
+        return frames
+    whole = bytearray(b"".join(frames))
+    out, at = [], 0
+    for n in sizes:
+        out.append(memoryview(whole)[at : at + n])
+        at += n
+    if at != len(whole):
+        raise DaemonUnreachable(f"a fetch reply carried {len(whole)} bytes, {at} were asked for")
+    return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass

@@ -1,0 +1,662 @@
+"""Authenticated ZeroMQ links between the daemons of one job (node ranks 0..N-1).
+
+Topology: every node binds one ROUTER on its ``--listen`` address and only receives on it; it
+connects one DEALER to every peer's ROUTER and only sends on those. Every message, replies
+included, travels sender DEALER -> destination ROUTER, so a link is one TCP stream per
+direction and messages from one sender arrive in the order they were sent.
+
+Wire layout of a message (ZeroMQ multipart)::
+
+    [header, mac, payload frame 0, payload frame 1, ...]
+
+``header`` is a msgpack map ``{"v": 1, "src", "dst", "t": type, "id": request id | nil,
+"re": id replied to | nil, "inc": sender incarnation, "seq": per-sender counter, "ts": wall
+clock, "b": msgpack body, "p": [[length, crc32c(, blake2b)] per payload frame], "e": [code,
+message] | nil}``. ``mac`` is HMAC-SHA256 of the header bytes under ``derive_key(secret)``
+(empty without a secret). Payload bytes are *not* MAC'd, for speed: they are bound to the
+signed header by their length and CRC32C, which stops corruption but not an on-path attacker
+able to rewrite TCP streams (a CRC is easy to forge). ``UCPD_PEER_PAYLOAD_MAC=1`` (or
+``payload_mac=True``) adds a keyed BLAKE2b per frame to the signed header; a receiver with it
+on refuses payload frames without one. A payload buffer is cut into frames of at most
+``frame_bytes`` (at least one frame per buffer, empty buffers included); the receiver gets the
+flat list of frames in order.
+
+Receivers refuse, count and log (rate-limited) any message with a bad or missing MAC
+(``auth_failures``), a wrong destination or unknown source (``misrouted``), a sequence number
+not above the last one seen from that sender incarnation, or a first message of an unknown
+incarnation older than ``REPLAY_WINDOW_S`` (``replays``; clocks must agree within that
+window), an undecodable header (``malformed``) or a payload CRC mismatch
+(``checksum_errors``). Nothing refused reaches a callback. Without a secret only loopback
+addresses are allowed.
+
+Threading: one I/O thread owns every socket. ``send`` and ``request`` may be called from any
+thread; they prepare frames (CRC, optional payload MAC) on the caller's thread and hand them
+to the I/O thread. All callbacks run on the I/O thread and must be quick: while one runs,
+nothing is sent or received. A callback may ``send`` but must not ``request`` (it would wait
+for a reply only its own thread can receive). Payload messages are paced by the ``net_limit``
+token bucket one frame at a time; messages without payload (heartbeats, control) skip the
+bucket and overtake queued payload messages, but not one already on the wire: a message
+occupies its link until its last frame is sent, so keep messages small enough to pass within
+a heartbeat timeout at ``net_limit``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import hmac
+import ipaddress
+import itertools
+import logging
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Callable, Sequence
+
+import msgpack
+import zmq
+
+from .. import knobs
+from ..errors import AuthError, DaemonUnreachable, ProtocolError, UcpdError, error_from_code
+from ..native import crc32c
+
+log = logging.getLogger(__name__)
+
+Buffer = Any  # anything exporting a C-contiguous buffer (bytes, numpy array, memoryview of an mmap)
+
+PROTOCOL_VERSION = 1
+HEADER_MARGIN = 64 << 10  # MAXMSGSIZE = frame_bytes + this; also the header-size slack
+REPLAY_WINDOW_S = 60.0
+HEARTBEAT = "_hb"
+SEND_TIMEOUT_S = 30.0  # a send() still queued (peer unreachable) after this long is dropped
+LINGER_MS = 100
+HWM = 1000
+WARN_EVERY_S = 5.0
+INCARNATIONS_KEPT = 8  # per source: sequence state of its most recent incarnations
+_HEADER_KEYS = frozenset({"v", "src", "dst", "t", "id", "re", "inc", "seq", "ts", "b", "p", "e"})
+_COUNTERS = ("messages_sent", "bytes_sent", "messages_received", "bytes_received", "heartbeats_sent",
+             "heartbeats_received", "auth_failures", "replays", "malformed", "checksum_errors",
+             "misrouted", "dropped", "late_replies", "callback_errors")
+
+OnMessage = Callable[[int, str, dict, "list[memoryview]"], None]
+OnRequest = Callable[[int, str, dict, "list[memoryview]"], "tuple[dict, list]"]
+
+
+def derive_key(secret: bytes, label: bytes = b"ucpd-peer-v1") -> bytes:
+    """The 32-byte key for ``label`` derived from the job secret."""
+    return hmac.new(secret, label, hashlib.sha256).digest()
+
+
+def payload_mac_enabled() -> bool:
+    """Whether ``UCPD_PEER_PAYLOAD_MAC`` asks for keyed BLAKE2b over payload bytes."""
+    return knobs._get("UCPD_PEER_PAYLOAD_MAC", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def is_local_address(address: str) -> bool:
+    """True for ``ipc://``/``inproc://`` and ``tcp://`` on 127.0.0.0/8, ::1 or localhost."""
+    scheme, _, rest = address.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rpartition(":")[0].strip("[]")
+    if scheme != "tcp" or not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _Out:
+    """One message waiting on the I/O thread; header fields are filled in when it is sent."""
+
+    __slots__ = ("dest", "msg_type", "body", "frames", "entries", "req_id", "reply_to", "err", "deadline", "pos")
+
+    def __init__(self, dest, msg_type, body, frames, entries, req_id, reply_to, err, deadline):
+        self.dest, self.msg_type, self.body, self.frames, self.entries = dest, msg_type, body, frames, entries
+        self.req_id, self.reply_to, self.err, self.deadline, self.pos = req_id, reply_to, err, deadline, -1
+
+
+class _Link:
+    """The DEALER to one peer and what waits to go through it (I/O thread only)."""
+
+    def __init__(self, rank: int, address: str, sock: zmq.Socket):
+        self.rank, self.address, self.sock = rank, address, sock
+        self.control: collections.deque[_Out] = collections.deque()  # no payload: jump the bucket
+        self.bulk: collections.deque[_Out] = collections.deque()
+        self.current: _Out | None = None  # partly sent multipart: the link is busy until it ends
+        self.blocked = False  # last send hit EAGAIN (no connection, or HWM): wait for POLLOUT
+        self.polled = False  # registered for POLLOUT
+
+    def queued(self) -> bool:
+        return bool(self.current or self.control or self.bulk)
+
+
+class _TokenBucket:
+    """Bytes per second with a small burst; a frame larger than the burst goes into debt."""
+
+    def __init__(self, rate: float):
+        self.rate = rate
+        self.capacity = max(rate * 0.05, 64 << 10)
+        self.tokens, self.stamp = self.capacity, time.monotonic()
+
+    def wait(self, nbytes: int) -> float:
+        """Seconds until ``nbytes`` may go (0: now)."""
+        if self.rate <= 0:
+            return 0.0
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        need = min(nbytes, self.capacity)
+        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
+
+    def take(self, nbytes: int) -> None:
+        if self.rate > 0:
+            self.tokens -= nbytes
+
+
+class PeerTransport:
+    """ZeroMQ links between the daemons of a team. One I/O thread owns every socket.
+
+    ``on_message(src, type, body, frames)`` receives one-way messages; ``on_request(src, type,
+    body, frames)`` answers requests with ``(reply body, reply payload buffers)`` and may raise
+    a ``UcpdError`` that the requester gets back typed; ``on_heartbeat(src, incarnation)`` sees
+    every heartbeat. All three run on the I/O thread. Received frames are read-only memoryviews
+    that stay valid while referenced.
+    """
+
+    def __init__(self, rank: int, listen: str, secret: bytes | None, *, on_message: OnMessage,
+                 on_request: OnRequest, on_heartbeat: Callable[[int, str], None] | None = None,
+                 heartbeat_interval: float = 0.5, net_limit: float = 0.0, frame_bytes: int = 4 << 20,
+                 incarnation: str | None = None, payload_mac: bool | None = None):
+        if frame_bytes <= 0:
+            raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
+        self.rank, self.listen = rank, listen if "://" in listen else f"tcp://{listen}"
+        self.incarnation = incarnation or secrets.token_hex(8)
+        self.frame_bytes, self.heartbeat_interval = frame_bytes, heartbeat_interval
+        self.max_message = frame_bytes + HEADER_MARGIN
+        self._on_message, self._on_request, self._on_heartbeat = on_message, on_request, on_heartbeat
+        self._key = derive_key(secret) if secret else None
+        self._mac = hmac.new(self._key, digestmod=hashlib.sha256) if self._key else None
+        want_pmac = payload_mac_enabled() if payload_mac is None else payload_mac
+        self._pkey = derive_key(secret, b"ucpd-peer-payload-v1") if (secret and want_pmac) else None
+        self._bucket = _TokenBucket(net_limit)
+        self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self._ctx = zmq.Context()
+        self._router: zmq.Socket | None = None
+        self._links: dict[int, _Link] = {}
+        self._inbox: collections.deque[_Out] = collections.deque()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._pending: dict[int, tuple[int, Future]] = {}
+        self._req_ids = itertools.count(1)
+        self._seq = 0
+        self._seen: dict[int, collections.OrderedDict[str, int]] = {}
+        self._last_warn: dict[str, float] = {}
+        self._thread: threading.Thread | None = None
+        self._io_ident: int | None = None
+        self._stopping = self._closed = False
+
+    # --- setup and teardown ------------------------------------------------------------------
+
+    def bind(self) -> str:
+        """Bind the ROUTER on ``listen`` (port 0 or ``*`` picks a free port); returns the actual
+        ``tcp://`` address. Raises AuthError for a non-loopback address without a secret."""
+        self._require_secret_for(self.listen, "--listen")
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, LINGER_MS)
+        sock.setsockopt(zmq.RCVHWM, HWM)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
+        self._keepalive(sock)
+        address = self.listen[:-2] + ":*" if self.listen.endswith(":0") else self.listen
+        try:
+            sock.bind(address)
+        except zmq.ZMQError as exc:
+            sock.close(0)
+            raise UcpdError(f"cannot listen on {self.listen}: {exc}; pick a free address with --listen") from None
+        self._router = sock
+        return sock.getsockopt_string(zmq.LAST_ENDPOINT)
+
+    def start(self, peers: Sequence[str]) -> None:
+        """Connect a DEALER to every peer (``peers[i]`` is node i's address; our own entry is
+        ignored) and start the I/O thread and heartbeats. Calls ``bind()`` if not done yet."""
+        if self._thread is not None or self._closed:
+            raise RuntimeError("PeerTransport.start() may be called once, before close()")
+        if not 0 <= self.rank < len(peers):
+            raise ValueError(f"node rank {self.rank} has no entry among {len(peers)} peers")
+        for i, address in enumerate(peers):
+            if i != self.rank:
+                self._require_secret_for(address, f"peer {i}")
+        if self._router is None:
+            self.bind()
+        for i, address in enumerate(peers):
+            if i == self.rank:
+                continue
+            address = address if "://" in address else f"tcp://{address}"
+            sock = self._ctx.socket(zmq.DEALER)
+            for opt, value in ((zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM), (zmq.IMMEDIATE, 1),
+                               (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
+                sock.setsockopt(opt, value)
+            self._keepalive(sock)
+            sock.connect(address)
+            self._links[i] = _Link(i, address, sock)
+        self._seen = {i: collections.OrderedDict() for i in self._links}
+        self._thread = threading.Thread(target=self._run, name=f"ucpd-peer-io-{self.rank}", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the I/O thread, fail pending requests, close the sockets and the context.
+        Unsent messages are dropped. Idempotent; not from a callback."""
+        if self._closed:
+            return
+        if threading.get_ident() == self._io_ident:
+            raise RuntimeError("PeerTransport.close() cannot be called from a transport callback")
+        self._closed = self._stopping = True
+        if self._thread is not None:
+            self._wake()
+            self._thread.join()
+        else:
+            self._teardown()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    def __enter__(self) -> PeerTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- sending (any thread) -----------------------------------------------------------------
+
+    def send(self, dest: int, msg_type: str, body: dict, payload: Sequence[Buffer] = (), *,
+             track: bool = False, timeout: float = SEND_TIMEOUT_S) -> zmq.MessageTracker | None:
+        """Queue a one-way message and return at once (thread-safe; never waits on the network).
+
+        Payload buffers are sent zero-copy (frames under 64 KiB are copied): they must stay
+        valid and unmodified until sent. With ``track=True`` the returned MessageTracker is done
+        once ZeroMQ released every buffer (sent, or dropped). A message that cannot be sent
+        within ``timeout`` seconds (peer unreachable) is dropped and counted.
+        """
+        self._check_type(msg_type)
+        out, tracker = self._prepare(dest, msg_type, body, payload, track=track, timeout=timeout)
+        self._enqueue(out)
+        return tracker
+
+    def request(self, dest: int, msg_type: str, body: dict, payload: Sequence[Buffer] = (),
+                timeout: float = 10.0) -> tuple[dict, list[memoryview]]:
+        """Send a request and wait for the reply ``(body, frames)`` (thread-safe; blocking).
+
+        Raises:
+            RuntimeError: called on the I/O thread (from a callback).
+            DaemonUnreachable: no reply within ``timeout`` (peer down, unreachable or stuck).
+            UcpdError: the typed error the peer's ``on_request`` raised.
+        """
+        if threading.get_ident() == self._io_ident:
+            raise RuntimeError("PeerTransport.request() called from a transport callback would deadlock; "
+                               "send() a message instead, or make the request from another thread")
+        self._check_type(msg_type)
+        req_id = next(self._req_ids)
+        out, _ = self._prepare(dest, msg_type, body, payload, req_id=req_id, timeout=timeout)
+        future: Future = Future()
+        self._pending[req_id] = (dest, future)
+        try:
+            self._enqueue(out)
+            return future.result(timeout)
+        except FutureTimeout:
+            raise DaemonUnreachable(
+                f"node {dest} ({self._links[dest].address}) did not answer {msg_type!r} within {timeout:g} s: "
+                "its daemon is down, unreachable or overloaded; check it runs and that --peers lists it") from None
+        finally:
+            self._pending.pop(req_id, None)
+
+    def _check_type(self, msg_type: str) -> None:
+        if not isinstance(msg_type, str) or not msg_type or msg_type.startswith("_"):
+            raise ValueError(f"message type must be a non-empty string not starting with '_', got {msg_type!r}")
+
+    def _prepare(self, dest: int, msg_type: str, body: dict, payload: Sequence[Buffer], *, req_id=None,
+                 reply_to=None, err=None, track=False, timeout=SEND_TIMEOUT_S):
+        if self._thread is None or self._stopping:
+            raise RuntimeError("PeerTransport is not running (call start() first; it cannot be used after close())")
+        if dest not in self._links:
+            raise ValueError(f"no peer node {dest}: node ranks are 0..{len(self._links)} except ours ({self.rank})")
+        if not isinstance(body, dict):
+            raise TypeError(f"message body must be a dict, got {type(body).__name__}")
+        packed = msgpack.packb(body, use_bin_type=True)
+        frames, entries = [], []
+        for buf in payload:
+            view = memoryview(buf)
+            if not view.c_contiguous:
+                raise ValueError("payload buffers must be C-contiguous")
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            for start in range(0, max(len(view), 1), self.frame_bytes):
+                chunk = view[start:start + self.frame_bytes]
+                entry = [len(chunk), crc32c(chunk)]
+                if self._pkey is not None:
+                    entry.append(hashlib.blake2b(chunk, key=self._pkey, digest_size=32).digest())
+                frames.append(zmq.Frame(chunk, track=track))
+                entries.append(entry)
+        if len(packed) + 48 * len(entries) + 512 > self.max_message:
+            raise ValueError(f"message body of {len(packed)} bytes with {len(entries)} frames does not fit one "
+                             f"{self.max_message}-byte header: send bulk data as payload, or in several messages")
+        out = _Out(dest, msg_type, packed, frames, entries, req_id, reply_to, err, time.monotonic() + timeout)
+        return out, (zmq.MessageTracker(*frames) if track else None)
+
+    def _enqueue(self, out: _Out) -> None:
+        self._inbox.append(out)
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:  # the pipe is full: the I/O thread is already due to wake
+            pass
+
+    def _require_secret_for(self, address: str, what: str) -> None:
+        if self._key is None and not is_local_address(address if "://" in address else f"tcp://{address}"):
+            raise AuthError(f"{what} address {address} is not loopback, and links between daemons on different "
+                            "hosts must be authenticated: pass --secret-file FILE (or $UCPD_SECRET_FILE) with a "
+                            "secret shared by every daemon of the job")
+
+    @staticmethod
+    def _keepalive(sock: zmq.Socket) -> None:
+        for opt, value in ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 30), (zmq.TCP_KEEPALIVE_INTVL, 5),
+                           (zmq.TCP_KEEPALIVE_CNT, 3)):
+            sock.setsockopt(opt, value)
+
+    # --- the I/O thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._io_ident = threading.get_ident()
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_hb = time.monotonic()
+        try:
+            while not self._stopping:
+                now = time.monotonic()
+                if now >= next_hb:
+                    self._queue_heartbeats(now)
+                    next_hb = now + self.heartbeat_interval
+                while self._inbox:
+                    out = self._inbox.popleft()
+                    link = self._links[out.dest]
+                    (link.bulk if out.frames else link.control).append(out)
+                token_wait = self._pump()
+                busy = self._expire(now)
+                timeout = min(next_hb - now, token_wait, 0.05 if busy else 1.0)
+                for link in self._links.values():
+                    want = link.blocked and link.queued()
+                    if want != link.polled:
+                        poller.register(link.sock, zmq.POLLOUT) if want else poller.unregister(link.sock)
+                        link.polled = want
+                events = dict(poller.poll(max(timeout, 0.0) * 1000))
+                if self._wake_r in events:
+                    try:
+                        while os.read(self._wake_r, 4096):
+                            pass
+                    except BlockingIOError:
+                        pass
+                for link in self._links.values():
+                    if link.sock in events:
+                        link.blocked = False
+                if self._router in events:
+                    self._receive_some()
+        except Exception:
+            log.exception("peer transport I/O thread of node %d failed", self.rank)
+        finally:
+            self._teardown()
+
+    def _teardown(self) -> None:
+        self._inbox.clear()
+        for link in self._links.values():  # unsent buffers are released: their trackers finish
+            link.control.clear(), link.bulk.clear()
+            link.current = None
+        for _, future in list(self._pending.values()):
+            if not future.done():
+                future.set_exception(DaemonUnreachable("the peer transport was closed before the reply came"))
+        self._pending.clear()
+        for link in self._links.values():
+            link.sock.close(LINGER_MS)
+        if self._router is not None:
+            self._router.close(LINGER_MS)
+        self._ctx.term()
+
+    def _queue_heartbeats(self, now: float) -> None:
+        for link in self._links.values():
+            if not any(out.msg_type == HEARTBEAT for out in link.control):
+                link.control.append(_Out(link.rank, HEARTBEAT, b"\x80", [], [], None, None, None,
+                                         now + self.heartbeat_interval))
+
+    def _pump(self) -> float:
+        """Send whatever may go now; returns seconds until the bucket allows the next frame."""
+        wait = float("inf")
+        progress = True
+        while progress:  # round robin: one payload frame per link per round
+            progress = False
+            for link in self._links.values():
+                if link.blocked:
+                    continue
+                try:
+                    sent, link_wait = self._step(link)
+                except zmq.Again:
+                    link.blocked = True
+                    continue
+                progress |= sent
+                wait = min(wait, link_wait)
+        return wait
+
+    def _step(self, link: _Link) -> tuple[bool, float]:
+        sent = False
+        if link.current is None:
+            while link.control:
+                self._send_head(link, link.control[0])
+                link.control.popleft()
+                sent = True
+            if not link.bulk:
+                return sent, float("inf")
+            wait = self._bucket.wait(link.bulk[0].entries[0][0])
+            if wait > 0:
+                return sent, wait
+            self._send_head(link, link.bulk[0])
+            link.current = link.bulk.popleft()
+        out = link.current
+        while True:
+            size = out.entries[out.pos][0]
+            wait = self._bucket.wait(size)
+            if wait > 0:
+                return sent, wait
+            last = out.pos == len(out.frames) - 1
+            link.sock.send(out.frames[out.pos], zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=False)
+            self._bucket.take(size)
+            out.frames[out.pos] = None  # release the caller's buffer as soon as ZeroMQ has it
+            self.counters["bytes_sent"] += size
+            out.pos += 1
+            sent = True
+            if last:
+                link.current = None
+                return sent, 0.0
+            if self._bucket.rate > 0:
+                return sent, 0.0
+
+    def _send_head(self, link: _Link, out: _Out) -> None:
+        """Sign and send the header and MAC frames (raises zmq.Again before anything is sent)."""
+        self._seq += 1
+        header = msgpack.packb({"v": PROTOCOL_VERSION, "src": self.rank, "dst": out.dest, "t": out.msg_type,
+                                "id": out.req_id, "re": out.reply_to, "inc": self.incarnation, "seq": self._seq,
+                                "ts": time.time(), "b": out.body, "p": out.entries, "e": out.err},
+                               use_bin_type=True)
+        mac = b""
+        if self._mac is not None:
+            h = self._mac.copy()
+            h.update(header)
+            mac = h.digest()
+        more = zmq.SNDMORE if out.frames else 0
+        link.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
+        link.sock.send(mac, zmq.NOBLOCK | more)
+        out.pos = 0
+        self.counters["messages_sent"] += 1
+        self.counters["bytes_sent"] += len(header) + len(mac)
+        if out.msg_type == HEARTBEAT:
+            self.counters["heartbeats_sent"] += 1
+
+    def _expire(self, now: float) -> bool:
+        """Drop queued messages past their deadline; True if anything is still queued."""
+        for link in self._links.values():
+            for name in ("control", "bulk"):
+                queue = getattr(link, name)
+                if any(out.deadline < now for out in queue):
+                    for out in queue:
+                        if out.deadline < now:
+                            self._drop(link, out)
+                    setattr(link, name, collections.deque(out for out in queue if out.deadline >= now))
+        return any(link.queued() for link in self._links.values())
+
+    def _drop(self, link: _Link, out: _Out) -> None:
+        if out.msg_type == HEARTBEAT:
+            return
+        self.counters["dropped"] += 1
+        entry = self._pending.pop(out.req_id, None) if out.req_id is not None else None
+        if entry is not None:
+            entry[1].set_exception(DaemonUnreachable(
+                f"cannot reach node {link.rank} at {link.address} to send {out.msg_type!r}: no connection; "
+                "check that its daemon runs and listens there"))
+
+    # --- receiving (I/O thread) ----------------------------------------------------------------
+
+    def _receive_some(self) -> None:
+        for _ in range(64):  # then let sends and heartbeats have a turn
+            try:
+                frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._accept(frames[1:])  # frames[0] is the ROUTER's connection id
+
+    def _refuse(self, counter: str, frames: list, why: str) -> None:
+        self.counters[counter] += 1
+        now = time.monotonic()
+        if now - self._last_warn.get(counter, 0.0) >= WARN_EVERY_S:
+            self._last_warn[counter] = now
+            try:
+                origin = frames[0].get("Peer-Address")
+            except Exception:
+                origin = "?"
+            log.warning("node %d refused a peer message from %s (%s, %d so far): %s",
+                        self.rank, origin, counter, self.counters[counter], why)
+
+    def _accept(self, frames: list) -> None:
+        if len(frames) < 2:
+            return self._refuse("malformed", frames, "fewer than two frames (header, mac)")
+        header, mac, payload = frames[0].bytes, frames[1].bytes, frames[2:]
+        if self._mac is not None:
+            h = self._mac.copy()
+            h.update(header)
+            if not hmac.compare_digest(h.digest(), mac):
+                return self._refuse("auth_failures", frames, "missing or wrong MAC (a different job secret?)")
+        elif mac:
+            return self._refuse("auth_failures", frames, "the peer signs its messages but this daemon has no secret")
+        try:
+            h = _parse_header(header)
+        except ProtocolError as exc:
+            return self._refuse("malformed", frames, str(exc))
+        src = h["src"]
+        if h["dst"] != self.rank or src not in self._links:
+            return self._refuse("misrouted", frames, f"message from node {src} to node {h['dst']} reached node "
+                                f"{self.rank}: do all daemons have the same --peers list?")
+        seen = self._seen[src]
+        last = seen.get(h["inc"])
+        if last is not None and h["seq"] <= last:
+            return self._refuse("replays", frames, f"sequence {h['seq']} from node {src} already seen")
+        if last is None and abs(time.time() - h["ts"]) > REPLAY_WINDOW_S:
+            return self._refuse("replays", frames, f"first message of a new incarnation of node {src} is "
+                                f"{time.time() - h['ts']:.0f} s old (a replay, or clocks out of sync)")
+        if len(payload) != len(h["p"]):
+            return self._refuse("malformed", frames, f"{len(payload)} payload frames, header lists {len(h['p'])}")
+        for frame, entry in zip(payload, h["p"]):
+            view = frame.buffer
+            if len(view) != entry[0] or crc32c(view) != entry[1]:
+                return self._refuse("checksum_errors", frames, f"payload frame from node {src} fails its CRC32C")
+            if len(entry) > 2 or self._pkey is not None:
+                if self._pkey is None or len(entry) < 3 or not hmac.compare_digest(
+                        hashlib.blake2b(view, key=self._pkey, digest_size=32).digest(), entry[2]):
+                    return self._refuse("auth_failures", frames, "payload MAC missing or wrong "
+                                        "(UCPD_PEER_PAYLOAD_MAC must be the same on every daemon)")
+        seen[h["inc"]] = h["seq"]
+        seen.move_to_end(h["inc"])
+        if len(seen) > INCARNATIONS_KEPT:
+            seen.popitem(last=False)
+        self.counters["messages_received"] += 1
+        self.counters["bytes_received"] += sum(len(f) for f in frames)
+        self._dispatch(src, h, [f.buffer for f in payload])
+
+    def _dispatch(self, src: int, h: dict, payload: list[memoryview]) -> None:
+        msg_type, body = h["t"], h["b"]
+        try:
+            if msg_type == HEARTBEAT:
+                self.counters["heartbeats_received"] += 1
+                if self._on_heartbeat is not None:
+                    self._on_heartbeat(src, h["inc"])
+            elif h["re"] is not None:
+                entry = self._pending.get(h["re"])
+                if entry is None or entry[0] != src:
+                    self.counters["late_replies"] += 1
+                    return
+                self._pending.pop(h["re"], None)
+                if h["e"] is not None:
+                    entry[1].set_exception(error_from_code(*h["e"]))
+                else:
+                    entry[1].set_result((body, payload))
+            elif h["id"] is not None:
+                self._answer(src, h["id"], msg_type, body, payload)
+            else:
+                self._on_message(src, msg_type, body, payload)
+        except Exception:
+            self.counters["callback_errors"] += 1
+            log.exception("node %d: handling %r from node %d failed", self.rank, msg_type, src)
+
+    def _answer(self, src: int, req_id: int, msg_type: str, body: dict, payload: list[memoryview]) -> None:
+        try:
+            reply, reply_payload = self._on_request(src, msg_type, body, payload)
+            out, _ = self._prepare(src, msg_type, reply, reply_payload, reply_to=req_id)
+        except UcpdError as exc:
+            out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id, err=[exc.code, str(exc)])
+        except Exception as exc:
+            self.counters["callback_errors"] += 1
+            log.exception("node %d: answering %r from node %d failed", self.rank, msg_type, src)
+            out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id,
+                                   err=["internal", f"node {self.rank} failed on {msg_type!r}: {exc!r}"])
+        self._inbox.append(out)
+
+
+def _parse_header(raw: bytes) -> dict:
+    """Decode and type-check a header; the body is decoded too. Raises ProtocolError."""
+    try:
+        h = msgpack.unpackb(raw, raw=False, max_array_len=1 << 20, max_map_len=64)
+        if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
+            raise ProtocolError("header is not a map with the expected keys")
+        h["b"] = msgpack.unpackb(h["b"], raw=False, strict_map_key=False) if isinstance(h["b"], bytes) else None
+    except ProtocolError:
+        raise
+    except Exception as exc:  # msgpack raises many unrelated types for bad bytes
+        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
+
+    def is_int(v: Any, optional: bool = False) -> bool:
+        return (optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+    if h["v"] != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer protocol version {h['v']!r} is not {PROTOCOL_VERSION}: mixed ucpd releases")
+    if not (is_int(h["src"]) and is_int(h["dst"]) and is_int(h["seq"]) and is_int(h["id"], True)
+            and is_int(h["re"], True) and isinstance(h["t"], str)
+            and isinstance(h["inc"], str) and len(h["inc"]) <= 64
+            and isinstance(h["ts"], (int, float)) and isinstance(h["b"], dict) and isinstance(h["p"], list)):
+        raise ProtocolError("header fields have the wrong types")
+    for entry in h["p"]:
+        if not (isinstance(entry, list) and len(entry) in (2, 3) and is_int(entry[0]) and is_int(entry[1])
+                and (len(entry) == 2 or isinstance(entry[2], bytes))):
+            raise ProtocolError("payload entries must be [length, crc32c(, mac)]")
+    e = h["e"]
+    if e is not None and not (isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)):
+        raise ProtocolError("error field must be [code, message]")
+    return h
