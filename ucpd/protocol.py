@@ -235,7 +235,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "replica_data",
             {"origin": _int(0, MAX_RANKS), "step": _int(), "rank": _int(0, MAX_RANKS), "offset": _int()},
             {},
-            "payload: bytes of rank's slot from offset on (one-way, in order before replica_end)",
+            "payload: bytes of rank's slot from offset on; reply: {} once copied (every one before replica_end)",
         ),
         MessageType(
             "replica_end",

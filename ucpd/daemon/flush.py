@@ -52,8 +52,13 @@ def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
 
 
 class Flusher:
-    def __init__(self, store, flush_dir: str, every: int, rate: float, keep_on_disk: int = 0):
+    """``gather(version) -> (globals, parts by rank, buffer_of(rank), release)``: where the
+    version's bytes are read from. Default: this node's slots (one node holds every rank).
+    A team of daemons passes one that brings the other nodes' parts first."""
+
+    def __init__(self, store, flush_dir: str, every: int, rate: float, keep_on_disk: int = 0, gather=None):
         self.store = store
+        self.gather = gather or self._local_parts
         self.flush_dir = flush_dir
         self.every = max(1, every)
         self.rate = rate
@@ -126,12 +131,22 @@ class Flusher:
             except Exception:  # never let the flush thread die with versions pinned
                 log.exception("after flushing step %s", version.step)
 
-    def _flush(self, version) -> None:
-        t0 = time.monotonic()
+    def _local_parts(self, version):
         with self.store.lock:
             globals_ = version.globals()
             parts = dict(version.parts)
-            slots = {p.slot: self.store.slots.slots[p.slot] for p in parts.values()}
+            slots = {r: self.store.slots.slots[p.slot] for r, p in parts.items()}
+        return globals_, parts, lambda rank: slots[rank].mapping(), lambda: None
+
+    def _flush(self, version) -> None:
+        t0 = time.monotonic()
+        globals_, parts, buffer_of, release = self.gather(version)
+        try:
+            self._write(version, t0, globals_, parts, buffer_of)
+        finally:
+            release()
+
+    def _write(self, version, t0, globals_, parts, buffer_of) -> None:
         arrays: dict = {}
         verified: set = set()
 
@@ -139,7 +154,7 @@ class Flusher:
             if key not in arrays:
                 rank, idx = key
                 t = parts[rank].tensors[idx]
-                mm = slots[parts[rank].slot].mapping()
+                mm = buffer_of(rank)
                 arr = np.frombuffer(mm, dtype=lookup_dtype(t.dtype).storage, count=t.nbytes // lookup_dtype(t.dtype).itemsize, offset=t.offset)
                 arrays[key] = (arr, t)
             return arrays[key]

@@ -17,14 +17,33 @@ class _Collector:
             used, limit = d.store.slots.used_bytes, d.store.slots.mem_limit
             latest = d.store.table.latest_committed()
             progress = d.flusher.progress if d.flusher else None
+            team = d.team.status() if d.team is not None else None
         for name, value in c.items():
             yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
         yield GaugeMetricFamily("ucpd_mem_used_bytes", "bytes held in shm slots", value=used)
         yield GaugeMetricFamily("ucpd_mem_limit_bytes", "memory limit for slots", value=limit)
         yield GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step (-1: none)", value=latest.step if latest else -1)
+        if team is not None:
+            yield from _team_metrics(team)
         if progress is not None:
             yield GaugeMetricFamily("ucpd_flush_bytes_done", "bytes written by the flush in progress", value=progress.bytes_done)
             yield GaugeMetricFamily("ucpd_flush_last_seconds", "duration of the last flush", value=progress.last_seconds)
+
+
+def _team_metrics(team: dict):
+    live = GaugeMetricFamily("ucpd_team_node_live", "1 when a node of the team is alive", labels=["node"])
+    for n in team["nodes"]:
+        live.add_metric([str(n["node"])], 1 if n["live"] else 0)
+    yield live
+    held = GaugeMetricFamily("ucpd_team_bytes", "bytes this node holds, by redundancy level", labels=["level"])
+    held.add_metric(["own"], team["bytes"]["own"])
+    held.add_metric(["replicas"], team["bytes"]["replicas"])
+    yield held
+    yield GaugeMetricFamily("ucpd_team_healthy", "1 when every version is protected as configured", value=1 if team["health"] == "healthy" else 0)
+    yield GaugeMetricFamily("ucpd_team_coordinator", "node rank of the commit coordinator", value=team["coordinator"] if team["coordinator"] is not None else -1)
+    yield GaugeMetricFamily("ucpd_team_reprotect_pending", "copies being made again after a node loss", value=team["healing"]["pending"])
+    for name, value in {**team["counters"], **{f"peer_{k}": v for k, v in team["transport"].items()}}.items():
+        yield CounterMetricFamily(f"ucpd_team_{name}", f"ucpd team counter {name}", value=value)
 
 
 class Metrics:

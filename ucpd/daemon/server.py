@@ -114,7 +114,10 @@ class Daemon:
         if config.flush_dir and (self.team is None or self.team.flushes):
             from .flush import Flusher
 
-            self.flusher = Flusher(self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep)
+            gather = self.team.gather_for_flush if self.team is not None else None
+            self.flusher = Flusher(
+                self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep, gather=gather
+            )
             self.store.commit_listeners.append(self.flusher.on_commit)
             with self.store.lock:
                 self.flusher.resume()

@@ -40,6 +40,7 @@ class Replica:
     bases: dict[int, int]  # rank -> where that slot's bytes start in our file
     used: dict[int, int]  # rank -> bytes of its slot we hold
     whole: bool = False
+    verified: bool = False  # checked again before the first restore served from it
     pins: int = 0  # restores and pushes reading it
     frames: int = 0  # replica_data messages received
     _map: mmap.mmap | None = field(default=None, repr=False)

@@ -22,6 +22,7 @@ import queue
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import native, protocol
@@ -33,7 +34,7 @@ from . import placement
 from .commit import Commit, CommitNode, Record, Send
 from .config import TeamConfig
 from .membership import Membership
-from .replicas import ReplicaStore
+from .replicas import ReplicaStore, verify_part_crcs
 
 log = logging.getLogger("ucpd.team")
 
@@ -80,6 +81,7 @@ class Team:
         self.store = None
         self.replicas: ReplicaStore | None = None
         self._work: queue.Queue = queue.Queue()
+        self._pushers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-push")
         self._stopping = False
         self.transport = PeerTransport(
             self.rank,
@@ -115,6 +117,7 @@ class Team:
     def close(self) -> None:
         self._stopping = True
         self._work.put(("stop", 0))
+        self._pushers.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
         if self.replicas is not None:
             self.replicas.close()
@@ -232,18 +235,22 @@ class Team:
                 {"origin": origin, "step": step, "world_size": world,
                  "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts]},
             )
-            frames = 0
-            total = 0
-            for p in parts:
-                used = used_bytes(p)
-                for off in range(0, used, DATA_BATCH):
-                    n = min(DATA_BATCH, used - off)
-                    self.transport.send(
-                        holder, "replica_data", {"origin": origin, "step": step, "rank": p.rank, "offset": off},
-                        [read(p.rank, off, n)],
-                    )
-                    frames += 1
-                    total += n
+            batches = [(p, off, min(DATA_BATCH, used_bytes(p) - off)) for p in parts for off in range(0, used_bytes(p), DATA_BATCH)]
+            total = sum(n for _, _, n in batches)
+            frames = len(batches)
+
+            def put(batch):
+                p, off, n = batch
+                self.transport.request(
+                    holder, "replica_data", {"origin": origin, "step": step, "rank": p.rank, "offset": off},
+                    [read(p.rank, off, n)], timeout=60.0,
+                )
+
+            # two batches in flight: the holder copies one while the next is on the wire; each
+            # is acknowledged, so replica_end (a small message that may overtake queued bulk
+            # frames) is sent only after every byte arrived
+            for _ in self._pushers.map(put, batches):
+                pass
             self.transport.request(holder, "replica_end", {"origin": origin, "step": step, "frames": frames}, timeout=120.0)
         except UcpdError as exc:
             self.counters["push_failures"] += 1
@@ -323,10 +330,7 @@ class Team:
 
     def _on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
         try:
-            if msg_type == "replica_data":
-                b = protocol.validate_peer(msg_type, body)
-                self.replicas.write(b["origin"], b["step"], b["rank"], b["offset"], frames)
-            elif msg_type == "commit":
+            if msg_type == "commit":
                 b = protocol.validate_peer(msg_type, body)
                 with self._lock:
                     out = self.commit.on_message(src, b["m"], time.monotonic())
@@ -347,6 +351,9 @@ class Team:
             raise
         if msg_type == "replica_begin":
             self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"])
+            return {}, []
+        if msg_type == "replica_data":
+            self.replicas.write(b["origin"], b["step"], b["rank"], b["offset"], frames)
             return {}, []
         if msg_type == "replica_end":
             self.replicas.finish(b["origin"], b["step"], b["frames"])
@@ -451,26 +458,51 @@ class Team:
             if not self.commit.is_committed(step):
                 raise VersionNotFound(f"step {step} is not committed by the team")
         live = sorted(self.live())
-        found: dict[int, tuple[int, int, dict]] = {}  # rank -> (holder node, origin node, PART record)
+        candidates: dict[int, list[tuple[int, int, int, dict]]] = {}  # rank -> [(cost, holder, origin, PART)]
         world = None
         mine = self._holdings(step)
         replies = self._ask_all(live, "holdings", {"step": step})
-        order = [(self.rank, mine)] + sorted((n, r.get("items", [])) for n, r in replies.items())
-        for node, items in order:
+        for node, items in [(self.rank, mine)] + sorted((n, r.get("items", [])) for n, r in replies.items()):
             for item in items:
                 item = protocol.validate_fields("holding", item, *_HOLDING_FIELDS)
                 world = item["world_size"]
+                # cheapest first: our RAM, then a peer's own RAM, then a peer's replica
+                cost = 0 if node == self.rank else 1 if node == item["origin"] else 2
                 for p in item["parts"] or []:
-                    prev = found.get(p["rank"])
-                    if prev is None or (prev[0] != item["origin"] and node == item["origin"]):
-                        found[p["rank"]] = (node, item["origin"], p)
-        if world is None or set(found) != set(range(world)):
-            lost = sorted(set(range(world or 0)) - set(found))
+                    candidates.setdefault(p["rank"], []).append((cost, node, item["origin"], p))
+        if world is None or set(candidates) != set(range(world)):
+            lost = sorted(set(range(world or 0)) - set(candidates))
             raise VersionNotFound(
                 f"step {step} is lost: no live node holds ranks {lost or 'any'} (more nodes failed than "
                 "the redundancy survives); restore an older step, or from the flush dir"
             )
+        found = {}
+        for rank, cands in candidates.items():
+            for cost, node, origin, p in sorted(cands, key=lambda c: c[:3]):
+                if node == self.rank and origin != self.rank and not self._replica_sound(origin, step):
+                    continue  # damaged: dropped; the next copy serves
+                found[rank] = (node, origin, p)
+                break
+            else:
+                raise VersionNotFound(f"step {step}: every copy of rank {rank} that is left is damaged")
         return self._sources(step, world, found)
+
+    def _replica_sound(self, origin: int, step: int) -> bool:
+        """Check a replica we hold (once) before serving from it; a damaged one is dropped."""
+        rep = self.replicas.get(origin, step)
+        if rep is None:
+            return False
+        if rep.verified:
+            return True
+        try:
+            verify_part_crcs(rep, f"replica of node {origin} step {step} on node {self.rank}")
+        except ChecksumMismatch as exc:
+            log.error("team: %s; using another copy", exc)
+            self.replicas.checksum_errors += 1
+            self.replicas.drop(origin, step)
+            return False
+        rep.verified = True
+        return True
 
     def _sources(self, step: int, world: int, found: dict) -> "TeamSources":
         parts: dict[int, RankPart] = {}
@@ -510,7 +542,76 @@ class Team:
                 same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
         globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
         objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects)) for r, p in parts.items()}
-        return TeamSources(step, SourceSet(globals_, tensors, same), objects, pins, self)
+        out = TeamSources(step, SourceSet(globals_, tensors, same), objects, pins, self)
+        out.parts, out.where, out.version = parts, where, version
+        return out
+
+    def gather_for_flush(self, version):
+        """The flusher's ``gather``: every rank's part of a committed version, the other nodes'
+        fetched whole into one local file (each byte crosses the network once)."""
+        got = self.restore_sources(version.step)
+        try:
+            remote = {r: w for r, w in got.where.items() if w[0] == "peer"}
+            sizes = {r: used_bytes(got.parts[r]) for r in remote}
+            bases, total = {}, 0
+            for r, n in sizes.items():
+                bases[r], total = total, total + (n + 63) // 64 * 64
+            mm = self._cache_file(got, total) if remote else None
+            for r, (_, node, origin) in remote.items():
+                at = 0
+                while at < sizes[r]:
+                    n = min(DATA_BATCH, sizes[r] - at)
+                    _, frames = self.transport.request(
+                        node, "fetch", {"origin": origin, "step": got.step, "rank": r, "ranges": [[at, n]]}, timeout=120.0
+                    )
+                    (buf,) = _split(frames, [n])
+                    native.copy(memoryview(mm)[bases[r] + at : bases[r] + at + n], buf)
+                    at += n
+                self.counters["fetched_bytes"] += sizes[r]
+            maps: dict = {}
+            for r, (kind, a, b) in got.where.items():
+                if kind == "local":
+                    maps[r] = (a, b)
+        except BaseException:
+            with self.store.lock:
+                got.release()
+            raise
+
+        import mmap as mmap_mod
+
+        opened: dict = {}
+
+        def buffer_of(rank):
+            if rank in remote:
+                return memoryview(mm)[bases[rank] : bases[rank] + sizes[rank]]
+            path, base = maps[rank]
+            if path not in opened:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    opened[path] = mmap_mod.mmap(fd, 0, mmap_mod.MAP_SHARED, mmap_mod.PROT_READ)
+                finally:
+                    os.close(fd)
+            return memoryview(opened[path])[base:]
+
+        def release():
+            opened.clear()
+            with self.store.lock:
+                got.release()
+
+        return got.version.globals(), got.parts, buffer_of, release
+
+    def _cache_file(self, got: "TeamSources", nbytes: int):
+        """A private shm file for bytes fetched from peers, deleted when ``got`` is released."""
+        import mmap as mmap_mod
+
+        path = os.path.join(self.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
+        got.files.append(path)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, max(nbytes, 64))
+            return mmap_mod.mmap(fd, max(nbytes, 64), mmap_mod.MAP_SHARED, mmap_mod.PROT_READ | mmap_mod.PROT_WRITE)
+        finally:
+            os.close(fd)
 
     def localize(self, sources: "TeamSources", plan: dict) -> dict:
         """Bring the plan's sources that live on peers into a local file, checked on arrival."""
@@ -522,16 +623,8 @@ class Team:
         if not remote:
             return plan
         total = sum((plan["sources"][i]["nbytes"] + 63) // 64 * 64 for idx in remote.values() for i in idx)
-        path = os.path.join(self.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
-        sources.files.append(path)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            os.posix_fallocate(fd, 0, max(total, 64))
-            import mmap
-
-            mm = mmap.mmap(fd, max(total, 64), mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
+        mm = self._cache_file(sources, total)
+        path = sources.files[-1]
         try:
             at = 0
             for (node, origin, rank), idx in remote.items():

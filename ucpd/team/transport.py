@@ -2,8 +2,7 @@
 
 Topology: every node binds one ROUTER on its ``--listen`` address and only receives on it; it
 connects one DEALER to every peer's ROUTER and only sends on those. Every message, replies
-included, travels sender DEALER -> destination ROUTER, so a link is one TCP stream per
-direction and messages from one sender arrive in the order they were sent.
+included, travels sender DEALER -> destination ROUTER: a link is one TCP stream per direction.
 
 Wire layout of a message (ZeroMQ multipart)::
 
@@ -16,8 +15,8 @@ message] | nil}``. ``mac`` is HMAC-SHA256 of the header bytes under ``derive_key
 (empty without a secret). Payload bytes are *not* MAC'd, for speed: they are bound to the
 signed header by their length and CRC32C, which stops corruption but not an on-path attacker
 able to rewrite TCP streams (a CRC is easy to forge). ``UCPD_PEER_PAYLOAD_MAC=1`` (or
-``payload_mac=True``) adds a keyed BLAKE2b per frame to the signed header; a receiver with it
-on refuses payload frames without one. A payload buffer is cut into frames of at most
+``payload_mac=True``) adds a keyed BLAKE2b per frame to the signed header; receivers check
+any such MAC, and those with the knob on refuse payload frames without one. A payload buffer is cut into frames of at most
 ``frame_bytes`` (at least one frame per buffer, empty buffers included); the receiver gets the
 flat list of frames in order.
 
@@ -38,6 +37,16 @@ token bucket one frame at a time; messages without payload (heartbeats, control)
 bucket and overtake queued payload messages, but not one already on the wire: a message
 occupies its link until its last frame is sent, so keep messages small enough to pass within
 a heartbeat timeout at ``net_limit``.
+
+Delivery and buffers: best effort. From one sender, payload messages arrive in the order sent,
+and so do payload-less ones, but a payload-less message may overtake queued payload messages:
+a control message that must follow data should wait for the data's tracker or an ack. The
+header (and its sequence number) is made when the I/O thread sends, so overtaking never looks
+like a replay. ZeroMQ queues
+nothing for a peer it is not connected to (IMMEDIATE); such messages wait in the transport
+until their deadline, then are dropped and counted (a request then fails DaemonUnreachable).
+Payload buffers of 64 KiB and more are sent zero-copy from the caller's memory: they must stay
+valid and unmodified until ZeroMQ releases them (``send(..., track=True)`` returns a tracker).
 """
 
 from __future__ import annotations
@@ -49,9 +58,11 @@ import ipaddress
 import itertools
 import logging
 import os
+import resource
 import secrets
 import threading
 import time
+import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable, Sequence
@@ -73,7 +84,7 @@ REPLAY_WINDOW_S = 60.0
 HEARTBEAT = "_hb"
 SEND_TIMEOUT_S = 30.0  # a send() still queued (peer unreachable) after this long is dropped
 LINGER_MS = 100
-HWM = 1000
+HWM = 16
 WARN_EVERY_S = 5.0
 INCARNATIONS_KEPT = 8  # per source: sequence state of its most recent incarnations
 _HEADER_KEYS = frozenset({"v", "src", "dst", "t", "id", "re", "inc", "seq", "ts", "b", "p", "e"})
@@ -166,15 +177,27 @@ class PeerTransport:
     body, frames)`` answers requests with ``(reply body, reply payload buffers)`` and may raise
     a ``UcpdError`` that the requester gets back typed; ``on_heartbeat(src, incarnation)`` sees
     every heartbeat. All three run on the I/O thread. Received frames are read-only memoryviews
-    that stay valid while referenced.
+    that stay valid while referenced. Reply payload buffers are sent zero-copy like ``send()``'s:
+    do not overwrite them until the requester has them.
+
+    ``counters`` (written by the I/O thread, readable anywhere): messages/bytes sent and
+    received, heartbeats sent/received, the refusals ``auth_failures``, ``misrouted``,
+    ``replays``, ``malformed``, ``checksum_errors``, and ``dropped`` (unsendable before their
+    deadline), ``late_replies`` (after the request timed out), ``callback_errors``.
+    ``payload_mac=None`` reads ``UCPD_PEER_PAYLOAD_MAC``; it needs a secret. ``io_threads``:
+    ZeroMQ I/O threads, more for links faster than a few GB/s.
     """
 
     def __init__(self, rank: int, listen: str, secret: bytes | None, *, on_message: OnMessage,
                  on_request: OnRequest, on_heartbeat: Callable[[int, str], None] | None = None,
                  heartbeat_interval: float = 0.5, net_limit: float = 0.0, frame_bytes: int = 4 << 20,
-                 incarnation: str | None = None, payload_mac: bool | None = None):
+                 incarnation: str | None = None, payload_mac: bool | None = None, io_threads: int = 1):
         if frame_bytes <= 0:
             raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
+        if heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
+        if incarnation is not None and not 0 < len(incarnation) <= 64:
+            raise ValueError("incarnation must be 1 to 64 characters")
         self.rank, self.listen = rank, listen if "://" in listen else f"tcp://{listen}"
         self.incarnation = incarnation or secrets.token_hex(8)
         self.frame_bytes, self.heartbeat_interval = frame_bytes, heartbeat_interval
@@ -183,14 +206,18 @@ class PeerTransport:
         self._key = derive_key(secret) if secret else None
         self._mac = hmac.new(self._key, digestmod=hashlib.sha256) if self._key else None
         want_pmac = payload_mac_enabled() if payload_mac is None else payload_mac
-        self._pkey = derive_key(secret, b"ucpd-peer-payload-v1") if (secret and want_pmac) else None
+        self._pkey = derive_key(secret, b"ucpd-peer-payload-v1") if secret else None
+        self.payload_mac = self._pkey is not None and want_pmac  # sign payloads, and require it
         self._bucket = _TokenBucket(net_limit)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
-        self._ctx = zmq.Context()
+        self._ctx = zmq.Context(io_threads)
+        self._ctx.set(zmq.MAX_SOCKETS, 1 << 16)  # one DEALER per peer: beyond the default 1023
         self._router: zmq.Socket | None = None
         self._links: dict[int, _Link] = {}
         self._inbox: collections.deque[_Out] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        # closed only when the object goes: a send() racing close() must never hit a reused fd
+        weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._pending: dict[int, tuple[int, Future]] = {}
         self._req_ids = itertools.count(1)
         self._seq = 0
@@ -205,8 +232,11 @@ class PeerTransport:
     def bind(self) -> str:
         """Bind the ROUTER on ``listen`` (port 0 or ``*`` picks a free port); returns the actual
         ``tcp://`` address. Raises AuthError for a non-loopback address without a secret."""
+        if self._router is not None:
+            return self._router.getsockopt_string(zmq.LAST_ENDPOINT)
         self._require_secret_for(self.listen, "--listen")
         sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.IPV6, "[" in self.listen)
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
@@ -232,17 +262,21 @@ class PeerTransport:
                 self._require_secret_for(address, f"peer {i}")
         if self._router is None:
             self.bind()
+        _ensure_fd_limit(3 * len(peers) + 64)  # per peer: a TCP socket and ZeroMQ mailboxes
         for i, address in enumerate(peers):
             if i == self.rank:
                 continue
             address = address if "://" in address else f"tcp://{address}"
             sock = self._ctx.socket(zmq.DEALER)
-            for opt, value in ((zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM), (zmq.IMMEDIATE, 1),
+            for opt, value in ((zmq.IPV6, "[" in address), (zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM), (zmq.IMMEDIATE, 1),
                                (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
                 sock.setsockopt(opt, value)
             self._keepalive(sock)
-            sock.connect(address)
             self._links[i] = _Link(i, address, sock)
+            try:
+                sock.connect(address)
+            except zmq.ZMQError as exc:
+                raise ValueError(f"bad address {address!r} for peer node {i}: {exc}") from None
         self._seen = {i: collections.OrderedDict() for i in self._links}
         self._thread = threading.Thread(target=self._run, name=f"ucpd-peer-io-{self.rank}", daemon=True)
         self._thread.start()
@@ -260,8 +294,6 @@ class PeerTransport:
             self._thread.join()
         else:
             self._teardown()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
 
     def __enter__(self) -> PeerTransport:
         return self
@@ -334,7 +366,7 @@ class PeerTransport:
             for start in range(0, max(len(view), 1), self.frame_bytes):
                 chunk = view[start:start + self.frame_bytes]
                 entry = [len(chunk), crc32c(chunk)]
-                if self._pkey is not None:
+                if self.payload_mac:
                     entry.append(hashlib.blake2b(chunk, key=self._pkey, digest_size=32).digest())
                 frames.append(zmq.Frame(chunk, track=track))
                 entries.append(entry)
@@ -373,7 +405,7 @@ class PeerTransport:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
-        next_hb = time.monotonic()
+        next_hb = next_expiry = time.monotonic()
         try:
             while not self._stopping:
                 now = time.monotonic()
@@ -385,8 +417,10 @@ class PeerTransport:
                     link = self._links[out.dest]
                     (link.bulk if out.frames else link.control).append(out)
                 token_wait = self._pump()
-                busy = self._expire(now)
-                timeout = min(next_hb - now, token_wait, 0.05 if busy else 1.0)
+                if now >= next_expiry:
+                    next_expiry = now + (0.05 if self._expire(now) else 1.0)
+                timeout = min(next_hb, next_expiry) - now
+                timeout = min(timeout, token_wait)
                 for link in self._links.values():
                     want = link.blocked and link.queued()
                     if want != link.polled:
@@ -407,6 +441,7 @@ class PeerTransport:
         except Exception:
             log.exception("peer transport I/O thread of node %d failed", self.rank)
         finally:
+            self._stopping = True
             self._teardown()
 
     def _teardown(self) -> None:
@@ -432,10 +467,8 @@ class PeerTransport:
 
     def _pump(self) -> float:
         """Send whatever may go now; returns seconds until the bucket allows the next frame."""
-        wait = float("inf")
-        progress = True
-        while progress:  # round robin: one payload frame per link per round
-            progress = False
+        while True:  # round robin: one paced payload frame per link per round
+            progress, wait = False, float("inf")
             for link in self._links.values():
                 if link.blocked:
                     continue
@@ -446,7 +479,8 @@ class PeerTransport:
                     continue
                 progress |= sent
                 wait = min(wait, link_wait)
-        return wait
+            if not progress:
+                return wait
 
     def _step(self, link: _Link) -> tuple[bool, float]:
         sent = False
@@ -569,7 +603,7 @@ class PeerTransport:
         last = seen.get(h["inc"])
         if last is not None and h["seq"] <= last:
             return self._refuse("replays", frames, f"sequence {h['seq']} from node {src} already seen")
-        if last is None and abs(time.time() - h["ts"]) > REPLAY_WINDOW_S:
+        if last is None and not abs(time.time() - h["ts"]) <= REPLAY_WINDOW_S:
             return self._refuse("replays", frames, f"first message of a new incarnation of node {src} is "
                                 f"{time.time() - h['ts']:.0f} s old (a replay, or clocks out of sync)")
         if len(payload) != len(h["p"]):
@@ -578,11 +612,13 @@ class PeerTransport:
             view = frame.buffer
             if len(view) != entry[0] or crc32c(view) != entry[1]:
                 return self._refuse("checksum_errors", frames, f"payload frame from node {src} fails its CRC32C")
-            if len(entry) > 2 or self._pkey is not None:
-                if self._pkey is None or len(entry) < 3 or not hmac.compare_digest(
+            if len(entry) == 3:
+                if self._pkey is None or not hmac.compare_digest(
                         hashlib.blake2b(view, key=self._pkey, digest_size=32).digest(), entry[2]):
-                    return self._refuse("auth_failures", frames, "payload MAC missing or wrong "
-                                        "(UCPD_PEER_PAYLOAD_MAC must be the same on every daemon)")
+                    return self._refuse("auth_failures", frames, f"payload frame from node {src} fails its MAC")
+            elif self.payload_mac:
+                return self._refuse("auth_failures", frames, f"payload frame from node {src} has no MAC: set "
+                                    "UCPD_PEER_PAYLOAD_MAC=1 on every daemon of the job")
         seen[h["inc"]] = h["seq"]
         seen.move_to_end(h["inc"])
         if len(seen) > INCARNATIONS_KEPT:
@@ -628,6 +664,20 @@ class PeerTransport:
             out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id,
                                    err=["internal", f"node {self.rank} failed on {msg_type!r}: {exc!r}"])
         self._inbox.append(out)
+
+
+def _ensure_fd_limit(needed: int) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        new = needed if hard == resource.RLIM_INFINITY else min(needed, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        if new < needed:
+            log.warning("open-file limit %d is too low for %d peer links; raise `ulimit -n`", hard, needed // 3)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        os.close(fd)
 
 
 def _parse_header(raw: bytes) -> dict:

@@ -1,0 +1,80 @@
+"""A team of real daemons on loopback, each node with its own run and shm dirs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import uuid
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from conftest import DaemonProcess  # noqa: E402
+from helpers.ranks import free_port  # noqa: E402
+
+
+class Team:
+    """N ``ucpd serve`` processes that know each other; node i is ``team.nodes[i]``."""
+
+    def __init__(self, root, n: int, extra: list[str], secret: str | None):
+        self.root, self.n, self.extra = root, n, extra
+        self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
+        self.secret_file = None
+        if secret is not None:
+            self.secret_file = str(root / "secret")
+            with open(self.secret_file, "w") as f:
+                f.write(secret)
+            os.chmod(self.secret_file, 0o600)
+        self.nodes: list[DaemonProcess] = []
+        for i in range(n):
+            os.makedirs(root / f"node{i}", exist_ok=True)
+            self.nodes.append(
+                DaemonProcess(str(root / f"node{i}" / "run"), f"/dev/shm/ucpd-test-{uuid.uuid4().hex[:12]}", None, [])
+            )
+
+    def args(self, i: int) -> list[str]:
+        a = ["--nodes", str(self.n), "--node-rank", str(i), "--peers", ",".join(self.addresses),
+             "--heartbeat", "0.1", "--dead-after", "1.5", "--mem-limit", "1G", *self.extra]
+        if self.secret_file:
+            a += ["--secret-file", self.secret_file]
+        return a
+
+    def start(self, i: int | None = None) -> "Team":
+        for j in range(self.n) if i is None else [i]:
+            node = self.nodes[j]
+            node.extra = self.args(j)
+            node.start()
+        return self
+
+    def run_dirs(self) -> list[str]:
+        return [d.run_dir for d in self.nodes]
+
+    def lose(self, i: int) -> None:
+        """Lose node i: SIGKILL its daemon and delete its shm dir (its RAM)."""
+        self.nodes[i].kill()
+        shutil.rmtree(self.nodes[i].shm_dir, ignore_errors=True)
+
+    def stop(self) -> None:
+        for d in self.nodes:
+            d.stop()
+            shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- node {i}\n{d.read_log()}" for i, d in enumerate(self.nodes))
+
+
+@pytest.fixture
+def make_team(tmp_path):
+    """make_team(n, *extra, secret=None) starts n daemons on loopback; all stopped afterwards."""
+    teams: list[Team] = []
+
+    def make(n: int, *extra: str, secret: str | None = None, start: bool = True) -> Team:
+        t = Team(tmp_path, n, list(extra), secret)
+        teams.append(t)
+        return t.start() if start else t
+
+    yield make
+    for t in teams:
+        t.stop()

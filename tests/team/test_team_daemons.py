@@ -1,0 +1,180 @@
+"""A team of real daemons on loopback: a node is lost, a job on the survivors restores from RAM.
+
+Each node is a ``ucpd serve`` process with its own run and shm dirs and a TCP peer port;
+trainer ranks are real gloo processes, each talking to its own node's daemon. Losing a node
+means SIGKILL of its daemon and its trainers and deleting its shm dir. There is no flush
+directory in these tests, so whatever is restored came from the survivors' RAM.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ranks
+from helpers.gpt_layout import empty_like_state, mismatches, rank_state
+
+pytestmark = pytest.mark.slow
+
+
+def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, hold):
+    """Rank r talks to node r // per_node and snapshots each step (TPxDP layout)."""
+    ranks.init_gloo(rank, world, rendezvous)
+    from ucpd_client import Checkpointer
+
+    ckpt = Checkpointer(run_dirs[rank // per_node], embedded=False, local_world_size=per_node)
+    for step in steps:
+        state, placements = rank_state(step, rank, tp, world // tp)
+        ckpt.snapshot(step, state, placements=placements).wait(timeout=60)
+    q.put(("committed", rank, ckpt.latest()))
+    if hold:
+        time.sleep(600)  # the test SIGKILLs us
+    ckpt.close()
+
+
+def restore_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, step, then_snapshot):
+    ranks.init_gloo(rank, world, rendezvous)
+    from ucpd_client import Checkpointer
+
+    want, placements = rank_state(step, rank, tp, world // tp)
+    target = empty_like_state(want)
+    with Checkpointer(run_dirs[rank // per_node], embedded=False, local_world_size=per_node) as ckpt:
+        latest = ckpt.latest()
+        got = ckpt.restore(target, placements=placements)
+        bad = mismatches(target["model"], want["model"], "model.") + mismatches(target["optim"], want["optim"], "optim.")
+        if target["step"] != step:
+            bad.append(f"step value {target['step']}")
+        after = None
+        if then_snapshot:  # the job goes on: its new versions commit on the smaller team
+            nxt, pl = rank_state(step + 1, rank, tp, world // tp)
+            ckpt.snapshot(step + 1, nxt, placements=pl).wait(timeout=60)
+            after = ckpt.latest()
+    q.put((rank, latest, got, bad, after))
+
+
+def restore_on(run_dirs, world, per_node, tp, step, then_snapshot=False):
+    procs, results = ranks.spawn(restore_ranks, world, run_dirs, per_node, tp, step, then_snapshot)
+    ranks.join(procs)
+    for rank, latest, got, bad, after in sorted(results):
+        assert (latest, got) == (step, step), f"{world} ranks TP{tp}: rank {rank} saw latest {latest}, restored {got}"
+        assert not bad, f"{world} ranks TP{tp}xDP{world // tp}: rank {rank} differs in {bad}"
+        if then_snapshot:
+            assert after == step + 1, f"rank {rank}: step {step + 1} did not commit on the survivors (latest {after})"
+
+
+def status(run_dir) -> dict:
+    out = subprocess.run([sys.executable, "-m", "ucpd", "status", "--json", "--run-dir", run_dir],
+                         capture_output=True, text=True, timeout=30, check=True)
+    return json.loads(out.stdout)
+
+
+def wait_for(cond, what: str, timeout: float = 20.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+def test_three_nodes_one_replica_lose_a_node_and_restore_on_the_survivors_with_another_layout(make_team):
+    team = make_team(3, "--replicas", "1", "--keep", "2")
+    steps = (1, 2, 3)
+    procs, done = ranks.spawn(snapshot_ranks, 6, team.run_dirs(), 2, 2, steps, True)  # TP2xDP3, 2 ranks a node
+    assert sorted(m[2] for m in done) == [3] * 6, team.logs()
+    s = status(team.nodes[0].run_dir)
+    assert s["team"]["health"] == "healthy" and s["latest_committed"] == 3
+    assert s["team"]["bytes"]["replicas"] > 0  # node 0 holds node 2's part
+
+    ranks.kill(procs)  # the job dies with the node ...
+    team.lose(2)  # ... and node 2's daemon and RAM are gone
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+
+    survivors = team.run_dirs()[:2]
+    restore_on(survivors, 4, 2, 2, 3, then_snapshot=True)  # TP2xDP2 on 2 nodes, then step 4 commits
+    s = status(team.nodes[0].run_dir)
+    assert s["team"]["health"] == "degraded"  # a node is missing
+    assert s["team"]["counters"]["replicated_bytes"] > 0
+
+
+def test_lost_node_with_no_replicas_is_a_typed_error_naming_the_lost_ranks(make_team):
+    team = make_team(2, "--replicas", "0")
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 1, (1,), True)
+    ranks.kill(procs)
+    team.lose(1)
+    from ucpd_client import Checkpointer
+    from ucpd_client.errors import VersionNotFound
+
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][1]["live"], "node 1 to be declared dead")
+    with Checkpointer(team.nodes[0].run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        assert ckpt.latest() is None  # committed, but no longer whole anywhere
+        want, _ = rank_state(1, 0, 1, 2)
+        with pytest.raises(VersionNotFound, match=r"ranks \[1\]"):
+            ckpt.restore(empty_like_state(want), step=1)
+
+
+def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(make_team):
+    team = make_team(3, "--replicas", "1")
+    procs, done = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1, 2), True)  # 1 rank a node
+    ranks.kill(procs)
+    team.lose(2)
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    team.start(2)  # a replacement: same node rank, empty RAM
+    # node 2's part (held by node 0) and node 1's part (its copy was on node 2) are copied again
+    wait_for(lambda: status(team.nodes[0].run_dir)["team"]["healing"]["done"] >= 1, "re-protection by node 0", 30)
+    wait_for(lambda: status(team.nodes[1].run_dir)["team"]["healing"]["done"] >= 1, "re-protection by node 1", 30)
+    assert status(team.nodes[2].run_dir)["team"]["team_latest"] == 2  # the newcomer learned what is committed
+
+    team.lose(0)  # a second loss, of a node holding copies
+    wait_for(lambda: not status(team.nodes[1].run_dir)["team"]["nodes"][0]["live"], "node 0 to be declared dead")
+    restore_on(team.run_dirs()[1:], 2, 1, 1, 2)  # 2 ranks on nodes 1 and 2 restore step 2
+
+
+def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
+    import glob
+
+    team = make_team(3, "--replicas", "2")
+    procs, _ = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1,), True)
+    ranks.kill(procs)
+    team.lose(2)
+    files = glob.glob(f"{team.nodes[0].shm_dir}/replica-*")
+    assert files, "node 0 holds no replica"
+    for path in files:  # flip a byte in every replica node 0 holds
+        with open(path, "r+b") as f:
+            f.seek(100)
+            b = f.read(1)
+            f.seek(100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    restore_on(team.run_dirs()[:2], 2, 1, 1, 1)  # node 0's rank reads node 2's part from node 1
+    assert status(team.nodes[0].run_dir)["team"]["counters"]["replica_checksum_errors"] >= 1
+
+
+def test_junk_and_forged_messages_on_the_peer_port_are_refused_and_the_team_keeps_committing(make_team):
+    import zmq
+
+    from ucpd.team.transport import PeerTransport
+
+    team = make_team(2, "--replicas", "1", secret="the-job-secret-0123456789abcdef")
+    ctx = zmq.Context.instance()
+    junk = ctx.socket(zmq.DEALER)
+    junk.connect(team.addresses[0])
+    for frames in ([b"garbage"], [b"\x81\xa1v\x01", b"mac"], [b"x" * 1000, b"", b"payload"]):
+        junk.send_multipart(frames)
+    forger = PeerTransport(1, "tcp://127.0.0.1:0", b"not-the-job-secret-at-all-000000",
+                           on_message=lambda *a: None, on_request=lambda *a: ({}, []))
+    forger.bind()
+    forger.start([team.addresses[0], "tcp://127.0.0.1:1"])
+    forger.send(0, "commit", {"m": {"t": "commit", "step": 99}})
+    time.sleep(1.0)
+    forger.close()
+    junk.close(0)
+
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 1, (1, 2), False)
+    ranks.join(procs)
+    assert sorted(m[2] for m in done) == [2, 2]
+    t = status(team.nodes[0].run_dir)["team"]
+    assert t["transport"]["auth_failures"] + t["transport"]["malformed"] >= 3, t["transport"]
+    assert t["team_latest"] == 2  # the forged commit of step 99 changed nothing

@@ -1,0 +1,34 @@
+"""Fault injection at named points, for tests: inert unless ``$UCPD_FAULT`` names a point.
+
+``UCPD_FAULT=NAME`` (or ``NAME@STEP``) makes the process SIGKILL itself the first time the code
+passes ``faults.point(NAME, step)`` (with that step). Tests set it in a daemon's environment to
+crash it at an exact instant — the coordinator between recording a decision and announcing
+it, say — instead of racing a kill against the code. Without the variable ``point`` is a no-op.
+
+Named points (each crash is covered by a test in ``tests/team/``):
+
+- ``commit.decided``         the coordinator decided a step, before telling anyone
+- ``commit.record_sent_one`` the coordinator sent the decision to one node only
+- ``commit.recorded``        every live node recorded the decision; nobody made it visible yet
+- ``commit.visible_one``     the coordinator sent the final commit to one node only
+- ``replicate.mid``          a node sent half of its part to a replica holder
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+_SPEC = os.environ.get("UCPD_FAULT", "")
+NAME, _, _STEP = _SPEC.partition("@")
+
+
+def point(name: str, step: int | None = None) -> None:
+    """Crash here (SIGKILL, no clean-up) if ``$UCPD_FAULT`` names this point (and step)."""
+    if not NAME or name != NAME or (_STEP and str(step) != _STEP):
+        return
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def armed() -> bool:
+    return bool(NAME)
