@@ -23,10 +23,16 @@ _SPEC = os.environ.get("UCPD_FAULT", "")
 NAME, _, _STEP = _SPEC.partition("@")
 
 
-def point(name: str, step: int | None = None) -> None:
-    """Crash here (SIGKILL, no clean-up) if ``$UCPD_FAULT`` names this point (and step)."""
+def point(name: str, step: int | None = None, settle: float = 0.0) -> None:
+    """Crash here (SIGKILL, no clean-up) if ``$UCPD_FAULT`` names this point (and step).
+
+    ``settle``: seconds to let queued messages leave first (a send is asynchronous)."""
     if not NAME or name != NAME or (_STEP and str(step) != _STEP):
         return
+    if settle:
+        import time
+
+        time.sleep(settle)
     os.kill(os.getpid(), signal.SIGKILL)
 
 

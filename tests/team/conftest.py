@@ -41,11 +41,17 @@ class Team:
             a += ["--secret-file", self.secret_file]
         return a
 
-    def start(self, i: int | None = None) -> "Team":
+    def start(self, i: int | None = None, fault: str | None = None) -> "Team":
+        """Start every node (or node i); ``fault`` arms a ``ucpd.faults`` crash point in it."""
         for j in range(self.n) if i is None else [i]:
             node = self.nodes[j]
             node.extra = self.args(j)
-            node.start()
+            if fault:
+                os.environ["UCPD_FAULT"] = fault
+            try:
+                node.start()
+            finally:
+                os.environ.pop("UCPD_FAULT", None)
         return self
 
     def run_dirs(self) -> list[str]:

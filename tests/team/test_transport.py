@@ -64,7 +64,7 @@ def wait_until(pred, timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def zmq_threads() -> set[threading.Thread]:
+def live_threads() -> set[threading.Thread]:
     # pyzmq's process-wide garbage-collector thread (zero-copy frames) outlives any transport
     return {t for t in threading.enumerate() if type(t).__name__ != "GarbageCollectorThread"}
 
@@ -396,7 +396,7 @@ def test_net_limit_throttles_payload_but_not_control_messages():
 
 
 def test_close_leaves_no_threads_and_fails_pending_requests():
-    before = zmq_threads()
+    before = live_threads()
     release = threading.Event()
     outcome: queue.Queue = queue.Queue()
 
@@ -421,4 +421,4 @@ def test_close_leaves_no_threads_and_fails_pending_requests():
         with pytest.raises(RuntimeError):
             a.t.send(1, "after-close", {})
         a.t.close()  # idempotent
-    assert zmq_threads() == before
+    assert live_threads() == before

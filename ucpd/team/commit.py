@@ -1,221 +1,475 @@
-"""Global commit protocol (draft): a pure state machine; events in, messages and actions out."""
+"""The global commit protocol as a pure state machine: events in, messages and actions out.
+
+One :class:`CommitNode` runs in every daemon of the team. The driver (``team.Team``) feeds it
+local events (a version became protected here, membership changed, time passed) and peer
+messages, and carries out what it returns: ``Send`` a message to a peer (best effort: it may be
+lost, duplicated, delayed or reordered, and the driver does not retry), ``Record`` a decision,
+``Commit`` a step (make it visible). No sockets, threads or clocks in here: time is ``now``.
+
+A step is committed when the ranks that the nodes report protected cover ``range(world_size)``.
+The coordinator (lowest live node rank) collects the reports, records its decision on every
+live node (``record`` → ``recorded``), then makes it visible everywhere (``commit`` →
+``committed``). A new coordinator first asks every live node for its state and finishes any
+decision a survivor recorded. docs/PROTOCOL.md gives the messages, the crash cases and the
+safety argument; tests/team/test_commit_protocol.py checks them under a random simulation.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Iterable
+import bisect
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from heapq import nlargest
+from itertools import chain
 
 from ..errors import ProtocolError
 
-KEEP = 64
+__all__ = ["Commit", "CommitNode", "Record", "Send", "WINDOW", "MAX_PENDING"]
+
+WINDOW = 64
+"""Newest committed steps carried by a ``state`` or ``catch_up`` message (keeps them O(1))."""
+MAX_PENDING = 1024
+"""Protected-but-undecided steps kept per node; beyond it the oldest are dropped."""
+MAX_WORLD = 1 << 24
+MAX_STEP = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class Send:
+    """Output: deliver ``msg`` (a msgpack-able dict, type in ``msg["t"]``) to node ``dest``."""
+
     dest: int
     msg: dict
 
 
 @dataclass(frozen=True)
 class Commit:
+    """Output (action): make ``step`` visible as committed on this node."""
+
     step: int
 
 
 @dataclass(frozen=True)
 class Record:
+    """Output (action): this node recorded the decision to commit ``step``; not visible yet."""
+
     step: int
 
 
-def _check(msg) -> dict:
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str):
-        raise ProtocolError("commit message must be a map with a type")
-    t = msg["t"]
-    def ints(v):
-        return isinstance(v, list) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v)
-    step_ok = isinstance(msg.get("step"), int) and not isinstance(msg.get("step"), bool) and msg.get("step") >= 0
-    if t == "protected":
-        if not (step_ok and ints(msg.get("ranks")) and isinstance(msg.get("world"), int) and msg["world"] > 0):
-            raise ProtocolError("malformed protected message")
-    elif t in ("record", "recorded", "commit"):
-        if not step_ok:
-            raise ProtocolError(f"malformed {t} message")
-    elif t == "state_req":
-        pass
-    elif t in ("state", "sync"):
-        if not (ints(msg.get("recorded", [])) and ints(msg.get("committed", []))):
-            raise ProtocolError(f"malformed {t} message")
-        for p in msg.get("protected", []):
-            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and ints(p[1]) and isinstance(p[2], int)):
-                raise ProtocolError("malformed state message")
-    else:
-        raise ProtocolError(f"unknown commit message type {t!r}")
-    return msg
+@dataclass
+class _Decision:
+    """The coordinator's progress on one decided step in the current view."""
 
+    phase: int  # 1: collecting "recorded"; 2: collecting "committed"
+    acked: set[int] = field(default_factory=set)
+    sent_at: float = 0.0
+
+
+# --- message validation ----------------------------------------------------------------------
+
+def _int(v, what: str, lo: int, hi: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ProtocolError(f"commit message: {what} must be an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _steps(v, what: str, most: int) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > most:
+        raise ProtocolError(f"commit message: {what} must be a list of at most {most} steps")
+    return tuple(_int(s, what, 0, MAX_STEP) for s in v)
+
+
+def _report(step, world, ranks, what: str = "protected") -> tuple[int, int, frozenset[int]]:
+    step, world = _int(step, "step", 0, MAX_STEP), _int(world, "world", 1, MAX_WORLD)
+    if not isinstance(ranks, (list, tuple)) or not 0 < len(ranks) <= world:
+        raise ProtocolError(f"commit message: {what} ranks must be a non-empty list of at most {world} ranks")
+    got = frozenset(_int(r, "rank", 0, world - 1) for r in ranks)
+    if len(got) != len(ranks):
+        raise ProtocolError(f"commit message: {what} ranks repeat a rank")
+    return step, world, got
+
+
+_FIELDS = {
+    "protected": {"step", "world", "ranks", "e"},  # node -> coordinator: my part of step is protected
+    "protected_ack": {"step", "e"},  # coordinator -> node: report stored
+    "record": {"step", "e"},  # coordinator -> node: record the decision to commit step
+    "recorded": {"step", "e"},
+    "commit": {"step", "e"},  # coordinator -> node: make step visible
+    "committed": {"step", "e"},
+    "state_req": {"e"},  # new coordinator -> node: send me your state
+    "state": {"e", "committed", "recorded", "protected"},
+    "catch_up": {"steps"},  # coordinator -> node: steps committed that you lack
+}
+
+
+def parse(msg) -> dict:
+    """Validate a peer message; return it with fields normalized. Raises ProtocolError."""
+    if not isinstance(msg, dict) or msg.get("t") not in _FIELDS:
+        raise ProtocolError(f"commit message must be a map whose 't' is one of {sorted(_FIELDS)}")
+    t = msg["t"]
+    if set(msg) != _FIELDS[t] | {"t"}:
+        raise ProtocolError(f"commit message {t!r} must have exactly the fields {sorted(_FIELDS[t])}")
+    out = {"t": t}
+    if "e" in msg:
+        out["e"] = _int(msg["e"], "e", 0, MAX_STEP)
+    if t == "protected":
+        out["step"], out["world"], out["ranks"] = _report(msg["step"], msg["world"], msg["ranks"])
+    elif "step" in msg:
+        out["step"] = _int(msg["step"], "step", 0, MAX_STEP)
+    if t == "state":
+        out["committed"] = _steps(msg["committed"], "committed", WINDOW)
+        out["recorded"] = _steps(msg["recorded"], "recorded", MAX_PENDING)
+        prot = msg["protected"]
+        if not isinstance(prot, (list, tuple)) or len(prot) > MAX_PENDING:
+            raise ProtocolError(f"commit message: protected must be a list of at most {MAX_PENDING} reports")
+        if not all(isinstance(p, (list, tuple)) and len(p) == 3 for p in prot):
+            raise ProtocolError("commit message: each protected report must be [step, world, ranks]")
+        out["protected"] = tuple(_report(*p) for p in prot)
+    if t == "catch_up":
+        out["steps"] = _steps(msg["steps"], "steps", WINDOW)
+    return out
+
+
+# --- the state machine -----------------------------------------------------------------------
 
 class CommitNode:
-    def __init__(self, rank: int, nodes: int, *, resend_after: float = 0.5, committed: Iterable[int] = ()):
+    """This node's side of the global commit protocol. Not thread-safe: the driver serializes.
+
+    Every event method returns a list of ``Send``/``Record``/``Commit`` outputs, in the order
+    the driver must carry them out.
+    """
+
+    def __init__(self, rank: int, nodes: int, *, resend_after: float = 0.5, committed: Iterable[int] = ()) -> None:
+        if not 0 <= rank < nodes:
+            raise ValueError(f"node rank {rank} is outside 0..{nodes - 1}")
         self.rank, self.nodes, self.resend_after = rank, nodes, resend_after
         self.live = frozenset(range(nodes))
-        self.committed: set[int] = set(committed)
-        self.recorded: set[int] = set()
-        self.mine: dict[int, tuple[frozenset, int]] = {}  # my protected reports
-        self.reports: dict[int, dict[int, tuple[frozenset, int]]] = {}  # coordinator: step -> node -> (ranks, world)
-        self.deciding: dict[int, set[int]] = {}  # coordinator: step -> nodes yet to ack RECORD
-        self._sent_at: dict[tuple, float] = {}
+        self.epoch = 0  # set by the first event, then raised by every view: see _clock
+        self._visible: set[int] = set(committed)  # committed steps still held in RAM here
+        self._archive = array("q")  # committed steps forgotten since, sorted
+        self._latest = max(self._visible, default=None)
+        self.recorded: set[int] = set()  # decided, not visible yet
+        self.mine: dict[int, tuple[int, frozenset[int]]] = {}  # own reports: step -> (world, ranks)
+        self._unacked: dict[int, float] = {}  # own reports the coordinator has not acked: step -> sent at
+        self._forwarded: dict[int, float] = {}  # decisions passed on to the coordinator, not acked: step -> sent at
+        self.reports: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}  # step -> node -> (world, ranks)
+        self.deciding: dict[int, _Decision] = {}  # coordinator only
+        self.syncing: dict[int, float] = {}  # coordinator only: node -> state_req sent at
+        if self.coordinator == rank:  # a restarted coordinator learns what the others know
+            self.syncing = {n: float("-inf") for n in self.live if n != rank}
+
+    # --- queries ---------------------------------------------------------------------------
 
     @property
     def coordinator(self) -> int:
+        """The lowest live node rank, in this node's view."""
         return min(self.live)
 
     def is_committed(self, step: int) -> bool:
-        return step in self.committed
+        """Whether ``step`` was made visible here (even if forgotten since)."""
+        if step in self._visible:
+            return True
+        i = bisect.bisect_left(self._archive, step)
+        return i < len(self._archive) and self._archive[i] == step
 
-    def latest(self):
-        return max(self.committed) if self.committed else None
+    def latest(self) -> int | None:
+        """The newest step made visible here (never decreases), or None."""
+        return self._latest
 
-    def committed_steps(self):
-        return sorted(self.committed)
+    def committed_steps(self, limit: int | None = None) -> list[int]:
+        """Committed steps, oldest first; only the newest ``limit`` if given."""
+        if limit is None:
+            return sorted(chain(self._visible, self._archive))
+        return sorted(nlargest(limit, chain(self._visible, self._archive[-limit:])))
 
     def pending(self) -> dict:
-        return {"coordinator": self.coordinator, "protected": sorted(self.mine), "recorded": sorted(self.recorded - self.committed),
-                "deciding": sorted(self.deciding)}
+        """A JSON-able summary for ``ucpd status``."""
+        return {
+            "coordinator": self.coordinator,
+            "epoch": self.epoch,
+            "latest": self._latest,
+            "protected": [{"step": s, "world": w, "ranks": sorted(r), "acked": s not in self._unacked}
+                          for s, (w, r) in sorted(self.mine.items())],
+            "recorded": sorted(self.recorded),
+            "forwarded": sorted(self._forwarded),
+            "deciding": [{"step": s, "phase": "record" if d.phase == 1 else "commit",
+                          "waiting": sorted(self.live - d.acked)} for s, d in sorted(self.deciding.items())],
+            "syncing": sorted(self.syncing),
+        }
+
+    # --- events ----------------------------------------------------------------------------
+
+    def on_protected(self, step: int, ranks: Iterable[int], world_size: int, now: float) -> list:
+        """This node holds the part of ``step`` written by trainer ranks ``ranks`` (of a job of
+        ``world_size`` ranks), protected at the configured level. Reports it to the coordinator.
+        Repeated reports of the same world size add ranks; a new world size replaces them."""
+        try:
+            step, world, got = _report(step, world_size, list(ranks))
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        self._clock(now)
+        if self.is_committed(step):
+            return []
+        old = self.mine.get(step)
+        if old is not None and old[0] == world:
+            got |= old[1]
+        self.mine[step] = (world, got)
+        for dropped in _cap(self.mine):
+            self._unacked.pop(dropped, None)
+        out = self._store_report(self.rank, step, world, got, now)
+        if self.coordinator != self.rank:
+            self._unacked[step] = now
+            out.append(self._protected_msg(step))
+        return out
+
+    def on_message(self, src: int, msg: dict, now: float) -> list:
+        """A message from peer ``src``. A malformed one raises ProtocolError and changes nothing."""
+        if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.nodes or src == self.rank:
+            raise ProtocolError(f"commit message from node {src!r}: not a peer of node {self.rank}")
+        m = parse(msg)
+        self._clock(now)
+        return getattr(self, "_on_" + m["t"])(src, m, now)
+
+    def on_view(self, live: frozenset[int], now: float) -> list:
+        """Membership changed (``live`` includes this node). Every view starts a new epoch:
+        replies to earlier requests are ignored from now on, so a coordinator re-sends what is
+        unacknowledged; the coordinator also asks every node for its state, and the others
+        re-send their reports to the coordinator."""
+        live = frozenset(live)
+        if self.rank not in live or not all(0 <= n < self.nodes for n in live):
+            raise ValueError(f"a view of node {self.rank} must contain it and only nodes 0..{self.nodes - 1}")
+        self.live = live
+        self._clock(now)
+        self.epoch = max(self.epoch + 1, _micros(now))
+        out: list = []
+        self._forwarded.clear()  # the coordinator learns them from our state
+        if self.coordinator != self.rank:
+            self.deciding.clear()  # the coordinator adopts them from our state
+            self.syncing.clear()
+            for step in sorted(self.mine):
+                self._unacked[step] = now
+                out.append(self._protected_msg(step))
+            return out
+        self._unacked.clear()
+        self.syncing = {n: now for n in live if n != self.rank}
+        out += [Send(n, {"t": "state_req", "e": self.epoch}) for n in sorted(self.syncing)]
+        for step, d in sorted(self.deciding.items()):
+            d.acked = {self.rank}
+            out += self._advance(step, d, now)
+        for step in sorted(self.recorded - self.deciding.keys()):
+            out += self._decide(step, now)
+        for step in sorted(self.reports):
+            out += self._consider(step, now)
+        return out
+
+    def on_tick(self, now: float) -> list:
+        """Re-send what is unacknowledged after ``resend_after`` seconds."""
+        self._clock(now)
+        out: list = []
+        for step, sent in self._unacked.items():
+            if now - sent >= self.resend_after:
+                self._unacked[step] = now
+                out.append(self._protected_msg(step))
+        for step, sent in self._forwarded.items():
+            if now - sent >= self.resend_after:
+                self._forwarded[step] = now
+                out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
+        for n, sent in self.syncing.items():
+            if now - sent >= self.resend_after:
+                self.syncing[n] = now
+                out.append(Send(n, {"t": "state_req", "e": self.epoch}))
+        for step, d in self.deciding.items():
+            if now - d.sent_at >= self.resend_after:
+                out += self._send_phase(step, d, now)
+        return out
 
     def forget(self, step: int) -> None:
+        """This node's RAM of ``step`` is gone: drop its reports; remember if it was committed."""
         self.mine.pop(step, None)
+        self._unacked.pop(step, None)
         self.reports.pop(step, None)
+        if step in self._visible:
+            self._visible.discard(step)
+            bisect.insort(self._archive, step)
 
-    # --- events -------------------------------------------------------------------------------
+    # --- messages to a node --------------------------------------------------------------------
 
-    def on_protected(self, step, ranks, world_size, now) -> list:
-        self.mine[step] = (frozenset(ranks), world_size)
-        return self._report(step, now)
+    def _on_protected(self, src: int, m: dict, now: float) -> list:
+        step = m["step"]
+        if self.is_committed(step):  # the sender missed the commit: tell it (again)
+            return [Send(src, {"t": "commit", "step": step, "e": self.epoch})]
+        out = self._store_report(src, step, m["world"], m["ranks"], now)
+        return [Send(src, {"t": "protected_ack", "step": step, "e": m["e"]})] + out
 
-    def _report(self, step, now) -> list:
-        if step in self.committed:
-            return []
-        ranks, world = self.mine[step]
-        msg = {"t": "protected", "step": step, "ranks": sorted(ranks), "world": world}
-        self._sent_at[("p", step)] = now
-        if self.coordinator == self.rank:
-            return self._on_protected_report(self.rank, msg, now)
-        return [Send(self.coordinator, msg)]
-
-    def on_message(self, src, msg, now) -> list:
-        msg = _check(msg)
-        t = msg["t"]
-        if t == "protected":
-            return self._on_protected_report(src, msg, now)
-        if t == "record":
-            return self._on_record(src, msg["step"])
-        if t == "recorded":
-            return self._on_recorded(src, msg["step"], now)
-        if t == "commit":
-            return self._make_visible(msg["step"])
-        if t == "state_req":
-            return [Send(src, {"t": "state", "recorded": sorted(self.recorded - self.committed)[-KEEP:],
-                               "committed": sorted(self.committed)[-KEEP:],
-                               "protected": [[s, sorted(r), w] for s, (r, w) in self.mine.items() if s not in self.committed]})]
-        if t == "state":
-            out = []
-            for s in msg.get("committed", []):
-                out += self._make_visible(s)
-            for s in msg.get("recorded", []):
-                if s not in self.committed:
-                    out += self._decide(s, now)
-            for s, r, w in msg.get("protected", []):
-                out += self._on_protected_report(src, {"step": s, "ranks": r, "world": w}, now)
-            return out
-        if t == "sync":
-            out = []
-            for s in msg.get("committed", []):
-                out += self._make_visible(s)
-            return out
+    def _on_protected_ack(self, src: int, m: dict, now: float) -> list:
+        if m["e"] == self.epoch and src == self.coordinator:
+            self._unacked.pop(m["step"], None)
         return []
 
-    def on_view(self, live, now) -> list:
-        old_coord, old_live = self.coordinator, self.live
-        self.live = frozenset(live) | {self.rank}
-        out = []
-        for step in list(self.deciding):
-            self.deciding[step] &= self.live
-            out += self._maybe_commit(step, now)
-        if self.coordinator == self.rank:
-            if old_coord != self.rank:  # take over: learn what the others know
-                for n in self.live - {self.rank}:
-                    out.append(Send(n, {"t": "state_req"}))
-                for s in list(self.recorded - self.committed):
-                    out += self._decide(s, now)
-            joined = self.live - old_live
-            for n in joined:
-                if n != self.rank:
-                    out.append(Send(n, {"t": "sync", "committed": sorted(self.committed)[-KEEP:]}))
-        elif old_coord != self.coordinator:
-            for step in list(self.mine):
-                out += self._report(step, now)
-        return out
+    def _on_record(self, src: int, m: dict, now: float) -> list:
+        step = m["step"]
+        out = self._learn(src, step, False, now)
+        if self.coordinator == self.rank and self.is_committed(step):  # a node passing on a decision it missed
+            out.append(Send(src, {"t": "commit", "step": step, "e": self.epoch}))
+        return out + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
 
-    def on_tick(self, now) -> list:
-        out = []
-        for step in list(self.mine):
-            if step not in self.committed and now - self._sent_at.get(("p", step), 0) > self.resend_after:
-                out += self._report(step, now)
-        for step, waiting in self.deciding.items():
-            if now - self._sent_at.get(("r", step), 0) > self.resend_after:
-                self._sent_at[("r", step)] = now
-                out += [Send(n, {"t": "record", "step": step}) for n in waiting if n != self.rank]
-        return out
+    def _on_commit(self, src: int, m: dict, now: float) -> list:
+        return self._learn(src, m["step"], True, now) + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
 
-    # --- coordinator ---------------------------------------------------------------------------
+    def _on_catch_up(self, src: int, m: dict, now: float) -> list:
+        return [out for step in m["steps"] for out in self._learn(src, step, True, now)]
 
-    def _on_protected_report(self, src, msg, now) -> list:
-        step = msg["step"]
-        if step in self.committed:
-            return [Send(src, {"t": "commit", "step": step})] if src != self.rank else []
-        if self.coordinator != self.rank:
+    def _on_state_req(self, src: int, m: dict, now: float) -> list:
+        return [Send(src, {
+            "t": "state", "e": m["e"],
+            "committed": self.committed_steps(WINDOW),
+            "recorded": sorted(self.recorded)[-MAX_PENDING:],
+            "protected": [[s, w, sorted(r)] for s, (w, r) in sorted(self.mine.items())],
+        })]
+
+    # --- messages to the coordinator -----------------------------------------------------------
+
+    def _on_recorded(self, src: int, m: dict, now: float) -> list:
+        if m["e"] == self.epoch and src == self.coordinator:
+            self._forwarded.pop(m["step"], None)
+        return self._ack(1, src, m, now)
+
+    def _on_committed(self, src: int, m: dict, now: float) -> list:
+        return self._ack(2, src, m, now)
+
+    def _ack(self, phase: int, src: int, m: dict, now: float) -> list:
+        d = self.deciding.get(m["step"])
+        if d is None or d.phase != phase or m["e"] != self.epoch or src not in self.live:
+            return []  # stale, duplicated, or from before the current view
+        d.acked.add(src)
+        return self._advance(m["step"], d, now)
+
+    def _on_state(self, src: int, m: dict, now: float) -> list:
+        if self.coordinator != self.rank or m["e"] != self.epoch or src not in self.live:
             return []
-        got = self.reports.setdefault(step, {})
-        got[src] = (frozenset(msg["ranks"]), msg["world"])
-        world = msg["world"]
-        covered = set().union(*(r for r, w in got.values() if w == world))
-        if covered >= set(range(world)) and step not in self.deciding:
+        out: list = []
+        for step in m["committed"]:
+            out += self._learn(src, step, True, now)
+        for step in m["recorded"]:
+            out += self._learn(src, step, False, now)
+        for step, world, ranks in m["protected"]:
+            out += self._store_report(src, step, world, ranks, now)
+        theirs = set(m["committed"])
+        floor = min(theirs) if len(theirs) >= WINDOW else -1  # below it they may have more than they said
+        missing = [s for s in self.committed_steps(WINDOW) if s > floor and s not in theirs]
+        if missing:
+            out.append(Send(src, {"t": "catch_up", "steps": missing}))
+            self.syncing[src] = now  # ask again later: done once a state shows nothing missing
+        else:
+            self.syncing.pop(src, None)
+        return out
+
+    # --- internals -----------------------------------------------------------------------------
+
+    def _clock(self, now: float) -> None:
+        """Start the epochs at the time of the first event. Requests carry the sender's epoch and
+        replies echo it; a reply whose epoch is not the current one is stale. Epochs come from
+        ``now`` (microseconds, raised by one where that is not more), so a daemon restarted on
+        the same host (its monotonic clock runs on) never reuses an epoch of its predecessor."""
+        if not self.epoch:
+            self.epoch = max(1, _micros(now))
+
+    def _learn(self, src: int, step: int, visible: bool, now: float) -> list:
+        """A decision on ``step`` reached us from ``src``: record it, or make it visible. The
+        coordinator finishes it on every live node (from phase 2 if it is visible somewhere); a
+        node that got it from another than its coordinator passes it on to the coordinator."""
+        out = self._make_visible(step) if visible else self._record(step)
+        if self.coordinator == self.rank:
+            if visible and out:
+                d = self.deciding[step] = _Decision(2, {self.rank, src})
+                out += self._advance(step, d, now)
+            elif not visible:
+                out += self._decide(step, now)
+        elif out and src != self.coordinator:
+            self._forwarded[step] = now
+            out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
+        return out
+
+    def _protected_msg(self, step: int) -> Send:
+        world, ranks = self.mine[step]
+        return Send(self.coordinator, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
+                                       "e": self.epoch})
+
+    def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], now: float) -> list:
+        if self.is_committed(step):
+            return []
+        per = self.reports.setdefault(step, {})
+        old = per.get(node)
+        per[node] = (world, ranks | old[1]) if old is not None and old[0] == world else (world, ranks)
+        _cap(self.reports, keep=self.deciding.keys())
+        return self._consider(step, now)
+
+    def _consider(self, step: int, now: float) -> list:
+        """Coordinator: decide ``step`` if the reports cover every rank of one world size."""
+        if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
+            return []
+        covered: dict[int, set[int]] = {}
+        for world, ranks in self.reports[step].values():
+            covered.setdefault(world, set()).update(ranks)
+        if any(len(ranks) == world for world, ranks in covered.items()):  # ranks lie in range(world)
             return self._decide(step, now)
         return []
 
-    def _decide(self, step, now) -> list:
-        if step in self.deciding or step in self.committed:
+    def _decide(self, step: int, now: float) -> list:
+        """Coordinator: start (or adopt) the decision to commit ``step``: phase 1."""
+        if step in self.deciding or self.is_committed(step):
+            return []
+        out = self._record(step)
+        d = self.deciding[step] = _Decision(1, {self.rank})
+        return out + self._advance(step, d, now)
+
+    def _advance(self, step: int, d: _Decision, now: float) -> list:
+        """Coordinator: move to phase 2 once every live node recorded, finish once every live
+        node has it visible; otherwise send the current phase to those that have not acked."""
+        out: list = []
+        if d.phase == 1 and d.acked >= self.live:
+            d.phase, d.acked = 2, {self.rank}
+            out += self._make_visible(step)
+        if d.phase == 2 and d.acked >= self.live:
+            del self.deciding[step]
+            return out
+        return out + self._send_phase(step, d, now)
+
+    def _send_phase(self, step: int, d: _Decision, now: float) -> list:
+        d.sent_at = now
+        t = "record" if d.phase == 1 else "commit"
+        return [Send(n, {"t": t, "step": step, "e": self.epoch}) for n in sorted(self.live - d.acked)]
+
+    def _record(self, step: int) -> list:
+        if self.is_committed(step) or step in self.recorded:
             return []
         self.recorded.add(step)
-        self.deciding[step] = set(self.live) - {self.rank}
-        self._sent_at[("r", step)] = now
-        out = [Record(step)]
-        out += [Send(n, {"t": "record", "step": step}) for n in sorted(self.deciding[step])]
-        return out + self._maybe_commit(step, now)
+        return [Record(step)]
 
-    def _on_record(self, src, step) -> list:
-        out = []
-        if step not in self.recorded and step not in self.committed:
-            self.recorded.add(step)
-            out.append(Record(step))
-        return out + [Send(src, {"t": "recorded", "step": step})]
-
-    def _on_recorded(self, src, step, now) -> list:
-        if step in self.deciding:
-            self.deciding[step].discard(src)
-            return self._maybe_commit(step, now)
-        return []
-
-    def _maybe_commit(self, step, now) -> list:
-        if self.deciding.get(step):
+    def _make_visible(self, step: int) -> list:
+        if self.is_committed(step):
             return []
-        self.deciding.pop(step, None)
-        out = [Send(n, {"t": "commit", "step": step}) for n in sorted(self.live - {self.rank})]
-        return out + self._make_visible(step)
-
-    def _make_visible(self, step) -> list:
-        if step in self.committed:
-            return []
-        self.committed.add(step)
+        self._visible.add(step)
+        self._latest = step if self._latest is None else max(self._latest, step)
         self.recorded.discard(step)
         self.mine.pop(step, None)
+        self._unacked.pop(step, None)
+        self._forwarded.pop(step, None)
         self.reports.pop(step, None)
         return [Commit(step)]
+
+
+def _micros(now: float) -> int:
+    return int(now * 1e6)
+
+
+def _cap(table: dict, keep=()) -> list[int]:
+    """Drop the oldest steps of ``table`` beyond MAX_PENDING (never those in ``keep``); return them."""
+    dropped = []
+    if len(table) > MAX_PENDING:
+        for step in sorted(table)[: len(table) - MAX_PENDING]:
+            if step not in keep:
+                del table[step]
+                dropped.append(step)
+    return dropped

@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .. import native, protocol
+from .. import faults, native, protocol
 from ..daemon.restore import SourceSet, SourceTensor, _signature
 from ..daemon.versions import RESTORABLE, RankPart, TensorEntry, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
@@ -151,15 +151,33 @@ class Team:
             self._work.put(("heal", 0))
 
     def _apply(self, outputs: list) -> None:
+        if faults.armed():
+            self._fault_points(outputs, before=True)
+        sent = set()
         for out in outputs:
             if isinstance(out, Send):
                 self.transport.send(out.dest, "commit", {"m": out.msg})
+                kind = out.msg.get("t")
+                if faults.armed() and kind in ("record", "commit") and kind not in sent:
+                    sent.add(kind)
+                    point = "commit.record_sent_one" if kind == "record" else "commit.visible_one"
+                    faults.point(point, out.msg.get("step"), settle=0.3)
             elif isinstance(out, Commit):
                 with self.store.lock:
                     self.store.mark_committed(out.step)
                 log.debug("team: step %d committed", out.step)
             elif isinstance(out, Record):
                 log.debug("team: step %d decided, recorded", out.step)
+
+    def _fault_points(self, outputs: list, before: bool) -> None:
+        """Test-only crash points of the coordinator (``ucpd.faults``; inert in production)."""
+        if self.commit.coordinator != self.rank:
+            return
+        for out in outputs:
+            if isinstance(out, Record):
+                faults.point("commit.decided", out.step)
+            if isinstance(out, Commit):
+                faults.point("commit.recorded", out.step)
 
     def live(self) -> frozenset[int]:
         with self._lock:
@@ -238,9 +256,12 @@ class Team:
             batches = [(p, off, min(DATA_BATCH, used_bytes(p) - off)) for p in parts for off in range(0, used_bytes(p), DATA_BATCH)]
             total = sum(n for _, _, n in batches)
             frames = len(batches)
+            half = len(batches) // 2
 
-            def put(batch):
-                p, off, n = batch
+            def put(i_batch):
+                i, (p, off, n) = i_batch
+                if i == half:
+                    faults.point("replicate.mid", step)
                 self.transport.request(
                     holder, "replica_data", {"origin": origin, "step": step, "rank": p.rank, "offset": off},
                     [read(p.rank, off, n)], timeout=60.0,
@@ -249,7 +270,7 @@ class Team:
             # two batches in flight: the holder copies one while the next is on the wire; each
             # is acknowledged, so replica_end (a small message that may overtake queued bulk
             # frames) is sent only after every byte arrived
-            for _ in self._pushers.map(put, batches):
+            for _ in self._pushers.map(put, enumerate(batches)):
                 pass
             self.transport.request(holder, "replica_end", {"origin": origin, "step": step, "frames": frames}, timeout=120.0)
         except UcpdError as exc:
@@ -297,7 +318,8 @@ class Team:
             if min(holders) != self.rank:
                 continue  # the lowest live holder heals it
             ring = [n for n in placement.replica_holders(origin, live + [origin], len(live), self.domains) if n != origin]
-            for h in [n for n in ring if n not in holders][: max(0, wanted - len(holders))]:
+            # the origin is gone: R + 1 copies again, so that R more losses are survived
+            for h in [n for n in ring if n not in holders][: max(0, wanted + 1 - len(holders))]:
                 self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
 
     def _heal_push(self, holder: int, step: int, push, holders: set) -> None:

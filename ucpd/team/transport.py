@@ -16,9 +16,10 @@ message] | nil}``. ``mac`` is HMAC-SHA256 of the header bytes under ``derive_key
 signed header by their length and CRC32C, which stops corruption but not an on-path attacker
 able to rewrite TCP streams (a CRC is easy to forge). ``UCPD_PEER_PAYLOAD_MAC=1`` (or
 ``payload_mac=True``) adds a keyed BLAKE2b per frame to the signed header; receivers check
-any such MAC, and those with the knob on refuse payload frames without one. A payload buffer is cut into frames of at most
+any such MAC, and those with the knob on refuse payload frames without one (it costs about
+1 s of one core per GB on each side). A payload buffer is cut into frames of at most
 ``frame_bytes`` (at least one frame per buffer, empty buffers included); the receiver gets the
-flat list of frames in order.
+flat list of frames in order and holds them all at once.
 
 Receivers refuse, count and log (rate-limited) any message with a bad or missing MAC
 (``auth_failures``), a wrong destination or unknown source (``misrouted``), a sequence number
@@ -84,6 +85,8 @@ REPLAY_WINDOW_S = 60.0
 HEARTBEAT = "_hb"
 SEND_TIMEOUT_S = 30.0  # a send() still queued (peer unreachable) after this long is dropped
 LINGER_MS = 100
+# messages per link inside ZeroMQ: the backlog stays in our queues, where control overtakes bulk,
+# and what a peer can make us buffer is bounded by HWM x message size
 HWM = 16
 WARN_EVERY_S = 5.0
 INCARNATIONS_KEPT = 8  # per source: sequence state of its most recent incarnations
@@ -268,8 +271,8 @@ class PeerTransport:
                 continue
             address = address if "://" in address else f"tcp://{address}"
             sock = self._ctx.socket(zmq.DEALER)
-            for opt, value in ((zmq.IPV6, "[" in address), (zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM), (zmq.IMMEDIATE, 1),
-                               (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
+            for opt, value in ((zmq.IPV6, "[" in address), (zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM),
+                               (zmq.IMMEDIATE, 1), (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
                 sock.setsockopt(opt, value)
             self._keepalive(sock)
             self._links[i] = _Link(i, address, sock)
