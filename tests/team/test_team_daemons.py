@@ -178,3 +178,23 @@ def test_junk_and_forged_messages_on_the_peer_port_are_refused_and_the_team_keep
     t = status(team.nodes[0].run_dir)["team"]
     assert t["transport"]["auth_failures"] + t["transport"]["malformed"] >= 3, t["transport"]
     assert t["team_latest"] == 2  # the forged commit of step 99 changed nothing
+
+
+def test_the_flush_of_a_team_holds_every_nodes_part_consolidated(make_team, make_daemon, dirs, tmp_path):
+    from ucpd.format import list_versions
+
+    flush = str(tmp_path / "flush")
+    team = make_team(2, "--replicas", "1", "--flush-dir", flush)
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1, 2), False)  # TP2 across the nodes
+    ranks.join(procs)
+    wait_for(lambda: any(v.step == 2 and v.state == "complete" for v in list_versions(flush)), "the flush of step 2", 60)
+    team.stop()  # every node's RAM is gone: only the flushed files are left
+
+    import shutil
+
+    d = make_daemon("--mem-limit", "256M", flush=False)
+    d.stop()
+    shutil.rmtree(dirs["shm"], ignore_errors=True)
+    d.flush_dir = flush
+    d.start()
+    restore_on([d.run_dir], 1, 1, 1, 2)  # one rank holds the whole model: both nodes' shards, from disk
