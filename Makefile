@@ -25,7 +25,9 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# the demo draws its loss curve with matplotlib (not a dependency of ucpd itself)
 demo: setup
+	@$(BIN)/python -c "import matplotlib" 2>/dev/null || $(BIN)/python -m pip install -q matplotlib
 	$(BIN)/python examples/demo.py
 
 bench: setup

@@ -8,6 +8,7 @@
 """
 
 from . import errors, placement
+from . import dataloader  # noqa: F401  (ShardedSampler: a data-loader position any dp can resume)
 from .checkpointer import Checkpointer, SnapshotHandle
 
 __all__ = ["Checkpointer", "SnapshotHandle", "placement", "errors"]

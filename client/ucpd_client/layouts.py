@@ -14,6 +14,12 @@ ZeRO partition tables::
 
     L.zero_partitions([("w1", (1024, 512)), ("b1", (1024,))], dp=8, align=2)[dp_rank]
 
+A whole rank at once (its coordinates, groups, layer names and ZeRO partition)::
+
+    lay = L.MegatronLayout.of_rank(rank, tp=2, pp=2, dp=2, num_layers=32)
+    lay.tp_group, lay.dp_group, lay.next_stage, lay.name("layers.0.attn.qkv.weight")
+    lay.zero([(name, local_shape, placement), ...], align=2)
+
 Every helper returns ``ucpd.ucl`` placement objects (``ucpd_client.placement``).
 """
 
@@ -155,10 +161,21 @@ def expert(
 # ---------------------------------------------------------------------------------------------
 # Megatron ranks in one object
 
+ParamSpec = tuple  # (name, local_shape) or (name, local_shape, inner placement)
+
 
 @dataclass(frozen=True)
 class MegatronLayout:
-    """One rank's Megatron-style coordinates, with helpers bound to them."""
+    """One rank's Megatron-style coordinates, with helpers bound to them.
+
+    Global ranks are numbered as Megatron does by default (order ``tp-dp-pp``): tensor-parallel
+    rank fastest, then data-parallel, then pipeline stage::
+
+        lay = MegatronLayout.of_rank(rank, tp=2, pp=2, dp=1, num_layers=4)
+        lay.tp_group, lay.dp_group, lay.prev_stage, lay.next_stage   # global ranks
+        lay.name("layers.1.mlp.fc1.weight")                          # -> layers.3... on stage 1
+        lay.zero(params)                                             # this dp rank's ZeRO partition
+    """
 
     tp_rank: int = 0
     tp: int = 1
@@ -166,6 +183,107 @@ class MegatronLayout:
     pp: int = 1
     num_layers: int | None = None
     layers_per_stage: tuple[int, ...] | None = None
+    dp_rank: int = 0
+    dp: int = 1
+
+    @classmethod
+    def of_rank(
+        cls,
+        rank: int,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        num_layers: int | None = None,
+        layers_per_stage: Sequence[int] | None = None,
+    ) -> "MegatronLayout":
+        """The coordinates of global ``rank`` in a ``tp x pp x dp`` job (order ``tp-dp-pp``)."""
+        for what, n in (("tp", tp), ("pp", pp), ("dp", dp)):
+            if not (isinstance(n, int) and n >= 1):
+                raise InvalidPlacement(f"{what} must be an int >= 1, got {n!r}")
+        world = tp * pp * dp
+        if not (isinstance(rank, int) and 0 <= rank < world):
+            raise InvalidPlacement(f"rank {rank!r} must be in [0, {world}) for tp {tp} x pp {pp} x dp {dp}")
+        lps = tuple(layers_per_stage) if layers_per_stage is not None else None
+        return cls(rank % tp, tp, rank // (tp * dp), pp, num_layers, lps, (rank // tp) % dp, dp)
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def rank(self) -> int:
+        """This rank's global rank."""
+        return self.rank_of(self.tp_rank, self.pp_rank, self.dp_rank)
+
+    def rank_of(self, tp_rank: int, pp_rank: int, dp_rank: int) -> int:
+        """The global rank at the given coordinates of this job."""
+        return tp_rank + self.tp * (dp_rank + self.dp * pp_rank)
+
+    @property
+    def tp_group(self) -> list[int]:
+        """The global ranks of this rank's tensor-parallel group (same stage, same dp rank)."""
+        return [self.rank_of(t, self.pp_rank, self.dp_rank) for t in range(self.tp)]
+
+    @property
+    def dp_group(self) -> list[int]:
+        """The global ranks that hold the same model part (same tp rank and stage)."""
+        return [self.rank_of(self.tp_rank, self.pp_rank, d) for d in range(self.dp)]
+
+    @property
+    def pp_group(self) -> list[int]:
+        """The global ranks of this rank's pipeline (same tp and dp rank), stage by stage."""
+        return [self.rank_of(self.tp_rank, p, self.dp_rank) for p in range(self.pp)]
+
+    @property
+    def prev_stage(self) -> int | None:
+        """The global rank this rank receives activations from (None on the first stage)."""
+        return None if self.pp_rank == 0 else self.rank_of(self.tp_rank, self.pp_rank - 1, self.dp_rank)
+
+    @property
+    def next_stage(self) -> int | None:
+        """The global rank this rank sends activations to (None on the last stage)."""
+        return None if self.pp_rank == self.pp - 1 else self.rank_of(self.tp_rank, self.pp_rank + 1, self.dp_rank)
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        """Every tensor-, data- and pipeline-parallel group of the job, by kind (each rank
+        creates them all, in this order, as ``torch.distributed.new_group`` requires)."""
+        coords = [MegatronLayout.of_rank(r, tp=self.tp, pp=self.pp, dp=self.dp) for r in range(self.world_size)]
+        out: dict[str, list[list[int]]] = {"tp": [], "dp": [], "pp": []}
+        for kind in out:
+            for c in coords:
+                g = getattr(c, f"{kind}_group")
+                if g not in out[kind]:
+                    out[kind].append(g)
+        return out
+
+    @property
+    def stage_layers(self) -> range:
+        """The global indices of this stage's layers."""
+        if self.num_layers is None:
+            raise InvalidPlacement("MegatronLayout needs num_layers to know a stage's layers")
+        if self.layers_per_stage is not None:
+            n = self.layers_per_stage[self.pp_rank]
+        else:
+            n = self.num_layers // self.pp
+        return range(self.layer_offset, self.layer_offset + n)
+
+    def describe(self) -> str:
+        """``TP2xPP2xDP1`` — the job's layout, for logs."""
+        return f"TP{self.tp}xPP{self.pp}xDP{self.dp}"
+
+    def zero(self, params: Sequence[ParamSpec], *, align: int = 1, param_align: int = 1) -> Flat:
+        """This data-parallel rank's ZeRO partition (:func:`zero_partitions`) of the flat buffer
+        of ``params`` — (global name, local shape, inner placement) of this model part."""
+        return zero_partitions(params, self.dp, align=align, param_align=param_align)[self.dp_rank]
 
     @property
     def layer_offset(self) -> int:
@@ -197,9 +315,6 @@ class MegatronLayout:
 
 # ---------------------------------------------------------------------------------------------
 # ZeRO
-
-
-ParamSpec = tuple  # (name, local_shape) or (name, local_shape, inner placement)
 
 
 def zero_buffer(params: Sequence[ParamSpec], dp: int, *, align: int = 1, param_align: int = 1) -> FlatBuffer:

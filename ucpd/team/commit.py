@@ -92,14 +92,14 @@ def _report(step, world, ranks, what: str = "protected") -> tuple[int, int, froz
 
 _FIELDS = {
     "protected": {"step", "world", "ranks", "e"},  # node -> coordinator: my part of step is protected
-    "protected_ack": {"step", "e"},  # coordinator -> node: report stored
+    "protected_ack": {"step", "world", "n", "e"},  # coordinator -> node: report of n ranks stored
     "record": {"step", "e"},  # coordinator -> node: record the decision to commit step
     "recorded": {"step", "e"},
     "commit": {"step", "e"},  # coordinator -> node: make step visible
     "committed": {"step", "e"},
     "state_req": {"e"},  # new coordinator -> node: send me your state
     "state": {"e", "committed", "recorded", "protected"},
-    "catch_up": {"steps"},  # coordinator -> node: steps committed that you lack
+    "catch_up": {"steps", "e"},  # coordinator -> node: steps committed that you lack
 }
 
 
@@ -113,10 +113,13 @@ def parse(msg) -> dict:
     out = {"t": t}
     if "e" in msg:
         out["e"] = _int(msg["e"], "e", 0, MAX_STEP)
+    if "step" in msg:
+        out["step"] = _int(msg["step"], "step", 0, MAX_STEP)
     if t == "protected":
         out["step"], out["world"], out["ranks"] = _report(msg["step"], msg["world"], msg["ranks"])
-    elif "step" in msg:
-        out["step"] = _int(msg["step"], "step", 0, MAX_STEP)
+    elif t == "protected_ack":
+        out["world"] = _int(msg["world"], "world", 1, MAX_WORLD)
+        out["n"] = _int(msg["n"], "n", 1, out["world"])
     if t == "state":
         out["committed"] = _steps(msg["committed"], "committed", WINDOW)
         out["recorded"] = _steps(msg["recorded"], "recorded", MAX_PENDING)
@@ -153,6 +156,7 @@ class CommitNode:
         self.mine: dict[int, tuple[int, frozenset[int]]] = {}  # own reports: step -> (world, ranks)
         self._unacked: dict[int, float] = {}  # own reports the coordinator has not acked: step -> sent at
         self._forwarded: dict[int, float] = {}  # decisions passed on to the coordinator, not acked: step -> sent at
+        self._coord_epoch: int | None = None  # the coordinator's epoch, from its state_req in this view
         self.reports: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}  # step -> node -> (world, ranks)
         self.deciding: dict[int, _Decision] = {}  # coordinator only
         self.syncing: dict[int, float] = {}  # coordinator only: node -> state_req sent at
@@ -244,6 +248,7 @@ class CommitNode:
         self.epoch = max(self.epoch + 1, _micros(now))
         out: list = []
         self._forwarded.clear()  # the coordinator learns them from our state
+        self._coord_epoch = None
         if self.coordinator != self.rank:
             self.deciding.clear()  # the coordinator adopts them from our state
             self.syncing.clear()
@@ -300,27 +305,32 @@ class CommitNode:
         if self.is_committed(step):  # the sender missed the commit: tell it (again)
             return [Send(src, {"t": "commit", "step": step, "e": self.epoch})]
         out = self._store_report(src, step, m["world"], m["ranks"], now)
-        return [Send(src, {"t": "protected_ack", "step": step, "e": m["e"]})] + out
+        ack = {"t": "protected_ack", "step": step, "world": m["world"], "n": len(m["ranks"]), "e": m["e"]}
+        return [Send(src, ack)] + out
 
     def _on_protected_ack(self, src: int, m: dict, now: float) -> list:
-        if m["e"] == self.epoch and src == self.coordinator:
+        mine = self.mine.get(m["step"])
+        # the ack of an earlier, smaller report of the step does not count
+        if mine and (mine[0], len(mine[1])) == (m["world"], m["n"]) and m["e"] == self.epoch and src == self.coordinator:
             self._unacked.pop(m["step"], None)
         return []
 
     def _on_record(self, src: int, m: dict, now: float) -> list:
         step = m["step"]
-        out = self._learn(src, step, False, now)
+        out = self._learn(src, step, False, now, m["e"])
         if self.coordinator == self.rank and self.is_committed(step):  # a node passing on a decision it missed
             out.append(Send(src, {"t": "commit", "step": step, "e": self.epoch}))
         return out + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
 
     def _on_commit(self, src: int, m: dict, now: float) -> list:
-        return self._learn(src, m["step"], True, now) + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
+        return self._learn(src, m["step"], True, now, m["e"]) + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
 
     def _on_catch_up(self, src: int, m: dict, now: float) -> list:
-        return [out for step in m["steps"] for out in self._learn(src, step, True, now)]
+        return [out for step in m["steps"] for out in self._learn(src, step, True, now, m["e"])]
 
     def _on_state_req(self, src: int, m: dict, now: float) -> list:
+        if src == self.coordinator:
+            self._coord_epoch = max(self._coord_epoch or 0, m["e"])
         return [Send(src, {
             "t": "state", "e": m["e"],
             "committed": self.committed_steps(WINDOW),
@@ -343,7 +353,7 @@ class CommitNode:
         if d is None or d.phase != phase or m["e"] != self.epoch or src not in self.live:
             return []  # stale, duplicated, or from before the current view
         d.acked.add(src)
-        return self._advance(m["step"], d, now)
+        return self._advance(m["step"], d, now, send=False)
 
     def _on_state(self, src: int, m: dict, now: float) -> list:
         if self.coordinator != self.rank or m["e"] != self.epoch or src not in self.live:
@@ -359,7 +369,7 @@ class CommitNode:
         floor = min(theirs) if len(theirs) >= WINDOW else -1  # below it they may have more than they said
         missing = [s for s in self.committed_steps(WINDOW) if s > floor and s not in theirs]
         if missing:
-            out.append(Send(src, {"t": "catch_up", "steps": missing}))
+            out.append(Send(src, {"t": "catch_up", "steps": missing, "e": self.epoch}))
             self.syncing[src] = now  # ask again later: done once a state shows nothing missing
         else:
             self.syncing.pop(src, None)
@@ -375,10 +385,12 @@ class CommitNode:
         if not self.epoch:
             self.epoch = max(1, _micros(now))
 
-    def _learn(self, src: int, step: int, visible: bool, now: float) -> list:
-        """A decision on ``step`` reached us from ``src``: record it, or make it visible. The
-        coordinator finishes it on every live node (from phase 2 if it is visible somewhere); a
-        node that got it from another than its coordinator passes it on to the coordinator."""
+    def _learn(self, src: int, step: int, visible: bool, now: float, e: int | None = None) -> list:
+        """A decision on ``step`` reached us from ``src`` (in a message of its epoch ``e``):
+        record it, or make it visible. The coordinator finishes it on every live node (from
+        phase 2 if it is visible somewhere). A node that got it from anyone but its coordinator
+        in the coordinator's current epoch (a coordinator that died, or a previous incarnation
+        of this one) passes it on to the coordinator, which may not know it."""
         out = self._make_visible(step) if visible else self._record(step)
         if self.coordinator == self.rank:
             if visible and out:
@@ -386,7 +398,7 @@ class CommitNode:
                 out += self._advance(step, d, now)
             elif not visible:
                 out += self._decide(step, now)
-        elif out and src != self.coordinator:
+        elif out and (src != self.coordinator or e != self._coord_epoch):
             self._forwarded[step] = now
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
         return out
@@ -424,17 +436,18 @@ class CommitNode:
         d = self.deciding[step] = _Decision(1, {self.rank})
         return out + self._advance(step, d, now)
 
-    def _advance(self, step: int, d: _Decision, now: float) -> list:
+    def _advance(self, step: int, d: _Decision, now: float, send: bool = True) -> list:
         """Coordinator: move to phase 2 once every live node recorded, finish once every live
-        node has it visible; otherwise send the current phase to those that have not acked."""
+        node has it visible. Sends the current phase to the nodes that have not acked it if
+        ``send`` or the phase just changed."""
         out: list = []
         if d.phase == 1 and d.acked >= self.live:
-            d.phase, d.acked = 2, {self.rank}
+            d.phase, d.acked, send = 2, {self.rank}, True
             out += self._make_visible(step)
         if d.phase == 2 and d.acked >= self.live:
             del self.deciding[step]
             return out
-        return out + self._send_phase(step, d, now)
+        return out + self._send_phase(step, d, now) if send else out
 
     def _send_phase(self, step: int, d: _Decision, now: float) -> list:
         d.sent_at = now

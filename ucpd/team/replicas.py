@@ -190,9 +190,10 @@ class ReplicaStore:
     # --- internals ----------------------------------------------------------------------------
 
     def _drop_old(self, origin: int, step: int) -> None:
-        """Keep the newest ``keep`` whole replicas of an origin (older than the incoming step)."""
+        """Keep ``keep`` replicas of an origin, the incoming step's included (the origin keeps
+        as many committed versions; the newest of them is always among ours)."""
         mine = sorted((s for (o, s), r in self.held.items() if o == origin and s < step), reverse=True)
-        for s in mine[self.keep :]:
+        for s in mine[max(0, self.keep - 1) :]:
             rep = self.held[(origin, s)]
             if not rep.pins:
                 del self.held[(origin, s)]

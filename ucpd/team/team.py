@@ -108,6 +108,9 @@ class Team:
         self.transport.start(self.config.peers)
         self._thread = threading.Thread(target=self._run, name="ucpd-replicate", daemon=True)
         self._thread.start()
+        for peer in range(self.config.nodes):
+            if peer != self.rank:
+                self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
         with store.lock:  # re-adopted versions not yet committed: protect them again
             for v in store.table.versions.values():
                 if v.state is VersionState.COMPLETE:
@@ -146,7 +149,7 @@ class Team:
         self._apply(out)
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
-            for peer in view.live - {self.rank}:
+            for peer in view.rejoined:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
             self._work.put(("heal", 0))
 
@@ -696,6 +699,8 @@ class Team:
         rep_bytes = sum(r.size for r in self.replicas.held.values()) if self.replicas else 0
         versions = []
         for step, rec in sorted(self.pushed.items()):
+            if step not in self.store.table.versions:
+                continue  # evicted here
             live_holders = rec.holders & set(view.live)
             if not rec.protected:
                 health = "protecting"
