@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
-import sys
 import uuid
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers.ranks import free_port
 
-from conftest import DaemonProcess  # noqa: E402
-from helpers.ranks import free_port  # noqa: E402
+
+def _root_conftest():
+    """tests/conftest.py as a module of its own: several test folders have a ``conftest``, so
+    ``import conftest`` means whichever was imported first."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conftest.py")
+    spec = importlib.util.spec_from_file_location("ucpd_tests_conftest", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+DaemonProcess = _root_conftest().DaemonProcess
 
 
 class Team:
