@@ -56,6 +56,11 @@ def shm_dir(node_rank: int = 0, run_dir_path: str | None = None) -> str:
     return _get("UCPD_SHM_DIR", f"/dev/shm/ucpd-{user()}-{tag}-{node_rank}")
 
 
+def parity_unit() -> int:
+    """Bytes of a parity unit (``--parity``): each row of a group's parity encodes one unit per member."""
+    return max(64, parse_size(_get("UCPD_PARITY_UNIT", "4M")) // 64 * 64)
+
+
 def copy_threads() -> int:
     """Threads for copies into and out of slots."""
     return max(1, int(_get("UCPD_COPY_THREADS", str(min(os.cpu_count() or 1, 8)))))

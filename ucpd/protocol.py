@@ -219,7 +219,8 @@ PART = _record(
 # What a node holds of one version: its own ranks' parts (origin = itself) or a replica.
 HOLDING = _record(
     {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "ranks": _list_of(_int(0, MAX_RANKS))},
-    {"parts": _list_of(PART)},
+    # via: "parity" when the parts are not held but can be rebuilt from the group's parity
+    {"parts": _list_of(PART), "via": _str},
 )
 
 PEER_REQUESTS: dict[str, MessageType] = {
@@ -256,6 +257,26 @@ PEER_REQUESTS: dict[str, MessageType] = {
             {},
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot; reply payload: one buffer per range",
         ),
+        MessageType(
+            "parity_manifest",
+            {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
+             "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)},
+            {},
+            "keep a group member's manifest and blob layout, to rebuild it from parity if it is lost; reply: {}",
+        ),
+        MessageType(
+            "parity_unit",
+            {"step": _int(), "inc": _str, "row": _int(), "pos": _int(0, 255), "index": _int(0, 255)},
+            {},
+            "payload: a data unit at `pos` of parity `row`; add it to our parity block `index`; reply: {}",
+        ),
+        MessageType(
+            "parity_block",
+            {"step": _int(), "inc": _str, "row": _int()},
+            {},
+            "reply payload: our parity block of `row` (zeros if none arrived)",
+        ),
+        MessageType("blob_unit", {"step": _int(), "u": _int()}, {}, "reply payload: unit `u` of our own blob of `step`"),
         MessageType("commit", {"m": _dict}, {}, "a message of the commit protocol (ucpd.team.commit); one-way"),
         MessageType("hello", {"domain": _str}, {}, "the sender's failure domain (--domain); one-way"),
     ]

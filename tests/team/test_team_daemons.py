@@ -198,3 +198,39 @@ def test_the_flush_of_a_team_holds_every_nodes_part_consolidated(make_team, make
     d.flush_dir = flush
     d.start()
     restore_on([d.run_dir], 1, 1, 1, 2)  # one rank holds the whole model: both nodes' shards, from disk
+
+
+@pytest.mark.parametrize("nodes,parity,lose", [(4, "3", (3,)), (6, "4+2", (4, 5))], ids=["xor-3+1", "rs-4+2"])
+def test_parity_groups_rebuild_lost_nodes_and_a_job_on_the_survivors_restores(make_team, monkeypatch, nodes, parity, lose):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")  # several rows even for this small state
+    team = make_team(nodes, "--parity", parity)
+    procs, done = ranks.spawn(snapshot_ranks, nodes, team.run_dirs(), 1, 1, (1, 2), True, timeout=240)
+    assert sorted(m[2] for m in done) == [2] * nodes, team.logs()
+    t = status(team.nodes[0].run_dir)["team"]
+    assert t["bytes"]["parity"] > 0 and t["bytes"]["replicas"] == 0
+    ranks.kill(procs)
+    for i in lose:
+        team.lose(i)
+    survivors = [i for i in range(nodes) if i not in lose]
+    wait_for(lambda: all(not n["live"] for n in status(team.nodes[0].run_dir)["team"]["nodes"] if n["node"] in lose),
+             "the lost nodes to be declared dead")
+    restore_on([team.nodes[i].run_dir for i in survivors], len(survivors), 1, 1, 2)
+    assert status(team.nodes[survivors[0]].run_dir)["team"]["counters"].get("parity_rebuilt_bytes", 0) > 0
+
+
+def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(make_team, monkeypatch):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
+    team = make_team(3, "--parity", "2")
+    procs, done = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1,), True)
+    ranks.kill(procs)
+    team.lose(1)
+    team.lose(2)  # two losses in a group that survives one
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "nodes to be declared dead")
+    from ucpd_client import Checkpointer
+    from ucpd_client.errors import VersionNotFound
+
+    with Checkpointer(team.nodes[0].run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        assert ckpt.latest() is None  # nothing is whole any more, and there is no flush dir
+        want, _ = rank_state(1, 0, 1, 3)
+        with pytest.raises(VersionNotFound, match="lost"):
+            ckpt.restore(empty_like_state(want), step=1)

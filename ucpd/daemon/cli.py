@@ -131,9 +131,12 @@ def team_config(o: dict, nodes: int, node_rank: int):
             parity = parse_parity(str(o["parity"]))
         except ValueError as exc:
             raise UcpdError(str(exc)) from None
-        raise UcpdError(
-            "--parity is not available in this build yet (replicas are): use --replicas 1, or --replicas 2 to survive two losses"
-        )
+        from ..team.placement import parity_groups
+
+        try:
+            parity_groups(nodes, *parity)
+        except ValueError as exc:
+            raise UcpdError(f"--parity {o['parity']} over --nodes {nodes}: {exc}") from None
     replicas = int(o.get("replicas", 0) or 0)
     if not 0 <= replicas < nodes:
         raise UcpdError(f"--replicas {replicas} needs at least {replicas + 1} nodes; the team has {nodes}")

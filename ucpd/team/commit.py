@@ -237,9 +237,9 @@ class CommitNode:
 
     def on_view(self, live: frozenset[int], now: float) -> list:
         """Membership changed (``live`` includes this node). Every view starts a new epoch:
-        replies to earlier requests are ignored from now on, so a coordinator re-sends what is
-        unacknowledged; the coordinator also asks every node for its state, and the others
-        re-send their reports to the coordinator."""
+        replies to earlier requests are ignored from now on. The coordinator restarts the acks
+        of its decisions and asks every node for its state; the others re-send their reports
+        and their recorded decisions to the coordinator."""
         live = frozenset(live)
         if self.rank not in live or not all(0 <= n < self.nodes for n in live):
             raise ValueError(f"a view of node {self.rank} must contain it and only nodes 0..{self.nodes - 1}")
@@ -247,7 +247,7 @@ class CommitNode:
         self._clock(now)
         self.epoch = max(self.epoch + 1, _micros(now))
         out: list = []
-        self._forwarded.clear()  # the coordinator learns them from our state
+        self._forwarded.clear()
         self._coord_epoch = None
         if self.coordinator != self.rank:
             self.deciding.clear()  # the coordinator adopts them from our state
@@ -255,6 +255,9 @@ class CommitNode:
             for step in sorted(self.mine):
                 self._unacked[step] = now
                 out.append(self._protected_msg(step))
+            for step in sorted(self.recorded):  # the state we send carries them too; this needs no timing
+                self._forwarded[step] = now
+                out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
             return out
         self._unacked.clear()
         self.syncing = {n: now for n in live if n != self.rank}
@@ -317,10 +320,7 @@ class CommitNode:
 
     def _on_record(self, src: int, m: dict, now: float) -> list:
         step = m["step"]
-        out = self._learn(src, step, False, now, m["e"])
-        if self.coordinator == self.rank and self.is_committed(step):  # a node passing on a decision it missed
-            out.append(Send(src, {"t": "commit", "step": step, "e": self.epoch}))
-        return out + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
+        return self._learn(src, step, False, now, m["e"]) + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
 
     def _on_commit(self, src: int, m: dict, now: float) -> list:
         return self._learn(src, m["step"], True, now, m["e"]) + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
@@ -364,7 +364,10 @@ class CommitNode:
         for step in m["recorded"]:
             out += self._learn(src, step, False, now)
         for step, world, ranks in m["protected"]:
-            out += self._store_report(src, step, world, ranks, now)
+            if self.is_committed(step):  # it missed the commit
+                out += self._spread(step, now)
+            else:
+                out += self._store_report(src, step, world, ranks, now)
         theirs = set(m["committed"])
         floor = min(theirs) if len(theirs) >= WINDOW else -1  # below it they may have more than they said
         missing = [s for s in self.committed_steps(WINDOW) if s > floor and s not in theirs]
@@ -393,11 +396,10 @@ class CommitNode:
         of this one) passes it on to the coordinator, which may not know it."""
         out = self._make_visible(step) if visible else self._record(step)
         if self.coordinator == self.rank:
-            if visible and out:
-                d = self.deciding[step] = _Decision(2, {self.rank, src})
-                out += self._advance(step, d, now)
-            elif not visible:
+            if not self.is_committed(step):
                 out += self._decide(step, now)
+            elif out or not visible:  # new to us, or src has only recorded it
+                out += self._spread(step, now, [src] if visible else [])
         elif out and (src != self.coordinator or e != self._coord_epoch):
             self._forwarded[step] = now
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
@@ -435,6 +437,15 @@ class CommitNode:
         out = self._record(step)
         d = self.deciding[step] = _Decision(1, {self.rank})
         return out + self._advance(step, d, now)
+
+    def _spread(self, step: int, now: float, have: Iterable[int] = ()) -> list:
+        """Coordinator: ``step`` is committed here; see that every live node commits it (phase 2,
+        ``have`` known to have it already)."""
+        d = self.deciding.get(step)
+        if d is None or d.phase == 1:
+            d = self.deciding[step] = _Decision(2, {self.rank})
+        d.acked.update(have)
+        return self._advance(step, d, now)
 
     def _advance(self, step: int, d: _Decision, now: float, send: bool = True) -> list:
         """Coordinator: move to phase 2 once every live node recorded, finish once every live

@@ -25,7 +25,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from .. import faults, native, protocol
+from .. import faults, knobs, native, protocol
 from ..daemon.restore import SourceSet, SourceTensor, _signature
 from ..daemon.versions import RESTORABLE, RankPart, TensorEntry, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
@@ -80,6 +80,11 @@ class Team:
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0}
         self.store = None
         self.replicas: ReplicaStore | None = None
+        self.parity = None
+        if config.parity:
+            from .parity_group import ParityGroup
+
+            self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit())
         self._work: queue.Queue = queue.Queue()
         self._pushers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-push")
         self._stopping = False
@@ -209,6 +214,8 @@ class Team:
             rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
         wanted = self.config.replicas
         tried: set[int] = set()
+        if self.parity is not None and not self.parity.protect(step):
+            log.warning("team: step %d is in its group's parity without every member: degraded", step)
         while len(rec.holders) < wanted:
             live = sorted(self.live())
             candidates = [h for h in placement.replica_holders(self.rank, live, wanted + len(tried), self.domains)
@@ -383,6 +390,18 @@ class Team:
         if msg_type == "replica_end":
             self.replicas.finish(b["origin"], b["step"], b["frames"])
             return {}, []
+        if msg_type.startswith("parity_") or msg_type == "blob_unit":
+            if self.parity is None:
+                raise protocol.ProtocolError(f"node {self.rank} keeps no parity (started without --parity)")
+            if msg_type == "parity_manifest":
+                self.parity.on_manifest(src, b)
+                return {}, []
+            if msg_type == "parity_unit":
+                self.parity.on_unit(b, frames)
+                return {}, []
+            if msg_type == "parity_block":
+                return {}, self.parity.on_block(b)
+            return {}, self.parity.on_blob_unit(b)
         if msg_type == "holdings":
             return {"node": self.rank, "items": self._holdings(b.get("step"))}, []
         if msg_type == "fetch":
@@ -407,6 +426,8 @@ class Team:
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
                     items.append(item)
+        if self.parity is not None:
+            items += self.parity.holdings(step)
         return items
 
     def _serve_fetch(self, origin: int, step: int, rank: int, ranges: list) -> list:
@@ -456,8 +477,6 @@ class Team:
     def latest(self) -> int | None:
         """The newest committed step that the live nodes still hold whole (None: none)."""
         live = sorted(self.live())
-        with self._lock:
-            committed = self.commit.committed_steps() if hasattr(self.commit, "committed_steps") else None
         summary = self._gather_summary(live)
         ranks: dict[int, set[int]] = {}
         world: dict[int, int] = {}
@@ -469,7 +488,6 @@ class Team:
             for step in sorted(ranks, reverse=True):
                 if self.commit.is_committed(step) and ranks[step] >= set(range(world[step])):
                     return step
-        del committed
         return None
 
     def restore_sources(self, step: int | None) -> "TeamSources":
@@ -493,6 +511,8 @@ class Team:
                 world = item["world_size"]
                 # cheapest first: our RAM, then a peer's own RAM, then a peer's replica
                 cost = 0 if node == self.rank else 1 if node == item["origin"] else 2
+                if item.get("via") == "parity":
+                    cost = 3  # rebuilt here from the group's data units and parity blocks
                 for p in item["parts"] or []:
                     candidates.setdefault(p["rank"], []).append((cost, node, item["origin"], p))
         if world is None or set(candidates) != set(range(world)):
@@ -502,15 +522,54 @@ class Team:
                 "the redundancy survives); restore an older step, or from the flush dir"
             )
         found = {}
+        rebuild: set[int] = set()
         for rank, cands in candidates.items():
             for cost, node, origin, p in sorted(cands, key=lambda c: c[:3]):
+                if cost == 3:
+                    rebuild.add(origin)
+                    found[rank] = (self.rank, origin, p)
+                    break
                 if node == self.rank and origin != self.rank and not self._replica_sound(origin, step):
                     continue  # damaged: dropped; the next copy serves
                 found[rank] = (node, origin, p)
                 break
             else:
                 raise VersionNotFound(f"step {step}: every copy of rank {rank} that is left is damaged")
-        return self._sources(step, world, found)
+        files: list[str] = []
+        rebuilt = {}
+        try:
+            for origin in sorted(rebuild):
+                rebuilt[origin] = self._rebuild(origin, step, files)
+            out = self._sources(step, world, found, rebuilt)
+        except BaseException:
+            for f in files:
+                _unlink(f)
+            raise
+        out.files += files
+        return out
+
+    def _rebuild(self, origin: int, step: int, files: list) -> tuple[str, dict[int, int]]:
+        """Rebuild a lost node's part of ``step`` from parity into a local file: (path, bases)."""
+        from .parity_group import check_rebuilt
+
+        with self.store.lock:
+            man = self.parity.manifests.get((origin, step))
+        if man is None:
+            raise VersionNotFound(f"step {step}: no manifest of node {origin} to rebuild it from parity")
+        holder = TeamSources(step, None, {}, [], self)
+        mm = self._cache_file(holder, man["size"])
+        files += holder.files
+        t0 = time.monotonic()
+        try:
+            bases = self.parity.rebuild(origin, step, mm)
+            parts = {p["rank"]: RankPart(p["rank"], -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"])
+                     for p in man["parts"]}
+            check_rebuilt(parts, mm, bases, f"node {origin} step {step}")
+        finally:
+            mm.close()
+        log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
+                 origin, step, man["size"], time.monotonic() - t0)
+        return holder.files[-1], bases
 
     def _replica_sound(self, origin: int, step: int) -> bool:
         """Check a replica we hold (once) before serving from it; a damaged one is dropped."""
@@ -529,7 +588,7 @@ class Team:
         rep.verified = True
         return True
 
-    def _sources(self, step: int, world: int, found: dict) -> "TeamSources":
+    def _sources(self, step: int, world: int, found: dict, rebuilt: dict | None = None) -> "TeamSources":
         parts: dict[int, RankPart] = {}
         where: dict[int, tuple] = {}
         pins: list = []
@@ -537,7 +596,10 @@ class Team:
             for rank, (node, origin, p) in found.items():
                 part = RankPart(rank, -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"], p.get("layout"), p.get("objects_crc"))
                 parts[rank] = part
-                if node == self.rank and origin == self.rank:
+                if rebuilt and origin in rebuilt and origin != self.rank:
+                    path, bases = rebuilt[origin]
+                    where[rank] = ("local", path, bases[rank])
+                elif node == self.rank and origin == self.rank:
                     v = self.store.table.versions.get(step)
                     own = v.parts.get(rank) if v is not None else None
                     if own is None:
@@ -697,6 +759,7 @@ class Team:
             })
         own_bytes = sum(v.nbytes for v in self.store.table.versions.values() if v.parts)
         rep_bytes = sum(r.size for r in self.replicas.held.values()) if self.replicas else 0
+        par_bytes = self.parity.nbytes if self.parity is not None else 0
         versions = []
         for step, rec in sorted(self.pushed.items()):
             if step not in self.store.table.versions:
@@ -717,10 +780,14 @@ class Team:
             "epoch": view.epoch,
             "coordinator": coordinator,
             "team_latest": latest,
-            "level": f"L1 ({self.config.replicas} replica(s))" if self.config.replicas else "L0 (no copies on other nodes)",
+            "level": (
+                f"L1 (parity {self.parity.stripes.k}+{self.parity.stripes.m} over nodes {list(self.parity.stripes.members)})"
+                if self.parity is not None
+                else f"L1 ({self.config.replicas} replica(s))" if self.config.replicas else "L0 (no copies on other nodes)"
+            ),
             "health": "degraded" if degraded else "healthy",
-            "bytes": {"own": own_bytes, "replicas": rep_bytes},
-            "overhead": round((own_bytes + rep_bytes) / own_bytes, 3) if own_bytes else None,
+            "bytes": {"own": own_bytes, "replicas": rep_bytes, "parity": par_bytes},
+            "overhead": round((own_bytes + rep_bytes + par_bytes) / own_bytes, 3) if own_bytes else None,
             "versions": versions,
             "replicas_held": held,
             "healing": dict(self.healing),
@@ -732,7 +799,7 @@ class Team:
 
 _HOLDING_FIELDS = (
     {"origin": protocol._int(), "step": protocol._int(), "world_size": protocol._int(1), "ranks": protocol._list_of(protocol._int())},
-    {"parts": protocol._list_of(protocol.PART)},
+    {"parts": protocol._list_of(protocol.PART), "via": protocol._str},
 )
 
 

@@ -1,0 +1,250 @@
+"""Erasure-coded protection (``--parity K[+M]``): this node's side of its parity group.
+
+The layout and arithmetic are in ``stripes``; this module moves the bytes. Protecting a
+version: send its manifest to every member of the group, then each unit of the node's blob to
+the parity holders of its row (acknowledged requests). Holding: accumulate the units that
+arrive into ``ParityBlocks`` and keep the members' manifests. Rebuilding a lost member's blob,
+row by row, from the survivors' data units and parity blocks, into a local file.
+
+Threads: the handlers (``on_*``) run on the transport's I/O thread and take ``lock`` (the
+store lock); ``protect`` and ``rebuild`` run on the replication thread or a request worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from .. import native, protocol
+from ..daemon.versions import RESTORABLE, VersionState
+from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
+from .placement import group_of, parity_groups
+from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
+
+log = logging.getLogger("ucpd.team.parity")
+
+ALIGN = 64
+
+
+def blob_layout(parts) -> tuple[dict[int, int], int]:
+    """Where each rank's slot bytes start in the node's blob (by rank, 64-byte aligned), and its size."""
+    from .team import used_bytes
+
+    bases, size = {}, 0
+    for p in sorted(parts, key=lambda p: p.rank):
+        bases[p.rank] = size
+        size += (used_bytes(p) + ALIGN - 1) // ALIGN * ALIGN
+    return bases, size
+
+
+def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> list:
+    """Buffers covering blob bytes [lo, hi): ``spans`` are (start, length, memoryview) pieces;
+    the gaps between them (alignment) are zeros."""
+    out, at = [], lo
+    for start, length, view in spans:
+        a, b = max(lo, start), min(hi, start + length)
+        if a >= b:
+            continue
+        if a > at:
+            out.append(bytes(a - at))
+        out.append(view[a - start : b - start])
+        at = b
+    if at < hi:
+        out.append(bytes(hi - at))
+    return out
+
+
+class ParityGroup:
+    def __init__(self, team, k: int, m: int, unit: int = DEFAULT_UNIT) -> None:
+        self.team = team
+        groups = parity_groups(team.config.nodes, k, m)
+        g = group_of(groups, team.rank)
+        self.stripes = Stripes(g.members, g.k, g.m, unit)
+        self.blocks: dict[tuple[int, str], ParityBlocks] = {}  # (step, job run) -> our blocks
+        self.manifests: dict[tuple[int, int], dict] = {}  # (member, step) -> its manifest
+        self.keep = team.config.keep + 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.nbytes for b in self.blocks.values())
+
+    # --- protecting our part (the replication thread) -------------------------------------------
+
+    def protect(self, step: int) -> bool:
+        """Send our part of ``step`` into the group's parity; True when every parity holder and
+        member that should have it acknowledged (False: degraded, some are dead)."""
+        team, store, s = self.team, self.team.store, self.stripes
+        with store.lock:
+            v = store.table.versions.get(step)
+            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+                return False
+            v.pins += 1
+            parts = list(v.parts.values())
+            bases, size = blob_layout(parts)
+            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+            manifest = {
+                "origin": team.rank, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
+                "size": size, "bases": [bases[p.rank] for p in parts],
+                "parts": [protocol.part_to_wire(p, _used(p)) for p in parts],
+            }
+        complete = True
+        try:
+            live = team.live()
+            self.on_manifest(team.rank, manifest)
+            for member in s.members:
+                if member == team.rank:
+                    continue
+                if member not in live:
+                    complete = False
+                    continue
+                team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
+
+            def send(u):
+                row, pos = s.row_of(team.rank, u)
+                payload = blob_segments(u * s.unit, min((u + 1) * s.unit, size), spans)
+                ok = True
+                for i, holder in enumerate(s.parity_holders(row)):
+                    if holder not in live:
+                        ok = False
+                        continue
+                    body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
+                    team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
+                return ok
+
+            for ok in team._pushers.map(send, range(s.units(size))):
+                complete &= ok
+            team.counters["parity_bytes_sent"] = team.counters.get("parity_bytes_sent", 0) + size * s.m
+        except UcpdError as exc:
+            log.warning("team: parity of step %d failed: %s", step, exc)
+            complete = False
+        finally:
+            del spans
+            with store.lock:
+                v.pins -= 1
+        return complete
+
+    # --- holding (I/O thread) ---------------------------------------------------------------------
+
+    def on_manifest(self, src: int, body: dict) -> None:
+        with self.team.store.lock:
+            self.manifests[(body["origin"], body["step"])] = body
+            mine = sorted(st for (o, st) in self.manifests if o == body["origin"])
+            for old in mine[: -self.keep]:
+                self.manifests.pop((body["origin"], old), None)
+
+    def on_unit(self, body: dict, frames: list) -> None:
+        data = b"".join(bytes(f) for f in frames)
+        if len(data) > self.stripes.unit:
+            raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {self.stripes.unit}-byte unit")
+        with self.team.store.lock:
+            key = (body["step"], body["inc"])
+            pb = self.blocks.get(key)
+            if pb is None:
+                pb = self.blocks[key] = ParityBlocks(self.stripes)
+                for old in sorted(self.blocks)[: -self.keep]:
+                    del self.blocks[old]
+            pb.add(body["row"], body["pos"], data, body["index"])
+
+    def on_block(self, body: dict) -> list:
+        with self.team.store.lock:
+            pb = self.blocks.get((body["step"], body["inc"]))
+            return [pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit)]
+
+    def on_blob_unit(self, body: dict) -> list:
+        """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
+        store, s = self.team.store, self.stripes
+        with store.lock:
+            v = store.table.versions.get(body["step"])
+            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+                raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
+            parts = list(v.parts.values())
+            bases, size = blob_layout(parts)
+            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+        u = body["u"]
+        return [b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans))]
+
+    def holdings(self, step: int | None) -> list[dict]:
+        """The manifests we hold of other members (their parts can be rebuilt from parity)."""
+        items = []
+        live = self.team.live()
+        with self.team.store.lock:
+            for (origin, st), m in self.manifests.items():
+                if origin == self.team.rank or (step is not None and st != step):
+                    continue
+                gone = [o for (o, s2) in self.manifests if s2 == st and o not in live]
+                if len(gone) > self.stripes.m:
+                    continue  # more members of the group lost than the code survives
+                item = {"origin": origin, "step": st, "world_size": m["world_size"],
+                        "ranks": sorted(p["rank"] for p in m["parts"]), "via": "parity"}
+                if step is not None:
+                    item["parts"] = m["parts"]
+                items.append(item)
+        return items
+
+    # --- rebuilding a lost member (a request worker) -------------------------------------------
+
+    def rebuild(self, origin: int, step: int, into) -> dict[int, int]:
+        """Rebuild ``origin``'s blob of ``step`` into the writable buffer ``into`` (its size);
+        returns the base of each rank's bytes in it. Raises VersionNotFound when more members
+        of the group are lost than the code survives."""
+        team, s = self.team, self.stripes
+        with team.store.lock:
+            m = self.manifests.get((origin, step))
+            sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
+        if m is None:
+            raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
+        live = team.live()
+        for u in range(s.units(m["size"])):
+            row, pos = s.row_of(origin, u)
+            shards: list = []
+            for d in s.data_members(row):
+                ud = s.unit_in_row(d, row)
+                if d == origin or (d not in live and ud < s.units(sizes.get(d, 0))):
+                    shards.append(None)
+                elif d not in live:
+                    shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
+                else:
+                    shards.append(self._fetch(d, "blob_unit", {"step": step, "u": ud}))
+            for h in s.parity_holders(row):
+                shards.append(None if h not in live else self._fetch(h, "parity_block", {"step": step, "inc": m["inc"], "row": row}))
+            lost = sum(x is None for x in shards)
+            if lost > s.m:
+                raise VersionNotFound(
+                    f"step {step}: node {origin}'s part cannot be rebuilt — row {row} of its parity group "
+                    f"{list(s.members)} lost {lost} of {s.k + s.m} blocks and the code survives {s.m}"
+                )
+            full = recover(s, shards)
+            lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
+            native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
+        team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
+        return {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
+
+    def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
+        if node == self.team.rank:
+            frames = self.on_block(body) if msg_type == "parity_block" else self.on_blob_unit(body)
+        else:
+            try:
+                _, frames = self.team.transport.request(node, msg_type, body, timeout=60.0)
+            except UcpdError as exc:
+                log.warning("team: %s from node %d failed: %s", msg_type, node, exc)
+                return None
+        data = b"".join(bytes(f) for f in frames)
+        return data.ljust(self.stripes.unit, b"\0")
+
+
+def _used(part) -> int:
+    from .team import used_bytes
+
+    return used_bytes(part)
+
+
+def check_rebuilt(parts: dict, into, bases: dict[int, int], what: str) -> None:
+    """Every chunk of every rebuilt tensor against the origin's CRCs; raises ChecksumMismatch."""
+    for rank, part in parts.items():
+        for t in part.tensors:
+            if t.skipped or not t.nbytes:
+                continue
+            lo = bases[rank] + t.offset
+            got = native.crc32c_chunks(memoryview(into)[lo : lo + t.nbytes])
+            if list(got) != list(t.crcs):
+                raise ChecksumMismatch(f"{what}: rank {rank} tensor {t.name!r} rebuilt from parity fails its checksum")
+
