@@ -234,3 +234,16 @@ def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(make_t
         want, _ = rank_state(1, 0, 1, 3)
         with pytest.raises(VersionNotFound, match="lost"):
             ckpt.restore(empty_like_state(want), step=1)
+
+
+def test_when_ram_has_lost_a_step_the_flush_dir_serves_it(make_team, tmp_path):
+    from ucpd.format import list_versions
+
+    flush = str(tmp_path / "flush")
+    team = make_team(3, "--replicas", "0", "--flush-dir", flush)
+    procs, done = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1,), True)
+    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(flush)), "the flush of step 1", 60)
+    ranks.kill(procs)
+    team.lose(2)  # no replicas: node 2's part of step 1 is gone from RAM, but not from disk
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    restore_on(team.run_dirs()[:2], 2, 1, 1, 1)
