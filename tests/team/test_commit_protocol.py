@@ -51,6 +51,7 @@ class Cluster:
         self.visible: dict[int, set[int]] = {i: set() for i in range(n)}
         self.ever_visible: set[int] = set()
         self.crash_at = None  # (node, fn(outputs) -> the outputs that still happen, or None)
+        self.crash_seen = True  # whether the others see a crash_at at once, or only at view()
 
     # --- the observer --------------------------------------------------------------------------
 
@@ -67,7 +68,7 @@ class Cluster:
             if kept is not None:
                 self.crash_at = None
                 self._apply(i, kept, dying=True)
-                self.kill(i)
+                self.kill(i, view=self.crash_seen)
                 return
         self._apply(i, outs)
 
@@ -315,17 +316,18 @@ def test_a_restarted_daemon_keeps_the_steps_it_re_adopted():
 # --- the coordinator killed at each named point of a commit -------------------------------------
 
 def first_send(kind: str, dest: int | None = None):
-    """Outputs that still happen when the coordinator dies after sending one ``kind`` message."""
+    """Outputs that still happen when the coordinator dies after sending one ``kind`` message
+    of step 2 (to ``dest``)."""
     def cut(outs):
         for k, o in enumerate(outs):
-            if isinstance(o, Send) and o.msg["t"] == kind and (dest is None or o.dest == dest):
+            if isinstance(o, Send) and o.msg["t"] == kind and o.msg["step"] == 2 and (dest is None or o.dest == dest):
                 return [p for p in outs[:k + 1] if not isinstance(p, Send) or p is o]
         return None
     return cut
 
 
 def before(kind):
-    """Outputs that still happen when the node dies on reaching an output of type ``kind``."""
+    """Outputs that still happen when the node dies on reaching a ``kind`` action of step 2."""
     def cut(outs):
         for k, o in enumerate(outs):
             if isinstance(o, kind) and o.step == 2:
@@ -352,8 +354,7 @@ def test_the_coordinator_killed_at_each_point_leaves_the_step_on_every_survivor_
     covering_reports(c, 1, range(3))
     c.run()
     c.crash_at = (0, crash)
-    if not view_first:  # the survivors handle what is in flight before they see the crash
-        c.kill = lambda i, view=True, kill=c.kill: kill(i, view=False)
+    c.crash_seen = view_first  # or the survivors handle what is in flight before they see the crash
     covering_reports(c, 2, [1, 2, 0], world=3)  # the coordinator's own report comes last
     c.run()
     assert c.nodes[0] is None, "the crash point was not reached"
@@ -455,7 +456,7 @@ def test_a_rejoined_node_gets_a_commit_that_was_in_progress():
 
 GOOD = {"t": "protected", "step": 3, "world": 2, "ranks": [1], "e": 5}
 BAD = [
-    None, [], "protected", {}, {"t": "nope"}, {"t": 1},
+    None, [], "protected", {}, {"t": "nope"}, {"t": 1}, {"t": ["record"]}, {1: 2},
     {**GOOD, "extra": 1}, {k: v for k, v in GOOD.items() if k != "e"},
     {**GOOD, "step": -1}, {**GOOD, "step": 1.5}, {**GOOD, "step": True}, {**GOOD, "step": "3"}, {**GOOD, "step": 1 << 64},
     {**GOOD, "world": 0}, {**GOOD, "ranks": []}, {**GOOD, "ranks": [2]}, {**GOOD, "ranks": [1, 1]},

@@ -80,13 +80,13 @@ def _steps(v, what: str, most: int) -> tuple[int, ...]:
     return tuple(_int(s, what, 0, MAX_STEP) for s in v)
 
 
-def _report(step, world, ranks, what: str = "protected") -> tuple[int, int, frozenset[int]]:
+def _report(step, world, ranks) -> tuple[int, int, frozenset[int]]:
     step, world = _int(step, "step", 0, MAX_STEP), _int(world, "world", 1, MAX_WORLD)
     if not isinstance(ranks, (list, tuple)) or not 0 < len(ranks) <= world:
-        raise ProtocolError(f"commit message: {what} ranks must be a non-empty list of at most {world} ranks")
+        raise ProtocolError(f"commit message: ranks must be a non-empty list of at most {world} ranks")
     got = frozenset(_int(r, "rank", 0, world - 1) for r in ranks)
     if len(got) != len(ranks):
-        raise ProtocolError(f"commit message: {what} ranks repeat a rank")
+        raise ProtocolError("commit message: ranks repeat a rank")
     return step, world, got
 
 
@@ -105,7 +105,7 @@ _FIELDS = {
 
 def parse(msg) -> dict:
     """Validate a peer message; return it with fields normalized. Raises ProtocolError."""
-    if not isinstance(msg, dict) or msg.get("t") not in _FIELDS:
+    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or msg["t"] not in _FIELDS:
         raise ProtocolError(f"commit message must be a map whose 't' is one of {sorted(_FIELDS)}")
     t = msg["t"]
     if set(msg) != _FIELDS[t] | {"t"}:
