@@ -63,6 +63,18 @@ def test_slots_are_reused_and_keep_bounds_the_versions_in_ram(shm):
     assert store.table.find(1).state is VersionState.EVICTED
 
 
+def test_a_pinned_old_version_never_makes_a_newer_one_go_in_its_place(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1)
+    store.table.find(1).pins += 1  # being flushed, or read by a restore
+    seal(store, 0, 2)
+    seal(store, 0, 3)
+    assert [v.step for v in store.table.committed()] == [1, 2, 3]  # 1 waits for its unpinning
+    store.table.find(1).pins -= 1
+    store.enforce_keep()
+    assert [v.step for v in store.table.committed()] == [2, 3]
+
+
 def test_memory_limit_refuses_and_keeps_the_newest_committed(shm):
     store = NodeStore(shm, 4 * MiB, keep=1)
     seal(store, 0, 1)  # 2 MiB slot (rounded)

@@ -234,14 +234,14 @@ class NodeStore:
         ]
 
     def enforce_keep(self) -> bool:
-        """Evict committed versions beyond ``keep`` and incomplete ones that can never commit."""
+        """Evict committed versions older than the newest ``keep`` and incomplete ones that can
+        never commit. A pinned old version (being flushed or read) waits for its unpinning; it
+        never makes a newer one go in its place."""
         freed = False
-        surplus = len(self.table.committed()) - self.keep
+        newest = {v.step for v in self.table.committed()[-self.keep :]} if self.keep > 0 else set()
         for v in self._evictable():
-            if v.state in RESTORABLE:
-                if surplus <= 0:
-                    continue
-                surplus -= 1
+            if v.state in RESTORABLE and v.step in newest:
+                continue
             self._evict(v)
             freed = True
         return freed
