@@ -35,7 +35,8 @@ class Connection:
     def _connect(self) -> None:
         self._sock = zmq.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for a daemon that is not there
+        # no ZMQ_IMMEDIATE: with it, a reply still unread when the daemon closes the connection
+        # (the shutdown reply) is dropped; a request to a daemon that is gone times out instead
         self._sock.connect(self.address)
 
     def _reconnect(self) -> None:
@@ -50,7 +51,7 @@ class Connection:
         self._sock.setsockopt(zmq.SNDTIMEO, int(1000 * (self.timeout if timeout is None else timeout)))
         try:
             self._sock.send(frame)
-        except zmq.Again:  # no connection to a daemon (IMMEDIATE): it is gone or not up yet
+        except zmq.Again:  # the send queue stayed full for the whole timeout: the daemon is not reading
             self._reconnect()
             raise DaemonUnreachable(
                 f"cannot reach the daemon at {self.run_dir}; check `ucpd status --run-dir {self.run_dir}`"

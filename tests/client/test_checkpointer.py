@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 import torch
 
@@ -145,7 +146,12 @@ def test_embedded_daemon_starts_and_outlives_the_trainer(tmp_path, dirs):
         t = {"w": torch.zeros(6)}
         assert ckpt.restore(t) == 3
         assert torch.equal(t["w"], torch.arange(6.0))
-        ckpt._conn().call("shutdown")
+        pid = ckpt.daemon_info["pid"]
+    # stop what the trainer started (the shutdown request is test_status.py's business)
+    embedded = psutil.Process(pid)
+    embedded.terminate()
+    embedded.wait(10)  # not our child: no exit code, but a clean exit removes the socket
+    assert not os.path.exists(os.path.join(run, "ucpd.sock"))
 
 
 def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemon, dirs):

@@ -7,9 +7,10 @@ import subprocess
 import sys
 import urllib.request
 
+import psutil
+import pytest
 import torch
 
-from helpers.ranks import free_port
 from ucpd_client import Checkpointer
 
 
@@ -38,13 +39,37 @@ def test_status_without_a_daemon_says_how_to_start_one(tmp_path):
 
 
 def test_stop_ends_the_daemon(daemon):
-    assert ucpd("stop", "--run-dir", daemon.run_dir).returncode == 0
+    out = ucpd("stop", "--run-dir", daemon.run_dir)
+    assert out.returncode == 0, out.stderr
     assert daemon.proc.wait(10) == 0
 
 
+def test_the_shutdown_reply_is_not_lost_when_the_daemon_closes_its_socket(daemon):
+    """`test_stop_ends_the_daemon` made deterministic: the client reads the reply only after the
+    daemon has replied, closed its socket and exited."""
+    from ucpd import protocol
+    from ucpd.rpc import Connection
+
+    with Connection(daemon.run_dir, timeout=10) as conn:
+        conn._sock.send(protocol.request("shutdown", 1))
+        assert daemon.proc.wait(10) == 0
+        assert conn._sock.poll(2000), "the shutdown reply was dropped"
+        assert protocol.decode_reply(conn._sock.recv()) == (1, {}, None)
+
+
+def listening_port(pid: int) -> int:
+    """The TCP port a process listens on (the daemon binds --metrics-port 0 to a free one: a port
+    chosen in advance could be taken by another process before the daemon binds it)."""
+    proc = psutil.Process(pid)
+    conns = proc.net_connections(kind="tcp") if hasattr(proc, "net_connections") else proc.connections(kind="tcp")
+    ports = [c.laddr.port for c in conns if c.status == psutil.CONN_LISTEN]
+    assert len(ports) == 1, ports
+    return ports[0]
+
+
 def test_metrics_are_scrapable(make_daemon):
-    port = free_port()
-    d = make_daemon("--metrics-port", str(port), "--mem-limit", "256M", flush=False)
+    d = make_daemon("--metrics-port", "0", "--mem-limit", "256M", flush=False)
+    port = listening_port(d.pid)
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.ones(16)}).wait()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

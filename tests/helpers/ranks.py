@@ -9,6 +9,11 @@ import time
 
 import torch.multiprocessing as mp
 
+# Set per test by the autouse fixture in tests/conftest.py: where rendezvous files go (the test's
+# tmp_path, never the shared temp dir) and the list of rank processes it must stop afterwards.
+WORKDIR: str | None = None
+STARTED: list = []
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,10 +35,12 @@ def spawn(target, world: int, *args, wait_for: int | None = None, timeout: float
     messages)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    rendezvous = os.path.join(tempfile.mkdtemp(prefix="ucpd-gloo-"), "rendezvous")
+    # a new file for every group: a file store must never be reused
+    rendezvous = os.path.join(tempfile.mkdtemp(prefix="gloo-", dir=WORKDIR), "rendezvous")
     procs = [ctx.Process(target=target, args=(r, world, rendezvous, q, *args), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
+        STARTED.append(p)
     messages = []
     deadline = time.monotonic() + timeout
     while len(messages) < (world if wait_for is None else wait_for):
