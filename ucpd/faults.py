@@ -23,17 +23,30 @@ _SPEC = os.environ.get("UCPD_FAULT", "")
 NAME, _, _STEP = _SPEC.partition("@")
 
 
+_dying = False
+
+
 def point(name: str, step: int | None = None, settle: float = 0.0) -> None:
     """Crash here (SIGKILL, no clean-up) if ``$UCPD_FAULT`` names this point (and step).
 
-    ``settle``: seconds to let queued messages leave first (a send is asynchronous)."""
+    ``settle``: let what was already sent leave first (a send is asynchronous, and the caller
+    may be the very thread that writes the socket): the kill comes ``settle`` seconds later
+    from another thread, and from now on ``dying()`` tells callers to act no more."""
+    global _dying
     if not NAME or name != NAME or (_STEP and str(step) != _STEP):
         return
     if settle:
-        import time
+        import threading
 
-        time.sleep(settle)
+        _dying = True
+        threading.Timer(settle, os.kill, (os.getpid(), signal.SIGKILL)).start()
+        return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+def dying() -> bool:
+    """A crash point fired with a settle time: the process is as good as dead."""
+    return _dying
 
 
 def armed() -> bool:

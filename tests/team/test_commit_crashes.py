@@ -53,7 +53,7 @@ CASES = [
 @pytest.mark.parametrize("victim,point,expected", CASES, ids=[c[1] for c in CASES])
 def test_a_crash_at_each_point_of_a_commit_leaves_it_on_every_survivor_or_on_none(make_team, monkeypatch, victim, point, expected):
     monkeypatch.setenv("UCPD_RPC_TIMEOUT", "10")
-    team = make_team(3, "--replicas", "1", start=False)
+    team = make_team(3, "--replicas", "1", "--log-level", "DEBUG", start=False)
     for i in range(3):
         team.start(i, fault=f"{point}@2" if i == victim else None)
     procs, results = ranks.spawn(two_steps, 3, team.run_dirs(), timeout=120)

@@ -125,7 +125,9 @@ def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(mak
     # node 2's part (held by node 0) and node 1's part (its copy was on node 2) are copied again
     wait_for(lambda: status(team.nodes[0].run_dir)["team"]["healing"]["done"] >= 1, "re-protection by node 0", 30)
     wait_for(lambda: status(team.nodes[1].run_dir)["team"]["healing"]["done"] >= 1, "re-protection by node 1", 30)
-    assert status(team.nodes[2].run_dir)["team"]["team_latest"] == 2  # the newcomer learned what is committed
+    # the re-protection may finish before the newcomer is up (onto the other survivor): what the
+    # newcomer learns from the coordinator comes when it joins
+    wait_for(lambda: status(team.nodes[2].run_dir)["team"]["team_latest"] == 2, "the newcomer to learn step 2 is committed", 30)
 
     team.lose(0)  # a second loss, of a node holding copies
     wait_for(lambda: not status(team.nodes[1].run_dir)["team"]["nodes"][0]["live"], "node 0 to be declared dead")

@@ -163,6 +163,8 @@ class Team:
             self._fault_points(outputs, before=True)
         sent = set()
         for out in outputs:
+            if faults.dying():
+                return
             if isinstance(out, Send):
                 self.transport.send(out.dest, "commit", {"m": out.msg})
                 kind = out.msg.get("t")
