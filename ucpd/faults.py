@@ -12,6 +12,10 @@ Named points (each crash is covered by a test in ``tests/team/``):
 - ``commit.recorded``        every live node recorded the decision; nobody made it visible yet
 - ``commit.visible_one``     the coordinator sent the final commit to one node only
 - ``replicate.mid``          a node sent half of its part to a replica holder
+
+And one refusal (``once``): the daemon goes on, the operation fails once.
+
+- ``replica.refuse``         a holder refuses a replica (no room, say) while staying live
 """
 
 from __future__ import annotations
@@ -42,6 +46,18 @@ def point(name: str, step: int | None = None, settle: float = 0.0) -> None:
         threading.Timer(settle, os.kill, (os.getpid(), signal.SIGKILL)).start()
         return
     os.kill(os.getpid(), signal.SIGKILL)
+
+
+_fired: set[str] = set()
+
+
+def once(name: str, step: int | None = None) -> bool:
+    """True the first time the code passes here if ``$UCPD_FAULT`` names this point (and step):
+    the caller then fails the operation as it would for a real fault, and goes on."""
+    if not NAME or name != NAME or (_STEP and str(step) != _STEP) or name in _fired:
+        return False
+    _fired.add(name)
+    return True
 
 
 def dying() -> bool:

@@ -134,6 +134,25 @@ def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(mak
     restore_on(team.run_dirs()[1:], 2, 1, 1, 2)  # 2 ranks on nodes 1 and 2 restore step 2
 
 
+def test_a_copy_refused_by_a_live_holder_is_tried_again_until_the_step_is_protected(make_team):
+    team = make_team(2, "--replicas", "1", start=False)
+    team.start(0)
+    team.start(1, fault="replica.refuse@1")  # node 1 refuses node 0's copy of step 1 once, stays live
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 1, (1,), True)
+    ranks.kill(procs)
+
+    def health(node):
+        return {v["step"]: v["health"] for v in status(team.nodes[node].run_dir)["team"]["versions"]}
+
+    assert all(m[2] == 1 for m in done)  # committed, degraded (no view change will come)
+    wait_for(lambda: health(0).get(1) == "healthy", "node 0's step 1 to be copied again", 30)
+    s = status(team.nodes[0].run_dir)["team"]
+    assert s["counters"]["push_failures"] >= 1 and s["healing"]["done"] >= 1
+    team.lose(0)
+    wait_for(lambda: not status(team.nodes[1].run_dir)["team"]["nodes"][0]["live"], "node 0 to be declared dead")
+    restore_on(team.run_dirs()[1:], 1, 1, 1, 1)  # the copy made by the retry serves
+
+
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
     import glob
 

@@ -40,6 +40,7 @@ log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per replica_data message (split into transport frames)
 FETCH_PREFIX = "fetch-"
+HEAL_RETRY = 2.0  # seconds between retries of a version left with fewer copies than wanted
 
 
 def used_bytes(part: RankPart) -> int:
@@ -77,6 +78,8 @@ class Team:
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
         self.pushed: dict[int, _Pushed] = {}
         self.healing = {"pending": 0, "done": 0, "bytes": 0, "failed": 0}
+        self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
+        self._heal_queued = False
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0}
         self.store = None
         self.replicas: ReplicaStore | None = None
@@ -156,7 +159,20 @@ class Team:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in view.rejoined:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+            self._queue_heal(now)
+        elif now >= self._heal_due and self._under_protected(self.live()):
+            self._queue_heal(now)  # a copy that failed while its holder stayed live: try again
+
+    def _queue_heal(self, now: float) -> None:
+        self._heal_due = now + HEAL_RETRY
+        if not self._heal_queued:
+            self._heal_queued = True
             self._work.put(("heal", 0))
+
+    def _under_protected(self, live: frozenset[int]) -> bool:
+        """Whether one of our protected versions has fewer live copies than the view allows."""
+        can = min(self.config.replicas, len(live) - 1)
+        return any(rec.protected and len(rec.holders & live) < can for rec in list(self.pushed.values()))
 
     def _apply(self, outputs: list) -> None:
         if faults.armed():
@@ -306,6 +322,7 @@ class Team:
 
         Our own versions: copy to the holders the current view designates. A part whose origin
         is gone and that we hold: the lowest live holder copies it to more nodes."""
+        self._heal_queued = False
         wanted = self.config.replicas
         if not wanted:
             return
@@ -384,6 +401,8 @@ class Team:
             self.counters["peer_bad_messages"] += 1
             raise
         if msg_type == "replica_begin":
+            if faults.once("replica.refuse", b["step"]):
+                raise UcpdError(f"node {self.rank} refuses the copy of step {b['step']} (fault injected)")
             self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"])
             return {}, []
         if msg_type == "replica_data":
