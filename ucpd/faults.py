@@ -16,6 +16,10 @@ Named points (each crash is covered by a test in ``tests/team/``):
 And one refusal (``once``): the daemon goes on, the operation fails once.
 
 - ``replica.refuse``         a holder refuses a replica (no room, say) while staying live
+
+And one stall (``stall``): the code waits a few seconds once, as a slow disk or network would.
+
+- ``flush.fetch``            node 0's flush waits between pinning other nodes' parts and fetching them
 """
 
 from __future__ import annotations
@@ -58,6 +62,14 @@ def once(name: str, step: int | None = None) -> bool:
         return False
     _fired.add(name)
     return True
+
+
+def stall(name: str, step: int | None = None, seconds: float = 3.0) -> None:
+    """Sleep ``seconds`` the first time the code passes here if ``$UCPD_FAULT`` names it."""
+    if once(name, step):
+        import time
+
+        time.sleep(seconds)
 
 
 def dying() -> bool:

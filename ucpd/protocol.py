@@ -258,6 +258,14 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot; reply payload: one buffer per range",
         ),
         MessageType(
+            "pin",
+            {"lease": _str, "origin": _int(0, MAX_RANKS), "step": _int()},
+            {},
+            "keep origin's part of step (own RAM or a replica) until `unpin` of the lease, or until the lease "
+            "expires or its holder is declared dead (a flush or restore reading it); reply: {}",
+        ),
+        MessageType("unpin", {"lease": _str}, {}, "release what a `pin` of this lease kept; one-way"),
+        MessageType(
             "parity_manifest",
             {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
              "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)},

@@ -221,6 +221,23 @@ def test_the_flush_of_a_team_holds_every_nodes_part_consolidated(make_team, make
     restore_on([d.run_dir], 1, 1, 1, 2)  # one rank holds the whole model: both nodes' shards, from disk
 
 
+def test_a_flush_reading_another_nodes_ram_keeps_that_part_until_it_is_fetched(make_team, tmp_path):
+    from ucpd.format import list_versions
+
+    flush = str(tmp_path / "flush")
+    team = make_team(2, "--replicas", "0", "--keep", "2", "--flush-dir", flush, start=False)
+    team.start(0, fault="flush.fetch@1")  # a slow flush: 3 s between pinning node 1's part and reading it
+    team.start(1)
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1, 2, 3, 4), False)
+    ranks.join(procs)
+    # meanwhile steps 2-4 committed: node 1 (keep 2) would have evicted step 1 without the pin
+    assert sorted(m[2] for m in done) == [4, 4], team.logs()
+    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(flush)), "the flush of step 1", 60)
+    assert status(team.nodes[0].run_dir)["flush"]["last_error"] is None
+    # once fetched, the pin is gone and node 1 keeps only its 2 newest again
+    wait_for(lambda: [v["step"] for v in status(team.nodes[1].run_dir)["versions"]] == [3, 4], "node 1 to evict step 1", 20)
+
+
 @pytest.mark.parametrize("nodes,parity,lose", [(4, "3", (3,)), (6, "4+2", (4, 5))], ids=["xor-3+1", "rs-4+2"])
 def test_parity_groups_rebuild_lost_nodes_and_a_job_on_the_survivors_restores(make_team, monkeypatch, nodes, parity, lose):
     monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")  # several rows even for this small state

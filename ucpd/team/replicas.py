@@ -174,8 +174,13 @@ class ReplicaStore:
                 self._free(rep)
 
     def unpin(self, rep: Replica) -> None:
+        """A reader is done with ``rep``; a replica kept past ``keep`` only for it goes now."""
         with self.lock:
             rep.pins -= 1
+            if not rep.pins:
+                steps = [s for (o, s) in self.held if o == rep.origin]
+                if steps:
+                    self._drop_old(rep.origin, max(steps))
 
     def close(self) -> None:
         with self.lock:

@@ -41,6 +41,7 @@ log = logging.getLogger("ucpd.team")
 DATA_BATCH = 32 << 20  # bytes per replica_data message (split into transport frames)
 FETCH_PREFIX = "fetch-"
 HEAL_RETRY = 2.0  # seconds between retries of a version left with fewer copies than wanted
+PIN_LEASE = 600.0  # seconds a peer's pin (a flush or restore reading our RAM) lasts at most
 
 
 def used_bytes(part: RankPart) -> int:
@@ -79,6 +80,7 @@ class Team:
         self.pushed: dict[int, _Pushed] = {}
         self.healing = {"pending": 0, "done": 0, "bytes": 0, "failed": 0}
         self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
+        self._leases: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
         self._heal_queued = False
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0}
         self.store = None
@@ -155,6 +157,7 @@ class Team:
             out = self.commit.on_view(view.live, now) if view is not None else []
             out += self.commit.on_tick(now)
         self._apply(out)
+        self._expire_leases(now)
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in view.rejoined:
@@ -388,6 +391,8 @@ class Team:
                 self._apply(out)
             elif msg_type == "hello":
                 self.domains[src] = protocol.validate_peer(msg_type, body)["domain"]
+            elif msg_type == "unpin":
+                self._end_lease((src, protocol.validate_peer(msg_type, body)["lease"]))
             else:
                 protocol.validate_peer(msg_type, body)
         except UcpdError as exc:
@@ -423,11 +428,47 @@ class Team:
             if msg_type == "parity_block":
                 return {}, self.parity.on_block(b)
             return {}, self.parity.on_blob_unit(b)
+        if msg_type == "pin":
+            self._pin_for(src, b["lease"], b["origin"], b["step"])
+            return {}, []
         if msg_type == "holdings":
             return {"node": self.rank, "items": self._holdings(b.get("step"))}, []
         if msg_type == "fetch":
             return {}, self._serve_fetch(b["origin"], b["step"], b["rank"], b["ranges"])
         raise protocol.ProtocolError(f"peer message {msg_type!r} is not a request")
+
+    # --- leases: a peer reading our RAM keeps it from eviction ---------------------------------------
+
+    def _pin_for(self, src: int, lease: str, origin: int, step: int) -> None:
+        with self.store.lock:
+            if origin == self.rank:
+                obj = self.store.table.versions.get(step)
+                if obj is None or not obj.parts or obj.state not in (VersionState.COMPLETE, *RESTORABLE):
+                    raise VersionNotFound(f"node {self.rank} no longer holds its part of step {step}")
+            else:
+                obj = self.replicas.get(origin, step)
+                if obj is None:
+                    raise VersionNotFound(f"node {self.rank} holds no copy of node {origin}'s step {step}")
+            obj.pins += 1
+            _, pinned = self._leases.setdefault((src, lease), (time.monotonic() + PIN_LEASE, []))
+            pinned.append(obj)
+
+    def _end_lease(self, key: tuple[int, str]) -> None:
+        with self.store.lock:
+            _, pinned = self._leases.pop(key, (0.0, []))
+            for obj in pinned:
+                if isinstance(obj, Version):
+                    obj.pins -= 1
+                else:
+                    self.replicas.unpin(obj)
+            if pinned:
+                self.store.enforce_keep()  # what waited for the reader goes now
+
+    def _expire_leases(self, now: float) -> None:
+        live = self.live()
+        for key in [k for k, (expires, _) in list(self._leases.items()) if expires < now or k[0] not in live]:
+            log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", key[0])
+            self._end_lease(key)
 
     # --- what we hold ------------------------------------------------------------------------------
 
@@ -513,7 +554,35 @@ class Team:
 
     def restore_sources(self, step: int | None) -> "TeamSources":
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
-        first: our RAM, a replica we hold, a live peer. Raises VersionNotFound naming what is lost."""
+        first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
+        (a lease) until released. Raises VersionNotFound naming what is lost."""
+        for attempt in range(3):
+            got = self._plan_sources(step)
+            try:
+                self._lease_peers(got)
+                return got
+            except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
+                with self.store.lock:
+                    got.release()
+                if attempt == 2:
+                    raise
+                log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
+        raise AssertionError("unreachable")
+
+    def _lease_peers(self, got: "TeamSources") -> None:
+        lease = uuid.uuid4().hex[:16]
+        for node, origin in sorted({(w[1], w[2]) for w in got.where.values() if w[0] == "peer"}):
+            try:
+                self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+            except VersionNotFound:
+                raise
+            except UcpdError as exc:
+                raise VersionNotFound(f"step {got.step}: node {node} did not pin node {origin}'s part: {exc}") from None
+            finally:
+                if (node, lease) not in got.leases:
+                    got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
+
+    def _plan_sources(self, step: int | None) -> "TeamSources":
         if step is None:
             step = self.latest()
             if step is None:
@@ -657,8 +726,9 @@ class Team:
     def gather_for_flush(self, version):
         """The flusher's ``gather``: every rank's part of a committed version, the other nodes'
         fetched whole into one local file (each byte crosses the network once)."""
-        got = self.restore_sources(version.step)
+        got = self.restore_sources(version.step)  # pins on the peers what is read from them
         try:
+            faults.stall("flush.fetch", version.step)
             remote = {r: w for r, w in got.where.items() if w[0] == "peer"}
             sizes = {r: used_bytes(got.parts[r]) for r in remote}
             bases, total = {}, 0
@@ -676,6 +746,7 @@ class Team:
                     native.copy(memoryview(mm)[bases[r] + at : bases[r] + at + n], buf)
                     at += n
                 self.counters["fetched_bytes"] += sizes[r]
+            got.unpin_peers()
             maps: dict = {}
             for r, (kind, a, b) in got.where.items():
                 if kind == "local":
@@ -756,6 +827,7 @@ class Team:
                         s["path"], s["offset"] = path, at
                         at += (s["nbytes"] + 63) // 64 * 64
                         self.counters["fetched_bytes"] += s["nbytes"]
+            sources.unpin_peers()  # all here: the peers may evict it again
         finally:
             mm.close()
         return plan
@@ -830,9 +902,17 @@ class TeamSources:
     def __init__(self, step, sources, objects, pins, team) -> None:
         self.step, self.sources, self.objects, self.pins, self.team = step, sources, objects, pins, team
         self.files: list[str] = []
+        self.leases: list[tuple[int, str]] = []  # (peer, lease) pinning what we read from peers
+
+    def unpin_peers(self) -> None:
+        """Everything needed from the peers is here: let them evict it again."""
+        for node, lease in self.leases:
+            self.team.transport.send(node, "unpin", {"lease": lease})
+        self.leases = []
 
     def release(self) -> None:
         """The client finished reading: unpin, delete fetched copies (caller holds the store lock)."""
+        self.unpin_peers()
         for p in self.pins:
             p.pins -= 1
         self.pins = []
