@@ -117,6 +117,40 @@ def test_typed_error_from_on_request_reaches_requester():
             a.t.request(1, "missing", {})
 
 
+def test_a_request_answered_later_from_another_thread_leaves_the_io_thread_free():
+    """on_request may return a Future: the reply goes out when a worker completes it, and the
+    I/O thread meanwhile receives and answers other messages."""
+    from concurrent.futures import Future
+
+    release = threading.Event()
+    slow: list[Future] = []
+
+    def handler(src, msg_type, body, frames):
+        if msg_type == "slow":
+            f = Future()
+            slow.append(f)
+            threading.Thread(target=lambda: (release.wait(5), f.set_result(({"done": body["n"]}, [b"late"])))).start()
+            return f
+        if msg_type == "slow_fail":
+            f = Future()
+            threading.Thread(target=lambda: f.set_exception(VersionNotFound("gone meanwhile"))).start()
+            return f
+        return {"fast": True}, []
+
+    with team(2, handler=handler) as (a, b):
+        answer: list = []
+        waiter = threading.Thread(target=lambda: answer.append(a.t.request(1, "slow", {"n": 7})))
+        waiter.start()
+        wait_until(lambda: slow)
+        assert a.t.request(1, "quick", {}, timeout=2)[0] == {"fast": True}  # not stuck behind "slow"
+        release.set()
+        waiter.join(5)
+        body, frames = answer[0]
+        assert body == {"done": 7} and [bytes(f) for f in frames] == [b"late"]
+        with pytest.raises(VersionNotFound, match="gone meanwhile"):
+            a.t.request(1, "slow_fail", {})
+
+
 def test_heartbeats_call_on_heartbeat_with_incarnation():
     with team(3, heartbeat_interval=0.05) as nodes:
         seen = set()

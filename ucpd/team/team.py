@@ -39,6 +39,7 @@ from .replicas import ReplicaStore, verify_part_crcs
 log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per replica_data message (split into transport frames)
+PUSH_IN_FLIGHT = 4  # replica_data batches a push keeps unacknowledged
 FETCH_PREFIX = "fetch-"
 HEAL_RETRY = 2.0  # seconds between retries of a version left with fewer copies than wanted
 PIN_LEASE = 600.0  # seconds a peer's pin (a flush or restore reading our RAM) lasts at most
@@ -91,7 +92,8 @@ class Team:
 
             self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit())
         self._work: queue.Queue = queue.Queue()
-        self._pushers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-push")
+        self._pushers = ThreadPoolExecutor(PUSH_IN_FLIGHT, thread_name_prefix="ucpd-push")
+        self._receivers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-receive")
         self._stopping = False
         self.transport = PeerTransport(
             self.rank,
@@ -131,6 +133,7 @@ class Team:
         self._stopping = True
         self._work.put(("stop", 0))
         self._pushers.shutdown(wait=False, cancel_futures=True)
+        self._receivers.shutdown(wait=False, cancel_futures=True)
         self.transport.close()
         if self.replicas is not None:
             self.replicas.close()
@@ -298,7 +301,7 @@ class Team:
                     [read(p.rank, off, n)], timeout=60.0,
                 )
 
-            # two batches in flight: the holder copies one while the next is on the wire; each
+            # PUSH_IN_FLIGHT batches in flight: the holder copies some while others are on the wire; each
             # is acknowledged, so replica_end (a small message that may overtake queued bulk
             # frames) is sent only after every byte arrived
             for _ in self._pushers.map(put, enumerate(batches)):
@@ -410,12 +413,12 @@ class Team:
                 raise UcpdError(f"node {self.rank} refuses the copy of step {b['step']} (fault injected)")
             self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"])
             return {}, []
+        # the copy into the replica file and the final check of every chunk run on the holder's
+        # workers, so that the I/O thread goes on receiving the next batches meanwhile
         if msg_type == "replica_data":
-            self.replicas.write(b["origin"], b["step"], b["rank"], b["offset"], frames)
-            return {}, []
+            return self._receivers.submit(self._replica_write, b, frames)
         if msg_type == "replica_end":
-            self.replicas.finish(b["origin"], b["step"], b["frames"])
-            return {}, []
+            return self._receivers.submit(self._replica_finish, b)
         if msg_type.startswith("parity_") or msg_type == "blob_unit":
             if self.parity is None:
                 raise protocol.ProtocolError(f"node {self.rank} keeps no parity (started without --parity)")
@@ -436,6 +439,14 @@ class Team:
         if msg_type == "fetch":
             return {}, self._serve_fetch(b["origin"], b["step"], b["rank"], b["ranges"])
         raise protocol.ProtocolError(f"peer message {msg_type!r} is not a request")
+
+    def _replica_write(self, b: dict, frames: list) -> tuple[dict, list]:
+        self.replicas.write(b["origin"], b["step"], b["rank"], b["offset"], frames)
+        return {}, []
+
+    def _replica_finish(self, b: dict) -> tuple[dict, list]:
+        self.replicas.finish(b["origin"], b["step"], b["frames"])
+        return {}, []
 
     # --- leases: a peer reading our RAM keeps it from eviction ---------------------------------------
 

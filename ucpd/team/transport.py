@@ -178,7 +178,9 @@ class PeerTransport:
 
     ``on_message(src, type, body, frames)`` receives one-way messages; ``on_request(src, type,
     body, frames)`` answers requests with ``(reply body, reply payload buffers)`` and may raise
-    a ``UcpdError`` that the requester gets back typed; ``on_heartbeat(src, incarnation)`` sees
+    a ``UcpdError`` that the requester gets back typed, or returns a ``concurrent.futures.Future``
+    of that pair to answer later from another thread (the I/O thread goes on receiving
+    meanwhile); ``on_heartbeat(src, incarnation)`` sees
     every heartbeat. All three run on the I/O thread. Received frames are read-only memoryviews
     that stay valid while referenced. Reply payload buffers are sent zero-copy like ``send()``'s:
     do not overwrite them until the requester has them.
@@ -657,7 +659,20 @@ class PeerTransport:
 
     def _answer(self, src: int, req_id: int, msg_type: str, body: dict, payload: list[memoryview]) -> None:
         try:
-            reply, reply_payload = self._on_request(src, msg_type, body, payload)
+            result = self._on_request(src, msg_type, body, payload)
+        except Exception as exc:  # answered below, as a failed future would be
+            result = Future()
+            result.set_exception(exc)
+        if isinstance(result, Future):  # answered later, from the thread that completes it
+            result.add_done_callback(lambda f: self._enqueue(self._reply(src, req_id, msg_type, f)))
+        else:
+            done: Future = Future()
+            done.set_result(result)
+            self._inbox.append(self._reply(src, req_id, msg_type, done))
+
+    def _reply(self, src: int, req_id: int, msg_type: str, result: Future) -> _Out:
+        try:
+            reply, reply_payload = result.result()
             out, _ = self._prepare(src, msg_type, reply, reply_payload, reply_to=req_id)
         except UcpdError as exc:
             out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id, err=[exc.code, str(exc)])
@@ -666,7 +681,7 @@ class PeerTransport:
             log.exception("node %d: answering %r from node %d failed", self.rank, msg_type, src)
             out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id,
                                    err=["internal", f"node {self.rank} failed on {msg_type!r}: {exc!r}"])
-        self._inbox.append(out)
+        return out
 
 
 def _ensure_fd_limit(needed: int) -> None:
