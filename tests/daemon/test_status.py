@@ -70,6 +70,7 @@ def listening_port(pid: int) -> int:
 def test_metrics_are_scrapable(make_daemon):
     d = make_daemon("--metrics-port", "0", "--mem-limit", "256M", flush=False)
     port = listening_port(d.pid)
+    assert json.loads(ucpd("status", "--json", "--run-dir", d.run_dir).stdout)["metrics_port"] == port
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.ones(16)}).wait()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

@@ -58,6 +58,8 @@ def collect(daemon) -> dict:
         "versions": versions,
         "slots": slots,
         "clients": len(daemon._clients),
+        # where Prometheus scrapes /metrics (the bound port, also when --metrics-port 0 chose one)
+        "metrics_port": daemon.metrics.port if daemon.metrics is not None else None,
         "flush": flush,
         "redundancy": {"level": "L0 (this node's RAM)", "healthy": True}
         if daemon.team is None
@@ -88,6 +90,8 @@ def render(status: dict, console) -> None:
     head.add_row("memory", f"{_size(status['mem_used'])} of {_size(status['mem_limit'])} in slots {status['slots']}")
     head.add_row("latest committed", str(status["latest_committed"]))
     head.add_row("redundancy", f"{status['redundancy']['level']}, {'healthy' if status['redundancy']['healthy'] else 'DEGRADED'}")
+    if status.get("metrics_port") is not None:
+        head.add_row("metrics", f"http://127.0.0.1:{status['metrics_port']}/metrics")
     c = status["counters"]
     head.add_row("counters", ", ".join(f"{k}={v}" for k, v in c.items()))
     console.print(head)
