@@ -16,6 +16,7 @@ Named points (each crash is covered by a test in ``tests/team/``):
 And one refusal (``once``): the daemon goes on, the operation fails once.
 
 - ``replica.refuse``         a holder refuses a replica (no room, say) while staying live
+- ``parity.flip``            a group member serves a data unit or parity block with one bit flipped
 
 And one stall (``stall``): the code waits a few seconds once, as a slow disk or network would.
 

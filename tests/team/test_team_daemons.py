@@ -256,6 +256,21 @@ def test_parity_groups_rebuild_lost_nodes_and_a_job_on_the_survivors_restores(ma
     assert status(team.nodes[survivors[0]].run_dir)["team"]["counters"].get("parity_rebuilt_bytes", 0) > 0
 
 
+def test_a_flipped_bit_in_a_parity_block_is_detected_and_the_rebuild_goes_around_it(make_team, monkeypatch):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
+    team = make_team(6, "--parity", "4+2", start=False)
+    for i in range(6):
+        team.start(i, fault="parity.flip@2" if i == 4 else None)  # node 4 serves one block with a bit flipped
+    procs, done = ranks.spawn(snapshot_ranks, 6, team.run_dirs(), 1, 1, (1, 2), True, timeout=240)
+    assert sorted(m[2] for m in done) == [2] * 6, team.logs()
+    ranks.kill(procs)
+    team.lose(5)  # one loss: RS 4+2 has a block to spare in every row
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][5]["live"], "node 5 to be declared dead")
+    restore_on([team.nodes[i].run_dir for i in range(5)], 5, 1, 1, 2)  # bit for bit
+    errors = [status(team.nodes[i].run_dir)["team"]["counters"]["parity_checksum_errors"] for i in range(5)]
+    assert sum(errors) >= 1, errors  # the flipped block was caught, not served
+
+
 def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(make_team, monkeypatch):
     monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
     team = make_team(3, "--parity", "2")

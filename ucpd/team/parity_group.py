@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 
-from .. import native, protocol
+from .. import faults, native, protocol
 from ..daemon.versions import RESTORABLE, VersionState
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
 from .placement import group_of, parity_groups
@@ -147,7 +147,7 @@ class ParityGroup:
     def on_block(self, body: dict) -> list:
         with self.team.store.lock:
             pb = self.blocks.get((body["step"], body["inc"]))
-            return [pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit)]
+            return [_flipped(pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
         """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
@@ -160,7 +160,7 @@ class ParityGroup:
             bases, size = blob_layout(parts)
             spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
         u = body["u"]
-        return [b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans))]
+        return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
     def holdings(self, step: int | None) -> list[dict]:
         """The manifests we hold of other members (their parts can be rebuilt from parity)."""
@@ -182,17 +182,18 @@ class ParityGroup:
 
     # --- rebuilding a lost member (a request worker) -------------------------------------------
 
-    def rebuild(self, origin: int, step: int, into) -> dict[int, int]:
+    def rebuild(self, origin: int, step: int, into, distrust: frozenset[int] = frozenset()) -> dict[int, int]:
         """Rebuild ``origin``'s blob of ``step`` into the writable buffer ``into`` (its size);
-        returns the base of each rank's bytes in it. Raises VersionNotFound when more members
-        of the group are lost than the code survives."""
+        returns the base of each rank's bytes in it. Members in ``distrust`` are treated as
+        lost (a rebuild that failed its checksums is tried again without each member in turn).
+        Raises VersionNotFound when more members of the group are lost than the code survives."""
         team, s = self.team, self.stripes
         with team.store.lock:
             m = self.manifests.get((origin, step))
             sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
             raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
-        live = team.live()
+        live = team.live() - distrust
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(origin, u)
             shards: list = []
@@ -229,6 +230,16 @@ class ParityGroup:
                 return None
         data = b"".join(bytes(f) for f in frames)
         return data.ljust(self.stripes.unit, b"\0")
+
+
+def _flipped(block, step: int):
+    """``block``, or (test only, ``UCPD_FAULT=parity.flip``) a copy with one bit flipped, once:
+    a unit or parity block damaged in this member's RAM."""
+    if not faults.once("parity.flip", step):
+        return block
+    block = bytearray(block)
+    block[0] ^= 0x01
+    return block
 
 
 def _used(part) -> int:

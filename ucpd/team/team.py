@@ -83,7 +83,8 @@ class Team:
         self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
         self._leases: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
         self._heal_queued = False
-        self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0}
+        self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
+                         "parity_checksum_errors": 0}
         self.store = None
         self.replicas: ReplicaStore | None = None
         self.parity = None
@@ -661,11 +662,28 @@ class Team:
         mm = self._cache_file(holder, man["size"])
         files += holder.files
         t0 = time.monotonic()
+        parts = {p["rank"]: RankPart(p["rank"], -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"])
+                 for p in man["parts"]}
         try:
-            bases = self.parity.rebuild(origin, step, mm)
-            parts = {p["rank"]: RankPart(p["rank"], -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"])
-                     for p in man["parts"]}
-            check_rebuilt(parts, mm, bases, f"node {origin} step {step}")
+            try:
+                bases = self.parity.rebuild(origin, step, mm)
+                check_rebuilt(parts, mm, bases, f"node {origin} step {step}")
+            except ChecksumMismatch as exc:
+                # a damaged unit or parity block on some member: where the code has a block to
+                # spare, rebuild without each other member in turn until the checksums hold
+                self.counters["parity_checksum_errors"] += 1
+                for suspect in sorted(set(self.parity.stripes.members) - {origin}):
+                    try:
+                        bases = self.parity.rebuild(origin, step, mm, distrust=frozenset({suspect}))
+                        check_rebuilt(parts, mm, bases, f"node {origin} step {step}")
+                    except (ChecksumMismatch, VersionNotFound):
+                        continue
+                    log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
+                                "failed the checksums", origin, step, suspect)
+                    break
+                else:
+                    raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
+                                           "an older step or from the flush dir") from None
         finally:
             mm.close()
         log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
