@@ -153,6 +153,22 @@ def test_a_copy_refused_by_a_live_holder_is_tried_again_until_the_step_is_protec
     restore_on(team.run_dirs()[1:], 1, 1, 1, 1)  # the copy made by the retry serves
 
 
+def test_a_holder_that_restarts_before_it_is_declared_dead_gets_its_copies_again(make_team):
+    team = make_team(3, "--replicas", "1", "--dead-after", "10")  # the restart is quicker than that
+    procs, done = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1,), True)
+    ranks.kill(procs)
+    (holder,) = next(v["holders"] for v in status(team.nodes[0].run_dir)["team"]["versions"] if v["step"] == 1)
+    team.nodes[holder].kill()  # its replicas die with the process: a new daemon does not vouch for them
+    team.start(holder)
+    wait_for(lambda: status(team.nodes[0].run_dir)["team"]["healing"]["done"] >= 1, "node 0 to copy step 1 again", 30)
+    assert [0, 1] in status(team.nodes[holder].run_dir)["team"]["replicas_held"]  # node 0's step 1, again
+    team.lose(0)
+    survivors = [1, 2]
+    for i in survivors:
+        wait_for(lambda i=i: not status(team.nodes[i].run_dir)["team"]["nodes"][0]["live"], "node 0 to be declared dead", 30)
+    restore_on([team.nodes[i].run_dir for i in survivors], 2, 1, 1, 1)
+
+
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
     import glob
 

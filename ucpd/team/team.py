@@ -166,6 +166,9 @@ class Team:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in view.rejoined:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+            if view.rejoined:  # a new incarnation holds none of the copies its predecessor held
+                for rec in list(self.pushed.values()):
+                    rec.holders -= view.rejoined
             self._queue_heal(now)
         elif now >= self._heal_due and self._under_protected(self.live()):
             self._queue_heal(now)  # a copy that failed while its holder stayed live: try again
