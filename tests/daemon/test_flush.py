@@ -36,7 +36,11 @@ def test_sharded_big_tensors_flush_consolidated(make_daemon, dirs):
                 h.wait()
         wait_flushed(dirs["flush"], 2)
         assert [v.step for v in list_versions(dirs["flush"])] == [2]  # --flush-every 2
-        status = ckpts[0].status()
+        # the step's directory appears (renamed into place) a moment before the flusher
+        # records it as done
+        deadline = time.monotonic() + 10
+        while (status := ckpts[0].status())["flush"]["last_flushed"] != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert status["flush"]["last_flushed"] == 2 and status["flush"]["last_error"] is None
     finally:
         for c in ckpts:
