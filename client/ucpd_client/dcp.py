@@ -17,6 +17,12 @@ tensor); bytes items (non-tensor state) travel as plain values. On load the read
 the version as one whole chunk per tensor, so DCP asks for exactly the regions each rank
 needs, whatever layout saved them, and the daemon serves them from RAM (or its flush dir).
 A ``checkpoint_id`` of ``step-N`` or ``N`` selects the step.
+
+``dcp.async_save(sd, storage_writer=UcpdStorageWriter(ckpt, step))`` works with DCP's default
+thread executor: DCP stages the state dict to CPU, then saves it from a thread. The process
+executor (``async_checkpointer_type=AsyncCheckpointerType.PROCESS``) would pickle the writer
+into a checkpoint process, away from this rank's ``Checkpointer``; it raises
+``AsyncSaveUnsupported`` instead (the daemon already takes the slow part off the trainer).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from ucpd.errors import PlacementMismatch, UcpdError
 
 from . import restore as restore_mod
+from .errors import AsyncSaveUnsupported
 from .placement import Box
 from .staging import Entry
 
@@ -68,6 +75,7 @@ class UcpdStorageWriter(StorageWriter):
 
     ``write_data`` returns once the version is committed by every rank (``wait=True``) or
     once this rank's tensors are staged (``wait=False``; call ``last_handle.wait()`` later).
+    Pickling it (DCP's process-based async save) raises ``AsyncSaveUnsupported``.
     """
 
     def __init__(self, checkpointer, step: int | None = None, wait: bool = True):
@@ -76,6 +84,14 @@ class UcpdStorageWriter(StorageWriter):
         self.step = step
         self.wait = wait
         self.last_handle = None
+
+    def __reduce__(self):
+        raise AsyncSaveUnsupported(
+            "UcpdStorageWriter writes through this process's Checkpointer and cannot be pickled "
+            "or sent to another process; call dcp.async_save with the default "
+            "async_checkpointer_type=AsyncCheckpointerType.THREAD (or dcp.save, or "
+            "Checkpointer.snapshot, which returns at once)"
+        )
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         step = _step_of(checkpoint_id)

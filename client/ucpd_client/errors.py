@@ -1,4 +1,5 @@
-"""The typed errors a trainer can catch (the same classes the daemon raises, by wire code)."""
+"""The typed errors a trainer can catch (the same classes the daemon raises, by wire code),
+and the client-only ones that never cross the wire."""
 
 from ucpd.errors import (  # noqa: F401
     AlreadyRunning,
@@ -13,3 +14,10 @@ from ucpd.errors import (  # noqa: F401
     UcpdError,
     VersionNotFound,
 )
+
+
+class AsyncSaveUnsupported(UcpdError, TypeError):
+    """A DCP storage object was asked to move to another process (``dcp.async_save`` with
+    ``AsyncCheckpointerType.PROCESS``); it writes through this process's ``Checkpointer``."""
+
+    code = "async_save_unsupported"
