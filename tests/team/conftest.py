@@ -28,7 +28,7 @@ DaemonProcess = _root_conftest().DaemonProcess
 class Team:
     """N ``ucpd serve`` processes that know each other; node i is ``team.nodes[i]``."""
 
-    def __init__(self, root, n: int, extra: list[str], secret: str | None):
+    def __init__(self, root, n: int, extra: list[str], secret: str | None, shm_prefix: str):
         self.root, self.n, self.extra = root, n, extra
         self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(n)]
         self.secret_file = None
@@ -41,7 +41,7 @@ class Team:
         for i in range(n):
             os.makedirs(root / f"node{i}", exist_ok=True)
             self.nodes.append(
-                DaemonProcess(str(root / f"node{i}" / "run"), f"/dev/shm/ucpd-test-{uuid.uuid4().hex[:12]}", None, [])
+                DaemonProcess(str(root / f"node{i}" / "run"), f"{shm_prefix}-node{i}-{uuid.uuid4().hex[:6]}", None, [])
             )
 
     def args(self, i: int) -> list[str]:
@@ -82,12 +82,13 @@ class Team:
 
 
 @pytest.fixture
-def make_team(tmp_path):
-    """make_team(n, *extra, secret=None) starts n daemons on loopback; all stopped afterwards."""
+def make_team(tmp_path, ucpd_isolation):
+    """make_team(n, *extra, secret=None) starts n daemons on loopback; all stopped afterwards (their
+    shm dirs are under the test's prefix, so the isolation fixture removes them whatever happens)."""
     teams: list[Team] = []
 
     def make(n: int, *extra: str, secret: str | None = None, start: bool = True) -> Team:
-        t = Team(tmp_path, n, list(extra), secret)
+        t = Team(tmp_path, n, list(extra), secret, ucpd_isolation)
         teams.append(t)
         return t.start() if start else t
 
