@@ -36,7 +36,7 @@ import warnings
 import psutil
 import pytest
 
-from helpers import ranks
+from helpers import TEST_JOB, ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK_NAME = "ucpd.lock"
@@ -44,7 +44,7 @@ SOCKET_NAME = "ucpd.sock"
 
 # Variables from the environment that would change what a Checkpointer or a daemon does.
 _FOREIGN_ENV = (
-    "UCPD_RUN_DIR", "UCPD_SHM_DIR", "UCPD_JOB_ID", "UCPD_KEEP", "UCPD_MEM_LIMIT", "UCPD_SECRET_FILE",
+    "UCPD_RUN_DIR", "UCPD_SHM_DIR", "UCPD_JOB", "UCPD_JOB_ID", "UCPD_KEEP", "UCPD_MEM_LIMIT", "UCPD_SECRET_FILE",
     "UCPD_EMBEDDED_IDLE_EXIT", "UCPD_RPC_TIMEOUT", "UCPD_FAULT",
     "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
     "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
@@ -224,6 +224,7 @@ def ucpd_isolation(request, tmp_path, monkeypatch):
     monkeypatch.setenv("TMPDIR", private_tmp)
     monkeypatch.setattr(tempfile, "tempdir", private_tmp)
     monkeypatch.setenv("UCPD_RUN_DIR", str(tmp_path / "default-run"))
+    monkeypatch.setenv("UCPD_JOB", TEST_JOB)  # the test's ranks (other processes too) are one job
     monkeypatch.setenv("UCPD_SHM_DIR", f"{shm_prefix}-default")
     monkeypatch.setenv("UCPD_EMBEDDED_IDLE_EXIT", "120")  # a stray embedded daemon ends on its own too
     monkeypatch.setattr(ranks, "WORKDIR", str(tmp_path))
@@ -249,8 +250,10 @@ def ucpd_isolation(request, tmp_path, monkeypatch):
 
 @pytest.fixture
 def dirs(tmp_path, ucpd_isolation):
-    """A private run dir, shm dir (under /dev/shm, removed afterwards) and flush dir."""
-    return {"run": str(tmp_path / "run"), "shm": ucpd_isolation, "flush": str(tmp_path / "flush")}
+    """A private run dir, shm dir (under /dev/shm, removed afterwards) and flush dir; ``flushed``
+    is where the test job's versions are flushed (``<flush-dir>/<job>``)."""
+    flush = str(tmp_path / "flush")
+    return {"run": str(tmp_path / "run"), "shm": ucpd_isolation, "flush": flush, "flushed": os.path.join(flush, TEST_JOB)}
 
 
 @pytest.fixture

@@ -13,6 +13,8 @@ missing or mistyped fields, negative sizes and oversized frames are ``ProtocolEr
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +44,19 @@ def _int(lo: int = 0, hi: int = 1 << 62) -> Callable[[str, Any], int]:
 def _str(field: str, v: Any) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN:
         raise ProtocolError(f"field {field!r} must be a non-empty string of at most {MAX_NAME_LEN} characters")
+    return v
+
+
+JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def job_name(field: str, v: Any) -> str:
+    """A job's name: it names a folder of the flush dir, so letters, digits, ``._-`` only."""
+    if not isinstance(v, str) or not JOB_NAME.fullmatch(v):
+        raise ProtocolError(
+            f"field {field!r} must be a job name of 1-128 letters, digits, '.', '_' or '-' (not starting with "
+            f"'.', '_' or '-'), got {v!r}"
+        )
     return v
 
 
@@ -152,7 +167,7 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
-            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS)},
+            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name},
             "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip}",
         ),
         MessageType(
@@ -167,36 +182,38 @@ REQUESTS: dict[str, MessageType] = {
             },
             # local_world_size: the job's ranks on this node (torchrun's LOCAL_WORLD_SIZE); in a
             # team of daemons a version is complete on a node when that many ranks sealed it
-            {"layout": _dict, "incarnation": _str, "objects_crc": _int(0, 0xFFFFFFFF), "local_world_size": _int(1, MAX_RANKS)},
+            {"layout": _dict, "incarnation": _str, "objects_crc": _int(0, 0xFFFFFFFF), "local_world_size": _int(1, MAX_RANKS),
+             "job": job_name},
             "seal a written slot as this rank's part of step; reply: {state}",
         ),
         MessageType(
             "abort",
             {"rank": _int(0, MAX_RANKS), "step": _int(), "slot": _int()},
-            {},
+            {"job": job_name},
             "give back a slot whose snapshot failed before commit",
         ),
         MessageType(
             "wait",
             {"step": _int(), "seconds": _float},
-            {},
+            {"job": job_name},
             "reply once step is committed (or failed, or `seconds` passed: state pending)",
         ),
-        MessageType("latest", {}, {}, "reply: {step} of the newest committed version, or None"),
+        MessageType("latest", {}, {"job": job_name}, "reply: {step} of the job's newest committed version, or None"),
         MessageType(
             "restore",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
-            {"step": _int()},
+            {"step": _int(), "job": job_name},
             "plan the copies that fill these targets; reply: {lease, step, where, sources, tensors, objects by rank}",
         ),
         MessageType(
             "describe",
             {},
-            {"step": _int()},
+            {"step": _int(), "job": job_name},
             "what a version holds: {step, where, tensors: {name: {dtype, shape}}, objects by rank}",
         ),
         MessageType("release", {"lease": _int()}, {}, "the client finished reading a restore's sources"),
         MessageType("status", {}, {}, "reply: the daemon's state as a JSON-able map"),
+        MessageType("drop", {"job": job_name}, {}, "free every version of a job on this node; reply: {job, steps, bytes}"),
         MessageType("shutdown", {}, {}, "stop the daemon (keeps shm segments for re-adoption)"),
     ]
 }

@@ -61,6 +61,9 @@ SHM_PREFIX = "ucpd-bench-snap-"
 # state
 
 
+BENCH_JOB = "bench"  # the job of the benchmark's versions: flushed under <flush-dir>/bench/
+
+
 def layer_shapes(h: int) -> list[tuple[str, tuple[int, ...], int | None]]:
     """(name, shape, Megatron TP split dim or None) of one transformer block."""
     return [
@@ -658,7 +661,7 @@ def bench_flush(st: State, reps: int, res: Results, extra: dict) -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"flush of step {step} did not finish in 120 s: {fl}")
                 time.sleep(0.005)
-            complete = {v.step for v in list_versions(flush_dir) if v.state == "complete"}
+            complete = {v.step for v in list_versions(os.path.join(flush_dir, BENCH_JOB)) if v.state == "complete"}
             if step not in complete:
                 raise SystemExit(f"daemon says step {step} flushed but list_versions says {sorted(complete)}")
             if i == 0:
@@ -667,7 +670,7 @@ def bench_flush(st: State, reps: int, res: Results, extra: dict) -> None:
                 runs.append(t_done - t_commit)
                 daemon_secs.append(fl["last_seconds"])
             # keep /dev/shm lean: drop the older flushed versions while the daemon is idle
-            for v in list_versions(flush_dir):
+            for v in list_versions(os.path.join(flush_dir, BENCH_JOB)):
                 if v.step != step and v.state == "complete":
                     shutil.rmtree(v.path, ignore_errors=True)
         res.add("flush_first", "ucpd flush #1: commit -> complete on disk", [extra["flush_first_seconds"]], st.nbytes, "ucpd-first")
@@ -861,6 +864,7 @@ def report(st: State, res: Results, extra: dict, args) -> dict:
 
 
 def main(argv=None) -> int:
+    os.environ["UCPD_JOB"] = BENCH_JOB  # every Checkpointer of the run, in every process: one job
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-gib", type=float, default=2.0)
     ap.add_argument("--layers", type=int, default=18)

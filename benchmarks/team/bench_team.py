@@ -91,6 +91,9 @@ FOREIGN_ENV = (
 )
 
 
+BENCH_JOB = "bench"  # the job of the benchmark's versions: flushed under <flush-dir>/bench/
+
+
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
@@ -961,7 +964,7 @@ def bench_recovery(env: Env, args, out: dict) -> None:
         committed_at = max(t["committed"] for t in ts)
         log(f"  step {step}: committed in {fmt_seconds(commits[-1])}")
         time.sleep(args.rhythm)
-    wait_for(lambda: any(v.step == last and v.state == "complete" for v in list_versions(flush_dir)),
+    wait_for(lambda: any(v.step == last and v.state == "complete" for v in list_versions(os.path.join(flush_dir, BENCH_JOB))),
              f"the flush of step {last}", 180, team, interval=0.05)
     flushed_after = time.monotonic() - committed_at
     log(f"  step {last} complete on disk {fmt_seconds(flushed_after)} after its commit")
@@ -1245,6 +1248,7 @@ class MemWatch:
 
 
 def main(argv=None) -> int:
+    os.environ["UCPD_JOB"] = BENCH_JOB  # every Checkpointer of the run, in every process: one job
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=512, help="replication: MiB per rank (2 ranks)")
     ap.add_argument("--recovery-mib", type=int, default=256, help="recovery: MiB per node (3 nodes)")

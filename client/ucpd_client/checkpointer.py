@@ -15,7 +15,9 @@ talks to the daemon has its own connection.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import re
 import pickle
 import queue
 import socket
@@ -26,11 +28,13 @@ from typing import Any, Mapping
 import torch
 
 from ucpd import knobs, native
-from ucpd.errors import InvalidPlacement, UcpdError
+from ucpd.errors import InvalidPlacement, ProtocolError, UcpdError
+from ucpd.protocol import job_name
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 
 from . import embedded as embedded_daemon, restore as restore_mod, state as state_mod
+from .errors import InvalidJobName
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
 
@@ -45,6 +49,31 @@ def _dtensor_class() -> type:
     except ImportError:  # pragma: no cover - torch without distributed
         return type(None)
     return DTensor
+
+
+def _as_job_name(text: str) -> str:
+    """``text`` as a valid job name: other characters become ``-``, at most 128 of them."""
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", text).lstrip("._-")[:128]
+    return name or "job"
+
+
+def default_job() -> str:
+    """The job a Checkpointer belongs to when none is named, the same on every rank and across
+    restarts of the job: ``$UCPD_JOB``, torchrun's rendezvous id, ``$SLURM_JOB_ID``, else the
+    script and the working directory (``train-1a2b3c4d5e``)."""
+    if os.environ.get("UCPD_JOB"):
+        return os.environ["UCPD_JOB"]
+    rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if rdzv and rdzv != "none":  # torchrun's default --rdzv-id is "none": not a job's own id
+        return _as_job_name(f"torchrun-{rdzv}")
+    if os.environ.get("SLURM_JOB_ID"):
+        return _as_job_name(f"slurm-{os.environ['SLURM_JOB_ID']}")
+    import sys
+
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c", "-m") else "python"
+    where = f"{os.path.abspath(script)}\0{os.getcwd()}"
+    stem = os.path.splitext(os.path.basename(script))[0] or "python"
+    return _as_job_name(f"{stem}-{hashlib.sha1(where.encode()).hexdigest()[:10]}")
 
 
 def _default_job_id() -> str | None:
@@ -142,6 +171,10 @@ class Checkpointer:
         rank, world_size: this rank and how many ranks seal each version (default: from
             ``torch.distributed``, else ``$RANK``/``$WORLD_SIZE``, else 0/1).
         embedded: start a daemon when none answers at ``run_dir`` (default True).
+        job: the job the versions belong to, the same on every rank and across restarts
+            (default ``$UCPD_JOB``, torchrun's rendezvous id, ``$SLURM_JOB_ID``, else the script
+            and working directory). ``latest()`` and ``restore()`` never see another job's
+            versions; several jobs share a daemon. Letters, digits and ``._-``.
         job_id: names this run of the job, the same on every rank (default ``$UCPD_JOB_ID``,
             else torchrun's run id and restart count). A restarted run never completes a
             version that a run before it left half-written.
@@ -160,8 +193,13 @@ class Checkpointer:
         embedded: bool = True,
         job_id: str | None = None,
         local_world_size: int | None = None,
+        job: str | None = None,
     ):
         r, w = _default_rank_world()
+        try:
+            self.job = job_name("job", job if job is not None else default_job())
+        except ProtocolError as exc:
+            raise InvalidJobName(f"Checkpointer(job=...) or $UCPD_JOB: {exc}") from None
         self.job_id = job_id or _default_job_id()
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
@@ -193,7 +231,7 @@ class Checkpointer:
         if conn is None:
             conn = self._local.conn = Connection(self.run_dir, timeout=knobs.rpc_timeout())
             self._conns.append(conn)
-        return _Conn(conn)
+        return _Conn(conn, self.job)
 
     # --- snapshot ------------------------------------------------------------------------------
 
@@ -318,7 +356,7 @@ class Checkpointer:
     # --- queries and restore -------------------------------------------------------------------
 
     def latest(self) -> int | None:
-        """The newest committed step (in RAM or flushed), or None."""
+        """The newest committed step of this job (in RAM or flushed), or None."""
         return self._conn().call("latest")["step"]
 
     def restore(self, target_state: Mapping[str, Any], step: int | None = None, placements: Mapping[str, Any] | None = None) -> int:
@@ -354,13 +392,18 @@ class Checkpointer:
 
 
 class _Conn:
-    """A connection with the calls the client makes, typed."""
+    """A connection with the calls the client makes, typed; each call about versions names the job."""
 
-    def __init__(self, conn: Connection):
+    JOB_SCOPED = frozenset({"begin", "commit", "abort", "wait", "latest", "restore", "describe"})
+
+    def __init__(self, conn: Connection, job: str):
         self._c = conn
+        self._jobname = job
 
     def call(self, msg_type: str, **body):
+        if msg_type in self.JOB_SCOPED:
+            body.setdefault("job", self._jobname)
         return self._c.call(msg_type, **body)
 
     def call_wait(self, step: int, timeout: float) -> dict:
-        return self._c.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout)
+        return self._c.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout, job=self._jobname)

@@ -21,3 +21,10 @@ class AsyncSaveUnsupported(UcpdError, TypeError):
     ``AsyncCheckpointerType.PROCESS``); it writes through this process's ``Checkpointer``."""
 
     code = "async_save_unsupported"
+
+
+class InvalidJobName(UcpdError, ValueError):
+    """``Checkpointer(job=...)`` or ``$UCPD_JOB`` is not a usable job name (it names a folder
+    of the flush directory: 1-128 letters, digits, ``.``, ``_`` or ``-``)."""
+
+    code = "invalid_job_name"

@@ -159,7 +159,8 @@ class RunSpec:
     train: TrainConfig = field(default_factory=TrainConfig)
     run_dirs: tuple[str, ...] = ()  # node daemons' run dirs; empty: no checkpoints
     ranks_per_node: int = 0  # rank r talks to run_dirs[r // ranks_per_node] (0: all on one node)
-    job_id: str = "gpt"
+    job: str = "gpt"  # the job its versions belong to: the same across restarts
+    job_id: str = "gpt"  # this run of the job (a restart is another)
     resume: bool = False  # restore (the newest committed step unless restore_step) before training
     restore_step: int | None = None
     snapshot: bool = True  # snapshot every step (when run_dirs)
@@ -343,7 +344,7 @@ def rank_main(rank: int, world: int, rendezvous: str, q, spec: RunSpec, go) -> N
             per_node = spec.ranks_per_node or world
             ckpt = Checkpointer(
                 spec.run_dirs[rank // per_node], rank=rank, world_size=world, embedded=False,
-                job_id=spec.job_id, local_world_size=per_node,
+                job=spec.job, job_id=spec.job_id, local_world_size=per_node,
             )
         if spec.resume:
             if ckpt is None:

@@ -135,12 +135,12 @@ def test_a_flipped_byte_in_a_flushed_file_is_a_checksum_mismatch(make_daemon, di
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.arange(1000.0)}).wait()
     deadline = time.monotonic() + 30
-    while not os.path.exists(os.path.join(dirs["flush"], "LATEST")):
+    while not os.path.exists(os.path.join(dirs["flushed"], "LATEST")):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     d.stop()
     shutil.rmtree(dirs["shm"])  # RAM gone: the restore must come from disk
-    reader = open_version(dirs["flush"])
+    reader = open_version(dirs["flushed"])
     info = reader.tensors["w"]
     path = reader.path / info.file
     reader.close()

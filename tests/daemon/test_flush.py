@@ -34,8 +34,8 @@ def test_sharded_big_tensors_flush_consolidated(make_daemon, dirs):
             ]
             for h in hs:
                 h.wait()
-        wait_flushed(dirs["flush"], 2)
-        assert [v.step for v in list_versions(dirs["flush"])] == [2]  # --flush-every 2
+        wait_flushed(dirs["flushed"], 2)
+        assert [v.step for v in list_versions(dirs["flushed"])] == [2]  # --flush-every 2
         # the step's directory appears (renamed into place) a moment before the flusher
         # records it as done
         deadline = time.monotonic() + 10
@@ -45,8 +45,8 @@ def test_sharded_big_tensors_flush_consolidated(make_daemon, dirs):
     finally:
         for c in ckpts:
             c.close()
-    assert validate(dirs["flush"], 2) == []
-    with open_version(dirs["flush"], 2) as reader:
+    assert validate(dirs["flushed"], 2) == []
+    with open_version(dirs["flushed"], 2) as reader:
         files = {reader.tensors[n].file for n in ("big", "bf")}
         path = reader.path
         assert reader.tensors["big"].shape == (1024, 6144)
@@ -62,9 +62,9 @@ def test_a_restarted_daemon_flushes_the_committed_version_it_never_wrote(make_da
     d = make_daemon("--mem-limit", "256M", "--flush-every", "1000")  # nothing is due to flush
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(4, {"w": torch.arange(10.0)}).wait()
-    assert list_versions(dirs["flush"]) == []
+    assert list_versions(dirs["flushed"]) == []
     d.kill()
     d.start()  # re-adopts step 4, sees it never reached disk, flushes it
-    wait_flushed(dirs["flush"], 4)
-    with open_version(dirs["flush"], 4) as reader:
+    wait_flushed(dirs["flushed"], 4)
+    with open_version(dirs["flushed"], 4) as reader:
         assert reader.tensors["w"].shape == (10,)

@@ -79,7 +79,7 @@ def test_lose_all_trainers_then_restore_on_other_layouts_from_ram_restart_and_di
     from ucpd.format import list_versions
 
     deadline = time.monotonic() + 60
-    while not any(v.step == STEPS[-1] and v.state == "complete" for v in list_versions(dirs["flush"])):
+    while not any(v.step == STEPS[-1] and v.state == "complete" for v in list_versions(dirs["flushed"])):
         assert time.monotonic() < deadline, "flush did not finish"
         time.sleep(0.1)
     daemon.stop()

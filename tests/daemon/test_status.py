@@ -75,7 +75,7 @@ def test_metrics_are_scrapable(make_daemon):
         ckpt.snapshot(1, {"w": torch.ones(16)}).wait()
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     assert "ucpd_snapshots_total 1.0" in text
-    assert "ucpd_latest_committed_step 1.0" in text
+    assert 'ucpd_latest_committed_step{job="test"} 1.0' in text  # one series per job
     assert "ucpd_mem_limit_bytes 2.68435456e+08" in text
 
 

@@ -41,7 +41,7 @@ def run_tp1(run_dir: str, corrupt=None) -> dict[int, float]:
     """In this process: restore step FAIL_AT on TP1 x PP1 x DP1, optionally damage one slice,
     train to the end; the losses by step."""
     t = Trainer(RunSpec(train=TrainConfig(steps=STEPS)), 0)
-    with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job_id=f"tp1-{corrupt}") as ckpt:
+    with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job=RunSpec().job, job_id=f"tp1-{corrupt}") as ckpt:
         assert t.restore(ckpt, FAIL_AT) == FAIL_AT
     assert t.rng_restore == "reseeded"  # another layout's rank: fresh generators, by design
     if corrupt is not None:
@@ -110,7 +110,7 @@ def test_resumed_losses_match_the_uninterrupted_run(cluster):
     assert [r["step"] for r in restored] == [FAIL_AT, FAIL_AT]
     after = losses(reports)
     assert {**before, **after} == reference  # bitwise: PP2 -> PP1 and the restart change nothing
-    with Checkpointer(cluster.run_dirs[0], rank=0, world_size=1, embedded=False, job_id="probe") as ckpt:
+    with Checkpointer(cluster.run_dirs[0], rank=0, world_size=1, embedded=False, job=resumed_spec.job, job_id="probe") as ckpt:
         assert ckpt.latest() == STEPS  # the resumed job's snapshots commit on the survivor
 
     # resumed on TP1 in this process: within the tolerance ...

@@ -9,13 +9,14 @@ directory in these tests, so whatever is restored came from the survivors' RAM.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
 
 import pytest
 
-from helpers import ranks
+from helpers import TEST_JOB, ranks
 from helpers.gpt_layout import empty_like_state, mismatches, rank_state
 
 pytestmark = pytest.mark.slow
@@ -224,7 +225,7 @@ def test_the_flush_of_a_team_holds_every_nodes_part_consolidated(make_team, make
     team = make_team(2, "--replicas", "1", "--flush-dir", flush)
     procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1, 2), False)  # TP2 across the nodes
     ranks.join(procs)
-    wait_for(lambda: any(v.step == 2 and v.state == "complete" for v in list_versions(flush)), "the flush of step 2", 60)
+    wait_for(lambda: any(v.step == 2 and v.state == "complete" for v in list_versions(os.path.join(flush, TEST_JOB))), "the flush of step 2", 60)
     team.stop()  # every node's RAM is gone: only the flushed files are left
 
     import shutil
@@ -248,7 +249,7 @@ def test_a_flush_reading_another_nodes_ram_keeps_that_part_until_it_is_fetched(m
     ranks.join(procs)
     # meanwhile steps 2-4 committed: node 1 (keep 2) would have evicted step 1 without the pin
     assert sorted(m[2] for m in done) == [4, 4], team.logs()
-    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(flush)), "the flush of step 1", 60)
+    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(os.path.join(flush, TEST_JOB))), "the flush of step 1", 60)
     assert status(team.nodes[0].run_dir)["flush"]["last_error"] is None
     # once fetched, the pin is gone and node 1 keeps only its 2 newest again
     wait_for(lambda: [v["step"] for v in status(team.nodes[1].run_dir)["versions"]] == [3, 4], "node 1 to evict step 1", 20)
@@ -311,8 +312,22 @@ def test_when_ram_has_lost_a_step_the_flush_dir_serves_it(make_team, tmp_path):
     flush = str(tmp_path / "flush")
     team = make_team(3, "--replicas", "0", "--flush-dir", flush)
     procs, done = ranks.spawn(snapshot_ranks, 3, team.run_dirs(), 1, 1, (1,), True)
-    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(flush)), "the flush of step 1", 60)
+    wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(os.path.join(flush, TEST_JOB))), "the flush of step 1", 60)
     ranks.kill(procs)
     team.lose(2)  # no replicas: node 2's part of step 1 is gone from RAM, but not from disk
     wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
     restore_on(team.run_dirs()[:2], 2, 1, 1, 1)
+
+
+def test_a_team_serves_one_job_and_refuses_another_with_what_to_do(make_team):
+    import torch
+
+    from ucpd_client import Checkpointer
+    from ucpd_client.errors import SnapshotRejected
+
+    team = make_team(2, "--replicas", "1", "--job", "main")
+    with Checkpointer(team.nodes[0].run_dir, rank=0, world_size=1, embedded=False, job="other", local_world_size=1) as ckpt:
+        with pytest.raises(SnapshotRejected, match=r"serves job 'main', not 'other'.*start another team"):
+            ckpt.snapshot(1, {"w": torch.ones(16)}).wait()
+        assert ckpt.latest() is None  # and it sees nothing of the team's job
+    assert status(team.nodes[0].run_dir)["team_job"] == "main"

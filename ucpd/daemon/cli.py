@@ -1,4 +1,4 @@
-"""``ucpd serve``, ``ucpd status`` and ``ucpd stop``: run a node daemon and look at it."""
+"""``ucpd serve``, ``ucpd status``, ``ucpd drop`` and ``ucpd stop``: run a node daemon and look at it."""
 
 from __future__ import annotations
 
@@ -33,7 +33,9 @@ def add_commands(sub) -> None:
     p.add_argument("--flush-every", type=int, default=None, help="flush every Nth committed version (default 1)")
     p.add_argument("--flush-rate", help="flush bandwidth limit in bytes/s, e.g. 2G (0: unlimited)")
     p.add_argument("--flush-keep", type=int, default=None, help="complete versions kept on disk (0: all)")
-    p.add_argument("--keep", type=int, default=None, help="committed versions kept in RAM (default 2)")
+    p.add_argument("--keep", type=int, default=None, help="committed versions kept in RAM, per job (default 2)")
+    p.add_argument("--job-mem-limit", help="RAM one job's slots may hold, e.g. 32G (default: only --mem-limit)")
+    p.add_argument("--job", help="the job a team of daemons serves (default: the first that snapshots)")
     p.add_argument("--run-dir", help="socket directory (default $UCPD_RUN_DIR or /tmp/ucpd-$USER)")
     p.add_argument("--shm-dir", help="segment directory (default /dev/shm/ucpd-$USER-<node-rank>)")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on 127.0.0.1:PORT")
@@ -45,6 +47,15 @@ def add_commands(sub) -> None:
     s.add_argument("--run-dir", help="the daemon's run dir (default $UCPD_RUN_DIR or /tmp/ucpd-$USER)")
     s.add_argument("--json", action="store_true", help="print JSON instead of tables")
     s.set_defaults(func=cmd_status)
+
+    d = sub.add_parser(
+        "drop", help="free a job's versions on this node",
+        description="Free every version of JOB in this node's RAM (its flushed files stay). `ucpd status` lists the jobs.",
+    )
+    d.add_argument("job", metavar="JOB")
+    d.add_argument("--run-dir", help="the daemon's run dir (default $UCPD_RUN_DIR or /tmp/ucpd-$USER)")
+    d.add_argument("--json", action="store_true", help="print JSON")
+    d.set_defaults(func=cmd_drop)
 
     t = sub.add_parser("stop", help="stop a daemon (its shm segments stay for re-adoption)")
     t.add_argument("--run-dir")
@@ -92,7 +103,21 @@ def config_from_args(args):
         flush_keep=int(o.get("flush_keep", 0)),
         idle_exit=float(o.get("idle_exit", 0)),
         metrics_port=o.get("metrics_port"),
+        job_mem_limit=knobs.parse_size(o["job_mem_limit"]) if o.get("job_mem_limit") else 0,
+        job=_checked_job(o.get("job")),
     )
+
+
+def _checked_job(job):
+    if job is None:
+        return None
+    from ..errors import ProtocolError
+    from ..protocol import job_name
+
+    try:
+        return job_name("--job", str(job))
+    except ProtocolError as exc:
+        raise UcpdError(str(exc)) from None
 
 
 def team_config(o: dict, nodes: int, node_rank: int):
@@ -164,8 +189,9 @@ def cmd_serve(args) -> int:
     daemon = Daemon(config_from_args(args))
     for note in daemon.store.adopted.dropped:
         print(f"ucpd: re-adoption: {note}", file=sys.stderr)
-    if daemon.store.table.versions:
-        print(f"ucpd: re-adopted {len(daemon.store.table.versions)} version(s) from {daemon.config.shm_dir}", file=sys.stderr)
+    if daemon.store.adopted.versions:
+        print(f"ucpd: re-adopted {daemon.store.adopted.versions} version(s) of job(s) {sorted(daemon.store.tables)} "
+              f"from {daemon.config.shm_dir}", file=sys.stderr)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: setattr(daemon, "_stop", True))
@@ -190,6 +216,16 @@ def cmd_status(args) -> int:
         from .status import render
 
         render(status, Console())
+    return 0
+
+
+def cmd_drop(args) -> int:
+    with _client(args.run_dir) as conn:
+        out = conn.call("drop", job=args.job)
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print(f"dropped job {out['job']}: {len(out['steps'])} version(s) {out['steps']}, {out['bytes'] >> 20} MiB freed")
     return 0
 
 

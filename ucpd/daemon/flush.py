@@ -1,6 +1,7 @@
 """Background flush: committed versions to the universal format, consolidated, throttled.
 
-One thread per daemon. Every ``flush_every``-th committed version is pinned (so eviction
+One thread per daemon. Each job's versions go to a checkpoint root of their own,
+``<flush-dir>/<job>/``. Every ``flush_every``-th committed version of a job is pinned (so eviction
 leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
 output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
 against its CRC, and the version is committed on disk by the format's writer (temp dir,
@@ -64,36 +65,50 @@ class Flusher:
         self.rate = rate
         self.keep_on_disk = keep_on_disk
         self.progress = FlushProgress()
-        self._pending = None  # the one version waiting to be flushed (pinned); newer replaces it
+        self._pending: dict = {}  # job -> the one version of it waiting to be flushed (pinned); newer replaces it
         self._wake = threading.Condition(store.lock)
         self._stopping = False
-        self._committed_since = 0
+        self._committed_since: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
         os.makedirs(flush_dir, exist_ok=True)
         self._thread.start()
 
+    def root(self, job: str) -> str:
+        """The checkpoint root of ``job``'s flushed versions."""
+        return os.path.join(self.flush_dir, job)
+
     def on_commit(self, version) -> None:
         """Called under the store lock for each newly committed version. At most one version
-        waits: when flushing is slower than snapshotting, the newer due version replaces the
-        waiting one, so pins never pile up past ``--keep``."""
-        self._committed_since += 1
-        if self._committed_since < self.every:
+        per job waits: when flushing is slower than snapshotting, the newer due version replaces
+        the waiting one, so pins never pile up past ``--keep``."""
+        since = self._committed_since[version.job] = self._committed_since.get(version.job, 0) + 1
+        if since < self.every:
             return
-        self._committed_since = 0
-        if self._pending is not None:
-            self._pending.pins -= 1
+        self._committed_since[version.job] = 0
+        self._queue(version)
+
+    def _queue(self, version) -> None:
+        old = self._pending.pop(version.job, None)
+        if old is not None:
+            old.pins -= 1
         version.pins += 1
-        self._pending = version
+        self._pending[version.job] = version
         self._wake.notify()
 
+    def forget(self, job: str) -> None:
+        """``ucpd drop``: a job's waiting version is not flushed (caller holds the store lock)."""
+        old = self._pending.pop(job, None)
+        if old is not None:
+            old.pins -= 1
+        self._committed_since.pop(job, None)
+
     def resume(self) -> None:
-        """After a restart: flush the newest re-adopted committed version if it never reached
-        disk (the daemon died before or while flushing it). Caller holds the store lock."""
-        newest = self.store.table.latest_committed()
-        if newest is not None and not newest.on_disk and self._pending is None:
-            newest.pins += 1
-            self._pending = newest
-            self._wake.notify()
+        """After a restart: flush each job's newest re-adopted committed version if it never
+        reached disk (the daemon died before or while flushing it). Caller holds the store lock."""
+        for table in self.store.tables.values():
+            newest = table.latest_committed()
+            if newest is not None and not newest.on_disk and newest.job not in self._pending:
+                self._queue(newest)
 
     def stop(self) -> None:
         with self._wake:
@@ -102,7 +117,7 @@ class Flusher:
         self._thread.join(timeout=30)
 
     def idle(self) -> bool:
-        return self._pending is None and self.progress.step is None
+        return not self._pending and self.progress.step is None
 
     def _run(self) -> None:
         try:  # lower this thread's priority; Linux applies setpriority to one thread id
@@ -111,11 +126,12 @@ class Flusher:
             pass
         while True:
             with self._wake:
-                while self._pending is None and not self._stopping:
+                while not self._pending and not self._stopping:
                     self._wake.wait()
                 if self._stopping:
                     return
-                version, self._pending = self._pending, None
+                job = min(self._pending, key=lambda j: self._pending[j].committed_at or 0)  # the longest waiting
+                version = self._pending.pop(job)
                 self.progress.step = version.step
             try:
                 if version.parts:
@@ -207,14 +223,15 @@ class Flusher:
             },
         }
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
+        root = self.root(version.job)
         write_version(
-            self.flush_dir, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
+            root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
         )
         arrays.clear()
         if self.keep_on_disk:
             with self.store.lock:
-                reading = set(self.store.disk_readers)
-            retain(self.flush_dir, self.keep_on_disk, protect=reading)
+                reading = {step for job, step in self.store.disk_readers if job == version.job}
+            retain(root, self.keep_on_disk, protect=reading)
         with self.store.lock:
             version.on_disk = True
             from .versions import VersionState

@@ -1,7 +1,7 @@
 """The daemon's on-shm index, so that a restarted daemon re-adopts the segments it left.
 
-``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions with
-every rank's manifest. It is rewritten whole on each change that matters, to a temporary
+``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions of every
+job with every rank's manifest. It is rewritten whole on each change that matters, to a temporary
 file that is then renamed over the old one: a crash mid-update leaves the old index or the
 new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
@@ -18,20 +18,22 @@ import msgpack
 from ..native import CHUNK_BYTES
 
 from .slots import SlotState, SlotStore
-from .versions import RankPart, TensorEntry, Version, VersionState, VersionTable
+from .versions import DEFAULT_JOB, RankPart, TensorEntry, Version, VersionState
 
 INDEX_NAME = "index.msgpack"
 INDEX_VERSION = 1
 
 
-def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
+def save(shm_dir: str, slots: SlotStore, store) -> None:
+    """Write the index of ``store`` (a ``NodeStore``: its slots' files and its jobs' versions)."""
     versions = []
-    for v in table.versions.values():
+    for v in store.versions():
         if v.state not in (VersionState.COMMITTED, VersionState.FLUSHED, VersionState.COMPLETE):
             continue
         versions.append(
             {
                 "step": v.step,
+                "job": v.job,
                 "world_size": v.world_size,
                 "state": v.state.value,
                 "created": v.created,
@@ -56,6 +58,7 @@ def save(shm_dir: str, slots: SlotStore, table: VersionTable) -> None:
         "next_slot": slots.next_id,  # never reused: a trainer may still map an old slot's path
         "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots.slots.values()],
         "versions": versions,
+        "team_job": store.team_job,
     }
     path = os.path.join(shm_dir, INDEX_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
@@ -73,7 +76,7 @@ class Adopted:
     dropped: list[str]
 
 
-def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
+def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
     """Re-adopt what a previous daemon left in shm_dir; unknown or broken files are removed."""
     path = os.path.join(shm_dir, INDEX_NAME)
     dropped: list[str] = []
@@ -92,6 +95,8 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
     known: set[str] = set()
     if doc:
         slots.next_id = max(slots.next_id, int(doc.get("next_slot", 1)))
+        if store.team_job is None and isinstance(doc.get("team_job"), str):
+            store.team_job = doc["team_job"]
         for s in doc["slots"]:
             p = os.path.join(shm_dir, s["path"])
             if os.path.exists(p) and os.path.getsize(p) == s["size"]:
@@ -115,12 +120,13 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
                     rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"), rp.get("objects_crc")
                 )
             else:
+                job = raw.get("job", DEFAULT_JOB)
                 v = Version(raw["step"], raw["world_size"], VersionState(raw["state"]), parts, raw["created"], raw["committed_at"])
-                v.on_disk = raw.get("on_disk", False)
-                table.versions[v.step] = v
+                v.on_disk, v.job = raw.get("on_disk", False), job
+                store.table_of(job).versions[v.step] = v
                 for p in parts.values():
                     slot = slots.slots[p.slot]
-                    slot.state, slot.rank, slot.step = SlotState.HELD, p.rank, v.step
+                    slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, v.step, job
                 continue
             dropped.append(f"step {raw['step']}: a slot it needs is gone")
     for slot in [s for s in slots.slots.values() if s.state is SlotState.FREE]:
@@ -132,4 +138,4 @@ def load(shm_dir: str, slots: SlotStore, table: VersionTable) -> Adopted:
         if name.startswith("slot-") and name not in known:
             os.unlink(os.path.join(shm_dir, name))
             dropped.append(f"removed stray segment {name}")
-    return Adopted(len(slots.slots), len(table.versions), dropped)
+    return Adopted(len(slots.slots), sum(1 for _ in store.versions()), dropped)

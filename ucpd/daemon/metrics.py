@@ -15,14 +15,17 @@ class _Collector:
         with d.store.lock:
             c = vars(d.store.counters).copy()
             used, limit = d.store.slots.used_bytes, d.store.slots.mem_limit
-            latest = d.store.table.latest_committed()
+            latest = {j: t.latest_committed() for j, t in d.store.tables.items()}
             progress = d.flusher.progress if d.flusher else None
             team = d.team.status() if d.team is not None else None
         for name, value in c.items():
             yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
         yield GaugeMetricFamily("ucpd_mem_used_bytes", "bytes held in shm slots", value=used)
         yield GaugeMetricFamily("ucpd_mem_limit_bytes", "memory limit for slots", value=limit)
-        yield GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step (-1: none)", value=latest.step if latest else -1)
+        newest = GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step of each job (-1: none)", labels=["job"])
+        for job, v in sorted(latest.items()):
+            newest.add_metric([job], v.step if v else -1)
+        yield newest
         if team is not None:
             yield from _team_metrics(team)
         if progress is not None:

@@ -27,7 +27,7 @@ from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, Protoc
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .store import NodeStore, prepare_slot_file
-from .versions import VersionState
+from .versions import DEFAULT_JOB, VersionState
 
 log = logging.getLogger("ucpd.server")
 
@@ -51,6 +51,12 @@ class DaemonConfig:
     metrics_port: int | None = None
     prepare_spare: bool = True
     team: object | None = None  # ucpd.team.TeamConfig when --nodes > 1
+    job_mem_limit: int = 0  # the most slot bytes one job may hold (0: only mem_limit)
+    job: str | None = None  # the job a team serves (None: the first that snapshots)
+
+
+def _job(body: dict) -> str:
+    return body.get("job") or DEFAULT_JOB
 
 
 @dataclass
@@ -107,7 +113,8 @@ class Daemon:
 
             self.team = Team(config.team, config.shm_dir)
         self.store = NodeStore(
-            config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=self.team
+            config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=self.team,
+            job_limit=config.job_mem_limit, single_job=self.team is not None, job=config.job,
         )
         self.store.commit_listeners.append(self._ram_sources)  # ready before anyone asks to restore it
         self.flusher = None
@@ -233,20 +240,22 @@ class Daemon:
         }
 
     def _on_begin(self, ident, req_id, body):
-        rank, step, nbytes = body["rank"], body["step"], body["nbytes"]
-        self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"])
-        slot = self.store.take_free_slot(rank, step, nbytes)
-        skip = self.store.skip_for(rank, body["world_size"])
+        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
+        self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"], job)
+        slot = self.store.take_free_slot(rank, step, nbytes, job)
+        skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
             self._prepare_spare(rank, slot.size)
             return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
+        waiting = {"rank": rank, "skip": skip, "job": job}
         for sid, parked in self._parked_begins.items():  # this rank's spare is on its way: take it
             if parked.extra.get("spare") and parked.extra["rank"] == rank and self.store.slots.slots[sid].size >= nbytes:
-                self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank, "skip": skip})
+                self.store._within_quota(job, self.store.slots.slots[sid].size)
+                self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
                 self._preparing.discard(rank)
                 return None
-        sid, path, size = self.store.reserve_new_slot(nbytes)
-        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, {"rank": rank, "skip": skip})
+        sid, path, size = self.store.reserve_new_slot(nbytes, job)
+        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
         self._allocate_async(sid, path, size)
         return None
 
@@ -279,21 +288,22 @@ class Daemon:
         return {"state": version.state.value}
 
     def _on_abort(self, ident, req_id, body):
-        self.store.abort(body["rank"], body["step"], body["slot"])
+        self.store.abort(body["rank"], body["step"], body["slot"], _job(body))
         return {}
 
     def _on_wait(self, ident, req_id, body):
-        step = body["step"]
-        answer = self._wait_answer(step)
+        step, job = body["step"], _job(body)
+        answer = self._wait_answer(step, job)
         if answer is not None:
             return answer
-        self._waits.append(_Parked(ident, req_id, time.monotonic() + body["seconds"], step))
+        self._waits.append(_Parked(ident, req_id, time.monotonic() + body["seconds"], step, {"job": job}))
         return None
 
-    def _wait_answer(self, step: int):
-        v = self.store.table.find(step)
+    def _wait_answer(self, step: int, job: str):
+        table = self.store.table_of(job)
+        v = table.find(step)
         if v is None:
-            newest = self.store.table.latest_committed()
+            newest = table.latest_committed()
             if newest is not None and newest.step > step:
                 raise VersionNotFound(f"step {step} was never sealed here and step {newest.step} is already committed")
             return None
@@ -309,18 +319,21 @@ class Daemon:
         return None
 
     def _on_latest(self, ident, req_id, body):
+        job = _job(body)
         if self.team is not None:
-            return self._defer(ident, req_id, self._team_latest)
-        v = self.store.table.latest_committed()
+            if self.store.team_job is not None and job != self.store.team_job:
+                return {"step": self._disk_latest(job)}  # another job's versions are not this team's
+            return self._defer(ident, req_id, lambda: self._team_latest(job))
+        v = self.store.version_for_restore(None, job)
         step = v.step if v is not None else None
-        disk = self._disk_latest()
+        disk = self._disk_latest(job)
         if disk is not None and (step is None or disk > step):
             step = disk
         return {"step": step}
 
-    def _team_latest(self) -> dict:
+    def _team_latest(self, job: str) -> dict:
         step = self.team.latest()
-        disk = self._disk_latest()
+        disk = self._disk_latest(job)
         if disk is not None and (step is None or disk > step):
             step = disk
         return {"step": step}
@@ -342,41 +355,67 @@ class Daemon:
         self._workers.submit(run)
         return None
 
-    def _disk_latest(self) -> int | None:
-        """The flush dir's newest complete version, by its LATEST pointer (no directory scan)."""
-        if not self.config.flush_dir or not os.path.isdir(self.config.flush_dir):
+    def job_flush_dir(self, job: str) -> str | None:
+        """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
+        return os.path.join(self.config.flush_dir, job) if self.config.flush_dir else None
+
+    def _disk_latest(self, job: str) -> int | None:
+        """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
+        root = self.job_flush_dir(job)
+        if root is None or not os.path.isdir(root):
             return None
         from ..format import read_latest
 
-        step = read_latest(self.config.flush_dir)
-        if step is not None and os.path.isfile(os.path.join(self.config.flush_dir, f"step-{step}", "ucp.json")):
+        step = read_latest(root)
+        if step is not None and os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json")):
             return step
         from ..format import list_versions  # LATEST missing or stale: look at what is there
 
-        complete = [v.step for v in list_versions(self.config.flush_dir) if v.state == "complete"]
+        complete = [v.step for v in list_versions(root) if v.state == "complete"]
         return max(complete) if complete else None
 
-    def _find_version(self, step: int | None):
-        """Where ``step`` (None: the newest committed) is: (sources, objects by rank, step,
-        the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer."""
+    def _not_this_job(self, step: int | None, job: str, disk: str | None = None) -> VersionNotFound:
+        """The error for a version ``job`` does not have, naming whose it is when another job has it."""
+        what = f"step {step}" if step is not None else "committed version"
+        where = f"the flush dir ({disk})" if disk else (
+            f"the flush dir ({self.job_flush_dir(job)} does not exist)" if self.config.flush_dir else "the daemon has no --flush-dir"
+        )
+        owners = [j for j in self.store.owners_of(step) if j != job] if step is not None else []
+        if owners:
+            return VersionNotFound(
+                f"job {job!r} has no {what} on this node; step {step} here belongs to job(s) {owners}: a job never "
+                "restores another's versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote it)"
+            )
+        others = sorted(j for j in self.store.tables if j != job and self.store.tables[j].latest_committed())
+        hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
+        return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
+
+    def _find_version(self, step: int | None, job: str):
+        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
+        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer."""
         if self.team is not None:
-            return self._team_find(step)
-        version = self.store.version_for_restore(step)
-        disk = self._disk_latest() if step is None else None
+            return self._team_find(step, job)
+        version = self.store.version_for_restore(step, job)
+        disk = self._disk_latest(job) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             sources = self._ram_sources(version)
             objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
             return sources, objects, version.step, version, "ram"
-        with self._open_disk(step) as reader:
+        with self._open_disk(step, job) as reader:
             sources = restore_plan.from_disk(reader)
             # the reader checked these against the version's own checksums
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
 
-    def _team_find(self, step: int | None):
+    def _team_find(self, step: int | None, job: str):
         """``_find_version`` across the team (a worker thread: it asks the peers). The team's
         RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
-        disk = self._disk_latest() if step is None else None
+        if self.store.team_job is not None and job != self.store.team_job:
+            raise VersionNotFound(
+                f"this team of daemons serves job {self.store.team_job!r}, not {job!r}: a job never restores another's "
+                "versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote them)"
+            )
+        disk = self._disk_latest(job) if step is None else None
         try:
             got = self.team.restore_sources(step)
         except VersionNotFound:
@@ -388,7 +427,7 @@ class Daemon:
         if got is not None:
             with self.store.lock:
                 got.release()
-        with self._open_disk(step) as reader:
+        with self._open_disk(step, job) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
@@ -405,7 +444,7 @@ class Daemon:
         return self._restore(body)
 
     def _restore(self, body):
-        sources, objects, chosen, pin, where = self._find_version(body.get("step"))
+        sources, objects, chosen, pin, where = self._find_version(body.get("step"), _job(body))
         try:
             plan = restore_plan.plan(sources, body["targets"])
             if self.team is not None and pin is not None:
@@ -426,8 +465,8 @@ class Daemon:
         elif pin is not None:
             pin.pins += 1
         else:  # reading flushed files: retention must leave this step alone meanwhile
-            self.store.disk_readers[chosen] = self.store.disk_readers.get(chosen, 0) + 1
-            pin = chosen
+            pin = (_job(body), chosen)
+            self.store.disk_readers[pin] = self.store.disk_readers.get(pin, 0) + 1
         self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
@@ -441,27 +480,23 @@ class Daemon:
         return self._describe(body)
 
     def _describe(self, body):
-        sources, objects, chosen, pin, where = self._find_version(body.get("step"))
+        sources, objects, chosen, pin, where = self._find_version(body.get("step"), _job(body))
         if hasattr(pin, "release"):
             with self.store.lock:
                 pin.release()
         tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
         return {"step": chosen, "where": where, "tensors": tensors, **_objects_body(objects)}
 
-    def _open_disk(self, step):
+    def _open_disk(self, step, job: str):
         from ..format import open_version
 
-        if not self.config.flush_dir:
-            raise VersionNotFound(
-                f"{'step ' + str(step) if step is not None else 'no committed version'} is not in RAM and the daemon "
-                "has no --flush-dir to read from"
-            )
+        root = self.job_flush_dir(job)
+        if root is None or not os.path.isdir(root):
+            raise self._not_this_job(step, job)
         try:
-            return open_version(self.config.flush_dir, step)
-        except VersionNotFound:
-            raise
-        except FileNotFoundError:
-            raise VersionNotFound(f"no complete version in {self.config.flush_dir}") from None
+            return open_version(root, step)
+        except (VersionNotFound, FileNotFoundError) as exc:
+            raise self._not_this_job(step, job, f"{root}: {exc}") from None
 
     def _on_release(self, ident, req_id, body):
         self._end_lease(body["lease"])
@@ -471,7 +506,7 @@ class Daemon:
         pin, _ = self._leases.pop(lease, (None, 0.0))
         if hasattr(pin, "release"):
             pin.release()
-        elif isinstance(pin, int):
+        elif isinstance(pin, tuple):
             left = self.store.disk_readers.get(pin, 1) - 1
             if left:
                 self.store.disk_readers[pin] = left
@@ -485,6 +520,15 @@ class Daemon:
         from .status import collect
 
         return collect(self)
+
+    def _on_drop(self, ident, req_id, body):
+        job = body["job"]
+        for w in [w for w in self._waits if w.extra.get("job") == job]:
+            self._waits.remove(w)
+            self._reply(w.ident, protocol.error(w.req_id, VersionNotFound(f"job {job!r} was dropped on this node")))
+        if self.flusher is not None:
+            self.flusher.forget(job)
+        return self.store.drop(job)
 
     def _on_shutdown(self, ident, req_id, body):
         self._stop = True
@@ -513,7 +557,7 @@ class Daemon:
                         err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
                         self._reply(parked.ident, protocol.error(parked.req_id, err))
                     continue
-                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None)
+                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.extra.get("job") if parked else None)
                 if parked is not None and not parked.extra.get("spare"):
                     self._prepare_spare(rank, slot.size)  # the next snapshot's slot, now
                 if parked is not None and parked.ident:
@@ -537,7 +581,7 @@ class Daemon:
         with self.store.lock:
             for w in self._waits:
                 try:
-                    answer = self._wait_answer(w.step)
+                    answer = self._wait_answer(w.step, w.extra.get("job", DEFAULT_JOB))
                 except UcpdError as exc:
                     self._reply(w.ident, protocol.error(w.req_id, exc))
                     continue

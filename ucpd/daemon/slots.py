@@ -37,6 +37,7 @@ class Slot:
     state: SlotState = SlotState.FREE
     rank: int | None = None  # the rank writing it, or whose version part it holds
     step: int | None = None
+    job: str | None = None  # the job whose rank writes it, or whose version it holds
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
@@ -147,8 +148,8 @@ class SlotStore:
     def free_slots(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state is SlotState.FREE]
 
-    def lend(self, slot: Slot, rank: int, step: int) -> None:
-        slot.state, slot.rank, slot.step = SlotState.WRITING, rank, step
+    def lend(self, slot: Slot, rank: int, step: int, job: str | None = None) -> None:
+        slot.state, slot.rank, slot.step, slot.job = SlotState.WRITING, rank, step, job
 
     def hold(self, slot: Slot) -> None:
         slot.state = SlotState.HELD
@@ -156,7 +157,7 @@ class SlotStore:
     def release(self, sid: int) -> None:
         slot = self.slots.get(sid)
         if slot is not None:
-            slot.state, slot.step = SlotState.FREE, None
+            slot.state, slot.step, slot.job = SlotState.FREE, None, None
 
     def close(self) -> None:
         for slot in self.slots.values():

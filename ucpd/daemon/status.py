@@ -13,9 +13,10 @@ def collect(daemon) -> dict:
     store = daemon.store
     cfg = daemon.config
     versions = []
-    for v in sorted(store.table.versions.values(), key=lambda v: v.step):
+    for v in sorted(store.versions(), key=lambda v: (v.job, v.step)):
         versions.append(
             {
+                "job": v.job,
                 "step": v.step,
                 "state": v.state.value,
                 "ranks": sorted(v.parts),
@@ -43,7 +44,24 @@ def collect(daemon) -> dict:
             "flushed_count": p.flushed_count,
             "last_error": p.last_error,
         }
-    latest = store.table.latest_committed()
+    jobs = []
+    for name, t in sorted(store.tables.items()):
+        newest = t.latest_committed()
+        jobs.append(
+            {
+                "job": name,
+                "versions": sum(1 for v in t.versions.values() if v.parts),
+                "latest_committed": newest.step if newest else None,
+                "bytes": store.job_bytes(name),
+                "quota": store.job_limit or None,
+                "flush_dir": daemon.job_flush_dir(name),
+            }
+        )
+    # the newest committed step of the team's job, or of the one job here (None with several)
+    only = store.tables.get(store.team_job) if store.team_job else (
+        next(iter(store.tables.values())) if len(store.tables) == 1 else None
+    )
+    latest = only.latest_committed() if only is not None else None
     return {
         "pid": os.getpid(),
         "uptime_s": round(time.time() - daemon.started, 1),
@@ -55,6 +73,9 @@ def collect(daemon) -> dict:
         "mem_used": store.slots.used_bytes,
         "keep": store.keep,
         "latest_committed": latest.step if latest else None,
+        "jobs": jobs,
+        "team_job": store.team_job,
+        "job_mem_limit": store.job_limit or None,
         "versions": versions,
         "slots": slots,
         "clients": len(daemon._clients),
@@ -88,19 +109,30 @@ def render(status: dict, console) -> None:
     head.add_row("run dir", status["run_dir"])
     head.add_row("shm dir", status["shm_dir"])
     head.add_row("memory", f"{_size(status['mem_used'])} of {_size(status['mem_limit'])} in slots {status['slots']}")
-    head.add_row("latest committed", str(status["latest_committed"]))
+    if len(status.get("jobs", ())) <= 1:
+        head.add_row("latest committed", str(status["latest_committed"]))
     head.add_row("redundancy", f"{status['redundancy']['level']}, {'healthy' if status['redundancy']['healthy'] else 'DEGRADED'}")
     if status.get("metrics_port") is not None:
         head.add_row("metrics", f"http://127.0.0.1:{status['metrics_port']}/metrics")
     c = status["counters"]
     head.add_row("counters", ", ".join(f"{k}={v}" for k, v in c.items()))
     console.print(head)
+    if status.get("jobs"):
+        jobs = Table(title="jobs" + (f" (this team serves {status['team_job']!r})" if status.get("team_job") else ""))
+        for col in ("job", "versions", "latest committed", "bytes", "quota", "flushed to"):
+            jobs.add_column(col, justify="right" if col in ("versions", "latest committed", "bytes", "quota") else "left")
+        for j in status["jobs"]:
+            jobs.add_row(
+                j["job"], str(j["versions"]), str(j["latest_committed"]), _size(j["bytes"]), _size(j["quota"]),
+                j["flush_dir"] or "-",
+            )
+        console.print(jobs)
     table = Table(title="versions")
-    for col in ("step", "state", "ranks", "tensors", "bytes", "on disk", "age"):
+    for col in ("job", "step", "state", "ranks", "tensors", "bytes", "on disk", "age"):
         table.add_column(col, justify="right" if col in ("step", "tensors", "bytes", "age") else "left")
     for v in status["versions"]:
         table.add_row(
-            str(v["step"]), v["state"], f"{len(v['ranks'])}/{v['world_size']}", str(v["tensors"]), _size(v["bytes"]),
+            v.get("job", "-"), str(v["step"]), v["state"], f"{len(v['ranks'])}/{v['world_size']}", str(v["tensors"]), _size(v["bytes"]),
             "yes" if v["on_disk"] else "no", f"{v['age_s']:.0f} s",
         )
     console.print(table)

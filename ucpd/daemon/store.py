@@ -1,6 +1,8 @@
 """The node's in-RAM store: slots and versions together, with the rules that tie them.
 
-Lending a slot for a snapshot, sealing a rank's part, committing, keeping ``keep`` versions,
+One daemon serves every job on its node: the slots (and ``--mem-limit``) are shared, each
+job has its own version table (its own step numbers, ``--keep`` and optional memory quota),
+and nothing of one job is ever seen by another. Lending a slot for a snapshot, sealing a rank's part, committing, keeping ``keep`` versions,
 evicting under the memory limit and re-adopting after a restart all live here, free of
 sockets, so the rules are testable on their own. The server calls these methods holding
 ``self.lock``; background threads (slot preparation, flush) take the same lock.
@@ -13,10 +15,10 @@ import os
 import threading
 from dataclasses import dataclass
 
-from ..errors import ProtocolError, SnapshotRejected
+from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
-from .versions import RESTORABLE, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry
+from .versions import DEFAULT_JOB, RESTORABLE, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry
 
 log = logging.getLogger("ucpd.store")
 
@@ -34,44 +36,131 @@ class Counters:
 
 
 class NodeStore:
-    def __init__(self, shm_dir: str, mem_limit: int, keep: int, rounding: int = 2 << 20, policy=None):
+    """Slots and the version tables of every job on this node.
+
+    ``job_limit``: the most bytes of slots one job may hold (0: only ``mem_limit``).
+    ``single_job``: a team of daemons serves one job (the one named, or the first that
+    snapshots); ``table`` is that job's table. One node alone serves any number of jobs."""
+
+    def __init__(
+        self, shm_dir: str, mem_limit: int, keep: int, rounding: int = 2 << 20, policy=None,
+        job_limit: int = 0, single_job: bool = False, job: str | None = None,
+    ):
         self.shm_dir = shm_dir
         self.keep = keep
+        self.job_limit = job_limit
+        self.single_job = single_job
         self.lock = threading.RLock()
         self.slots = SlotStore(shm_dir, mem_limit, rounding)
-        self.table = VersionTable(policy)
+        self._policy = policy
+        self.tables: dict[str, VersionTable] = {}
+        self.team_job: str | None = job  # the job a team serves (single_job only)
         self.counters = Counters()
-        self.adopted = index.load(shm_dir, self.slots, self.table)
+        self.adopted = index.load(shm_dir, self.slots, self)
+        if single_job and self.team_job is None and self.tables:
+            self.team_job = next(iter(self.tables))
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
-        self.disk_readers: dict[int, int] = {}  # flushed step -> restores reading it (retain keeps it)
+        self.disk_readers: dict[tuple[str, int], int] = {}  # (job, flushed step) -> restores reading it (retain keeps it)
         # called (holding the lock) with each version that became committed: restore indexing,
         # the flusher. One commit path, whoever decides (this node alone, or the team).
         self.commit_listeners: list = []
 
+    # --- jobs ------------------------------------------------------------------------------------
+
+    def table_of(self, job: str) -> VersionTable:
+        """The version table of ``job`` (made on first use)."""
+        t = self.tables.get(job)
+        if t is None:
+            t = self.tables[job] = VersionTable(self._policy, job)
+        return t
+
+    @property
+    def table(self) -> VersionTable:
+        """The table of the team's job (a team of daemons serves one job), or of the default job
+        (an empty one, not kept, when that job has no versions here)."""
+        job = self.team_job or DEFAULT_JOB
+        return self.tables.get(job) or VersionTable(self._policy, job)
+
+    def check_job(self, job: str) -> None:
+        """A team serves one job: the first that snapshots claims it; another is refused."""
+        if not self.single_job:
+            return
+        if self.team_job is None:
+            self.team_job = job
+            log.info("this team of daemons serves job %r", job)
+        elif job != self.team_job:
+            raise SnapshotRejected(
+                f"this daemon is a node of a team that serves job {self.team_job!r}, not {job!r}: a team of daemons "
+                "serves one job; start another team (other --run-dir, --shm-dir and ports) for this one, or "
+                f"`ucpd drop {self.team_job}` on every node once that job is over"
+            )
+
+    def versions(self):
+        """Every version of every job on this node."""
+        for t in self.tables.values():
+            yield from t.versions.values()
+
+    def job_bytes(self, job: str) -> int:
+        """Bytes of slots the job holds or is writing into."""
+        return sum(s.size for s in self.slots.slots.values() if s.job == job and s.state is not SlotState.FREE)
+
+    def drop(self, job: str) -> dict:
+        """Free every version of ``job`` on this node (``ucpd drop JOB``); its flushed files stay.
+        Refused while a restore or flush reads one of them."""
+        t = self.tables.get(job)
+        writing = [s for s in self.slots.slots.values() if s.job == job and s.state is SlotState.WRITING]
+        if t is None and not writing:
+            raise VersionNotFound(f"no job {job!r} on this node (jobs here: {sorted(self.tables) or 'none'})")
+        pinned = [v.step for v in (t.versions.values() if t else ()) if v.pins]
+        if pinned:
+            raise SnapshotRejected(
+                f"job {job!r}: steps {sorted(pinned)} are being restored or flushed right now; drop it again when that is over"
+            )
+        steps, nbytes = [], 0
+        for v in sorted(t.versions.values() if t else (), key=lambda v: v.step):
+            if v.parts:
+                nbytes += sum(self.slots.slots[p.slot].size for p in v.parts.values() if p.slot in self.slots.slots)
+                steps.append(v.step)
+                self._evict(v)
+        for slot in writing:
+            nbytes += slot.size
+            self.slots.release(slot.id)
+        self.tables.pop(job, None)
+        if self.team_job == job:
+            self.team_job = None
+        self.save_index()
+        log.info("dropped job %r: steps %s, %d bytes", job, steps, nbytes)
+        return {"job": job, "steps": steps, "bytes": nbytes}
+
     # --- snapshot path --------------------------------------------------------------------------
 
-    def check_begin(self, rank: int, step: int, incarnation: str | None = None, world_size: int | None = None) -> None:
+    def check_begin(
+        self, rank: int, step: int, incarnation: str | None = None, world_size: int | None = None, job: str = DEFAULT_JOB
+    ) -> None:
         """Refuse a snapshot that could not commit cleanly; release the rank's unfinished slot."""
-        newest = self.table.latest_committed()
+        self.check_job(job)
+        newest = self.table_of(job).latest_committed()
         if newest is not None and step < newest.step:
             raise SnapshotRejected(
                 f"step {step} is older than the newest committed step {newest.step}: snapshot steps must "
                 f"increase (after restoring an older step, continue numbering above {newest.step})"
             )
-        v = self._current(step, incarnation, rank, world_size)
+        v = self._current(job, step, incarnation, rank, world_size)
         if v is not None and v.state in RESTORABLE:
             raise SnapshotRejected(f"step {step} is already committed; snapshot a new step number")
         for slot in self.slots.slots.values():  # a rank writes one snapshot at a time
-            if slot.state is SlotState.WRITING and slot.rank == rank:
+            if slot.state is SlotState.WRITING and slot.rank == rank and slot.job == job:
                 self.slots.release(slot.id)
 
-    def _current(self, step: int, incarnation: str | None, rank: int | None = None, world_size: int | None = None):
+    def _current(
+        self, job: str, step: int, incarnation: str | None, rank: int | None = None, world_size: int | None = None
+    ):
         """The version of ``step``. One still being written by another run of the job (it died
         mid-snapshot) is abandoned, so a restarted job never completes it with its own parts:
         another job id, another world size, or a rank starting a step it already sealed."""
-        v = self.table.versions.get(step)
+        v = self.table_of(job).versions.get(step)
         if v is not None and v.state is VersionState.WRITING and (
             v.incarnation != incarnation or (world_size is not None and v.world_size != world_size) or rank in v.parts
         ):
@@ -80,18 +169,39 @@ class NodeStore:
             return None
         return v
 
-    def take_free_slot(self, rank: int, step: int, nbytes: int) -> Slot | None:
+    def take_free_slot(self, rank: int, step: int, nbytes: int, job: str = DEFAULT_JOB) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
         slot = self.slots.find_free(nbytes, rank)
         if slot is None and self.enforce_keep():
             slot = self.slots.find_free(nbytes, rank)
         if slot is not None:
-            self.slots.lend(slot, rank, step)
+            self._within_quota(job, slot.size)
+            self.slots.lend(slot, rank, step, job)
         return slot
 
-    def reserve_new_slot(self, nbytes: int) -> tuple[int, str, int]:
-        """Account for a new slot (id, path, size) that the caller then allocates; may evict."""
+    def _within_quota(self, job: str, size: int) -> None:
+        """Make room for ``size`` more bytes of ``job`` under ``job_limit`` by evicting the job's
+        own old versions; refuse when even that is not enough."""
+        if not self.job_limit or self.job_bytes(job) + size <= self.job_limit:
+            return
+        for v in self._evictable():
+            if v.job == job and v.state in RESTORABLE:
+                self._evict(v)
+                if self.job_bytes(job) + size <= self.job_limit:
+                    return
+        self.counters.rejected += 1
+        raise SnapshotRejected(
+            f"job {job!r} holds {self.job_bytes(job) >> 20} MiB and needs {size >> 20} MiB more, over its quota of "
+            f"{self.job_limit >> 20} MiB (--job-mem-limit) even after evicting all but its newest committed version. "
+            "Raise --job-mem-limit, lower --keep, or snapshot less state; its last committed version is kept."
+        )
+
+    def reserve_new_slot(self, nbytes: int, job: str | None = None) -> tuple[int, str, int]:
+        """Account for a new slot (id, path, size) that the caller then allocates; may evict.
+        ``job``: the job whose rank waits for it (its quota is checked; None: a spare slot)."""
         size = self.slots.round_size(nbytes)
+        if job is not None:
+            self._within_quota(job, size)
         reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
             self.slots.slots[p.slot].size for v in self._evictable() for p in v.parts.values() if p.slot in self.slots.slots
         )
@@ -114,12 +224,12 @@ class NodeStore:
         self.slots.add(sid, path, size).state = SlotState.WRITING  # reserved until allocated
         return sid, path, size
 
-    def finish_new_slot(self, sid: int, rank: int, step: int | None) -> Slot:
+    def finish_new_slot(self, sid: int, rank: int, step: int | None, job: str | None = None) -> Slot:
         slot = self.slots.slots[sid]
         if step is None:
-            slot.state, slot.rank = SlotState.FREE, rank
+            slot.state, slot.rank, slot.job = SlotState.FREE, rank, None
         else:
-            self.slots.lend(slot, rank, step)
+            self.slots.lend(slot, rank, step, job or DEFAULT_JOB)
         self.save_index()
         return slot
 
@@ -130,10 +240,11 @@ class NodeStore:
     def seal(self, body: dict) -> tuple[Version, list[Version]]:
         """Validate and seal a rank's commit; returns its version and any newly committed ones."""
         rank, step, sid = body["rank"], body["step"], body["slot"]
+        job = body.get("job") or DEFAULT_JOB
         slot = self.slots.slots.get(sid)
-        if slot is None or slot.state is not SlotState.WRITING or slot.rank != rank or slot.step != step:
+        if slot is None or slot.state is not SlotState.WRITING or slot.rank != rank or slot.step != step or slot.job != job:
             raise ProtocolError(
-                f"rank {rank} commits step {step} into slot {sid}, which is not lent to it for that step"
+                f"rank {rank} of job {job!r} commits step {step} into slot {sid}, which is not lent to it for that step"
             )
         entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
         names = set()
@@ -146,7 +257,8 @@ class NodeStore:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
             names.add(e.name)
         incarnation = body.get("incarnation")
-        version = self._current(step, incarnation, None, body["world_size"]) or self.table.get_or_create(
+        table = self.table_of(job)
+        version = self._current(job, step, incarnation, None, body["world_size"]) or table.get_or_create(
             step, body["world_size"]
         )
         if not version.parts:
@@ -158,7 +270,7 @@ class NodeStore:
             raise ProtocolError(f"rank {rank} says world size {body['world_size']}, others said {version.world_size}")
         part = RankPart(rank, sid, entries, body["objects"], body.get("layout"), body.get("objects_crc"))
         try:
-            committed = self.table.seal(version, part)
+            committed = table.seal(version, part)
         except Exception:
             version.parts.pop(rank, None)
             version._globals = None
@@ -186,26 +298,26 @@ class NodeStore:
         self._after_commit(v)
         return v
 
-    def skip_for(self, rank: int, world_size: int) -> list[str]:
+    def skip_for(self, rank: int, world_size: int, job: str = DEFAULT_JOB) -> list[str]:
         """Tensors this rank need not write: in the newest committed version of the same job
         shape, a lower rank held every global element of them (replicas stored once)."""
-        v = self.table.latest_committed()
+        v = self.table_of(job).latest_committed()
         if not self._dedupe_ok or v is None or v.world_size != world_size or not v.parts:
             return []
         return duplicates(v).get(rank, [])
 
-    def abort(self, rank: int, step: int, sid: int) -> None:
+    def abort(self, rank: int, step: int, sid: int, job: str = DEFAULT_JOB) -> None:
         slot = self.slots.slots.get(sid)
-        if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step:
+        if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step and slot.job == job:
             self.slots.release(sid)
 
     def _after_commit(self, v: Version) -> None:
         self._dedupe_ok = True
-        for old in self.table.abandoned_before(v.step):
+        for old in self.table_of(v.job).abandoned_before(v.step):
             old.state = VersionState.ABANDONED
             self._free_parts(old)
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
-            if slot.state is SlotState.WRITING and slot.step is not None and slot.step < v.step:
+            if slot.state is SlotState.WRITING and slot.job == v.job and slot.step is not None and slot.step < v.step:
                 self.slots.release(slot.id)
         self.save_index()
         self.enforce_keep()  # before the listeners: a flush they start must not evict a neighbour
@@ -214,33 +326,43 @@ class NodeStore:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def version_for_restore(self, step: int | None) -> Version | None:
-        """The RAM version to restore from (newest committed when step is None), or None."""
+    def version_for_restore(self, step: int | None, job: str = DEFAULT_JOB) -> Version | None:
+        """The RAM version of ``job`` to restore from (newest committed when step is None), or None."""
+        table = self.tables.get(job)
+        if table is None:
+            return None
         if step is None:
-            return self.table.latest_committed()
-        v = self.table.versions.get(step)
+            return table.latest_committed()
+        v = table.versions.get(step)
         return v if v is not None and v.state in RESTORABLE else None
+
+    def owners_of(self, step: int) -> list[str]:
+        """The jobs that hold a committed ``step`` here (to say whose a version is)."""
+        return sorted(j for j, t in self.tables.items() if (v := t.versions.get(step)) is not None and v.state in RESTORABLE)
 
     # --- eviction ------------------------------------------------------------------------------
 
     def _evictable(self) -> list[Version]:
-        """Versions whose RAM may go, oldest first: never the newest committed, never pinned."""
-        newest = self.table.latest_committed()
-        return [
-            v
-            for v in sorted(self.table.versions.values(), key=lambda v: v.step)
-            if v.parts and not v.pins and v is not newest
-            and (v.state in RESTORABLE or (newest is not None and v.step < newest.step))
-        ]
+        """Versions whose RAM may go, oldest first: never a job's newest committed, never pinned."""
+        out = []
+        for table in self.tables.values():
+            newest = table.latest_committed()
+            out += [
+                v
+                for v in table.versions.values()
+                if v.parts and not v.pins and v is not newest
+                and (v.state in RESTORABLE or (newest is not None and v.step < newest.step))
+            ]
+        return sorted(out, key=lambda v: (v.created, v.step))
 
     def enforce_keep(self) -> bool:
         """Evict committed versions older than the newest ``keep`` and incomplete ones that can
         never commit. A pinned old version (being flushed or read) waits for its unpinning; it
         never makes a newer one go in its place."""
         freed = False
-        newest = {v.step for v in self.table.committed()[-self.keep :]} if self.keep > 0 else set()
+        newest = {(j, v.step) for j, t in self.tables.items() for v in (t.committed()[-self.keep :] if self.keep > 0 else ())}
         for v in self._evictable():
-            if v.state in RESTORABLE and v.step in newest:
+            if v.state in RESTORABLE and (v.job, v.step) in newest:
                 continue
             self._evict(v)
             freed = True
@@ -262,7 +384,7 @@ class NodeStore:
         v.parts = {}
         v._globals = None
         v.restore_sources = None
-        self.table.retire(v)
+        self.table_of(v.job).retire(v)
         if persisted and not self.save_index():
             return  # the slots stay held (unlendable) until the index can be written
         for sid in sids:
@@ -283,11 +405,11 @@ class NodeStore:
                     self.slots.delete(p_slot.id)
         if not self.slots.fits(size):
             self.counters.rejected += 1
-            newest = self.table.latest_committed()
+            held = [f"{j}: step {n.step}" for j, t in self.tables.items() if (n := t.latest_committed()) is not None]
             raise SnapshotRejected(
                 f"memory limit: a slot of {size >> 20} MiB does not fit ({self.slots.used_bytes >> 20} of "
                 f"{self.slots.mem_limit >> 20} MiB in use, holding "
-                f"{'step ' + str(newest.step) if newest else 'no committed version'} and versions being written). "
+                f"{', '.join(held) if held else 'no committed version'} and versions being written). "
                 "Raise --mem-limit, lower --keep, or snapshot less state; the last committed version is kept."
             )
 
@@ -297,7 +419,7 @@ class NodeStore:
         """Rewrite the on-shm index; False (logged, counted) when it cannot be written — the
         daemon keeps serving, and slots of versions it could not drop from the index stay held."""
         try:
-            index.save(self.shm_dir, self.slots, self.table)
+            index.save(self.shm_dir, self.slots, self)
             return True
         except OSError as exc:
             self.counters.index_errors += 1

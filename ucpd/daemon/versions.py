@@ -1,4 +1,7 @@
-"""The version table: which steps exist in RAM, in which state, and what each rank gave.
+"""The version table of a job: which steps exist in RAM, in which state, and what each rank gave.
+
+Versions belong to a job (``Checkpointer(job=...)``): the store keeps one table per job, so
+two jobs on a node number their steps independently and never see each other's versions.
 
 A version moves through explicit states::
 
@@ -57,6 +60,8 @@ class VersionState(enum.Enum):
 
 
 RESTORABLE = (VersionState.COMMITTED, VersionState.FLUSHED)
+
+DEFAULT_JOB = "default"  # the job of a client that names none (older clients)
 
 
 @dataclass(frozen=True)
@@ -130,6 +135,7 @@ class Version:
     incarnation: str | None = None  # the job run that writes it (a restarted job is another)
     local_size: int | None = None  # ranks that seal it on this node (None: all world_size, one node)
     on_disk: bool = False
+    job: str = DEFAULT_JOB
     restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
     _globals: dict[str, GlobalTensor] | None = None
 
@@ -270,7 +276,8 @@ class SingleNodeCommit:
 class VersionTable:
     RETIRED_MEMORY = 256  # how many dropped versions' final states are remembered for `wait`
 
-    def __init__(self, policy: CommitPolicy | None = None):
+    def __init__(self, policy: CommitPolicy | None = None, job: str = DEFAULT_JOB):
+        self.job = job
         self.versions: dict[int, Version] = {}
         self.retired: dict[int, Version] = {}  # evicted or abandoned, parts gone; oldest first
         self.policy = policy or SingleNodeCommit()
@@ -288,7 +295,7 @@ class VersionTable:
     def get_or_create(self, step: int, world_size: int) -> Version:
         v = self.versions.get(step)
         if v is None:
-            v = self.versions[step] = Version(step, world_size)
+            v = self.versions[step] = Version(step, world_size, job=self.job)
         return v
 
     def seal(self, version: Version, part: RankPart) -> list[Version]:

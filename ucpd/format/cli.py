@@ -89,7 +89,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     con = _console()
     if not versions:
-        con.print(f"{root}: no versions")
+        jobs = sorted(d.name for d in root.iterdir() if d.is_dir() and (any(d.glob("step-*")) or (d / "LATEST").exists()))
+        if jobs:  # a daemon's --flush-dir: one checkpoint root per job
+            con.print(f"{root}: the flush dir of jobs {', '.join(jobs)}; list one with `ucpd ls {root / jobs[0]}`")
+        else:
+            con.print(f"{root}: no versions")
         return 0
     table = Table(title=str(root), title_justify="left")
     for col, j in (("step", "right"), ("state", "left"), ("tensors", "right"), ("size", "right"),
