@@ -101,12 +101,13 @@ class Cluster:
     """``nodes`` daemons on loopback. With more than one, they form a team (``--replicas``)."""
 
     def __init__(self, root: str, nodes: int, *, replicas: int = 1, keep: int = 2, mem_limit: str = "1G",
-                 extra: tuple[str, ...] = ()):
+                 extra: tuple[str, ...] = (), job: str = "gpt"):
         self.root = root
         common = ["--mem-limit", mem_limit, "--keep", str(keep), *extra]
         if nodes > 1:
             peers = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(nodes))
-            team = ["--nodes", str(nodes), "--peers", peers, "--replicas", str(replicas),
+            # a team serves one job, named up front (the trainers' RunSpec.job)
+            team = ["--nodes", str(nodes), "--peers", peers, "--replicas", str(replicas), "--job", job,
                     "--heartbeat", "0.1", "--dead-after", "1.5"]
             self.nodes = [Node(i, root, [*team, "--node-rank", str(i), *common]) for i in range(nodes)]
         else:

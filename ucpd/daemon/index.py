@@ -1,7 +1,7 @@
 """The daemon's on-shm index, so that a restarted daemon re-adopts the segments it left.
 
 ``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions of every
-job with every rank's manifest. It is rewritten whole on each change that matters, to a temporary
+job with every rank's manifest (each packed once, as a msgpack blob of its own). It is rewritten whole on each change that matters, to a temporary
 file that is then renamed over the old one: a crash mid-update leaves the old index or the
 new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
@@ -46,7 +46,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
                         "objects": p.objects,
                         "objects_crc": p.objects_crc,
                         "layout": p.layout,
-                        "tensors": [t.to_wire() for t in p.tensors],
+                        "tensors_packed": p.packed_tensors,
                     }
                     for p in v.parts.values()
                 ],
@@ -109,12 +109,13 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
             for rp in raw["parts"]:
                 if rp["slot"] not in slots.slots:
                     break
+                raw_tensors = rp["tensors"] if "tensors" in rp else msgpack.unpackb(rp["tensors_packed"], raw=False)
                 tensors = [
                     TensorEntry(
                         t["name"], t["dtype"], tuple(t["shape"]), t["placement"], t["offset"], t["nbytes"],
                         tuple(t["crcs"]), bool(t.get("skipped")),
                     )
-                    for t in rp["tensors"]
+                    for t in raw_tensors
                 ]
                 parts[rp["rank"]] = RankPart(
                     rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"), rp.get("objects_crc")

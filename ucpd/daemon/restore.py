@@ -56,7 +56,7 @@ def from_ram(version, slot_path) -> SourceSet:
             if t.skipped:
                 continue
             tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-            same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
+            same.setdefault(_signature(t.name, t.dtype, t.shape, t.key()), (rank, idx))
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
     return SourceSet(globals_, tensors, same)
 

@@ -250,7 +250,7 @@ class Daemon:
         waiting = {"rank": rank, "skip": skip, "job": job}
         for sid, parked in self._parked_begins.items():  # this rank's spare is on its way: take it
             if parked.extra.get("spare") and parked.extra["rank"] == rank and self.store.slots.slots[sid].size >= nbytes:
-                self.store._within_quota(job, self.store.slots.slots[sid].size)
+                self.store.within_quota(job, self.store.slots.slots[sid].size)
                 self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
                 self._preparing.discard(rank)
                 return None
@@ -528,7 +528,15 @@ class Daemon:
             self._reply(w.ident, protocol.error(w.req_id, VersionNotFound(f"job {job!r} was dropped on this node")))
         if self.flusher is not None:
             self.flusher.forget(job)
-        return self.store.drop(job)
+        out = self.store.drop(job)
+        if self.team is not None and self.team.replicas is not None:
+            # a team serves one job: the copies this node holds for its peers are that job's too
+            reps = self.team.replicas
+            for key, rep in list(reps.held.items()):
+                reps.drop(*key)
+                if key not in reps.held:  # (one a reader still pins stays until unpinned)
+                    out["bytes"] += rep.size
+        return out
 
     def _on_shutdown(self, ident, req_id, body):
         self._stop = True

@@ -175,11 +175,11 @@ class NodeStore:
         if slot is None and self.enforce_keep():
             slot = self.slots.find_free(nbytes, rank)
         if slot is not None:
-            self._within_quota(job, slot.size)
+            self.within_quota(job, slot.size)
             self.slots.lend(slot, rank, step, job)
         return slot
 
-    def _within_quota(self, job: str, size: int) -> None:
+    def within_quota(self, job: str, size: int) -> None:
         """Make room for ``size`` more bytes of ``job`` under ``job_limit`` by evicting the job's
         own old versions; refuse when even that is not enough."""
         if not self.job_limit or self.job_bytes(job) + size <= self.job_limit:
@@ -201,7 +201,7 @@ class NodeStore:
         ``job``: the job whose rank waits for it (its quota is checked; None: a spare slot)."""
         size = self.slots.round_size(nbytes)
         if job is not None:
-            self._within_quota(job, size)
+            self.within_quota(job, size)
         reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
             self.slots.slots[p.slot].size for v in self._evictable() for p in v.parts.values() if p.slot in self.slots.slots
         )

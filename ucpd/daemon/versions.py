@@ -28,13 +28,29 @@ from typing import Protocol
 
 from ..dtypes import dtype as lookup_dtype
 from ..errors import PlacementMismatch
-from ..ucl import placement_from_dict, resolve
+from ..ucl import Fragment, placement_from_dict, resolve
 from ..ucl.plan import SourcePiece
 
 
 @functools.lru_cache(maxsize=65536)
 def _fragments(name: str, placement_json: str, shape: tuple[int, ...]):
     return tuple(resolve(name, placement_from_dict(json.loads(placement_json)), shape))
+
+
+_ANY = "\0"  # a name no tensor has: geometry resolved under it is the same for every name
+
+
+@functools.lru_cache(maxsize=65536)
+def _geometry(placement_json: str, shape: tuple[int, ...]):
+    """The fragments of any tensor of this placement and shape, or None when they depend on the
+    name (a placement that renames) or the pair is invalid (resolved again under the real name,
+    so the error names the tensor). Mixture-of-experts ranks hold 10^4-10^5 tensors of a few
+    shapes: this is resolved once per shape, not once per tensor."""
+    try:
+        frags = tuple(resolve(_ANY, placement_from_dict(json.loads(placement_json)), shape))
+    except Exception:
+        return None
+    return frags if all(f.name == _ANY for f in frags) else None
 
 
 def placement_key(placement: dict) -> str:
@@ -47,7 +63,11 @@ def fragments_of(name: str, placement: dict | str, shape: tuple[int, ...]):
     same layout every step, so commit validation, indexing and restore planning resolve each
     tensor once."""
     key = placement if isinstance(placement, str) else placement_key(placement)
-    return _fragments(name, key, tuple(shape))
+    shape = tuple(shape)
+    same = _geometry(key, shape)
+    if same is None:
+        return _fragments(name, key, shape)
+    return tuple(Fragment(name, f.global_shape, f.pieces, f.fills) for f in same)
 
 
 class VersionState(enum.Enum):
@@ -76,6 +96,21 @@ class TensorEntry:
     nbytes: int
     crcs: tuple[int, ...]
     skipped: bool = False  # not written: a lower rank holds the same global elements
+    # computed once when the entry is validated: the placement's canonical key, its fragments
+    pkey: str = field(default="", compare=False, repr=False)
+    frags: tuple | None = field(default=None, compare=False, repr=False)
+
+    def fragments(self) -> tuple:
+        """What this tensor holds of which global tensors (``fragments_of``, kept with the entry)."""
+        if self.frags is None:
+            object.__setattr__(self, "frags", fragments_of(self.name, self.key(), self.shape))
+        return self.frags
+
+    def key(self) -> str:
+        """``placement_key`` of the placement (kept with the entry)."""
+        if not self.pkey:
+            object.__setattr__(self, "pkey", placement_key(self.placement))
+        return self.pkey
 
     @classmethod
     def from_wire(cls, raw: dict) -> "TensorEntry":
@@ -107,9 +142,18 @@ class RankPart:
     layout: dict | None = None
     objects_crc: int | None = None  # CRC32C of ``objects``, checked by the client that unpickles them
 
-    @property
+    # a part's tensors never change once sealed: their sum and wire form are computed once
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
+
+    @functools.cached_property
+    def packed_tensors(self) -> bytes:
+        """The manifest as msgpack, packed once: the index is rewritten on every commit and
+        would otherwise pack every kept version's every tensor again."""
+        import msgpack
+
+        return msgpack.packb([t.to_wire() for t in self.tensors], use_bin_type=True)
 
 
 @dataclass
@@ -157,7 +201,7 @@ class Version:
             out: dict[str, GlobalTensor] = {}
             for rank in sorted(self.parts):
                 for idx, t in enumerate(self.parts[rank].tensors):
-                    for frag in fragments_of(t.name, t.placement, t.shape):
+                    for frag in t.fragments():
                         if not frag.pieces:
                             continue  # partition padding: nothing global to keep
                         g = out.get(frag.name)
@@ -239,7 +283,7 @@ def check_skipped_covered(version: "Version") -> None:
     for rank, part in version.parts.items():
         for t in part.tensors:
             if t.skipped:
-                frags = fragments_of(t.name, t.placement, t.shape)
+                frags = t.fragments()
                 try:
                     plan_restore(frags, by_name)
                 except PlacementMismatch as exc:
@@ -353,8 +397,9 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     if skipped:
         if raw["nbytes"] or raw["crcs"]:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
-        fragments_of(name, raw["placement"], tuple(raw["shape"]))
-        return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True)
+        key = placement_key(raw["placement"])
+        frags = fragments_of(name, key, tuple(raw["shape"]))
+        return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True, key, frags)
     if numel * dt.itemsize != raw["nbytes"]:
         raise ProtocolError(
             f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
@@ -368,5 +413,9 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     chunks = (raw["nbytes"] + CHUNK_BYTES - 1) // CHUNK_BYTES
     if len(raw["crcs"]) != chunks:
         raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
-    fragments_of(name, raw["placement"], tuple(raw["shape"]))  # shape must agree with the placement
-    return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]))
+    key = placement_key(raw["placement"])
+    frags = fragments_of(name, key, tuple(raw["shape"]))  # shape must agree with the placement
+    return TensorEntry(
+        name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]),
+        False, key, frags,
+    )
