@@ -56,6 +56,13 @@ class FormatError(UcpdError):
     code = "format"
 
 
+class UnsafePickle(FormatError):
+    """A pickled file names a type that ucpd does not read without running code (only tensors,
+    plain containers and an allowlist of DeepSpeed and torch types are read as inert records)."""
+
+    code = "unsafe_pickle"
+
+
 class ProtocolError(UcpdError):
     """A message broke the wire protocol (bad envelope, schema, sizes or offsets)."""
 
@@ -83,6 +90,7 @@ ALL_ERRORS: tuple[type[UcpdError], ...] = (
     PlacementMismatch,
     InvalidPlacement,
     FormatError,
+    UnsafePickle,
     ProtocolError,
     AuthError,
     AlreadyRunning,

@@ -1,5 +1,6 @@
-"""Import and export: torch.save files, DCP directories, DeepSpeed universal checkpoint folders,
-plain safetensors. torch is imported here only, inside the functions.
+"""Import and export: torch.save files, DCP directories, plain safetensors; the table of every
+conversion (``CONVERTERS``). DeepSpeed lives in ``ucpd.format.deepspeed``, Hugging Face in
+``ucpd.format.hf``. torch is imported here only, inside the functions.
 
 Non-tensor state imported from torch-based sources is stored as the global object, encoded with
 ``torch.save`` of a flat ``{key: value}`` dict (``layout["objects_encoding"] == "torch.save"``).
@@ -11,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +21,7 @@ import numpy as np
 
 from ..dtypes import BY_NAME
 from ..errors import FormatError
+from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
 from .reader import open_version
 from .writer import REPLICATED, TensorSource, write_safetensors, write_version
 
@@ -227,79 +228,6 @@ def dcp_to_universal(
     return write_version(root, step, sources, layout=layout, objects=objects, progress=progress, **kw)
 
 
-def _deepspeed_folder(src: Path) -> Path:
-    """The folder holding ``zero/``: ``src`` itself, or what ``src/latest_universal`` names."""
-    if (src / "zero").is_dir():
-        return src
-    latest = src / "latest_universal"
-    if latest.is_file():
-        sub = src / latest.read_text().strip()
-        if (sub / "zero").is_dir():
-            return sub
-    raise FormatError(
-        f"{src}: not a DeepSpeed universal checkpoint (expected zero/<param>/fp32.pt, or a "
-        f"latest_universal file naming such a folder)"
-    )
-
-
-DS_STATES = ("fp32", "exp_avg", "exp_avg_sq")
-
-
-def deepspeed_ucp_to_universal(
-    src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
-    shard_bytes: int | None = None, progress: Progress = None, unsafe_pickle: bool = False,
-) -> Path:
-    """A DeepSpeed universal checkpoint folder -> version ``step`` under ``root``.
-
-    Reads ``zero/<param>/{fp32,exp_avg,exp_avg_sq}.pt`` (dicts holding the consolidated tensor
-    under ``"param"``, plus ``cat_dim``/``vocab_tensor`` hints) and ``zero/<param>/step.pt``;
-    writes ``optim/<param>/fp32``, ``optim/<param>/exp_avg``, ``optim/<param>/exp_avg_sq``
-    (Replicated). The hints go to ``layout["params"]``; ``zero/optimizer_state.pt`` and the
-    per-parameter steps go to the global object. The ``mp_rank_*`` model files (TP-sharded
-    low-precision copies) are not imported: the fp32 master weights supersede them.
-    """
-    src = _deepspeed_folder(Path(src))
-    zero = src / "zero"
-    params = sorted(p.name for p in zero.iterdir() if p.is_dir() and (p / "fp32.pt").is_file())
-    if not params:
-        raise FormatError(f"{zero}: no parameter folders with fp32.pt")
-    torch = _torch()
-    sources: list[TensorSource] = []
-    hints: dict[str, dict] = {}
-    steps: dict[str, Any] = {}
-    for p in params:
-        for state in DS_STATES:
-            f = zero / p / f"{state}.pt"
-            if not f.is_file():
-                if state == "fp32":
-                    raise FormatError(f"{f}: missing")
-                continue
-            d = _load(f, unsafe_pickle)
-            t = d.get("param") if isinstance(d, dict) else d
-            if not isinstance(t, torch.Tensor):
-                raise FormatError(f"{f}: expected a dict with a tensor under 'param'")
-            if isinstance(d, dict) and state == "fp32":
-                extra = {k: v for k, v in d.items() if k != "param" and isinstance(v, (int, float, bool, str))}
-                if extra:
-                    hints[p] = extra
-            sources.append(TensorSource(f"optim/{p}/{state}", dtype_name(t), tuple(t.shape), REPLICATED, tensor_bytes(t)))
-        sf = zero / p / "step.pt"
-        if sf.is_file():
-            s = _load(sf, unsafe_pickle)
-            steps[p] = s.item() if isinstance(s, torch.Tensor) else s
-    opt = zero / "optimizer_state.pt"
-    glob_obj = {"steps": steps, "optimizer_state": _load(opt, unsafe_pickle) if opt.is_file() else None}
-    if step is None:
-        m = re.search(r"(\d+)$", src.name)
-        vals = [v for v in steps.values() if isinstance(v, (int, float))]
-        step = int(m.group(1)) if m else int(max(vals)) if vals else 0
-    layout = {"source": "deepspeed-ucp", "path": str(src), "params": hints, "objects_encoding": "torch.save"}
-    kw = {"shard_bytes": shard_bytes} if shard_bytes else {}
-    return write_version(
-        root, step, sources, layout=layout, objects={"global": _torch_save_bytes(glob_obj)}, progress=progress, **kw
-    )
-
-
 def universal_to_universal(
     src: str | os.PathLike, root: str | os.PathLike, *, step: int | None = None,
     shard_bytes: int | None = None, progress: Progress = None,
@@ -393,8 +321,10 @@ def universal_to_dcp(
 CONVERTERS = {
     ("torch", "universal"): torch_to_universal,
     ("dcp", "universal"): dcp_to_universal,
+    ("deepspeed", "universal"): deepspeed_to_universal,
     ("deepspeed-ucp", "universal"): deepspeed_ucp_to_universal,
     ("universal", "universal"): universal_to_universal,
     ("universal", "safetensors"): universal_to_safetensors,
     ("universal", "dcp"): universal_to_dcp,
+    ("universal", "deepspeed-ucp"): universal_to_deepspeed_ucp,
 }
