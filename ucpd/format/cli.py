@@ -14,8 +14,8 @@ from typing import Any
 from ..errors import FormatError, VersionNotFound
 from . import spec
 
-FROM = ("deepspeed-ucp", "dcp", "torch", "universal")
-TO = ("universal", "dcp", "safetensors")
+FROM = ("deepspeed", "deepspeed-ucp", "dcp", "torch", "universal")
+TO = ("universal", "dcp", "safetensors", "hf", "deepspeed-ucp")
 
 
 def add_commands(sub: Any) -> None:
@@ -46,7 +46,10 @@ def add_commands(sub: Any) -> None:
                    help="imports: step to record (default: from the source, else 0); exports: version to read")
     p.add_argument("--shard-size", default=None, help="target size of each safetensors shard, e.g. 1G, 512M")
     p.add_argument("--unsafe-pickle", action="store_true",
-                   help="let torch.load unpickle arbitrary objects (only for files you trust)")
+                   help="let torch.load unpickle arbitrary objects (only for files you trust; DeepSpeed's own "
+                   "files are read safely without it)")
+    p.add_argument("--strip-prefix", default="", metavar="PREFIX",
+                   help="exports (hf, deepspeed-ucp): drop PREFIX from parameter names, e.g. 'model.'")
     p.set_defaults(func=cmd_convert)
 
 
@@ -228,9 +231,13 @@ def cmd_convert(args: argparse.Namespace) -> int:
         kw["shard_bytes"] = parse_size(args.shard_size) if args.shard_size else None
     elif args.shard_size:
         raise FormatError("--shard-size applies only to --to universal")
+    if args.strip_prefix:
+        if args.dst_format not in ("hf", "deepspeed-ucp"):
+            raise FormatError("--strip-prefix applies only to --to hf and --to deepspeed-ucp")
+        kw["strip_prefix"] = args.strip_prefix
     if args.unsafe_pickle:
-        if args.src_format not in ("torch", "deepspeed-ucp"):
-            raise FormatError("--unsafe-pickle applies only to --from torch and --from deepspeed-ucp")
+        if args.src_format not in ("torch", "deepspeed", "deepspeed-ucp"):
+            raise FormatError("--unsafe-pickle applies only to --from torch, deepspeed and deepspeed-ucp")
         kw["unsafe_pickle"] = True
     t0 = time.perf_counter()
     with progress_bar(f"{args.src_format} -> {args.dst_format}") as progress:

@@ -26,7 +26,8 @@ reads it.
 Export (:func:`universal_to_deepspeed_ucp`) writes DeepSpeed's universal layout from any version
 that has, per parameter, ``optim/<param>/fp32`` or a floating ``<param>`` weight (moments under
 ``optim/<param>/exp_avg[_sq]`` when present): ``<dst>/global_step<N>/zero/<param>/*.pt``,
-``zero/optimizer_state.pt``, ``mp_rank_00_model_states.pt`` and ``<dst>/latest_universal``, which
+``zero/optimizer_state.pt``, ``mp_rank_00_model_states.pt`` (linked as
+``zero_pp_rank_0_mp_rank_00_model_states.pt``, the name ZeRO-3 reads) and ``<dst>/latest_universal``, which
 a DeepSpeed engine configured with ``"checkpoint": {"load_universal": true}`` loads with
 ``engine.load_checkpoint(dst)`` at any data-parallel size. Writing ``.pt`` files needs torch.
 """
@@ -238,10 +239,28 @@ def read_universal(folder: Path, unsafe_pickle: bool = False) -> DeepSpeedCheckp
         if sf.is_file():
             steps[p] = _step_value(load_file(sf, unsafe_pickle))
     opt = zero / "optimizer_state.pt"
-    ck.objects = {"steps": steps, "optimizer_state": plain(load_file(opt, unsafe_pickle)) if opt.is_file() else None}
+    osd = plain(load_file(opt, unsafe_pickle)) if opt.is_file() else None
+    if not steps and isinstance(osd, dict):  # ZeRO-3's ds_to_universal keeps the step here only
+        inner = osd.get("optimizer_state_dict") if isinstance(osd.get("optimizer_state_dict"), dict) else {}
+        st = (inner.get("state") or {}).get(0) or {}
+        if isinstance(st.get("step"), (int, float)):
+            steps = {p: st["step"] for p in params}
+    if isinstance(osd, dict) and "param_groups" not in osd and isinstance(osd.get("optimizer_state_dict"), dict):
+        osd["param_groups"] = osd["optimizer_state_dict"].get("param_groups")
+    ck.objects = {"steps": steps, "optimizer_state": osd}
     model = _model_files(folder)
     if model:
-        _read_model_states(ck, model[0], unsafe_pickle)
+        msd = _read_model_states(ck, model[0], unsafe_pickle)
+        # ds_to_universal of a ZeRO-3 checkpoint writes flat tensors: give them their shapes back
+        shapes = _param_shapes(msd, model[0]) if isinstance(msd.get("param_shapes"), list) else {}
+        for p, states in ck.states.items():
+            shape = shapes.get(p)
+            for key, a in states.items():
+                if shape is not None and a.shape != shape:
+                    if a.flat.size != int(np.prod(shape, dtype=np.int64)):
+                        raise FormatError(f"{zero / p / key}.pt: {a.flat.size} elements, the model's {p} has shape "
+                                          f"{list(shape)}")
+                    states[key] = Array(a.dtype, shape, a.flat.reshape(shape))
     vals = [v for v in steps.values() if isinstance(v, (int, float))]
     ck.step = _step_of(folder, None) if _step_of(folder, None) is not None else int(max(vals)) if vals else 0
     return ck
@@ -259,12 +278,13 @@ def _read_model_states(ck: DeepSpeedCheckpoint, path: Path, unsafe_pickle: bool)
         raise FormatError(
             f"{path}: tensor-parallel checkpoint (mp_world_size {sd['mp_world_size']}); merging TP slices "
             f"needs the model's rules: run DeepSpeed's ds_to_universal and import its output (--from deepspeed)")
+    shapes = _param_shapes(sd, path) if isinstance(sd.get("param_shapes"), list) else {}
     module = sd.get("module")
     if isinstance(module, dict):
         for name, t in module.items():
             if _is_tensor(t):
                 a = to_array(t, f"{path}: module[{name!r}]")
-                if ck.kind != "zero3" or np.prod(a.shape, dtype=np.int64) > 0:
+                if a.shape == shapes.get(name, a.shape):  # ZeRO-3 leaves empty placeholders here
                     ck.weights[name] = a
     keep = ("lr_scheduler", "global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size",
             "ds_config", "ds_version", "buffer_names", "shared_params", "data_sampler", "random_ltd")
@@ -594,5 +614,10 @@ def universal_to_deepspeed_ucp(
             "ds_version": ms.get("ds_version") or DS_LAYOUT_VERSION,
         }
         torch.save(model_states, folder / "mp_rank_00_model_states.pt")
+        # a ZeRO-3 engine looks for its model states under this name (the same file: a link)
+        try:
+            os.link(folder / "mp_rank_00_model_states.pt", folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+        except OSError:
+            torch.save(model_states, folder / "zero_pp_rank_0_mp_rank_00_model_states.pt")
     (dst / "latest_universal").write_text(tag)
     return folder

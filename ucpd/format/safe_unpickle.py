@@ -62,6 +62,7 @@ _STORAGES = {
     "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8", "BoolStorage": "bool",
     "ComplexFloatStorage": "complex64", "UntypedStorage": "uint8",
 }
+_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "complex": complex, "slice": slice,
                   "bytearray": bytearray}
 
@@ -264,6 +265,7 @@ class SafeUnpickler(pickle.Unpickler):
         self._loaded: dict[str, Storage] = {}
 
     def find_class(self, module: str, name: str) -> Any:
+        module = _PY2_MODULES.get(module, module)  # protocol 2 (torch.save) writes Python 2 names
         fn = _TORCH.get((module, name))
         if fn is not None:
             return fn
