@@ -54,7 +54,8 @@ def test_fixtures_match_manifest():
     assert len(listed) > 100 and META["deepspeed"].startswith("0.19.")
     for name, digest in listed.items():
         assert hashlib.sha256((FIX / name).read_bytes()).hexdigest() == digest, name
-    on_disk = {str(p.relative_to(FIX)) for p in FIX.rglob("*") if p.is_file() and p.parent != FIX}
+    on_disk = {str(p.relative_to(FIX)) for p in FIX.rglob("*")
+               if p.is_file() and p.parent != FIX and "__pycache__" not in p.parts}
     assert on_disk == {n for n in listed if "/" in n}
 
 

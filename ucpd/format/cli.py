@@ -48,6 +48,8 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--unsafe-pickle", action="store_true",
                    help="let torch.load unpickle arbitrary objects (only for files you trust; DeepSpeed's own "
                    "files are read safely without it)")
+    p.add_argument("--hf-config", default=None, metavar="FILE",
+                   help="--to hf: copy this config.json beside the shards (from_pretrained needs one)")
     p.add_argument("--strip-prefix", default="", metavar="PREFIX",
                    help="exports (hf, deepspeed-ucp): drop PREFIX from parameter names, e.g. 'model.'")
     p.set_defaults(func=cmd_convert)
@@ -229,8 +231,14 @@ def cmd_convert(args: argparse.Namespace) -> int:
     kw: dict[str, Any] = {"step": args.step}
     if args.dst_format == "universal":
         kw["shard_bytes"] = parse_size(args.shard_size) if args.shard_size else None
+    elif args.dst_format == "hf" and args.shard_size:
+        kw["shard_bytes"] = parse_size(args.shard_size)
     elif args.shard_size:
-        raise FormatError("--shard-size applies only to --to universal")
+        raise FormatError("--shard-size applies only to --to universal and --to hf")
+    if args.hf_config:
+        if args.dst_format != "hf":
+            raise FormatError("--hf-config applies only to --to hf")
+        kw["config"] = args.hf_config
     if args.strip_prefix:
         if args.dst_format not in ("hf", "deepspeed-ucp"):
             raise FormatError("--strip-prefix applies only to --to hf and --to deepspeed-ucp")

@@ -22,6 +22,7 @@ import numpy as np
 from ..dtypes import BY_NAME
 from ..errors import FormatError
 from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
+from .hf import universal_to_hf
 from .reader import open_version
 from .writer import REPLICATED, TensorSource, write_safetensors, write_version
 
@@ -327,4 +328,5 @@ CONVERTERS = {
     ("universal", "safetensors"): universal_to_safetensors,
     ("universal", "dcp"): universal_to_dcp,
     ("universal", "deepspeed-ucp"): universal_to_deepspeed_ucp,
+    ("universal", "hf"): universal_to_hf,
 }
