@@ -12,6 +12,7 @@ from ucpd.errors import (  # noqa: F401
     ProtocolError,
     SnapshotRejected,
     UcpdError,
+    UnsafePickle,
     VersionNotFound,
 )
 
