@@ -38,6 +38,8 @@ class Team:
                 f.write(secret)
             os.chmod(self.secret_file, 0o600)
         self.nodes: list[DaemonProcess] = []
+        self.started: set[int] = set()  # nodes started at least once (their address is known to peers)
+        self.faults: dict[int, str | None] = {}
         for i in range(n):
             os.makedirs(root / f"node{i}", exist_ok=True)
             self.nodes.append(
@@ -52,17 +54,39 @@ class Team:
         return a
 
     def start(self, i: int | None = None, fault: str | None = None) -> "Team":
-        """Start every node (or node i); ``fault`` arms a ``ucpd.faults`` crash point in it."""
+        """Start every node (or node i); ``fault`` arms a ``ucpd.faults`` crash point in it.
+
+        Ports are chosen before the daemons bind them, so another process may take one meanwhile
+        (other test runs on the machine): a node's first start that finds its port taken makes
+        the team pick new ports and restart the nodes already up, which knew the old ones."""
         for j in range(self.n) if i is None else [i]:
-            node = self.nodes[j]
-            node.extra = self.args(j)
-            if fault:
-                os.environ["UCPD_FAULT"] = fault
-            try:
-                node.start()
-            finally:
-                os.environ.pop("UCPD_FAULT", None)
+            self.faults[j] = fault
+            for attempt in range(5):
+                try:
+                    self._start_one(j)
+                    break
+                except RuntimeError as exc:
+                    if "Address already in use" not in str(exc) or j in self.started or attempt == 4:
+                        raise
+                    self._new_ports()
+            self.started.add(j)
         return self
+
+    def _start_one(self, j: int) -> None:
+        node = self.nodes[j]
+        node.extra = self.args(j)
+        if self.faults.get(j):
+            os.environ["UCPD_FAULT"] = self.faults[j]
+        try:
+            node.start()
+        finally:
+            os.environ.pop("UCPD_FAULT", None)
+
+    def _new_ports(self) -> None:
+        self.addresses = [f"tcp://127.0.0.1:{free_port()}" for _ in range(self.n)]
+        for k in sorted(self.started):
+            self.nodes[k].stop()
+            self._start_one(k)
 
     def run_dirs(self) -> list[str]:
         return [d.run_dir for d in self.nodes]

@@ -112,3 +112,18 @@ def test_bad_construction_is_refused():
         Membership(3, 3, 1.0, 0.0)
     with pytest.raises(ValueError):
         Membership(0, 3, 0.0, 0.0)
+
+
+def test_the_test_team_picks_new_ports_when_one_chosen_in_advance_is_taken(make_team):
+    """(the fixture) Ports are chosen before the daemons bind them; another process may take one."""
+    import socket
+
+    team = make_team(2, "--replicas", "1", start=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        team.addresses[1] = f"tcp://127.0.0.1:{port}"
+        team.start()
+        assert team.addresses[1] != f"tcp://127.0.0.1:{port}"
+        assert all(n.proc.poll() is None for n in team.nodes)
