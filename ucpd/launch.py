@@ -232,6 +232,15 @@ def _lock_holder(run_dir: str) -> int | None:
         os.close(fd)  # drops our lock too
 
 
+def _lock_pid(run_dir: str) -> int | None:
+    """The pid written in the run dir's lock file (whether or not its writer still holds it)."""
+    try:
+        with open(os.path.join(run_dir, LOCK_NAME)) as f:
+            return int(f.read().strip() or 0) or None
+    except (OSError, ValueError):
+        return None
+
+
 def _hello(run_dir: str, timeout: float) -> dict:
     from .rpc import Connection
 
@@ -309,7 +318,10 @@ def start_daemon(run_dir: str, serve_args: list[str], timeout: float = 60.0) -> 
                 f"the daemon exited with code {proc.returncode} before serving {run_dir}; the end of its log "
                 f"{log}:\n{_log_tail(log)}"
             )
-        if _lock_holder(run_dir) == proc.pid and os.path.exists(os.path.join(run_dir, SOCKET_NAME)):
+        # the daemon writes its pid into the lock file once it holds the lock, then binds the
+        # socket (read without flock: probing the lock now could make the new daemon's own
+        # non-blocking flock fail)
+        if _lock_pid(run_dir) == proc.pid and os.path.exists(os.path.join(run_dir, SOCKET_NAME)):
             try:
                 reply = _hello(run_dir, 2.0)
                 if int(reply["pid"]) == proc.pid:

@@ -160,6 +160,11 @@ class Scene:
         os.makedirs(os.path.dirname(node.log), exist_ok=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env.pop("UCPD_JOB", None)  # the job is torchrun's rendezvous id
+        # torch 2.13's torchrun shares one TCPStore server with the workers of every restart
+        # and prefixes nothing per attempt: a restarted worker can read its predecessors' gloo
+        # addresses and fail (connection refused) or hang in init_process_group. Without the
+        # sharing, each round's rank 0 worker hosts a store of its own.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         with open(node.log, "ab") as log:
             node.proc = subprocess.Popen(self.command(i), stdout=log, stderr=log, stdin=subprocess.DEVNULL, cwd=ROOT,
                                          env=env, start_new_session=True)

@@ -79,10 +79,11 @@ def main(argv=None) -> int:
     events = Events(args.events, rank=rank, world=world, restart=restart, pid=os.getpid())
     events("start", t=T_START)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    spec = RunSpec(**layout_for(world), train=TrainConfig(steps=args.steps))
-    trainer = Trainer(spec, rank)
     try:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        spec = RunSpec(**layout_for(world), train=TrainConfig(steps=args.steps))
+        trainer = Trainer(spec, rank)
+        events("initialized")
         ckpt = Checkpointer()  # ucpd
         if ckpt.latest() is not None:  # ucpd
             t0 = time.perf_counter()
