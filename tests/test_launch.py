@@ -229,7 +229,7 @@ def test_serve_options_pass_through_and_help():
          "--mem-limit", "1G", "--job", "j", "--stop-daemon-on-exit", "--", sys.executable, "-m", "torch.distributed.run"]
     )
     assert launch.serve_argv(args) == ["--node-rank", "1", "--nodes", "2", "--peers", "tcp://a:1,tcp://b:2",
-                                       "--mem-limit", "1G", "--replicas", "1"]
+                                       "--mem-limit", "1G", "--replicas", "1", "--job", "j"]
     assert launch.launcher_of(args) == [sys.executable, "-m", "torch.distributed.run"]
     text = build_parser()._subparsers._group_actions[0].choices["run"].format_help()
     for needle in ("--stop-daemon-on-exit", "UCPD_RUN_DIR", "UCPD_JOB", "--replicas", "torchrun", "ucpd stop"):

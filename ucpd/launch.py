@@ -43,8 +43,8 @@ LOG_NAME = "ucpd-daemon.log"
 LOCK_NAME = "ucpd.lock"  # the daemon's run-dir lock (ucpd/daemon/server.py), holding its pid
 SOCKET_NAME = "ucpd.sock"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
-# options that only ``ucpd run`` reads; everything else of ``ucpd serve`` is passed through
-_OWN = ("job", "stop_daemon_on_exit", "start_timeout", "launcher", "help")
+# options that only ``ucpd run`` reads; everything else of ``ucpd serve`` (``--job`` too) is passed through
+_OWN = ("stop_daemon_on_exit", "start_timeout", "launcher", "help")
 
 DESCRIPTION = """\
 Start (or reuse) this node's ucpd daemon, then run the job's launcher beside it.
@@ -126,12 +126,15 @@ def add_command(sub) -> None:
         description=DESCRIPTION, epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     own = p.add_argument_group("ucpd run")
-    own.add_argument("--job", help="export UCPD_JOB=JOB to the launcher (default: unset; trainers use torchrun's rendezvous id)")
     own.add_argument("--stop-daemon-on-exit", action="store_true",
                      help="stop the daemon this command started when the launcher exits (default: it keeps running, "
                           "holding the snapshots for a restarted job; a reused daemon is never stopped)")
     own.add_argument("--start-timeout", type=float, default=60.0, help="seconds to wait for a new daemon to answer (default 60)")
     p.add_argument("launcher", nargs=argparse.REMAINDER, help="-- then the launcher and its arguments")
+    for action in p._actions:  # serve's --job (the job a team serves, passed through) is exported too
+        if action.dest == "job":
+            action.help = ("the job: exported to the launcher as UCPD_JOB, and the job a daemon started here serves "
+                           "(default: UCPD_JOB left unset, trainers use torchrun's rendezvous id)")
     p.set_defaults(func=cmd_run, _serve_actions=[a for a in serve._actions if a.dest != "help"])
 
 
