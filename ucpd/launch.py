@@ -13,8 +13,8 @@ What it does, in order:
    until it answers; if it exits or stays silent, the error quotes the end of that log.
 3. Runs the launcher with ``UCPD_RUN_DIR`` (and ``UCPD_SHM_DIR``: the daemon's segment folder,
    where a daemon restarted later for this run dir re-adopts the snapshots) in its environment,
-   and ``UCPD_JOB`` if ``--job`` is given (without it the trainers derive the job from the
-   launcher: torchrun's rendezvous id). The launcher runs in its own process group; SIGINT,
+   and ``UCPD_JOB`` if ``--job`` is given (``ucpd serve``'s ``--job`` too: passed to a daemon
+   started here; without it the trainers derive the job from torchrun's rendezvous id). The launcher runs in its own process group; SIGINT,
    SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to ``ucpd run`` are forwarded to it once.
 4. Returns the launcher's exit code (128 + N when signal N killed it). The daemon it started
    keeps running afterwards, holding the job's snapshots in RAM, so that the job restarted
