@@ -17,6 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     format_cli.add_commands(sub)
     daemon_cli.add_commands(sub)
+    from . import launch
+
+    launch.add_command(sub)
     return parser
 
 

@@ -81,6 +81,12 @@ class AlreadyRunning(UcpdError):
     code = "already_running"
 
 
+class LaunchError(UcpdError):
+    """``ucpd run`` cannot run the job's launcher (none given after ``--``, not found, not executable)."""
+
+    code = "launch"
+
+
 ALL_ERRORS: tuple[type[UcpdError], ...] = (
     UcpdError,
     DaemonUnreachable,
@@ -94,6 +100,7 @@ ALL_ERRORS: tuple[type[UcpdError], ...] = (
     ProtocolError,
     AuthError,
     AlreadyRunning,
+    LaunchError,
 )
 
 _BY_CODE = {cls.code: cls for cls in ALL_ERRORS}
