@@ -1,5 +1,5 @@
 """A Hugging Face ``TrainerCallback`` that snapshots into the ucpd daemon every N steps and
-restores on resume::
+restores on resume (the model, and the optimizer's state even before its first step)::
 
     from ucpd_client.integrations.hf import UcpdCallback
     trainer = Trainer(..., callbacks=[UcpdCallback(every=50)])
@@ -66,6 +66,10 @@ class UcpdCallback(_Base):
         if step is None:
             return control
         target = self._state(model, optimizer, state)
+        if self.optimizer_state and optimizer is not None and "optimizer" not in target:
+            opt = self._optimizer_target(optimizer, step)  # no state before the first step: shapes from the daemon
+            if opt is not None:
+                target["optimizer"] = opt
         self.ckpt.restore(target, step=step)
         state.global_step = int(target["trainer"]["global_step"])
         state.epoch = float(target["trainer"]["epoch"])
@@ -73,6 +77,22 @@ class UcpdCallback(_Base):
             optimizer.load_state_dict(target["optimizer"])
         self.restored_step = step
         return control
+
+    def _optimizer_target(self, optimizer: Any, step: int) -> dict | None:
+        """An optimizer state dict to restore into, shaped as the saved one (the daemon's
+        ``describe``): a fresh optimizer has no state until its first step."""
+        import torch
+
+        desc = self.ckpt._conn().call("describe", step=step)
+        prefix = "optimizer.state."
+        state: dict = {}
+        for name, info in desc["tensors"].items():
+            if name.startswith(prefix):
+                pid, _, key = name[len(prefix):].partition(".")
+                state.setdefault(int(pid), {})[key] = torch.empty(tuple(info["shape"]), dtype=getattr(torch, info["dtype"]))
+        if not state:
+            return None
+        return {"state": state, "param_groups": optimizer.state_dict()["param_groups"]}
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         if self.last_handle is not None:
