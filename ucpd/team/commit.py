@@ -158,6 +158,7 @@ class CommitNode:
         self._forwarded: dict[int, float] = {}  # decisions passed on to the coordinator, not acked: step -> sent at
         self._coord_epoch: int | None = None  # the coordinator's epoch, from its state_req in this view
         self.reports: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}  # step -> node -> (world, ranks)
+        self._cover: dict[int, dict[int, set[int]]] = {}  # step -> world -> union of reports[step]'s ranks
         self.deciding: dict[int, _Decision] = {}  # coordinator only
         self.syncing: dict[int, float] = {}  # coordinator only: node -> state_req sent at
         if self.coordinator == rank:  # a restarted coordinator learns what the others know
@@ -166,9 +167,19 @@ class CommitNode:
     # --- queries ---------------------------------------------------------------------------
 
     @property
+    def live(self) -> frozenset[int]:
+        """The live nodes in this node's view."""
+        return self._live
+
+    @live.setter
+    def live(self, live: frozenset[int]) -> None:
+        self._live = live
+        self._coordinator = min(live)  # kept, not recomputed per message: O(1) at any team size
+
+    @property
     def coordinator(self) -> int:
         """The lowest live node rank, in this node's view."""
-        return min(self.live)
+        return self._coordinator
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` was made visible here (even if forgotten since)."""
@@ -297,6 +308,7 @@ class CommitNode:
         self.mine.pop(step, None)
         self._unacked.pop(step, None)
         self.reports.pop(step, None)
+        self._cover.pop(step, None)
         if step in self._visible:
             self._visible.discard(step)
             bisect.insort(self._archive, step)
@@ -416,16 +428,22 @@ class CommitNode:
         per = self.reports.setdefault(step, {})
         old = per.get(node)
         per[node] = (world, ranks | old[1]) if old is not None and old[0] == world else (world, ranks)
-        _cap(self.reports, keep=self.deciding.keys())
+        cover = self._cover.get(step)
+        if cover is None or (old is not None and old[0] != world):  # new step, or a report replaced
+            cover = self._cover[step] = {}
+            for w, r in per.values():
+                cover.setdefault(w, set()).update(r)
+        else:  # the usual case: ranks added, O(ranks of this report) whatever the team's size
+            cover.setdefault(world, set()).update(ranks)
+        for dropped in _cap(self.reports, keep=self.deciding.keys()):
+            self._cover.pop(dropped, None)
         return self._consider(step, now)
 
     def _consider(self, step: int, now: float) -> list:
         """Coordinator: decide ``step`` if the reports cover every rank of one world size."""
         if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
             return []
-        covered: dict[int, set[int]] = {}
-        for world, ranks in self.reports[step].values():
-            covered.setdefault(world, set()).update(ranks)
+        covered = self._cover[step]  # kept up to date by _store_report: no pass over the reports
         if any(len(ranks) == world for world, ranks in covered.items()):  # ranks lie in range(world)
             return self._decide(step, now)
         return []
@@ -481,6 +499,7 @@ class CommitNode:
         self._unacked.pop(step, None)
         self._forwarded.pop(step, None)
         self.reports.pop(step, None)
+        self._cover.pop(step, None)
         return [Commit(step)]
 
 
