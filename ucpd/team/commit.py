@@ -377,7 +377,7 @@ class CommitNode:
             out += self._learn(src, step, False, now)
         for step, world, ranks in m["protected"]:
             if self.is_committed(step):  # it missed the commit
-                out += self._spread(step, now)
+                out += self._spread(step, now, to=src)
             else:
                 out += self._store_report(src, step, world, ranks, now)
         theirs = set(m["committed"])
@@ -411,7 +411,7 @@ class CommitNode:
             if not self.is_committed(step):
                 out += self._decide(step, now)
             elif out or not visible:  # new to us, or src has only recorded it
-                out += self._spread(step, now, [src] if visible else [])
+                out += self._spread(step, now, [src]) if visible else self._spread(step, now, to=src)
         elif out and (src != self.coordinator or e != self._coord_epoch):
             self._forwarded[step] = now
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
@@ -456,14 +456,22 @@ class CommitNode:
         d = self.deciding[step] = _Decision(1, {self.rank})
         return out + self._advance(step, d, now)
 
-    def _spread(self, step: int, now: float, have: Iterable[int] = ()) -> list:
+    def _spread(self, step: int, now: float, have: Iterable[int] = (), to: int | None = None) -> list:
         """Coordinator: ``step`` is committed here; see that every live node commits it (phase 2,
-        ``have`` known to have it already)."""
+        ``have`` known to have it already). Starting phase 2 sends ``commit`` to every node that
+        lacks it; once it runs, a node ``to`` found lacking it gets one ``commit`` now and the
+        rest wait for ``on_tick``'s resend: a burst of N ``state`` replies during phase 2 must
+        not cost N messages each (N^2)."""
         d = self.deciding.get(step)
         if d is None or d.phase == 1:
             d = self.deciding[step] = _Decision(2, {self.rank})
+            d.acked.update(have)
+            return self._advance(step, d, now)
         d.acked.update(have)
-        return self._advance(step, d, now)
+        out = self._advance(step, d, now, send=False)
+        if to is not None and step in self.deciding and to in self.live and to not in d.acked:
+            out.append(Send(to, {"t": "commit", "step": step, "e": self.epoch}))
+        return out
 
     def _advance(self, step: int, d: _Decision, now: float, send: bool = True) -> list:
         """Coordinator: move to phase 2 once every live node recorded, finish once every live
