@@ -40,7 +40,8 @@ from .network import NetModel, Network, Topology
 
 __all__ = ["SafetyViolation", "SimCluster", "wire_bytes"]
 
-_ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL = range(7)
+_ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL, _HB = range(8)
+_TIMERS = (_TICK, _HEARTBEAT, _HB)  # background: not counted when asking whether anything is in flight
 _HEADER_FIELDS = dict(v=1, id=None, re=None, inc="0123456789abcdef", seq=1 << 40, ts=1.8e9, p=[], e=None)
 MAC_BYTES = 32  # HMAC-SHA256 frame
 
@@ -118,7 +119,7 @@ class SimCluster:
 
     def _push(self, at: float, kind: int, *args) -> None:
         self._seq += 1
-        if kind not in (_TICK, _HEARTBEAT):
+        if kind not in _TIMERS:
             self._busy += 1
         heapq.heappush(self._events, (at, self._seq, kind, args))
 
@@ -139,7 +140,7 @@ class SimCluster:
             at, _, kind, args = heapq.heappop(ev)
             self.t = at
             self.stats.events += 1
-            if kind not in (_TICK, _HEARTBEAT):
+            if kind not in _TIMERS:
                 self._busy -= 1
             if kind == _ARRIVE:
                 self._arrive(*args)
@@ -153,6 +154,8 @@ class SimCluster:
                 self._view_event(*args)
             elif kind == _HEARTBEAT:
                 self._heartbeats()
+            elif kind == _HB:
+                self._hb(*args)
             else:
                 args[0]()
 
@@ -302,7 +305,7 @@ class SimCluster:
                 if j != i:
                     self.stats.heartbeats += 1
                     for arrive in self.net.send(i, j, 64, self.t):
-                        self._push(arrive, _CALL, lambda j=j, i=i, inc=inc, k=self.inc[i]: self._hb(j, i, inc, k))
+                        self._push(arrive, _HB, j, i, inc, self.inc[i])
         self._push(self.t + self.heartbeat, _HEARTBEAT)
 
     def _hb(self, dst: int, src: int, inc: str, k: int) -> None:
