@@ -74,13 +74,14 @@ def _bounds(elems: int, dp: int) -> np.ndarray:
     return np.arange(dp + 1, dtype=np.int64) * elems // dp
 
 
-def choose_source(origin: int, live: set[int], live_sorted: list[int], replicas: int, domains, load=None) -> int | None:
+def choose_source(origin: int, live: set[int], placed_on: list[int], replicas: int, domains, load=None) -> int | None:
     """Where to read the part of saved node ``origin``: itself if live (cost 1: a peer's own
-    RAM), else its live replica holders (cost 2), the lowest rank first as ``Team._plan_sources``
+    RAM), else the live ones of the holders it was copied to when the version was protected
+    (``placed_on``: the view then) (cost 2), the lowest rank first as ``Team._plan_sources``
     sorts, or the least loaded if ``load`` (bytes already assigned per node) is given."""
     if origin in live:
         return origin
-    holders = replica_holders(origin, live_sorted, replicas, domains)
+    holders = [h for h in replica_holders(origin, placed_on, replicas, domains) if h in live]
     if not holders:
         return None
     if load is None:
@@ -131,7 +132,7 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     else:
         dead = set(rng.sample(range(nodes), max(1, round(nodes * fraction))))
     survivors = [i for i in range(nodes) if i not in dead]
-    live, live_sorted = set(survivors), survivors
+    live, placed_on = set(survivors), list(range(nodes))  # protected while every node was live
     domains = topo.domains() if domain else None
     old = Layout(nodes, pp)
     if keep_stage:  # the launcher gives each survivor the stage it saved: weights stay put
@@ -149,7 +150,7 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     part_bytes = old.optim_elems() * 4 // old.dp * TP  # a node's optimizer part (8 TP ranks)
     unrecoverable = []
     for origin in range(nodes):
-        s = choose_source(origin, live, live_sorted, replicas, domains, load)
+        s = choose_source(origin, live, placed_on, replicas, domains, load)
         if s is None or (s in dead):
             unrecoverable.append(origin)
             continue
