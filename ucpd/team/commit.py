@@ -158,6 +158,7 @@ class CommitNode:
         self._forwarded: dict[int, float] = {}  # decisions passed on to the coordinator, not acked: step -> sent at
         self._coord_epoch: int | None = None  # the coordinator's epoch, from its state_req in this view
         self.reports: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}  # step -> node -> (world, ranks)
+        self._cover: dict[int, dict[int, set[int]]] = {}  # step -> world -> union of reports[step]'s ranks
         self.deciding: dict[int, _Decision] = {}  # coordinator only
         self.syncing: dict[int, float] = {}  # coordinator only: node -> state_req sent at
         if self.coordinator == rank:  # a restarted coordinator learns what the others know
@@ -166,9 +167,19 @@ class CommitNode:
     # --- queries ---------------------------------------------------------------------------
 
     @property
+    def live(self) -> frozenset[int]:
+        """The live nodes in this node's view."""
+        return self._live
+
+    @live.setter
+    def live(self, live: frozenset[int]) -> None:
+        self._live = live
+        self._coordinator = min(live)  # kept, not recomputed per message: O(1) at any team size
+
+    @property
     def coordinator(self) -> int:
         """The lowest live node rank, in this node's view."""
-        return min(self.live)
+        return self._coordinator
 
     def is_committed(self, step: int) -> bool:
         """Whether ``step`` was made visible here (even if forgotten since)."""
@@ -297,6 +308,7 @@ class CommitNode:
         self.mine.pop(step, None)
         self._unacked.pop(step, None)
         self.reports.pop(step, None)
+        self._cover.pop(step, None)
         if step in self._visible:
             self._visible.discard(step)
             bisect.insort(self._archive, step)
@@ -365,7 +377,7 @@ class CommitNode:
             out += self._learn(src, step, False, now)
         for step, world, ranks in m["protected"]:
             if self.is_committed(step):  # it missed the commit
-                out += self._spread(step, now)
+                out += self._spread(step, now, to=src)
             else:
                 out += self._store_report(src, step, world, ranks, now)
         theirs = set(m["committed"])
@@ -399,7 +411,7 @@ class CommitNode:
             if not self.is_committed(step):
                 out += self._decide(step, now)
             elif out or not visible:  # new to us, or src has only recorded it
-                out += self._spread(step, now, [src] if visible else [])
+                out += self._spread(step, now, [src]) if visible else self._spread(step, now, to=src)
         elif out and (src != self.coordinator or e != self._coord_epoch):
             self._forwarded[step] = now
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
@@ -416,16 +428,22 @@ class CommitNode:
         per = self.reports.setdefault(step, {})
         old = per.get(node)
         per[node] = (world, ranks | old[1]) if old is not None and old[0] == world else (world, ranks)
-        _cap(self.reports, keep=self.deciding.keys())
+        cover = self._cover.get(step)
+        if cover is None or (old is not None and old[0] != world):  # new step, or a report replaced
+            cover = self._cover[step] = {}
+            for w, r in per.values():
+                cover.setdefault(w, set()).update(r)
+        else:  # the usual case: ranks added, O(ranks of this report) whatever the team's size
+            cover.setdefault(world, set()).update(ranks)
+        for dropped in _cap(self.reports, keep=self.deciding.keys()):
+            self._cover.pop(dropped, None)
         return self._consider(step, now)
 
     def _consider(self, step: int, now: float) -> list:
         """Coordinator: decide ``step`` if the reports cover every rank of one world size."""
         if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
             return []
-        covered: dict[int, set[int]] = {}
-        for world, ranks in self.reports[step].values():
-            covered.setdefault(world, set()).update(ranks)
+        covered = self._cover[step]  # kept up to date by _store_report: no pass over the reports
         if any(len(ranks) == world for world, ranks in covered.items()):  # ranks lie in range(world)
             return self._decide(step, now)
         return []
@@ -438,14 +456,22 @@ class CommitNode:
         d = self.deciding[step] = _Decision(1, {self.rank})
         return out + self._advance(step, d, now)
 
-    def _spread(self, step: int, now: float, have: Iterable[int] = ()) -> list:
+    def _spread(self, step: int, now: float, have: Iterable[int] = (), to: int | None = None) -> list:
         """Coordinator: ``step`` is committed here; see that every live node commits it (phase 2,
-        ``have`` known to have it already)."""
+        ``have`` known to have it already). Starting phase 2 sends ``commit`` to every node that
+        lacks it; once it runs, a node ``to`` found lacking it gets one ``commit`` now and the
+        rest wait for ``on_tick``'s resend: a burst of N ``state`` replies during phase 2 must
+        not cost N messages each (N^2)."""
         d = self.deciding.get(step)
         if d is None or d.phase == 1:
             d = self.deciding[step] = _Decision(2, {self.rank})
+            d.acked.update(have)
+            return self._advance(step, d, now)
         d.acked.update(have)
-        return self._advance(step, d, now)
+        out = self._advance(step, d, now, send=False)
+        if to is not None and step in self.deciding and to in self.live and to not in d.acked:
+            out.append(Send(to, {"t": "commit", "step": step, "e": self.epoch}))
+        return out
 
     def _advance(self, step: int, d: _Decision, now: float, send: bool = True) -> list:
         """Coordinator: move to phase 2 once every live node recorded, finish once every live
@@ -481,6 +507,7 @@ class CommitNode:
         self._unacked.pop(step, None)
         self._forwarded.pop(step, None)
         self.reports.pop(step, None)
+        self._cover.pop(step, None)
         return [Commit(step)]
 
 

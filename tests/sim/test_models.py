@@ -1,0 +1,51 @@
+"""The scale models of ``ucpd.sim`` at small N: restart planning with the real UCL planner and
+placement code, loss probabilities (closed form against Monte Carlo), and the flush plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucpd.sim import flush, loss, recovery
+from ucpd.sim.network import Topology
+
+
+def test_restart_planning_per_rank_reads_a_constant_number_of_pieces():
+    small, big = recovery.simulate(64, sample_ranks=4), recovery.simulate(512, sample_ranks=4)
+    assert small["unrecoverable_parts"] == big["unrecoverable_parts"] == 0
+    assert small["copies_per_rank"] == big["copies_per_rank"] <= 3  # a shifted ZeRO range spans 2 saved ones
+
+
+def test_the_indexed_sources_give_the_same_plan_as_all_pieces():
+    old, new = recovery.Layout(256), recovery.Layout(240)
+    src_of = {i: i for i in range(256)}
+    for j in (0, 17, 239):
+        assert recovery.plan_rank(old, new, j, 3, src_of, indexed=True) == recovery.plan_rank(old, new, j, 3, src_of, indexed=False)
+
+
+def test_a_rack_failure_without_domains_loses_the_version_and_with_domains_does_not():
+    for domain, expected in ((False, 1.0), (True, 0.0)):
+        r = loss.evaluate(Topology(256, 32), loss.Scheme("r1", "replicas", r=1, domain=domain), trials=50)
+        assert r["rack_failure_lost"] == expected
+    assert recovery.simulate(256, lost="rack", domain=False)["unrecoverable_parts"] > 0
+    assert recovery.simulate(256, lost="rack", domain=True)["unrecoverable_parts"] == 0
+
+
+@pytest.mark.parametrize("scheme", [loss.Scheme("r1", "replicas", r=1, domain=True), loss.Scheme("xor", "parity", k=3, m=1, domain=True),
+                                    loss.Scheme("g2", "gemini", m=2)])
+def test_monte_carlo_agrees_with_the_closed_form(scheme):
+    r = loss.evaluate(Topology(512, 32), scheme, p=0.02, trials=1500)
+    sd = (r["independent_closed"] * (1 - r["independent_closed"]) / r["trials"]) ** 0.5
+    assert abs(r["independent_mc"] - r["independent_closed"]) < 4 * sd + 0.01, r
+
+
+def test_the_ring_model_matches_replica_holders_on_every_node():
+    topo = Topology(128, 8)
+    loss.holders_table(topo, 2, True, check=128)
+    loss.holders_table(topo, 1, False, check=128)
+
+
+def test_flush_by_owners_spreads_writes_and_node0_does_not():
+    a, b = flush.simulate(64, plan="node0"), flush.simulate(64, plan="owners")
+    assert a["crossed_over_state"] <= 1 and b["crossed_over_state"] <= 1
+    assert a["write_max_over_mean"] == 64 and b["write_max_over_mean"] < 1.5
+    assert b["time_s"] < a["time_s"]

@@ -1,0 +1,433 @@
+"""A team of N daemons in one process: the real protocol state machines on a simulated network.
+
+:class:`SimCluster` holds one ``ucpd.team.commit.CommitNode`` per node (the code the daemons
+run, unchanged) and, in ``membership="heartbeat"`` mode, one ``ucpd.team.membership.Membership``
+per node fed by heartbeats sent over the simulated network. It plays the part of
+``ucpd.team.team.Team`` (the glue): it delivers messages at the times ``ucpd.sim.network`` gives,
+ticks every node, carries out ``Send``/``Record``/``Commit``, and injects faults (node and rack
+crashes, fresh restarts, loss, duplication, reordering), all from one seed.
+
+Every message goes through the project's wire encoding: the body ``{"m": msg}`` that
+``Team._apply`` sends, inside the transport's signed msgpack header (``ucpd.team.transport``),
+so the byte counts are those of real messages, and the state machine receives what msgpack
+gives back.
+
+An observer checks the safety properties of docs/PROTOCOL.md on every output, as
+tests/team/test_commit_protocol.py does (P1 coverage, P2 recorded before visible, P3 no step
+committed twice and ``latest()`` = newest committed); :meth:`SimCluster.check_settled` checks
+agreement (P3) and liveness (P4) after a quiet period. A violation raises
+:class:`SafetyViolation` naming the seed and the time.
+
+Membership. ``"oracle"`` (any N): a crash is seen by each live node ``detect_after`` seconds
+later (plus a per-node spread), a restart after ``rejoin_after`` (its first heartbeats); a node
+keeps its own view, so views disagree for a while as they do with heartbeats. ``"heartbeat"``
+(small N): the real ``Membership`` with every node heartbeating every other (all-to-all).
+"""
+
+from __future__ import annotations
+
+import gc
+import heapq
+import random
+import time
+from collections import defaultdict
+
+import msgpack
+
+from ..team.commit import Commit, CommitNode, Record, Send
+from ..team.membership import Membership
+from .network import NetModel, Network, Topology
+
+__all__ = ["SafetyViolation", "SimCluster", "wire_bytes"]
+
+_ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL, _HB = range(8)
+_TIMERS = (_TICK, _HEARTBEAT, _HB)  # background: not counted when asking whether anything is in flight
+_HEADER_FIELDS = dict(v=1, id=None, re=None, inc="0123456789abcdef", seq=1 << 40, ts=1.8e9, p=[], e=None)
+MAC_BYTES = 32  # HMAC-SHA256 frame
+
+
+class SafetyViolation(AssertionError):
+    """A property of docs/PROTOCOL.md failed; the message names the seed and the time."""
+
+
+def wire_bytes(src: int, dst: int, body: bytes, msg_type: str = "commit") -> int:
+    """Bytes of one peer message as ``ucpd.team.transport`` frames it: the msgpack header
+    (carrying the packed body) plus the MAC frame."""
+    header = dict(_HEADER_FIELDS, src=src, dst=dst, t=msg_type, b=body)
+    return len(msgpack.packb(header, use_bin_type=True)) + MAC_BYTES
+
+
+class Stats:
+    """Counters of one run (reset with :meth:`SimCluster.reset_stats`)."""
+
+    def __init__(self, n: int) -> None:
+        self.msgs = 0
+        self.bytes = 0
+        self.by_type: dict[str, list[int]] = defaultdict(lambda: [0, 0])  # type -> [messages, bytes]
+        self.sent = [0] * n
+        self.recv = [0] * n
+        self.sent_bytes = [0] * n
+        self.recv_bytes = [0] * n
+        self.cpu = [0.0] * n  # real seconds spent in this node's state machines (measure=True)
+        self.heartbeats = 0
+        self.events = 0
+
+
+class SimCluster:
+    """N simulated daemons; see the module docstring. Times are simulated seconds."""
+
+    def __init__(self, nodes: int, *, seed: int = 0, rack_size: int = 32, net: NetModel | None = None,
+                 membership: str = "oracle", detect_after: float = 3.0, detect_spread: float = 0.2,
+                 rejoin_after: float = 0.25, heartbeat: float = 0.25, tick: float = 0.1,
+                 resend_after: float = 0.5, strict: bool = True, measure: bool = False) -> None:
+        if membership not in ("oracle", "heartbeat"):
+            raise ValueError("membership must be 'oracle' or 'heartbeat'")
+        self.n, self.seed, self.strict, self.measure = nodes, seed, strict, measure
+        self.topo = Topology(nodes, rack_size)
+        self.model = net or NetModel()
+        self.net = Network(self.topo, self.model, seed)
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.mode, self.detect_after, self.detect_spread = membership, detect_after, detect_spread
+        self.rejoin_after, self.heartbeat, self.tick_every, self.resend_after = rejoin_after, heartbeat, tick, resend_after
+        self.t = 0.0
+        self.nodes: list[CommitNode | None] = [CommitNode(i, nodes, resend_after=resend_after) for i in range(nodes)]
+        self.members: list[Membership | None] = (
+            [Membership(i, nodes, detect_after, 0.0) for i in range(nodes)] if membership == "heartbeat" else [])
+        self.inc = [0] * nodes  # incarnation number per rank
+        self.born = [0.0] * nodes  # when the current incarnation started
+        self.view_at = [0.0] * nodes  # when this node last installed a view
+        self.perceived: list[set[int]] = [set(range(nodes)) for _ in range(nodes)] if membership == "oracle" else []
+        self._events: list = []
+        self._seq = 0
+        self._busy = 0  # scheduled events other than ticks and heartbeats
+        self._cpu_free = [0.0] * nodes
+        self.stats = Stats(nodes)
+        # --- the observer's ground truth ---
+        self.reported: dict[int, dict[int, set[int]]] = {}  # step -> world -> ranks ever reported
+        self.reports_of: list[dict[int, tuple[int, set[int]]]] = [{} for _ in range(nodes)]  # live incarnations
+        self.knows: list[set[int]] = [set() for _ in range(nodes)]  # recorded or committed
+        self.visible: list[set[int]] = [set() for _ in range(nodes)]
+        self.ever_visible: set[int] = set()
+        self.protected_at: dict[int, float] = {}  # step -> time of its last report
+        self.decided_at: dict[int, float] = {}  # step -> first Record anywhere
+        self.visible_at: dict[int, dict[int, float]] = {}  # step -> node -> time of Commit (measure)
+        self._push(tick, _TICK)
+        if membership == "heartbeat":
+            self._push(0.0, _HEARTBEAT)
+
+    # --- the event queue ---------------------------------------------------------------------
+
+    def _push(self, at: float, kind: int, *args) -> None:
+        self._seq += 1
+        if kind not in _TIMERS:
+            self._busy += 1
+        heapq.heappush(self._events, (at, self._seq, kind, args))
+
+    def run_until(self, until: float) -> None:
+        """Process every event due by ``until`` (simulated seconds); the clock ends at ``until``."""
+        ev = self._events
+        collect = gc.isenabled()
+        gc.disable()  # millions of small objects, no cycles to find: a full collection would dominate
+        try:
+            self._run(ev, until)
+        finally:
+            if collect:
+                gc.enable()
+        self.t = max(self.t, until)
+
+    def _run(self, ev: list, until: float) -> None:
+        while ev and ev[0][0] <= until:
+            at, _, kind, args = heapq.heappop(ev)
+            self.t = at
+            self.stats.events += 1
+            if kind not in _TIMERS:
+                self._busy -= 1
+            if kind == _ARRIVE:
+                self._arrive(*args)
+            elif kind == _HANDLE:
+                self._handle(*args)
+            elif kind == _TICK:
+                self._tick()
+            elif kind == _PROTECT:
+                self._protect(*args)
+            elif kind == _VIEW:
+                self._view_event(*args)
+            elif kind == _HEARTBEAT:
+                self._heartbeats()
+            elif kind == _HB:
+                self._hb(*args)
+            else:
+                args[0]()
+
+    def run_for(self, dt: float) -> None:
+        self.run_until(self.t + dt)
+
+    def at(self, when: float, fn) -> None:
+        """Call ``fn()`` at simulated time ``when``."""
+        self._push(when, _CALL, fn)
+
+    @property
+    def live(self) -> list[int]:
+        return [i for i, node in enumerate(self.nodes) if node is not None]
+
+    # --- carrying out a state machine's outputs ------------------------------------------------
+
+    def check(self, cond: bool, what) -> None:
+        """Raise SafetyViolation unless ``cond``; ``what`` is the message, or a callable making it
+        (the checks run on every output: formatting must wait for a failure)."""
+        if not cond:
+            raise SafetyViolation(f"seed {self.seed} at t={self.t:.6f}: {what() if callable(what) else what}")
+
+    def covered(self, step: int) -> bool:
+        return any(len(ranks) == world for world, ranks in self.reported.get(step, {}).items())
+
+    def _call(self, i: int, fn, *args) -> list:
+        if not self.measure:
+            return fn(*args)
+        t0 = time.perf_counter()
+        out = fn(*args)
+        self.stats.cpu[i] += time.perf_counter() - t0
+        return out
+
+    def _apply(self, i: int, outs: list) -> None:
+        """Carry out node i's outputs in order, as ``Team._apply`` does."""
+        committed = False
+        cpu = self.model.cpu_per_msg
+        start = max(self.t, self._cpu_free[i])
+        for o in outs:
+            if isinstance(o, Send):
+                start += cpu  # the daemon's CPU encodes, signs and queues each message in turn
+                self._send(i, o.dest, o.msg, start)
+            elif isinstance(o, Record):
+                self.check(o.step not in self.knows[i], lambda: f"node {i} recorded step {o.step} twice or after committing it")
+                self.knows[i].add(o.step)
+                self.decided_at.setdefault(o.step, self.t)
+            else:
+                assert isinstance(o, Commit), o
+                self._on_commit(i, o.step)
+                committed = True
+        self._cpu_free[i] = start
+        if committed:
+            node = self.nodes[i]
+            self.check(node.latest() == max(self.visible[i], default=None),
+                       lambda: f"P3: node {i}: latest() {node.latest()} but committed {sorted(self.visible[i])[-5:]}")
+
+    def _on_commit(self, i: int, s: int) -> None:
+        self.check(s not in self.visible[i], lambda: f"P3: node {i} committed step {s} twice")
+        self.check(self.covered(s), lambda: f"P1: node {i} committed step {s}, reports cover only {self.reported.get(s)}")
+        if s not in self.ever_visible:
+            node = self.nodes[i]
+            # every node of the committing node's view, of an incarnation that started before
+            # that view (so it was asked in this epoch), must hold the decision
+            behind = [j for j in node.live if j != i and self.nodes[j] is not None
+                      and self.born[j] <= self.view_at[i] and s not in self.knows[j]]
+            self.check(not self.strict or not behind, lambda: f"P2: step {s} visible on node {i} before {behind[:8]} recorded it")
+            self.ever_visible.add(s)
+        self.visible[i].add(s)
+        self.knows[i].add(s)
+        if self.measure:
+            self.visible_at.setdefault(s, {})[i] = self.t
+
+    def _send(self, src: int, dst: int, msg: dict, at: float) -> None:
+        self.check(dst != src and 0 <= dst < self.n, lambda: f"node {src} sends to node {dst}")
+        body = msgpack.packb({"m": msg}, use_bin_type=True)
+        nbytes = wire_bytes(src, dst, body)
+        st = self.stats
+        st.msgs += 1
+        st.bytes += nbytes
+        bt = st.by_type[msg["t"]]
+        bt[0] += 1
+        bt[1] += nbytes
+        st.sent[src] += 1
+        st.sent_bytes[src] += nbytes
+        for arrive in self.net.send(src, dst, nbytes, at):
+            self._push(arrive, _ARRIVE, dst, src, body, nbytes)
+
+    def _arrive(self, dst: int, src: int, body: bytes, nbytes: int) -> None:
+        if self.nodes[dst] is None:
+            return  # nobody listens at that rank now
+        self.stats.recv[dst] += 1
+        self.stats.recv_bytes[dst] += nbytes
+        done = max(self.t, self._cpu_free[dst]) + self.model.cpu_per_msg  # queued behind the daemon's work
+        self._cpu_free[dst] = done
+        self._push(done, _HANDLE, dst, self.inc[dst], src, body)
+
+    def _handle(self, dst: int, inc: int, src: int, body: bytes) -> None:
+        node = self.nodes[dst]
+        if node is None or self.inc[dst] != inc:
+            return
+        msg = msgpack.unpackb(body, raw=False)["m"]
+        self._apply(dst, self._call(dst, node.on_message, src, msg, self.t))
+
+    def _tick(self) -> None:
+        for i, node in enumerate(self.nodes):
+            if node is None:
+                continue
+            if self.mode == "heartbeat":
+                view = self.members[i].on_tick(self.t)
+                if view is not None:
+                    self._install(i, view.live)
+                    if self.nodes[i] is None:
+                        continue
+            self._apply(i, self._call(i, node.on_tick, self.t))
+        self._push(self.t + self.tick_every, _TICK)
+
+    # --- membership ----------------------------------------------------------------------------
+
+    def _install(self, i: int, live) -> None:
+        self.view_at[i] = self.t
+        self._apply(i, self._call(i, self.nodes[i].on_view, frozenset(live), self.t))
+
+    def _view_event(self, i: int, inc_i: int, kind: str, x: int, inc_x: int) -> None:
+        """Oracle membership: node i (incarnation inc_i) notices that x died or (re)joined."""
+        if self.nodes[i] is None or self.inc[i] != inc_i or self.inc[x] != inc_x:
+            return  # i is gone, or x changed incarnation since: a later event says what i sees
+        seen = self.perceived[i]
+        if kind == "dead":
+            if x not in seen or self.nodes[x] is not None:
+                return
+            seen.discard(x)
+        elif kind == "join":
+            if self.nodes[x] is None:
+                return
+            seen.add(x)
+        else:  # "sync": a fresh node stops presuming dead peers live
+            seen.intersection_update(self.live)
+            if seen == set(self.nodes[i].live):
+                return
+        self._install(i, seen)
+
+    def _heartbeats(self) -> None:
+        """Heartbeat mode: every live node heartbeats every other (what transport.py does)."""
+        for i in self.live:
+            inc = f"{i}-{self.inc[i]}"
+            for j in range(self.n):
+                if j != i:
+                    self.stats.heartbeats += 1
+                    for arrive in self.net.send(i, j, 64, self.t):
+                        self._push(arrive, _HB, j, i, inc, self.inc[i])
+        self._push(self.t + self.heartbeat, _HEARTBEAT)
+
+    def _hb(self, dst: int, src: int, inc: str, k: int) -> None:
+        if self.nodes[dst] is not None and self.nodes[src] is not None and self.inc[src] == k:
+            self.members[dst].on_heartbeat(src, inc, self.t)
+
+    # --- what the test or benchmark does ---------------------------------------------------------
+
+    def protect(self, i: int, step: int, ranks, world: int, at: float | None = None) -> None:
+        """Node i reports ``ranks`` of ``step`` protected at ``at`` (now by default), if its
+        current incarnation is still alive then (a restarted node lost its RAM)."""
+        self._push(self.t if at is None else at, _PROTECT, i, self.inc[i], step, tuple(ranks), world)
+
+    def _protect(self, i: int, inc: int, step: int, ranks: tuple, world: int) -> None:
+        if self.nodes[i] is None or self.inc[i] != inc:
+            return
+        self.reported.setdefault(step, {}).setdefault(world, set()).update(ranks)
+        old = self.reports_of[i].get(step)
+        self.reports_of[i][step] = (world, set(ranks) | (old[1] if old and old[0] == world else set()))
+        self.protected_at[step] = max(self.protected_at.get(step, 0.0), self.t)
+        self._apply(i, self._call(i, self.nodes[i].on_protected, step, ranks, world, self.t))
+
+    def snapshot(self, step: int, *, ranks_per_node: int = 8, nodes=None, at: float | None = None,
+                 spread: float = 0.0) -> int:
+        """Every node of ``nodes`` (default: all live) reports its ``ranks_per_node`` ranks of
+        ``step`` within ``spread`` seconds after ``at``. Returns the job's world size."""
+        nodes = sorted(self.live if nodes is None else nodes)
+        world = len(nodes) * ranks_per_node
+        t0 = self.t if at is None else at
+        for k, i in enumerate(nodes):
+            when = t0 + (self.rng.uniform(0.0, spread) if spread else 0.0)
+            self.protect(i, step, range(k * ranks_per_node, (k + 1) * ranks_per_node), world, when)
+        return world
+
+    def kill(self, i: int) -> None:
+        """Node i's daemon dies now with its state; the others notice after ``detect_after``."""
+        if self.nodes[i] is None:
+            return
+        self.nodes[i] = None
+        if self.mode == "heartbeat":
+            self.members[i] = None
+        self.knows[i], self.visible[i], self.reports_of[i] = set(), set(), {}
+        if self.mode == "oracle":
+            for j in self.live:
+                self._push(self.t + self.detect_after + self.rng.uniform(0, self.detect_spread), _VIEW,
+                           j, self.inc[j], "dead", i, self.inc[i])
+
+    def kill_rack(self, rack: int) -> list[int]:
+        """Every node of a rack dies at once."""
+        gone = [i for i in self.topo.rack_nodes(rack) if self.nodes[i] is not None]
+        for i in gone:
+            self.kill(i)
+        return gone
+
+    def restart(self, i: int) -> None:
+        """A fresh daemon (empty RAM, new incarnation) takes rank i now."""
+        if self.nodes[i] is not None:
+            self.kill(i)
+        self.inc[i] += 1
+        self.born[i] = self.view_at[i] = self.t
+        self.nodes[i] = CommitNode(i, self.n, resend_after=self.resend_after)
+        self._cpu_free[i] = self.t
+        if self.mode == "heartbeat":
+            self.members[i] = Membership(i, self.n, self.detect_after, self.t)
+            return
+        self.perceived[i] = set(range(self.n))
+        self._push(self.t + self.detect_after, _VIEW, i, self.inc[i], "sync", i, self.inc[i])
+        for j in self.live:
+            if j != i:
+                self._push(self.t + self.rejoin_after + self.rng.uniform(0, self.detect_spread), _VIEW,
+                           j, self.inc[j], "join", i, self.inc[i])
+
+    def quiet(self) -> bool:
+        """Nothing in flight and nothing scheduled but timers."""
+        return self._busy == 0
+
+    def settle(self, quiet_for: float = 1.0, limit: float = 120.0) -> None:
+        """Stop loss and duplication; run until nothing was sent for ``quiet_for`` seconds."""
+        self.net.loss = self.net.dup = 0.0
+        start, quiet = self.t, 0.0
+        step = self.tick_every
+        while quiet < quiet_for:
+            if self.t - start > limit:
+                self.check(False, f"not settled after {limit} s: {self.pending_summary()}")
+            sent = self.stats.msgs
+            self.run_for(step)
+            quiet = quiet + step if self.stats.msgs == sent and self.quiet() else 0.0
+
+    def pending_summary(self) -> dict:
+        out = {}
+        for i in self.live:
+            p = self.nodes[i].pending()
+            if p["recorded"] or p["deciding"] or p["forwarded"] or p["syncing"]:
+                out[i] = {k: p[k] for k in ("coordinator", "recorded", "forwarded", "syncing")}
+            if len(out) >= 4:
+                break
+        return out
+
+    def check_settled(self) -> None:
+        """After :meth:`settle`: P3 agreement (every live node committed the same steps, no
+        decision half done, nothing recorded on a live node left uncommitted) and P4 liveness
+        (every step whose reports by live nodes cover its ranks is committed)."""
+        live = self.live
+        first = self.visible[live[0]]
+        for i in live:
+            node = self.nodes[i]
+            self.check(self.visible[i] == first, f"P3: nodes {live[0]} and {i} committed different steps: "
+                       f"{sorted(first ^ self.visible[i])[:8]} differ")
+            self.check(node.committed_steps() == sorted(self.visible[i]), f"node {i}: committed_steps() disagrees")
+            p = node.pending()
+            self.check(not p["recorded"] and not p["deciding"] and not p["forwarded"],
+                       f"node {i}: decisions left half done: recorded {p['recorded']}, forwarded {p['forwarded']}")
+        known = set().union(*(self.knows[i] for i in live))
+        self.check(known <= first, f"P3: steps {sorted(known - first)[:8]} recorded on a live node, never committed")
+        for step in {s for i in live for s in self.reports_of[i]}:
+            got: dict[int, set[int]] = {}
+            for i in live:
+                if step in self.reports_of[i]:
+                    world, ranks = self.reports_of[i][step]
+                    got.setdefault(world, set()).update(ranks)
+            if any(len(r) == w for w, r in got.items()):
+                self.check(step in first, f"P4: step {step} is protected on the live nodes but not committed")
+
+    def reset_stats(self) -> None:
+        self.stats = Stats(self.n)

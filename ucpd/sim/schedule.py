@@ -1,0 +1,57 @@
+"""Seeded random fault schedules for ``SimCluster``: jobs snapshot while nodes and racks crash
+and restart on a lossy, reordering network; then the network heals and the checks run.
+
+:func:`random_schedule` generalises tests/team/test_commit_protocol.py's ``run_schedule``: racks
+and whole-rack failures, jobs restarted on the survivors with another world size, per-link
+latency, and (optionally) the real heartbeat membership. A failure names its seed; replay it
+with ``random_schedule(seed, ...)``.
+"""
+
+from __future__ import annotations
+
+import random
+
+from .cluster import SimCluster
+from .network import NetModel
+
+__all__ = ["random_schedule"]
+
+
+def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), membership: str = "oracle",
+                    rounds: tuple[int, int] = (15, 35), cluster=SimCluster) -> SimCluster:
+    """Run one schedule; returns the settled cluster (``check_settled`` passed)."""
+    rng = random.Random(seed)
+    n = rng.choice(nodes)
+    rack = rng.choice((1, 2, 3, 4))
+    hb = membership == "heartbeat"  # heartbeats must outrun the timeout, or views flap for ever
+    net = NetModel(loss=rng.uniform(0.05, 0.3), dup=rng.uniform(0.0, 0.2), jitter=rng.uniform(0.001, 0.05 if hb else 0.3))
+    c = cluster(n, seed=seed, rack_size=rack, net=net, membership=membership,
+                detect_after=rng.uniform(0.8 if hb else 0.3, 1.5), rejoin_after=0.1, detect_spread=rng.uniform(0.0, 0.5),
+                strict=membership == "oracle")  # heartbeats lost in a row break the timeout assumption P2 needs
+    step = 0
+    for _ in range(rng.randint(*rounds)):
+        c.run_for(0.1)
+        live, r = c.live, rng.random()
+        if r < 0.3 and live:  # a new version of a job on some of the live nodes
+            step += 1
+            job = rng.sample(live, rng.randint(1, len(live)))
+            world = rng.randint(len(job), 2 * len(job))
+            owner = job + [rng.choice(job) for _ in range(world - len(job))]
+            for node in job:
+                ranks = [k for k in range(world) if owner[k] == node]
+                parts = [ranks] if len(ranks) == 1 or rng.random() < 0.7 else [ranks[:1], ranks[1:]]
+                if rng.random() < 0.1:
+                    parts.append(ranks)  # a report repeated
+                for part in parts:
+                    c.protect(node, step, part, world, at=c.t + rng.uniform(0, 0.8))
+        elif r < 0.36 and len(live) > 1:
+            c.kill(rng.choice(live))
+        elif r < 0.39 and len(live) > rack:
+            c.kill_rack(rng.randrange(c.topo.racks))
+        elif r < 0.47 and len(live) < n:
+            c.restart(rng.choice([i for i in range(n) if c.nodes[i] is None]))
+        if not c.live:
+            c.restart(rng.randrange(n))
+    c.settle(quiet_for=max(1.0, 2 * c.detect_after + 0.6))
+    c.check_settled()
+    return c
