@@ -219,6 +219,8 @@ class Checkpointer:
         self._closed = False
         self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
+        # the last restore's {"step", "where"}: "ram" (this node's or the team's) or "disk" (the flush dir)
+        self.last_restore: dict | None = None
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
         self._job = {"incarnation": self.job_id} if self.job_id else {}
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.world_size
@@ -362,6 +364,8 @@ class Checkpointer:
     def restore(self, target_state: Mapping[str, Any], step: int | None = None, placements: Mapping[str, Any] | None = None) -> int:
         """Fill the tensors of ``target_state`` in place from ``step`` (default: the newest
         committed) under their placements, and put its plain values back. Returns the step.
+
+        ``last_restore`` then says where it came from: ``{"step": N, "where": "ram" | "disk"}``.
 
         Raises VersionNotFound, PlacementMismatch (unknown tensor, wrong shape or dtype,
         uncovered region), ChecksumMismatch (a source's bytes are damaged; targets may then be

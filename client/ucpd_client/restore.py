@@ -262,4 +262,5 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
         values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))
     finally:
         conn.call("release", lease=plan["lease"])
+    ckpt.last_restore = {"step": plan["step"], "where": plan["where"]}
     return plan["step"], values

@@ -90,7 +90,8 @@ def main(argv=None) -> int:
             state, placements = trainer.state()
             step = ckpt.restore(state, placements=placements)  # ucpd
             trainer.load_values(state)
-            events("restored", step=step, seconds=time.perf_counter() - t0, layout=spec.layout_name)
+            events("restored", step=step, seconds=time.perf_counter() - t0, layout=spec.layout_name,
+                   where=ckpt.last_restore["where"])
         handle = None
         while trainer.step < args.steps:
             # the last snapshot must have copied the parameters before the optimizer changes them

@@ -42,6 +42,7 @@ def test_two_jobs_on_one_daemon_number_their_steps_alone_and_never_see_each_othe
         assert a.latest() == 3 and b.latest() == 2
         w = torch.zeros(256)
         assert b.restore({"w": w}) == 2 and torch.equal(w, torch.full((256,), -2.0))
+        assert b.last_restore == {"step": 2, "where": "ram"}
         assert a.restore({"w": w}, step=2) == 2 and torch.equal(w, torch.full((256,), 2.0))
         with pytest.raises(VersionNotFound, match=r"job 'beta' has no step 3.*belongs to job\(s\) \['alpha'\]"):
             b.restore({"w": w}, step=3)
@@ -148,6 +149,7 @@ def test_each_job_flushes_to_its_own_folder_and_restores_only_its_own_from_disk(
     with ckpt_of(d, "east") as east, ckpt_of(d, "north") as north:
         w = torch.zeros(128)
         assert east.latest() == 3 and east.restore({"w": w}) == 3 and torch.equal(w, torch.full((128,), 3.0))
+        assert east.last_restore == {"step": 3, "where": "disk"}
         assert north.latest() is None
         with pytest.raises(VersionNotFound, match="north"):
             north.restore({"w": w}, step=8)

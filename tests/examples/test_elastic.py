@@ -29,6 +29,7 @@ def test_elastic_job_loses_a_node_and_restores_from_ram_on_a_new_layout(tmp_path
         1: "TP1xPP2xDP2", FAIL_AT: "TP1xPP2xDP2", FAIL_AT + 1: "TP1xPP1xDP2", STEPS: "TP1xPP1xDP2"}
     assert sorted((e["rank"], e["step"], e["layout"], e["restart"]) for e in r.restored) == [
         (0, FAIL_AT, "TP1xPP1xDP2", 1), (1, FAIL_AT, "TP1xPP1xDP2", 1)]
+    assert [e["where"] for e in r.restored] == ["ram", "ram"]  # node 1's part from its replica on node 0
     assert r.losses == r.reference  # every step, bit for bit
 
     s = r.status  # node 0's daemon after the run
