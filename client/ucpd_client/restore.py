@@ -238,8 +238,11 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
         sources = plan["sources"]
         arrays = []
         ckpt._maps.forget_missing()
+        wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
         for s in sources:
-            whole = ckpt._maps.get(s["path"], writable=False)
+            whole = wholes.get(s["path"])
+            if whole is None:
+                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
             if s["offset"] + s["nbytes"] > whole.nbytes:
                 raise PlacementMismatch(f"restore source {s['path']} is shorter than the plan says")
             arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage))

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ..dtypes import dtype as lookup_dtype
-from ..errors import PlacementMismatch
+from ..errors import PlacementMismatch, ProtocolError
+from ..native import CHUNK_BYTES
 from ..ucl import Fragment, placement_from_dict, resolve
 from ..ucl.plan import SourcePiece
 
@@ -53,9 +54,20 @@ def _geometry(placement_json: str, shape: tuple[int, ...]):
     return frags if all(f.name == _ANY for f in frags) else None
 
 
+_KEYS: dict[str, str] = {}  # repr of a wire placement -> its canonical key
+
+
 def placement_key(placement: dict) -> str:
-    """A wire placement as a canonical string (a cache and comparison key)."""
-    return json.dumps(placement, sort_keys=True, separators=(",", ":"))
+    """A wire placement as a canonical string (a cache and comparison key). Memoised by the
+    dict's ``repr`` (C-fast; one dict per tensor arrives with every commit): the sorted JSON is
+    made once per distinct placement."""
+    raw = repr(placement)
+    key = _KEYS.get(raw)
+    if key is None:
+        if len(_KEYS) > 1 << 16:
+            _KEYS.clear()
+        key = _KEYS[raw] = json.dumps(placement, sort_keys=True, separators=(",", ":"))
+    return key
 
 
 def fragments_of(name: str, placement: dict | str, shape: tuple[int, ...]):
@@ -385,9 +397,6 @@ class VersionTable:
 
 def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     """Check a tensor entry of a commit against its slot: dtype, shape, bytes, offsets, crcs."""
-    from ..native import CHUNK_BYTES
-    from ..errors import ProtocolError
-
     name = raw["name"]
     dt = lookup_dtype(raw["dtype"])
     numel = 1
