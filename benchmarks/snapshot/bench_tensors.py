@@ -86,6 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mib", type=int, default=256, help="bytes of the state, whatever the count")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args(argv)
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run_all's timeout: clean up daemon and shm
     print(f"machine: {machine()}")
     print(f"{'tensors':>8} | {'snapshot() call':>17} | {'commit':>17} | {'restore, same layout':>21} | {'restore, half slices':>21}")
     for count in (int(c) for c in args.counts.split(",")):
