@@ -62,7 +62,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
     }
     path = os.path.join(shm_dir, INDEX_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # manifests: ours alone
         f.write(msgpack.packb(doc, use_bin_type=True))
         f.flush()
         os.fsync(f.fileno())
