@@ -1,7 +1,7 @@
 """Flattening nested training state into named tensors and plain values, and back in place.
 
-Dicts are walked (keys joined with ``.``; non-string keys become strings), as are lists and
-tuples that contain tensors (their indices become keys). Tensors — and DTensors — are leaves
+Names follow ``ucpd.state_names`` (dicts walked with keys joined by ``.``, an empty dict is a
+value; lists and tuples walked only when they hold tensors), the rule ``ucpd convert`` uses too. Tensors — and DTensors — are leaves
 that travel through shared memory; every other leaf (step counters, RNG states as Python
 objects, data-loader positions, hyper-parameters) is a *plain value*, pickled into the commit.
 """
@@ -12,29 +12,17 @@ from typing import Any, Iterator
 
 import torch
 
+from ucpd import state_names
 
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
-    return False
+
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
 def walk(state: Any, prefix: str = "") -> Iterator[tuple[str, Any, Any, Any]]:
-    """Yield (flat name, leaf, container, key) for every leaf, so a leaf can be replaced."""
-    if isinstance(state, dict):
-        items = state.items()
-    else:
-        items = enumerate(state)
-    for key, value in items:
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) or (isinstance(value, (list, tuple)) and _has_tensor(value)):
-            yield from walk(value, name + ".")
-        else:
-            yield name, value, state, key
+    """Yield (flat name, leaf, container, key) for every leaf, so a leaf can be replaced
+    (``ucpd.state_names``: the same rule as ``ucpd convert``'s)."""
+    return state_names.walk(state, _is_tensor, prefix)
 
 
 def split(state: dict) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -148,3 +148,31 @@ def test_universal_reshard_copy(universal, tmp_path):
         assert len(b.meta.files) == 1 and b.objects == a.objects
         for n in a.tensors:
             np.testing.assert_array_equal(a.array(n), b.array(n))
+
+
+def test_a_converted_torch_save_file_names_everything_as_a_snapshot_of_the_same_state(daemon, tmp_path):
+    """One naming rule (ucpd.state_names) for snapshots and for `ucpd convert --from torch`:
+    empty dicts (an optimizer before its first step), integer keys, tensor lists, plain tuples."""
+    from ucpd_client import Checkpointer
+
+    state = {
+        "model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.zeros(3)},
+        "optim": {"state": {}, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
+        "buffers": [torch.ones(2), torch.full((2,), 2.0)],
+        "by_id": {0: {"exp_avg": torch.ones(3)}, 1: {}},
+        "shape": (2, 3),
+        "step": 9,
+    }
+    torch.save(state, tmp_path / "sd.pt")
+    torch_to_universal(tmp_path / "sd.pt", tmp_path / "u")
+    with open_version(tmp_path / "u") as r:
+        converted_tensors = set(r.tensors)
+        converted_values = set(torch.load(io.BytesIO(r.objects["global"]), weights_only=True))
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(9, state).wait()
+        described = ckpt._conn().call("describe")
+    from ucpd_client.restore import merged_values
+
+    assert converted_tensors == set(described["tensors"])
+    assert converted_values == set(merged_values(described["objects"], 0, described.get("objects_crcs")))
+    assert "optim.state" in converted_values and "by_id.1" in converted_values  # empty dicts are values

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..dtypes import BY_NAME
+from .. import state_names
 from ..errors import FormatError
 from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
 from .hf import universal_to_hf
@@ -66,36 +67,20 @@ def tensor_from_array(arr: np.ndarray, dtype: str) -> Any:
 
 
 def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split a nested state into ``({flat_name: tensor}, {flat_name: other_value})``.
-
-    Dicts are walked (keys joined with ``.``); lists and tuples only when they hold tensors
-    (by index); everything else is a leaf."""
+    """Split a nested state into ``({flat_name: tensor}, {flat_name: other_value})``, named as
+    a snapshot of the same state would be (``ucpd.state_names``). A state that is not a dict,
+    list or tuple is one value named ``_``."""
     torch = _torch()
+    is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
     tensors: dict[str, Any] = {}
     others: dict[str, Any] = {}
-
-    def has_tensor(x: Any) -> bool:
-        if isinstance(x, torch.Tensor):
-            return True
-        if isinstance(x, dict):
-            return any(has_tensor(v) for v in x.values())
-        if isinstance(x, (list, tuple)):
-            return any(has_tensor(v) for v in x)
-        return False
-
-    def walk(x: Any, name: str) -> None:
-        if isinstance(x, torch.Tensor):
-            tensors[name] = x
-        elif isinstance(x, dict) and (x or not name):
-            for k, v in x.items():
-                walk(v, f"{name}.{k}" if name else str(k))
-        elif isinstance(x, (list, tuple)) and has_tensor(x):
-            for i, v in enumerate(x):
-                walk(v, f"{name}.{i}" if name else str(i))
-        else:
-            others[name or "_"] = x
-
-    walk(obj, prefix)
+    if isinstance(obj, dict) and not obj:
+        return tensors, others
+    if is_tensor(obj) or not isinstance(obj, (dict, list, tuple)):
+        (tensors if is_tensor(obj) else others)[prefix or "_"] = obj
+        return tensors, others
+    for name, leaf, _, _ in state_names.walk(obj, is_tensor, f"{prefix}." if prefix else ""):
+        (tensors if is_tensor(leaf) else others)[name] = leaf
     return tensors, others
 
 
