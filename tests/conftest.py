@@ -30,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from ucpd.launch import lock_pid
 import uuid
 import warnings
 
@@ -79,14 +81,6 @@ def _socket_id(path: str):
     return st.st_ino, st.st_ctime_ns
 
 
-def _lock_pid(run_dir: str) -> int | None:
-    try:
-        with open(os.path.join(run_dir, LOCK_NAME)) as f:
-            return int(f.read().strip() or 0) or None
-    except (OSError, ValueError):
-        return None
-
-
 class DaemonProcess:
     """A `ucpd serve` child process; the test can kill it (SIGKILL) and start it again."""
 
@@ -110,7 +104,7 @@ class DaemonProcess:
         while True:
             now = _socket_id(sock)
             # the daemon writes its pid into the run dir's lock once it holds it, then binds a new socket
-            if now is not None and now != stale and _lock_pid(self.run_dir) == self.proc.pid:
+            if now is not None and now != stale and lock_pid(self.run_dir) == self.proc.pid:
                 return self
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
@@ -158,7 +152,7 @@ def _holder(lock_path: str) -> psutil.Process | None:
         pass
     finally:
         os.close(fd)  # also drops the lock if we took it
-    pid = _lock_pid(os.path.dirname(lock_path))
+    pid = lock_pid(os.path.dirname(lock_path))
     if not pid or pid == os.getpid():
         return None
     try:

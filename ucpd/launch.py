@@ -38,9 +38,9 @@ from dataclasses import dataclass
 
 from . import knobs
 from .errors import AlreadyRunning, DaemonUnreachable, LaunchError
+from .daemon.server import LOCK_NAME  # the run dir's lock, holding the daemon's pid
 
 LOG_NAME = "ucpd-daemon.log"
-LOCK_NAME = "ucpd.lock"  # the daemon's run-dir lock (ucpd/daemon/server.py), holding its pid
 SOCKET_NAME = "ucpd.sock"
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 # options that only ``ucpd run`` reads; everything else of ``ucpd serve`` (``--job`` too) is passed through
@@ -235,7 +235,7 @@ def _lock_holder(run_dir: str) -> int | None:
         os.close(fd)  # drops our lock too
 
 
-def _lock_pid(run_dir: str) -> int | None:
+def lock_pid(run_dir: str) -> int | None:
     """The pid written in the run dir's lock file (whether or not its writer still holds it)."""
     try:
         with open(os.path.join(run_dir, LOCK_NAME)) as f:
@@ -324,7 +324,7 @@ def start_daemon(run_dir: str, serve_args: list[str], timeout: float = 60.0) -> 
         # the daemon writes its pid into the lock file once it holds the lock, then binds the
         # socket (read without flock: probing the lock now could make the new daemon's own
         # non-blocking flock fail)
-        if _lock_pid(run_dir) == proc.pid and os.path.exists(os.path.join(run_dir, SOCKET_NAME)):
+        if lock_pid(run_dir) == proc.pid and os.path.exists(os.path.join(run_dir, SOCKET_NAME)):
             try:
                 reply = _hello(run_dir, 2.0)
                 if int(reply["pid"]) == proc.pid:
