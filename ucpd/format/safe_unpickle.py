@@ -28,6 +28,8 @@ one call. torch is not needed.
 
 from __future__ import annotations
 
+import math
+
 import io
 import mmap
 import pickle
@@ -104,10 +106,7 @@ class Tensor:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
+        return math.prod(self.shape)
 
     @property
     def nbytes(self) -> int:

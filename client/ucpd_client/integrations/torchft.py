@@ -66,6 +66,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DaemonUnreachable, UcpdError, VersionNotFound
+from ..checkpointer import _dtensor_class  # cached: torch.distributed imported once
 
 try:  # torchft's own abstract base class where torchft is installed; the same interface otherwise
     from torchft.checkpointing.transport import CheckpointTransport as _Base
@@ -92,14 +93,6 @@ class _TensorLeaf:
 
     def __reduce__(self):
         return (_TensorLeaf, (self.name, self.dtype, self.shape, self.spec))
-
-
-def _dtensor_class() -> type:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return type(None)
-    return DTensor
 
 
 def _key_name(entry: Any) -> str:
