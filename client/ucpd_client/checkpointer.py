@@ -337,6 +337,7 @@ class Checkpointer:
                 manifest.append({**item, "offset": 0, "nbytes": 0, "crcs": [], "skipped": True})
             else:
                 manifest.append({**item, "offset": e.offset, "nbytes": e.nbytes, "crcs": list(crcs[e.name])})
+        handle.timings["manifest"] = time.perf_counter()
         conn.call(
             "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],
             tensors=manifest, objects=objects, objects_crc=native.crc32c(objects), **self._job,

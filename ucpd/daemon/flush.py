@@ -5,8 +5,9 @@ One thread per daemon. Each job's versions go to a checkpoint root of their own,
 leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
 output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
 against its CRC, and the version is committed on disk by the format's writer (temp dir,
-fsync, rename, ``LATEST``). The thread runs at a lower CPU priority and at most
-``flush_rate`` bytes per second, so the trainers keep their share of the memory bandwidth.
+fsync, rename, ``LATEST``). The thread runs at a lower CPU priority, at most ``flush_rate``
+bytes per second, and steps aside between writes while a trainer copies a snapshot into a slot,
+so the trainers keep their share of the cores and of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..errors import ChecksumMismatch
 from ..format import TensorSource, retain, write_version
 from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
+from .slot_prep import yield_to_snapshots
 
 log = logging.getLogger("ucpd.flush")
 
@@ -38,6 +40,7 @@ class FlushProgress:
     last_seconds: float = 0.0
     last_error: str | None = None
     flushed_count: int = 0
+    yielded_s: float = 0.0  # seconds the flush stepped aside for snapshots
 
 
 def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
@@ -147,6 +150,11 @@ class Flusher:
             except Exception:  # never let the flush thread die with versions pinned
                 log.exception("after flushing step %s", version.step)
 
+    def _step_aside(self, _nbytes: int) -> None:
+        """Between writes: wait (bounded) while a trainer copies a snapshot into a slot, so the
+        flush never takes memory bandwidth or a core from it."""
+        self.progress.yielded_s += yield_to_snapshots(self.store)
+
     def _local_parts(self, version):
         with self.store.lock:
             globals_ = version.globals()
@@ -209,7 +217,8 @@ class Flusher:
         ]
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
         self.progress = FlushProgress(
-            version.step, 0, total, self.progress.last_flushed, self.progress.last_seconds, None, self.progress.flushed_count
+            version.step, 0, total, self.progress.last_flushed, self.progress.last_seconds, None, self.progress.flushed_count,
+            self.progress.yielded_s,
         )
 
         def progress(done: int, _total: int) -> None:
@@ -225,7 +234,8 @@ class Flusher:
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
         root = self.root(version.job)
         write_version(
-            root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
+            root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
+            throttle=self._step_aside,
         )
         arrays.clear()
         if self.keep_on_disk:

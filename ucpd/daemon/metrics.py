@@ -26,11 +26,18 @@ class _Collector:
         for job, v in sorted(latest.items()):
             newest.add_metric([job], v.step if v else -1)
         yield newest
+        yield GaugeMetricFamily("ucpd_slots_warming", "spare slots of the ranks' rotations being prepared", value=d.prep.pending())
+        yield CounterMetricFamily(
+            "ucpd_warm_yielded_seconds", "seconds the slot warm-up stepped aside for snapshot copies", value=d.prep.yielded_s
+        )
         if team is not None:
             yield from _team_metrics(team)
         if progress is not None:
             yield GaugeMetricFamily("ucpd_flush_bytes_done", "bytes written by the flush in progress", value=progress.bytes_done)
             yield GaugeMetricFamily("ucpd_flush_last_seconds", "duration of the last flush", value=progress.last_seconds)
+            yield CounterMetricFamily(
+                "ucpd_flush_yielded_seconds", "seconds the flush stepped aside for snapshot copies", value=progress.yielded_s
+            )
 
 
 def _team_metrics(team: dict):

@@ -26,10 +26,12 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
-from .store import NodeStore, prepare_slot_file
+from .slot_prep import SlotPreparer
+from .store import NodeStore
 from .versions import DEFAULT_JOB, VersionState
 
 log = logging.getLogger("ucpd.server")
+SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
 
 LOCK_NAME = "ucpd.lock"
 LEASE_SECONDS = 600.0
@@ -137,8 +139,11 @@ class Daemon:
 
             self.metrics = Metrics(self, config.metrics_port)
         self._done: queue.Queue = queue.Queue()
-        self._parked_begins: dict[int, _Parked] = {}  # slot id being allocated -> who waits
-        self._preparing: set[int] = set()  # ranks whose spare slot is being allocated
+        self._parked_begins: dict[int, _Parked] = {}  # slot id being allocated -> the begin waiting for it
+        # every rank rotates through --keep committed versions, the one being written, and one
+        # more when a flush may pin an old version past --keep
+        rotation = config.keep + 1 + (1 if self.flusher is not None else 0)
+        self.prep = SlotPreparer(self.store, self._done, rotation, warm=config.prepare_spare)
         self._waits: list[_Parked] = []
         self._leases: dict[int, tuple[object, float]] = {}
         self._next_lease = 1
@@ -210,8 +215,13 @@ class Daemon:
             msg_type, req_id, raw = protocol.unpack_envelope(frame)
             msg_type, req_id, body = protocol.validate_request(msg_type, req_id, raw)
             handler = getattr(self, f"_on_{msg_type}")
+            t0 = time.perf_counter()
             with self.store.lock:
+                t1 = time.perf_counter()
                 reply = handler(ident, req_id, body)
+            t2 = time.perf_counter()
+            if t2 - t0 > SLOW_REQUEST_S:
+                log.info("slow %s: %.0f ms (%.0f ms waiting for the store lock)", msg_type, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
             if reply is not None:
                 self._reply(ident, protocol.ok(req_id, reply))
         except UcpdError as exc:
@@ -245,43 +255,19 @@ class Daemon:
         slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
-            self._prepare_spare(rank, slot.size)
+            self.prep.warm(rank, slot.size)
             return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
         waiting = {"rank": rank, "skip": skip, "job": job}
-        for sid, parked in self._parked_begins.items():  # this rank's spare is on its way: take it
-            if parked.extra.get("spare") and parked.extra["rank"] == rank and self.store.slots.slots[sid].size >= nbytes:
-                self.store.within_quota(job, self.store.slots.slots[sid].size)
-                self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
-                self._preparing.discard(rank)
-                return None
-        sid, path, size = self.store.reserve_new_slot(nbytes, job)
+        sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
+        if sid is not None:
+            self.store.within_quota(job, self.store.slots.slots[sid].size)
+        else:
+            sid, path, size = self.store.reserve_new_slot(nbytes, job)
+            self.store.slots.slots[sid].rank = rank  # counted in its rotation from now on
+            self.prep.allocate_now(sid, path, size)
+            self.prep.warm(rank, size)  # the rest of the rotation, alongside
         self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
-        self._allocate_async(sid, path, size)
         return None
-
-    def _allocate_async(self, sid: int, path: str, size: int) -> None:
-        def work():
-            try:
-                prepare_slot_file(path, size)
-                self._done.put(("slot", sid, None))
-            except Exception as exc:
-                self._done.put(("slot", sid, exc))
-
-        threading.Thread(target=work, name=f"ucpd-alloc-{sid}", daemon=True).start()
-
-    def _prepare_spare(self, rank: int, size: int) -> None:
-        """Fault in the rank's next slot now, so its next snapshot never waits for pages."""
-        if not self.config.prepare_spare or self.store.spare_slots(rank) or rank in self._preparing:
-            return
-        if not self.store.slots.fits(self.store.slots.round_size(size)):
-            return  # a spare never evicts a version: the next begin will reuse or evict
-        try:
-            sid, path, size = self.store.reserve_new_slot(size)
-        except UcpdError:
-            return  # no room for a spare: the next begin will evict or refuse
-        self._preparing.add(rank)
-        self._parked_begins[sid] = _Parked(b"", 0, 0.0, None, {"rank": rank, "spare": True})
-        self._allocate_async(sid, path, size)
 
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)
@@ -556,19 +542,20 @@ class Daemon:
             kind, sid, exc = item
             parked = self._parked_begins.pop(sid, None)
             with self.store.lock:
-                rank = parked.extra["rank"] if parked else None
-                if parked is not None and parked.extra.get("spare"):
-                    self._preparing.discard(rank)
+                if sid not in self.store.slots.slots:
+                    continue  # dropped meanwhile (ucpd drop, a failed reservation)
+                rank = parked.extra["rank"] if parked else self.store.slots.slots[sid].rank
                 if exc is not None:
                     self.store.drop_new_slot(sid)
-                    if parked is not None and parked.ident:
+                    if parked is not None:
                         err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
                         self._reply(parked.ident, protocol.error(parked.req_id, err))
+                    elif not isinstance(exc, UcpdError):
+                        log.warning("preparing a spare slot failed: %s", exc)
                     continue
                 slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.extra.get("job") if parked else None)
-                if parked is not None and not parked.extra.get("spare"):
-                    self._prepare_spare(rank, slot.size)  # the next snapshot's slot, now
-                if parked is not None and parked.ident:
+                if parked is not None:
+                    self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
                     reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
@@ -617,6 +604,7 @@ class Daemon:
             self.team.tick()
 
     def close(self) -> None:
+        self.prep.stop()
         if self.team is not None:
             self.team.close()
         if self._workers is not None:

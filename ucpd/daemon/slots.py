@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import mmap
 import os
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +39,7 @@ class Slot:
     rank: int | None = None  # the rank writing it, or whose version part it holds
     step: int | None = None
     job: str | None = None  # the job whose rank writes it, or whose version it holds
+    lent_at: float = 0.0  # time.monotonic() when it was last lent to a rank
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
@@ -64,12 +66,17 @@ def shm_free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def allocate_file(path: str, size: int) -> None:
+# Pages are touched this many bytes at a time; ``pause`` runs between pieces.
+TOUCH_PIECE = 64 << 20
+
+
+def allocate_file(path: str, size: int, pause=None) -> None:
     """Create a 0600 segment of ``size`` bytes with every page allocated and touched now.
 
     ``posix_fallocate`` reserves tmpfs pages but leaves zeroing (and, in a VM, the host's
     fault-in) to the first write: measured ~1 s/GiB, paid here on a background thread instead
-    of in the trainer's first snapshot. One written byte per page is enough.
+    of in the trainer's first snapshot. One written byte per page is enough. ``pause()`` is
+    called between pieces of ``TOUCH_PIECE`` bytes (background warm-up steps aside there).
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -77,7 +84,10 @@ def allocate_file(path: str, size: int) -> None:
             os.posix_fallocate(fd, 0, size)
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 pages = np.frombuffer(mm, dtype=np.uint8)
-                pages[:: mmap.PAGESIZE] = 0
+                for lo in range(0, size, TOUCH_PIECE):
+                    if pause is not None and lo:
+                        pause()
+                    pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
                 del pages
         except OSError as exc:
             os.unlink(path)
@@ -150,6 +160,7 @@ class SlotStore:
 
     def lend(self, slot: Slot, rank: int, step: int, job: str | None = None) -> None:
         slot.state, slot.rank, slot.step, slot.job = SlotState.WRITING, rank, step, job
+        slot.lent_at = time.monotonic()
 
     def hold(self, slot: Slot) -> None:
         slot.state = SlotState.HELD

@@ -30,6 +30,8 @@ def collect(daemon) -> dict:
     slots = {state.value: 0 for state in SlotState}
     for s in store.slots.slots.values():
         slots[s.state.value] += 1
+    slots["warming"] = daemon.prep.pending()  # spares of the ranks' rotations being prepared
+    warm_yielded_s = round(daemon.prep.yielded_s, 3)
     flush = None
     if daemon.flusher is not None:
         p = daemon.flusher.progress
@@ -43,6 +45,7 @@ def collect(daemon) -> dict:
             "last_seconds": round(p.last_seconds, 3),
             "flushed_count": p.flushed_count,
             "last_error": p.last_error,
+            "yielded_s": round(p.yielded_s, 3),  # stepped aside for snapshot copies
         }
     jobs = []
     for name, t in sorted(store.tables.items()):
@@ -78,6 +81,7 @@ def collect(daemon) -> dict:
         "job_mem_limit": store.job_limit or None,
         "versions": versions,
         "slots": slots,
+        "warm_yielded_s": warm_yielded_s,
         "clients": len(daemon._clients),
         # where Prometheus scrapes /metrics (the bound port, also when --metrics-port 0 chose one)
         "metrics_port": daemon.metrics.port if daemon.metrics is not None else None,
@@ -148,7 +152,7 @@ def render(status: dict, console) -> None:
             now = "idle"
         console.print(
             f"flush to {f['dir']} every {f['every']} version(s): {now}; last flushed step {f['last_flushed']} "
-            f"in {f['last_seconds']} s; {f['flushed_count']} flushed"
+            f"in {f['last_seconds']} s; {f['flushed_count']} flushed; stepped aside for snapshots {f['yielded_s']} s"
             + (f"; last error: {f['last_error']}" if f["last_error"] else "")
         )
 

@@ -433,7 +433,7 @@ class NodeStore:
         self.slots.close()
 
 
-def prepare_slot_file(path: str, size: int) -> None:
-    """Allocate a slot's file; kept as a function so the server can run it on a thread."""
+def prepare_slot_file(path: str, size: int, pause=None) -> None:
+    """Allocate a slot's file (run on a thread; ``pause`` between pieces, see ``allocate_file``)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    allocate_file(path, size)
+    allocate_file(path, size, pause)

@@ -1,0 +1,162 @@
+"""Slots are ready before a trainer needs them: the rotation is warmed after the first begin, no
+more segments are made once it is, spares never evict or overrun the limit, and background work
+steps aside while a trainer copies a snapshot."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+from ucpd.daemon import slot_prep
+from ucpd.daemon.slot_prep import copies_in_flight, yield_to_snapshots
+from ucpd.daemon.slots import TOUCH_PIECE, Slot, SlotState, allocate_file
+from ucpd_client import Checkpointer
+
+MiB = 1 << 20
+
+
+def slot_files(shm: str) -> dict[str, int]:
+    """Slot file -> bytes of it actually backed by memory."""
+    out = {}
+    for name in os.listdir(shm):
+        if name.startswith("slot-"):
+            out[name] = os.stat(os.path.join(shm, name)).st_blocks * 512
+    return out
+
+
+def wait_for(pred, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def state(mib: int = 8) -> dict:
+    return {"w": torch.randn(mib * MiB // 8), "b": torch.randn(mib * MiB // 8)}
+
+
+def warm_files(ck: Checkpointer, shm: str, count: int) -> dict[str, int]:
+    """Wait until ``count`` slot files exist and the daemon is warming none."""
+    wait_for(lambda: len(slot_files(shm)) >= count and ck.status()["slots"]["warming"] == 0)
+    return slot_files(shm)
+
+
+def test_after_the_first_snapshot_every_slot_of_the_rotation_is_made_and_faulted_in(make_daemon, dirs):
+    make_daemon("--keep", "2", flush=False)
+    with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
+        sd = state()
+        ck.snapshot(1, sd).wait()
+        files = warm_files(ck, dirs["shm"], 3)
+        # --keep 2 committed versions + the one being written, nothing more
+        assert len(files) == 3
+        size = next(iter(files.values()))
+        assert all(backed == size and backed >= 8 * MiB for backed in files.values()), files
+        for step in range(2, 9):
+            ck.snapshot(step, sd).wait()
+        assert sorted(slot_files(dirs["shm"])) == sorted(files), "a snapshot met a fresh segment after the warm-up"
+        assert ck.status()["slots"] == {"free": 1, "writing": 0, "held": 2, "warming": 0}
+
+
+def test_with_a_flush_dir_the_rotation_has_room_for_a_version_pinned_by_the_flush(make_daemon, dirs):
+    make_daemon("--keep", "2")
+    with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
+        ck.snapshot(1, state()).wait()
+        assert len(warm_files(ck, dirs["shm"], 4)) == 4
+
+
+def test_each_rank_gets_its_own_rotation(make_daemon, dirs):
+    make_daemon("--keep", "1", flush=False)
+    cks = [Checkpointer(dirs["run"], rank=r, world_size=2, embedded=False) for r in range(2)]
+    try:
+        handles = [ck.snapshot(1, state(4)) for ck in cks]
+        for h in handles:
+            h.wait()
+        assert len(warm_files(cks[0], dirs["shm"], 4)) == 4  # 2 ranks x (keep 1 + 1 being written)
+    finally:
+        for ck in cks:
+            ck.close()
+
+
+def test_spares_stop_at_the_memory_limit_and_never_evict_or_refuse(make_daemon, dirs):
+    # room for two 8 MiB slots only: the rotation (3) cannot be warmed in full
+    make_daemon("--keep", "2", "--mem-limit", "20M", flush=False)
+    with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
+        sd = state()
+        ck.snapshot(1, sd).wait()
+        time.sleep(0.5)
+        assert ck.status()["slots"]["warming"] == 0
+        assert len(slot_files(dirs["shm"])) == 2
+        assert ck.latest() == 1
+        for step in range(2, 5):  # the limit now costs versions (keep can't be met), never a snapshot
+            ck.snapshot(step, sd).wait()
+        assert ck.latest() == 4
+
+
+def test_status_and_metrics_show_the_warm_up_and_the_flush_stepping_aside(make_daemon, dirs):
+    make_daemon("--keep", "1", "--flush-every", "1")
+    with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
+        ck.snapshot(1, state(2)).wait()
+        st = ck.status()
+        assert "warming" in st["slots"] and st["warm_yielded_s"] >= 0
+        assert st["flush"]["yielded_s"] >= 0
+
+
+# --- the pieces, without a daemon ---------------------------------------------------------------
+
+
+class _Store:
+    def __init__(self, *slots):
+        self.slots = type("S", (), {"slots": {s.id: s for s in slots}})()
+
+
+def lent(sid: int, age: float) -> Slot:
+    s = Slot(sid, f"/x/{sid}", MiB, SlotState.WRITING, rank=0, step=5)
+    s.lent_at = time.monotonic() - age
+    return s
+
+
+def test_a_copy_is_in_flight_only_while_its_slot_is_lent_and_recently():
+    reserved = Slot(1, "/x/1", MiB, SlotState.WRITING, rank=0, step=None)  # being allocated: no copy yet
+    held = Slot(2, "/x/2", MiB, SlotState.HELD, rank=0, step=3)
+    assert copies_in_flight(_Store(reserved, held)) == 0
+    assert copies_in_flight(_Store(lent(3, 0.1))) == 1
+    # a trainer that died holding a slot does not stall background work for ever
+    assert copies_in_flight(_Store(lent(4, slot_prep.COPY_WINDOW_S + 1))) == 0
+
+
+def test_background_work_waits_for_a_copy_in_flight_but_only_so_long():
+    assert yield_to_snapshots(_Store()) < 0.05
+    waited = yield_to_snapshots(_Store(lent(1, 0.0)), max_wait=0.3)
+    assert 0.3 <= waited < 1.0
+
+    busy = lent(2, 0.0)
+    store = _Store(busy)
+
+    def finish():
+        time.sleep(0.2)
+        busy.state = SlotState.HELD
+
+    import threading
+
+    threading.Thread(target=finish).start()
+    waited = yield_to_snapshots(store, max_wait=5.0)
+    assert 0.15 <= waited < 2.0
+
+
+def test_allocating_a_slot_pauses_between_pieces_and_backs_every_page(tmp_path):
+    path = str(tmp_path / "seg")
+    pauses = []
+    size = 3 * TOUCH_PIECE + 4096
+    try:
+        allocate_file(path, size, pause=lambda: pauses.append(1))
+    except Exception as exc:  # pragma: no cover - a tiny /tmp
+        pytest.skip(f"cannot allocate {size} bytes here: {exc}")
+    assert len(pauses) == 3
+    assert os.stat(path).st_size == size
+    assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)

@@ -1,0 +1,183 @@
+"""Making slots ready before trainers need them: urgent allocations and the rotation's warm-up.
+
+A fresh shared-memory segment costs several times a copy into a warm one (its pages must be
+allocated, zeroed and faulted in), so a trainer must never meet one after its first snapshot.
+When a rank begins a snapshot, the daemon learns its size and prepares, in the background, every
+slot the rank will rotate through: ``--keep`` committed versions, the one being written, and one
+more when a flusher may pin an old version past ``--keep``.
+
+- An **urgent** slot (a begin is parked on it: the rank's first snapshot, or one that outgrew
+  its slots) is prepared at once, on its own thread, at full speed.
+- A **spare** is prepared by one background thread, one at a time, in pieces; between pieces
+  it steps aside while a trainer is copying into a slot (``yield_to_snapshots``), so warming
+  never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
+  rank's first slot, so the second snapshot finds it warm. A begin that needs a spare still
+  being warmed makes it urgent: no more stepping aside.
+
+Results go to the server's ``done`` queue as ``("slot", sid, exc)``; the server finishes the
+slot under the store lock (lends it to a parked begin, or keeps it free for the rank).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from .slots import SlotState
+from .store import prepare_slot_file
+
+log = logging.getLogger("ucpd.slots")
+
+# A snapshot copy is assumed to be in flight for at most this long after its slot was lent: a
+# trainer that died holding a slot must not stall the background work for ever.
+COPY_WINDOW_S = 10.0
+# The longest one call of ``yield_to_snapshots`` steps aside.
+YIELD_MAX_S = 2.0
+
+
+def copies_in_flight(store, now: float | None = None) -> int:
+    """Slots lent to trainers that are (probably) being copied into right now."""
+    now = time.monotonic() if now is None else now
+    # tuple() of dict values runs without releasing the GIL: safe against the server thread
+    return sum(
+        1
+        for s in tuple(store.slots.slots.values())
+        if s.state is SlotState.WRITING and s.step is not None and now - s.lent_at < COPY_WINDOW_S
+    )
+
+
+def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S) -> float:
+    """Background work calls this between pieces: it returns once no trainer is copying into a
+    slot, or after ``max_wait`` seconds. Returns the seconds it waited."""
+    t0 = time.monotonic()
+    while copies_in_flight(store) and time.monotonic() - t0 < max_wait:
+        time.sleep(0.005)
+    return time.monotonic() - t0
+
+
+@dataclass
+class _Spare:
+    sid: int
+    path: str
+    size: int
+    rank: int
+    urgent: bool = False
+
+
+class SlotPreparer:
+    """Urgent slot allocations and the background warm-up of each rank's rotation.
+
+    ``rotation``: how many slots of its size each rank rotates through. Methods other than the
+    thread's own are called by the server holding the store lock."""
+
+    def __init__(self, store, done: queue.Queue, rotation: int, warm: bool = True):
+        self.store = store
+        self.done = done
+        self.rotation = rotation
+        self.enabled = warm
+        self._spares: list[_Spare] = []  # queued or being warmed, oldest first
+        self._cv = threading.Condition()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+        self.yielded_s = 0.0  # seconds the warm-up stepped aside for snapshots (status)
+
+    # --- urgent ---------------------------------------------------------------------------------
+
+    def allocate_now(self, sid: int, path: str, size: int) -> None:
+        """Prepare a slot a begin is parked on, on a thread of its own, at full speed."""
+
+        def work():
+            try:
+                prepare_slot_file(path, size)
+                self.done.put(("slot", sid, None))
+            except Exception as exc:
+                self.done.put(("slot", sid, exc))
+
+        threading.Thread(target=work, name=f"ucpd-alloc-{sid}", daemon=True).start()
+
+    # --- the rotation ---------------------------------------------------------------------------
+
+    def warm(self, rank: int, size: int) -> int:
+        """Queue spares until ``rank`` has ``rotation`` slots of at least ``size`` bytes (held,
+        being written, free or on their way). A spare never evicts a version: it is made only
+        while it fits the memory limit. Returns how many were queued."""
+        if not self.enabled:
+            return 0
+        have = sum(1 for s in self.store.slots.slots.values() if s.rank == rank and s.size >= size)
+        queued = 0
+        for _ in range(self.rotation - have):
+            if not self.store.slots.fits(self.store.slots.round_size(size)):
+                break
+            try:
+                sid, path, rounded = self.store.reserve_new_slot(size)
+            except Exception:  # no room: the next begin will evict or refuse
+                break
+            self.store.slots.slots[sid].rank = rank  # reserved for it: counted from now on
+            with self._cv:
+                self._spares.append(_Spare(sid, path, rounded, rank))
+                self._cv.notify()
+            queued += 1
+        if queued:
+            self._start()
+        return queued
+
+    def claim(self, rank: int, nbytes: int) -> int | None:
+        """A spare on its way for ``rank`` that holds ``nbytes``: its id (a begin parks on it and
+        it becomes urgent), or None."""
+        with self._cv:
+            for p in self._spares:
+                if p.rank == rank and p.size >= nbytes and not p.urgent:
+                    p.urgent = True
+                    self._spares.remove(p)
+                    self._spares.insert(0, p)  # next, if not already being warmed
+                    return p.sid
+        return None
+
+    def rank_of(self, sid: int) -> int | None:
+        """The rank a spare (queued or being warmed) is meant for."""
+        with self._cv:
+            return next((p.rank for p in self._spares if p.sid == sid), None)
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._spares)
+
+    def stop(self) -> None:
+        with self._cv:
+            self._stopping = True
+            self._cv.notify()
+
+    # --- the warming thread ---------------------------------------------------------------------
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ucpd-warm", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        # Not niced: a begin may come to wait for the spare being warmed, and a thread cannot
+        # raise its priority back. It steps aside for snapshot copies instead (``_pause``).
+        while True:
+            with self._cv:
+                while not self._spares and not self._stopping:
+                    self._cv.wait()
+                if self._stopping:
+                    return
+                spare = self._spares[0]
+            exc = None
+            try:
+                prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+            except Exception as e:
+                exc = e
+            with self._cv:
+                if spare in self._spares:
+                    self._spares.remove(spare)
+            self.done.put(("slot", spare.sid, exc))
+
+    def _pause(self, spare: _Spare) -> None:
+        if not spare.urgent and not self._stopping:
+            self.yielded_s += yield_to_snapshots(self.store)
