@@ -30,7 +30,15 @@ def add_commands(sub) -> None:
     g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")
     g.add_argument("--parity", help="erasure-coded groups: K (XOR over K+1 nodes) or K+M (Reed-Solomon)")
     p.add_argument("--flush-dir", help="directory for the universal-format flush (none: no flush)")
-    p.add_argument("--flush-every", type=int, default=None, help="flush every Nth committed version (default 1)")
+    p.add_argument(
+        "--flush-every", default=None,
+        help="flush every Nth committed version (default 1), or auto: the interval that minimises flush cost plus "
+        "expected lost work (Young/Daly), from the measured flush time and --mtbf",
+    )
+    p.add_argument(
+        "--mtbf", default=None,
+        help="mean time between failures for --flush-every auto, e.g. 6h (default: learned from the job's restarts)",
+    )
     p.add_argument("--flush-rate", help="flush bandwidth limit in bytes/s, e.g. 2G (0: unlimited)")
     p.add_argument("--flush-keep", type=int, default=None, help="complete versions kept on disk (0: all)")
     p.add_argument("--keep", type=int, default=None, help="committed versions kept in RAM, per job (default 2)")
@@ -98,7 +106,8 @@ def config_from_args(args):
         node_rank=node_rank,
         nodes=nodes,
         flush_dir=o.get("flush_dir"),
-        flush_every=int(o.get("flush_every", 1)),
+        flush_every=_flush_every(o.get("flush_every")),
+        mtbf=_duration("--mtbf", o.get("mtbf")),
         flush_rate=float(knobs.parse_size(o["flush_rate"])) if o.get("flush_rate") is not None else knobs.flush_rate(),
         flush_keep=int(o.get("flush_keep", 0)),
         idle_exit=float(o.get("idle_exit", 0)),
@@ -106,6 +115,26 @@ def config_from_args(args):
         job_mem_limit=knobs.parse_size(o["job_mem_limit"]) if o.get("job_mem_limit") else 0,
         job=_checked_job(o.get("job")),
     )
+
+
+def _flush_every(text):
+    from .flush_interval import parse_every
+
+    try:
+        return parse_every(text)
+    except ValueError:
+        raise UcpdError(f"--flush-every {text!r}: give a positive number of versions, or auto") from None
+
+
+def _duration(flag: str, text):
+    if text is None:
+        return None
+    from .flush_interval import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError:
+        raise UcpdError(f"{flag} {text!r}: give seconds, or a number with s, m, h or d (e.g. 6h)") from None
 
 
 def _checked_job(job):

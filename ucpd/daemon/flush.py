@@ -1,7 +1,8 @@
 """Background flush: committed versions to the universal format, consolidated, throttled.
 
 One thread per daemon. Each job's versions go to a checkpoint root of their own,
-``<flush-dir>/<job>/``. Every ``flush_every``-th committed version of a job is pinned (so eviction
+``<flush-dir>/<job>/``. Every ``flush_every``-th committed version of a job (a fixed N, or chosen
+from measurements: ``flush_interval.py``) is pinned (so eviction
 leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
 output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
 against its CRC, and the version is committed on disk by the format's writer (temp dir,
@@ -26,6 +27,7 @@ from ..errors import ChecksumMismatch
 from ..format import TensorSource, retain, write_version
 from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
+from .flush_interval import FlushInterval
 from .slot_prep import yield_to_snapshots
 
 log = logging.getLogger("ucpd.flush")
@@ -60,11 +62,13 @@ class Flusher:
     version's bytes are read from. Default: this node's slots (one node holds every rank).
     A team of daemons passes one that brings the other nodes' parts first."""
 
-    def __init__(self, store, flush_dir: str, every: int, rate: float, keep_on_disk: int = 0, gather=None):
+    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None):
+        """``every``: flush every Nth committed version of a job (an int), or a ``FlushInterval``
+        (``--flush-every auto`` chooses N per job from measurements)."""
         self.store = store
         self.gather = gather or self._local_parts
         self.flush_dir = flush_dir
-        self.every = max(1, every)
+        self.interval = every if isinstance(every, FlushInterval) else FlushInterval(max(1, int(every)))
         self.rate = rate
         self.keep_on_disk = keep_on_disk
         self.progress = FlushProgress()
@@ -84,8 +88,9 @@ class Flusher:
         """Called under the store lock for each newly committed version. At most one version
         per job waits: when flushing is slower than snapshotting, the newer due version replaces
         the waiting one, so pins never pile up past ``--keep``."""
+        self.interval.on_commit(version.job)
         since = self._committed_since[version.job] = self._committed_since.get(version.job, 0) + 1
-        if since < self.every:
+        if not self.interval.due(version.job, since):
             return
         self._committed_since[version.job] = 0
         self._queue(version)
@@ -103,6 +108,7 @@ class Flusher:
         old = self._pending.pop(job, None)
         if old is not None:
             old.pins -= 1
+            self.interval.on_flush_failed(job)
         self._committed_since.pop(job, None)
 
     def resume(self) -> None:
@@ -142,6 +148,7 @@ class Flusher:
             except Exception as exc:  # keep serving; the error shows in `ucpd status`
                 log.exception("flush of step %s failed", version.step)
                 self.progress.last_error = f"step {version.step}: {exc}"
+                self.interval.on_flush_failed(version.job)
             try:
                 with self.store.lock:
                     version.pins -= 1
@@ -251,5 +258,6 @@ class Flusher:
             self.store.save_index()
         self.progress.last_flushed = version.step
         self.progress.last_seconds = time.monotonic() - t0
+        self.interval.on_flushed(version.job, self.progress.last_seconds)
         self.progress.flushed_count += 1
         log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)

@@ -46,7 +46,8 @@ class DaemonConfig:
     node_rank: int = 0
     nodes: int = 1
     flush_dir: str | None = None
-    flush_every: int = 1
+    flush_every: int | None = 1  # None: auto (Young/Daly, see flush_interval.py)
+    mtbf: float | None = None  # seconds between failures, for --flush-every auto (None: learned)
     flush_rate: float = 0.0
     flush_keep: int = 0
     idle_exit: float = 0.0
@@ -122,10 +123,12 @@ class Daemon:
         self.flusher = None
         if config.flush_dir and (self.team is None or self.team.flushes):
             from .flush import Flusher
+            from .flush_interval import FlushInterval
 
             gather = self.team.gather_for_flush if self.team is not None else None
+            interval = FlushInterval(config.flush_every, config.mtbf)
             self.flusher = Flusher(
-                self.store, config.flush_dir, config.flush_every, config.flush_rate, config.flush_keep, gather=gather
+                self.store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather
             )
             self.store.commit_listeners.append(self.flusher.on_commit)
             with self.store.lock:
@@ -252,6 +255,8 @@ class Daemon:
     def _on_begin(self, ident, req_id, body):
         rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
         self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"], job)
+        if self.flusher is not None:
+            self.flusher.interval.on_begin(job, body.get("incarnation"))  # a new run: a restart
         slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:

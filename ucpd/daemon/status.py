@@ -37,7 +37,8 @@ def collect(daemon) -> dict:
         p = daemon.flusher.progress
         flush = {
             "dir": cfg.flush_dir,
-            "every": cfg.flush_every,
+            "every": cfg.flush_every if cfg.flush_every is not None else "auto",
+            "interval": {j: daemon.flusher.interval.explain(j) for j in sorted(store.tables)},
             "current_step": p.step,
             "bytes_done": p.bytes_done,
             "bytes_total": p.bytes_total,
@@ -155,6 +156,13 @@ def render(status: dict, console) -> None:
             f"in {f['last_seconds']} s; {f['flushed_count']} flushed; stepped aside for snapshots {f['yielded_s']} s"
             + (f"; last error: {f['last_error']}" if f["last_error"] else "")
         )
+        for job, why in (f.get("interval") or {}).items():
+            if why.get("mode") == "auto":
+                console.print(
+                    f"  {job}: flush every {why['every']} version(s) (auto): interval {why['interval_s']} s from a flush "
+                    f"of {why['flush_cost_s']} s, a commit every {why['commit_period_s']} s and an MTBF of "
+                    f"{why['mtbf_s'] / 3600:.1f} h ({why['mtbf_from']})"
+                )
 
 
 def _render_team(team: dict, console) -> None:
