@@ -240,3 +240,27 @@ def test_plain_values_are_checked_before_they_are_unpickled():
     bad = good[:-2] + bytes([good[-2] ^ 1]) + good[-1:]
     with pytest.raises(ChecksumMismatch, match="saved by rank 0"):
         merged_values({0: bad}, 0, {0: native.crc32c(good)})
+
+
+def test_per_rank_tensors_saved_without_a_placement_are_refused_not_silently_merged(daemon, dirs):
+    """Tensors without a placement are replicated: every rank must hold the same bytes, else a
+    restore would give each rank rank 0's copy. The commit is refused, naming the tensor; the
+    same tensors with a placement that says how the ranks differ commit and restore per rank."""
+    cks = [Checkpointer(dirs["run"], rank=r, world_size=2, embedded=False) for r in range(2)]
+    try:
+        states = [{"rank_buffer": torch.full((1024,), float(r))} for r in range(2)]
+        handles = [ck.snapshot(1, s) for ck, s in zip(cks, states)]
+        for h in handles:
+            with pytest.raises(PlacementMismatch, match="'rank_buffer' has the same placement on ranks 0 and 1"):
+                h.wait()
+        placed = [{"rank_buffer": P.Shard(0, r, 2)} for r in range(2)]
+        handles = [ck.snapshot(2, s, placements=p) for ck, s, p in zip(cks, states, placed)]
+        for h in handles:
+            h.wait()
+        for r, ck in enumerate(cks):
+            out = {"rank_buffer": torch.empty(1024)}
+            assert ck.restore(out, placements=placed[r]) == 2
+            assert torch.equal(out["rank_buffer"], states[r]["rank_buffer"])
+    finally:
+        for ck in cks:
+            ck.close()

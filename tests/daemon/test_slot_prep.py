@@ -74,7 +74,8 @@ def test_each_rank_gets_its_own_rotation(make_daemon, dirs):
     make_daemon("--keep", "1", flush=False)
     cks = [Checkpointer(dirs["run"], rank=r, world_size=2, embedded=False) for r in range(2)]
     try:
-        handles = [ck.snapshot(1, state(4)) for ck in cks]
+        sd = state(4)  # the same on both ranks: replicated
+        handles = [ck.snapshot(1, sd) for ck in cks]
         for h in handles:
             h.wait()
         assert len(warm_files(cks[0], dirs["shm"], 4)) == 4  # 2 ranks x (keep 1 + 1 being written)

@@ -30,14 +30,14 @@ def lend(store: NodeStore, rank: int, step: int, nbytes: int = MiB, job=None, wo
     return slot
 
 
-def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None, shape=(4,), job=None):
+def seal(store: NodeStore, rank: int, step: int, world: int = 1, placement=None, shape=(4,), job=None, crc=0):
     slot = lend(store, rank, step, job=job, world=world)
     n = 1
     for d in shape:
         n *= d
     entry = {
         "name": "w", "dtype": "float32", "shape": list(shape), "placement": placement or {"kind": "replicated"},
-        "offset": 0, "nbytes": 4 * n, "crcs": [0] if n else [],
+        "offset": 0, "nbytes": 4 * n, "crcs": [crc] if n else [],
     }
     return store.seal(
         {"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry], "objects": b"", "incarnation": job}
@@ -90,6 +90,17 @@ def test_ranks_that_disagree_on_a_global_shape_are_refused(shm):
     seal(store, 0, 1, world=2, shape=(4,))
     with pytest.raises(PlacementMismatch, match="global tensor 'w'"):
         seal(store, 1, 1, world=2, shape=(5,))
+
+
+def test_ranks_holding_a_replicated_tensor_with_different_bytes_are_refused(shm):
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    seal(store, 0, 1, world=2, crc=0x1234)
+    with pytest.raises(PlacementMismatch, match=r"'w' has the same placement on ranks 0 and 1 .* different bytes"):
+        seal(store, 1, 1, world=2, crc=0x9999)
+    assert store.table.versions.get(1) is None  # nothing half-committed
+    seal(store, 0, 2, world=2, crc=7)
+    _, committed = seal(store, 1, 2, world=2, crc=7)  # equal replicas commit
+    assert [v.step for v in committed] == [2]
 
 
 def test_commit_of_a_slot_lent_for_another_step_is_refused(shm):

@@ -300,6 +300,8 @@ class Daemon:
             return None
         if v.state in (VersionState.COMMITTED, VersionState.FLUSHED):
             return {"state": v.state.value, "step": step}
+        if v.state is VersionState.ABANDONED and isinstance(v.failure, UcpdError):
+            raise type(v.failure)(f"step {step} cannot commit: {v.failure}")
         if v.state is VersionState.ABANDONED:
             missing = sorted(set(range(v.world_size)) - set(v.parts))
             raise VersionNotFound(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -277,7 +278,8 @@ class NodeStore:
             self._dedupe_ok = False
             self.slots.release(sid)
             if len(version.parts) + 1 == version.world_size:
-                self._evict(version)  # every rank sealed but it cannot commit: waiters hear so now
+                version.failure = sys.exc_info()[1]
+                self._evict(version)  # every rank sealed but it cannot commit: waiters hear why now
             raise
         self.slots.hold(slot)
         self.counters.snapshots += 1

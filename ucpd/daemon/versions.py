@@ -193,6 +193,7 @@ class Version:
     on_disk: bool = False
     job: str = DEFAULT_JOB
     restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
+    failure: Exception | None = None  # why it could not commit once every rank sealed it
     _globals: dict[str, GlobalTensor] | None = None
 
     @property
@@ -305,6 +306,26 @@ def check_skipped_covered(version: "Version") -> None:
                     ) from None
 
 
+def check_replicas_agree(version: "Version") -> None:
+    """Ranks that hold a tensor under the same placement hold the same elements in the same
+    order (a replicated tensor — the default for tensors without a placement — or a data-parallel
+    replica): their chunk checksums must be equal, or a restore would hand every rank the lowest
+    rank's bytes. Raises PlacementMismatch naming the tensor and two ranks that differ."""
+    first: dict[tuple, tuple[int, TensorEntry]] = {}
+    for rank in sorted(version.parts):
+        for t in version.parts[rank].tensors:
+            if t.skipped or not t.nbytes:
+                continue
+            seen = first.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, t))
+            if seen[1] is not t and seen[1].crcs != t.crcs:
+                raise PlacementMismatch(
+                    f"step {version.step}: tensor {t.name!r} has the same placement on ranks {seen[0]} and {rank} "
+                    f"({t.placement.get('kind', t.placement)}: they claim the same elements) but different bytes; "
+                    "a restore would give every rank one copy. Give it the placement that says how the ranks differ "
+                    "(e.g. placements={name: Shard(dim, rank, world)}), or make the ranks agree"
+                )
+
+
 class CommitPolicy(Protocol):
     """Decides when a complete version becomes committed (the multi-node seam).
 
@@ -368,6 +389,7 @@ class VersionTable:
         else:
             check_covered(version)  # agreement and coverage now, not at restore time
         check_skipped_covered(version)
+        check_replicas_agree(version)
         version.state = VersionState.COMPLETE
         if self.policy.on_complete(version):
             self.mark_committed(version)
