@@ -19,10 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import native
+from .. import faults, native
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch
-from ..format import TensorSource, retain, write_version
+from ..format import TensorSource, open_version, retain, write_version
+from ..format.writer import clean_temp, point_latest
 from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
 
@@ -133,6 +134,7 @@ class Flusher:
                 job = min(self._pending, key=lambda j: self._pending[j].committed_at or 0)  # the longest waiting
                 version = self._pending.pop(job)
                 self.progress.step = version.step
+            faults.point("flush.begin", version.step)  # test-only (ucpd.faults; inert in production)
             try:
                 if version.parts:
                     self._flush(version)
@@ -185,6 +187,9 @@ class Flusher:
                     verified.add(c.src_key)
                 srcs[c.src_key] = arr
             execute(plan, srcs, out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out)
+            if faults.armed():
+                faults.point("flush.write", version.step)
+                faults.stall("flush.hang", version.step)
 
         def make_fill(g):
             def fill(out: np.ndarray) -> None:
@@ -224,10 +229,20 @@ class Flusher:
         }
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
         root = self.root(version.job)
-        write_version(
-            root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
-        )
+        for stale in clean_temp(root):  # a flusher killed mid-version left it (with or without --flush-keep)
+            log.warning("removed %s, left by a flush that did not finish", stale)
+        if os.path.isfile(os.path.join(root, f"step-{version.step}", "ucp.json")):
+            # a daemon before us wrote it (the commit point is the rename) and died before its
+            # index said so: the version is on disk already
+            open_version(root, version.step).close()
+            point_latest(root, version.step)
+            log.info("step %d is already in %s", version.step, root)
+        else:
+            write_version(
+                root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None
+            )
         arrays.clear()
+        faults.point("flush.done", version.step)
         if self.keep_on_disk:
             with self.store.lock:
                 reading = {step for job, step in self.store.disk_readers if job == version.job}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .. import knobs, native, protocol
+from .. import faults, knobs, native, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
@@ -246,6 +246,7 @@ class Daemon:
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
             self._prepare_spare(rank, slot.size)
+            faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
             return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
         waiting = {"rank": rank, "skip": skip, "job": job}
         for sid, parked in self._parked_begins.items():  # this rank's spare is on its way: take it
@@ -263,6 +264,7 @@ class Daemon:
         def work():
             try:
                 prepare_slot_file(path, size)
+                faults.point("slot.allocated")
                 self._done.put(("slot", sid, None))
             except Exception as exc:
                 self._done.put(("slot", sid, exc))
@@ -285,6 +287,7 @@ class Daemon:
 
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)
+        faults.point("snapshot.sealed", version.step)
         return {"state": version.state.value}
 
     def _on_abort(self, ident, req_id, body):
@@ -472,6 +475,7 @@ class Daemon:
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )
+        faults.point("restore.planned", chosen)
         return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), **plan}
 
     def _on_describe(self, ident, req_id, body):
@@ -569,6 +573,7 @@ class Daemon:
                 if parked is not None and not parked.extra.get("spare"):
                     self._prepare_spare(rank, slot.size)  # the next snapshot's slot, now
                 if parked is not None and parked.ident:
+                    faults.point("snapshot.lent", parked.step)
                     reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
