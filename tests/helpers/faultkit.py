@@ -18,7 +18,7 @@ again when it died, and the checks run:
 5. *goes on*: a new run of the job snapshots two more steps, commits and restores them, and over
    further rounds of snapshots and restores the daemon's fds and threads do not grow.
 
-A team (``team_trial``): three daemons on loopback, one rank on each of nodes 0 and 1
+A team (``team_trial``): three or four daemons on loopback, one rank on each
 (``--replicas 1``, or ``--parity 2`` for the parity point), the point armed in one node; the
 node that crashed is lost (its RAM deleted); the survivors must agree on ``latest()``, never
 below what a rank saw committed, and restore it bit for bit.
@@ -461,8 +461,8 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
                  f"the daemon's fds (less slot mappings) / threads grew from {before} to {after} over three rounds")
         t.survived = True
         return t
-    except CheckFailed as exc:
-        t.error = str(exc)
+    except Exception as exc:  # a check failed, or the daemon answered with an error
+        t.error = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
         t.notes.append(d.read_log()[-3000:])
         return t
     finally:
@@ -470,3 +470,135 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
         d.stop()
         shutil.rmtree(shm, ignore_errors=True)
         t.seconds = round(time.monotonic() - t0, 2)
+
+
+# --- a team of daemons -------------------------------------------------------------------------------
+
+# point -> (nodes, extra serve args, victim node, node lost before the step (to make healing run))
+TEAM_SETUPS = {
+    "commit.decided": (3, ["--replicas", "1"], 0, None),
+    "commit.record_sent_one": (3, ["--replicas", "1"], 0, None),
+    "commit.recorded": (3, ["--replicas", "1"], 0, None),
+    "commit.visible_one": (3, ["--replicas", "1"], 0, None),
+    "replicate.mid": (3, ["--replicas", "1"], 1, None),
+    "replica.received": (3, ["--replicas", "1"], 2, None),
+    "parity.encode": (3, ["--parity", "2"], 1, None),
+    "heal.push": (4, ["--replicas", "2"], 1, 3),
+    "flush.fetch.kill": (3, ["--replicas", "1", "--flush-every", "1"], 0, None),
+}
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(cond, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        _require(time.monotonic() < deadline, f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int = 0, steps: int = 3) -> Trial:
+    """A crash at ``point`` of ``step`` in one node of a team, then the survivors' checks."""
+    n, extra, victim, lose_first = TEAM_SETUPS[point]
+    t = Trial(point, "team", step, n, victim, seed)
+    t0 = time.monotonic()
+    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(n)]
+    nodes: list[Daemon] = []
+    for i in range(n):
+        w = os.path.join(workdir, f"node{i}")
+        os.makedirs(w, exist_ok=True)
+        args = ["--nodes", str(n), "--node-rank", str(i), "--peers", ",".join(addresses), "--heartbeat", "0.1",
+                "--dead-after", "1.5", "--mem-limit", "256M", "--keep", "2", "--log-level", "DEBUG", *extra]
+        flush = os.path.join(workdir, "flush") if i == 0 and point.startswith("flush") else None
+        nodes.append(Daemon(w, f"{shm_prefix}-{uuid.uuid4().hex[:6]}-n{i}", args, flush))
+    env = {"UCPD_RPC_TIMEOUT": "10", "UCPD_JOB_ID": "run-1", "FAULTKIT_WAIT": "20"}
+    procs = []
+    run_dirs = [d.run_dir for d in nodes]  # one rank on each node
+    try:
+        spec = f"{point}@{step}"
+        if point.startswith("flush"):
+            env["FAULTKIT_PAUSE"] = "0.5"
+        for i, d in enumerate(nodes):
+            d.start(fault=spec if i == victim else None)
+        if lose_first is not None:  # the step before commits on every node, then a node is lost: healing
+            procs = start_trainers(run_dirs, n, list(range(1, step + 1)), workdir, env, local_world=1)
+            join(procs, 60)
+            nodes[lose_first].kill()
+            shutil.rmtree(nodes[lose_first].shm_dir, ignore_errors=True)
+            procs = []
+        else:
+            procs = start_trainers(run_dirs, n, list(range(1, steps + 1)), workdir, env, local_world=1)
+        deadline = time.monotonic() + 40
+        while time.monotonic() < deadline and nodes[victim].alive():
+            if procs and all(p.exitcode is not None for p in procs) and time.monotonic() > deadline - 30:
+                break
+            time.sleep(0.05)
+        t.fired = nodes[victim].killed()
+        kill(procs)
+        procs = []
+        if not t.fired:
+            t.error = "point not reached"
+            return t
+        t.reported = reported_committed(workdir)
+        shutil.rmtree(nodes[victim].shm_dir, ignore_errors=True)  # the node is lost, its RAM too
+        lost = {victim} | ({lose_first} if lose_first is not None else set())
+        survivors = [i for i in range(n) if i not in lost]
+        for i in survivors:
+            _wait(lambda i=i: not any(x["live"] for x in nodes[i].status()["team"]["nodes"] if x["node"] in lost),
+                  f"node {i} to see nodes {sorted(lost)} dead")
+        seen: list = []
+
+        def agreed() -> bool:
+            seen[:] = [nodes[i].status()["team"]["team_latest"] for i in survivors]
+            return len(set(seen)) == 1
+
+        _wait(agreed, f"the survivors to agree on the latest step ({seen})", timeout=15)
+        from ucpd_client import Checkpointer
+
+        with Checkpointer(nodes[survivors[0]].run_dir, rank=0, world_size=n, embedded=False, job=JOB,
+                          job_id="probe", local_world_size=1) as c:
+            t.latest = c.latest()
+        _require(t.reported is None or (t.latest is not None and t.latest >= t.reported),
+                 f"a rank saw step {t.reported} committed, the survivors say latest {t.latest} (team_latest {seen})")
+        if t.latest is not None:
+            restore_check([nodes[i].run_dir for i in survivors], n, t.latest, "run-2")
+        if nodes[0].flush_dir and 0 in survivors:
+            check_flush_dir(os.path.join(nodes[0].flush_dir, JOB), t.latest)
+        elif nodes[0].flush_dir:
+            root = os.path.join(nodes[0].flush_dir, JOB)
+            from ucpd.format import list_versions
+
+            torn = [v.step for v in list_versions(root) if v.state == "torn"] if os.path.isdir(root) else []
+            _require(not torn, f"torn versions in the flush dir: {torn}")
+        for i in survivors:
+            left = [f for f in os.listdir(nodes[i].shm_dir) if f.startswith(("fetch-", "index.msgpack.tmp"))]
+            _require(not left, f"node {i} left {left} in its shm dir")
+        t.survived = True
+        return t
+    except Exception as exc:  # a check failed, or a daemon answered with an error
+        t.error = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
+        t.notes.append("\n".join(f"--- node {i}\n{d.read_log()[-1500:]}" for i, d in enumerate(nodes)))
+        return t
+    finally:
+        kill(procs)
+        for d in nodes:
+            d.stop()
+            shutil.rmtree(d.shm_dir, ignore_errors=True)
+        t.seconds = round(time.monotonic() - t0, 2)
+
+
+def trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int = 0) -> Trial:
+    from ucpd import faults
+
+    if faults.POINTS[point][1] == "team":
+        return team_trial(point, step, workdir, shm_prefix, seed)
+    return node_trial(point, step, workdir, shm_prefix, seed=seed)
+
+
+CRASH_POINTS = [p for p, (kind, _) in __import__("ucpd.faults", fromlist=["POINTS"]).POINTS.items() if kind == "crash"]
