@@ -29,6 +29,8 @@ from ..ucl.execute import execute
 
 log = logging.getLogger("ucpd.flush")
 
+STALL_SECONDS = float(os.environ.get("UCPD_FLUSH_STALL_SECONDS") or 30.0)
+
 
 @dataclass
 class FlushProgress:
@@ -39,6 +41,9 @@ class FlushProgress:
     last_seconds: float = 0.0
     last_error: str | None = None
     flushed_count: int = 0
+    updated: float = 0.0  # monotonic time of the last progress (a byte written, a flush started)
+    errors: int = 0  # flushes that failed, in all
+    failing: int = 0  # flushes that failed since the last one that succeeded
 
 
 def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
@@ -120,6 +125,17 @@ class Flusher:
     def idle(self) -> bool:
         return not self._pending and self.progress.step is None
 
+    def state(self) -> tuple[str, float]:
+        """("idle" | "writing" | "stalled" | "failing", seconds without progress): a flush that
+        wrote nothing for ``$UCPD_FLUSH_STALL_SECONDS`` (default 30) is stalled (a hung or very
+        slow flush dir: snapshots go on in RAM, the version stays pinned); one whose last
+        attempts failed (a full file system) is failing until a flush succeeds."""
+        p = self.progress
+        if p.step is not None:
+            quiet = time.monotonic() - p.updated
+            return ("stalled" if quiet >= STALL_SECONDS else "writing"), quiet
+        return ("failing" if p.failing else "idle"), 0.0
+
     def _run(self) -> None:
         try:  # lower this thread's priority; Linux applies setpriority to one thread id
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -134,6 +150,7 @@ class Flusher:
                 job = min(self._pending, key=lambda j: self._pending[j].committed_at or 0)  # the longest waiting
                 version = self._pending.pop(job)
                 self.progress.step = version.step
+                self.progress.updated = time.monotonic()
             faults.point("flush.begin", version.step)  # test-only (ucpd.faults; inert in production)
             try:
                 if version.parts:
@@ -141,6 +158,8 @@ class Flusher:
             except Exception as exc:  # keep serving; the error shows in `ucpd status`
                 log.exception("flush of step %s failed", version.step)
                 self.progress.last_error = f"step {version.step}: {exc}"
+                self.progress.errors += 1
+                self.progress.failing += 1
             try:
                 with self.store.lock:
                     version.pins -= 1
@@ -213,12 +232,15 @@ class Flusher:
             for g in sorted(globals_.values(), key=lambda g: g.name)
         ]
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
+        p = self.progress
         self.progress = FlushProgress(
-            version.step, 0, total, self.progress.last_flushed, self.progress.last_seconds, None, self.progress.flushed_count
+            version.step, 0, total, p.last_flushed, p.last_seconds, p.last_error, p.flushed_count, time.monotonic(),
+            p.errors, p.failing,
         )
 
         def progress(done: int, _total: int) -> None:
             self.progress.bytes_done = done
+            self.progress.updated = time.monotonic()
 
         layout = {
             "world_size": version.world_size,
@@ -255,6 +277,8 @@ class Flusher:
                 version.state = VersionState.FLUSHED
             self.store.save_index()
         self.progress.last_flushed = version.step
+        self.progress.failing = 0
+        self.progress.last_error = None
         self.progress.last_seconds = time.monotonic() - t0
         self.progress.flushed_count += 1
         log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)
