@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ucpd import knobs, native
+from ucpd import faults, knobs, native
 from ucpd.errors import InvalidPlacement, ProtocolError, UcpdError
 from ucpd.protocol import job_name
 from ucpd.rpc import Connection
@@ -314,6 +314,7 @@ class Checkpointer:
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         reply, write, skipped = self._begin(conn, handle.step, entries)
         handle.timings["slot"] = time.perf_counter()
+        faults.point("client.begin", handle.step)  # test-only crash points (inert in production)
         self._maps.forget_missing()  # slots the daemon deleted: give their pages back
         slot = self._maps.get(reply["path"], writable=True)
         try:
@@ -330,6 +331,7 @@ class Checkpointer:
         except BaseException:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise
+        faults.point("client.staged", handle.step)
         manifest = []
         for e in entries:
             item = {"name": e.name, "dtype": e.signature[0], "shape": list(e.tensor.shape), "placement": e.placement}
@@ -342,6 +344,7 @@ class Checkpointer:
             "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],
             tensors=manifest, objects=objects, objects_crc=native.crc32c(objects), **self._job,
         )
+        faults.point("client.sealed", handle.step)
         self._signatures = {e.name: e.signature for e in entries}
         handle.timings["sealed"] = time.perf_counter()
         handle.skipped = len(skipped)

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ucpd import knobs, native
+from ucpd import faults, knobs, native
 from ucpd.dtypes import dtype as lookup_dtype
 from ucpd.errors import ChecksumMismatch, PlacementMismatch
 from ucpd.ucl.execute import execute
@@ -235,6 +235,7 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
         body["step"] = step
     plan = conn.call("restore", **body)
     try:
+        faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
         sources = plan["sources"]
         arrays = []
         ckpt._maps.forget_missing()
@@ -263,6 +264,7 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
             if host is not target:
                 target.copy_(host)
         values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))
+        faults.point("client.restored", plan["step"])
     finally:
         conn.call("release", lease=plan["lease"])
     ckpt.last_restore = {"step": plan["step"], "where": plan["where"]}

@@ -21,16 +21,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import native
+from .. import faults, native
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch
-from ..format import TensorSource, retain, write_version
+from ..format import TensorSource, open_version, retain, write_version
+from ..format.writer import clean_temp, point_latest
 from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
 from .flush_interval import FlushInterval
 from .slot_prep import yield_to_snapshots
 
 log = logging.getLogger("ucpd.flush")
+
+STALL_SECONDS = float(os.environ.get("UCPD_FLUSH_STALL_SECONDS") or 30.0)
 
 
 @dataclass
@@ -42,6 +45,9 @@ class FlushProgress:
     last_seconds: float = 0.0
     last_error: str | None = None
     flushed_count: int = 0
+    updated: float = 0.0  # monotonic time of the last progress (a byte written, a flush started)
+    errors: int = 0  # flushes that failed, in all
+    failing: int = 0  # flushes that failed since the last one that succeeded
     yielded_s: float = 0.0  # seconds the flush stepped aside for snapshots
 
 
@@ -128,6 +134,17 @@ class Flusher:
     def idle(self) -> bool:
         return not self._pending and self.progress.step is None
 
+    def state(self) -> tuple[str, float]:
+        """("idle" | "writing" | "stalled" | "failing", seconds without progress): a flush that
+        wrote nothing for ``$UCPD_FLUSH_STALL_SECONDS`` (default 30) is stalled (a hung or very
+        slow flush dir: snapshots go on in RAM, the version stays pinned); one whose last
+        attempts failed (a full file system) is failing until a flush succeeds."""
+        p = self.progress
+        if p.step is not None:
+            quiet = time.monotonic() - p.updated
+            return ("stalled" if quiet >= STALL_SECONDS else "writing"), quiet
+        return ("failing" if p.failing else "idle"), 0.0
+
     def _run(self) -> None:
         try:  # lower this thread's priority; Linux applies setpriority to one thread id
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
@@ -142,12 +159,16 @@ class Flusher:
                 job = min(self._pending, key=lambda j: self._pending[j].committed_at or 0)  # the longest waiting
                 version = self._pending.pop(job)
                 self.progress.step = version.step
+                self.progress.updated = time.monotonic()
+            faults.point("flush.begin", version.step)  # test-only (ucpd.faults; inert in production)
             try:
                 if version.parts:
                     self._flush(version)
             except Exception as exc:  # keep serving; the error shows in `ucpd status`
                 log.exception("flush of step %s failed", version.step)
                 self.progress.last_error = f"step {version.step}: {exc}"
+                self.progress.errors += 1
+                self.progress.failing += 1
                 self.interval.on_flush_failed(version.job)
             try:
                 with self.store.lock:
@@ -200,6 +221,9 @@ class Flusher:
                     verified.add(c.src_key)
                 srcs[c.src_key] = arr
             execute(plan, srcs, out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out)
+            if faults.armed():
+                faults.point("flush.write", version.step)
+                faults.stall("flush.hang", version.step)
 
         def make_fill(g):
             def fill(out: np.ndarray) -> None:
@@ -223,13 +247,15 @@ class Flusher:
             for g in sorted(globals_.values(), key=lambda g: g.name)
         ]
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
+        p = self.progress
         self.progress = FlushProgress(
-            version.step, 0, total, self.progress.last_flushed, self.progress.last_seconds, None, self.progress.flushed_count,
-            self.progress.yielded_s,
+            version.step, 0, total, p.last_flushed, p.last_seconds, p.last_error, p.flushed_count, time.monotonic(),
+            p.errors, p.failing, p.yielded_s,
         )
 
         def progress(done: int, _total: int) -> None:
             self.progress.bytes_done = done
+            self.progress.updated = time.monotonic()
 
         layout = {
             "world_size": version.world_size,
@@ -240,11 +266,21 @@ class Flusher:
         }
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
         root = self.root(version.job)
-        write_version(
-            root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-            throttle=self._step_aside,
-        )
+        for stale in clean_temp(root):  # a flusher killed mid-version left it (with or without --flush-keep)
+            log.warning("removed %s, left by a flush that did not finish", stale)
+        if os.path.isfile(os.path.join(root, f"step-{version.step}", "ucp.json")):
+            # a daemon before us wrote it (the commit point is the rename) and died before its
+            # index said so: the version is on disk already
+            open_version(root, version.step).close()
+            point_latest(root, version.step)
+            log.info("step %d is already in %s", version.step, root)
+        else:
+            write_version(
+                root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
+                throttle=self._step_aside,
+            )
         arrays.clear()
+        faults.point("flush.done", version.step)
         if self.keep_on_disk:
             with self.store.lock:
                 reading = {step for job, step in self.store.disk_readers if job == version.job}
@@ -257,6 +293,8 @@ class Flusher:
                 version.state = VersionState.FLUSHED
             self.store.save_index()
         self.progress.last_flushed = version.step
+        self.progress.failing = 0
+        self.progress.last_error = None
         self.progress.last_seconds = time.monotonic() - t0
         self.interval.on_flushed(version.job, self.progress.last_seconds)
         self.progress.flushed_count += 1

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import msgpack
 
+from .. import faults
 from ..native import CHUNK_BYTES
 
 from .slots import SlotState, SlotStore
@@ -66,6 +67,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
         f.write(msgpack.packb(doc, use_bin_type=True))
         f.flush()
         os.fsync(f.fileno())
+    faults.point("index.tmp", max((v["step"] for v in versions if v["state"] != "complete"), default=None))
     os.replace(tmp, path)
 
 
@@ -136,6 +138,9 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
         slots.delete(slot.id)
         known.discard(os.path.basename(slot.path))
     for name in os.listdir(shm_dir):
+        if name.startswith(f"{INDEX_NAME}.tmp-"):  # a daemon killed while rewriting the index
+            os.unlink(os.path.join(shm_dir, name))
+            continue
         if name.startswith("slot-") and name not in known:
             os.unlink(os.path.join(shm_dir, name))
             dropped.append(f"removed stray segment {name}")

@@ -18,8 +18,15 @@ class _Collector:
             latest = {j: t.latest_committed() for j, t in d.store.tables.items()}
             progress = d.flusher.progress if d.flusher else None
             team = d.team.status() if d.team is not None else None
+            fstate = d.flusher.state() if d.flusher else None
+            from .status import degraded
+
+            reasons = degraded(d, {"state": fstate[0], "current_step": progress.step, "seconds_without_progress": fstate[1],
+                                   "last_error": progress.last_error} if fstate else None, team)
         for name, value in c.items():
             yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
+        yield GaugeMetricFamily("ucpd_degraded", "1 while the daemon works with less than configured (see ucpd status)",
+                                value=1 if reasons else 0)
         yield GaugeMetricFamily("ucpd_mem_used_bytes", "bytes held in shm slots", value=used)
         yield GaugeMetricFamily("ucpd_mem_limit_bytes", "memory limit for slots", value=limit)
         newest = GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step of each job (-1: none)", labels=["job"])
@@ -35,6 +42,11 @@ class _Collector:
         if progress is not None:
             yield GaugeMetricFamily("ucpd_flush_bytes_done", "bytes written by the flush in progress", value=progress.bytes_done)
             yield GaugeMetricFamily("ucpd_flush_last_seconds", "duration of the last flush", value=progress.last_seconds)
+            yield GaugeMetricFamily("ucpd_flush_stalled", "1 while the flush in progress writes nothing (hung flush dir)",
+                                    value=1 if fstate[0] == "stalled" else 0)
+            yield GaugeMetricFamily("ucpd_flush_seconds_without_progress", "seconds since the flush in progress wrote a byte",
+                                    value=fstate[1])
+            yield CounterMetricFamily("ucpd_flush_errors", "flushes that failed (full or failing flush dir)", value=progress.errors)
             yield CounterMetricFamily(
                 "ucpd_flush_yielded_seconds", "seconds the flush stepped aside for snapshot copies", value=progress.yielded_s
             )

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .. import knobs, native, protocol
+from .. import faults, knobs, native, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..rpc import SOCKET_NAME
@@ -35,6 +35,7 @@ SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its 
 
 LOCK_NAME = "ucpd.lock"
 LEASE_SECONDS = 600.0
+DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
 
 
 @dataclass
@@ -155,6 +156,11 @@ class Daemon:
         self.started = time.time()
         self._stop = False
         self.address = f"ipc://{os.path.join(config.run_dir, SOCKET_NAME)}"
+        self._disk_guard = threading.Lock()
+        self._disk_pool = None  # flush dir lookups, bounded in time (_disk_latest)
+        self._disk_pending: dict = {}
+        self._disk_cache: dict[str, int | None] = {}
+        self.disk_unresponsive: str | None = None
 
     # --- loop ------------------------------------------------------------------------------------
 
@@ -261,6 +267,7 @@ class Daemon:
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
             self.prep.warm(rank, slot.size)
+            faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
             return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
         waiting = {"rank": rank, "skip": skip, "job": job}
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
@@ -276,6 +283,7 @@ class Daemon:
 
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)
+        faults.point("snapshot.sealed", version.step)
         return {"state": version.state.value}
 
     def _on_abort(self, ident, req_id, body):
@@ -353,6 +361,39 @@ class Daemon:
         return os.path.join(self.config.flush_dir, job) if self.config.flush_dir else None
 
     def _disk_latest(self, job: str) -> int | None:
+        """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
+        (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
+        does not return in time goes on in the background (one per job at a time) and the last
+        answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
+        if self.job_flush_dir(job) is None:
+            return None
+        import concurrent.futures as cf
+
+        with self._disk_guard:
+            fut = self._disk_pending.get(job)
+            if fut is not None and not fut.done():
+                return self._disk_cache.get(job)  # still hung: no second wait
+            if fut is None:
+                if self._disk_pool is None:
+                    self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
+                fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
+        try:
+            step = fut.result(timeout=DISK_LOOKUP_SECONDS)
+        except cf.TimeoutError:
+            if not self.disk_unresponsive:
+                log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
+                            self.config.flush_dir, DISK_LOOKUP_SECONDS)
+            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
+            return self._disk_cache.get(job)
+        finally:
+            with self._disk_guard:
+                if fut.done() and self._disk_pending.get(job) is fut:
+                    del self._disk_pending[job]
+        self.disk_unresponsive = None
+        self._disk_cache[job] = step
+        return step
+
+    def _disk_latest_now(self, job: str) -> int | None:
         """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
         root = self.job_flush_dir(job)
         if root is None or not os.path.isdir(root):
@@ -465,6 +506,7 @@ class Daemon:
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )
+        faults.point("restore.planned", chosen)
         return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), **plan}
 
     def _on_describe(self, ident, req_id, body):
@@ -563,6 +605,7 @@ class Daemon:
                 slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.extra.get("job") if parked else None)
                 if parked is not None:
                     self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
+                    faults.point("snapshot.lent", parked.step)
                     reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
@@ -616,6 +659,8 @@ class Daemon:
             self.team.close()
         if self._workers is not None:
             self._workers.shutdown(wait=False, cancel_futures=True)
+        if self._disk_pool is not None:
+            self._disk_pool.shutdown(wait=False, cancel_futures=True)
         if self.flusher is not None:
             self.flusher.stop()
         if self.metrics is not None:

@@ -27,6 +27,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from .. import faults
 from .slots import SlotState
 from .store import prepare_slot_file
 
@@ -93,6 +94,7 @@ class SlotPreparer:
         def work():
             try:
                 prepare_slot_file(path, size)
+                faults.point("slot.allocated")
                 self.done.put(("slot", sid, None))
             except Exception as exc:
                 self.done.put(("slot", sid, exc))
@@ -171,6 +173,7 @@ class SlotPreparer:
             exc = None
             try:
                 prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+                faults.point("slot.allocated")
             except Exception as e:
                 exc = e
             with self._cv:

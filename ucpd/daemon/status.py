@@ -46,6 +46,9 @@ def collect(daemon) -> dict:
             "last_seconds": round(p.last_seconds, 3),
             "flushed_count": p.flushed_count,
             "last_error": p.last_error,
+            "state": (fstate := daemon.flusher.state())[0],
+            "seconds_without_progress": round(fstate[1], 1),
+            "errors": p.errors,
             "yielded_s": round(p.yielded_s, 3),  # stepped aside for snapshot copies
         }
     jobs = []
@@ -66,6 +69,7 @@ def collect(daemon) -> dict:
         next(iter(store.tables.values())) if len(store.tables) == 1 else None
     )
     latest = only.latest_committed() if only is not None else None
+    team = daemon.team.status() if daemon.team is not None else None
     return {
         "pid": os.getpid(),
         "uptime_s": round(time.time() - daemon.started, 1),
@@ -89,10 +93,35 @@ def collect(daemon) -> dict:
         "flush": flush,
         "redundancy": {"level": "L0 (this node's RAM)", "healthy": True}
         if daemon.team is None
-        else {"level": (t := daemon.team.status())["level"], "healthy": t["health"] == "healthy"},
-        "team": t if daemon.team is not None else None,
+        else {"level": team["level"], "healthy": team["health"] == "healthy"},
+        "team": team,
+        "degraded": degraded(daemon, flush, team),
         "counters": vars(store.counters).copy(),
     }
+
+
+def degraded(daemon, flush: dict | None, team: dict | None) -> list[str]:
+    """What works less well than configured, one line each ([]: nothing): a flush that is
+    stalled or failing (snapshots go on in RAM), a flush dir that does not answer, dead peers
+    and versions with fewer copies than ``--replicas``."""
+    out = []
+    if flush is not None and flush["state"] == "stalled":
+        out.append(f"flush stalled: step {flush['current_step']} has written nothing for "
+                   f"{flush['seconds_without_progress']:.0f} s (flush dir hung or very slow; snapshots go on in RAM)")
+    if flush is not None and flush["state"] == "failing":
+        out.append(f"flush failing: {flush['last_error']} (snapshots go on in RAM)")
+    slow = getattr(daemon, "disk_unresponsive", None)
+    if slow:
+        out.append(f"flush dir unresponsive: a lookup in {daemon.config.flush_dir} did not return ({slow}); "
+                   "latest/restore answer from RAM")
+    if team is not None:
+        dead = [n["node"] for n in team["nodes"] if not n["live"]]
+        if dead:
+            out.append(f"team: nodes {dead} not answering (dead or stuck)")
+        few = [v["step"] for v in team["versions"] if v["health"] == "degraded"]
+        if few:
+            out.append(f"team: steps {few} have fewer copies than --replicas")
+    return out
 
 
 def _size(n: int | None) -> str:
@@ -117,6 +146,8 @@ def render(status: dict, console) -> None:
     if len(status.get("jobs", ())) <= 1:
         head.add_row("latest committed", str(status["latest_committed"]))
     head.add_row("redundancy", f"{status['redundancy']['level']}, {'healthy' if status['redundancy']['healthy'] else 'DEGRADED'}")
+    for line in status.get("degraded") or ():
+        head.add_row("DEGRADED", line)
     if status.get("metrics_port") is not None:
         head.add_row("metrics", f"http://127.0.0.1:{status['metrics_port']}/metrics")
     c = status["counters"]

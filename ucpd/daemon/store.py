@@ -16,6 +16,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from .. import faults
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
@@ -321,7 +322,9 @@ class NodeStore:
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
             if slot.state is SlotState.WRITING and slot.job == v.job and slot.step is not None and slot.step < v.step:
                 self.slots.release(slot.id)
+        faults.point("commit.local", v.step)  # test-only crash points (ucpd.faults; inert in production)
         self.save_index()
+        faults.point("commit.indexed", v.step)
         self.enforce_keep()  # before the listeners: a flush they start must not evict a neighbour
         for listener in self.commit_listeners:
             listener(v)

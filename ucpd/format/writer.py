@@ -33,6 +33,7 @@ from typing import Any, Union
 
 import numpy as np
 
+from .. import faults
 from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError
 from . import spec
@@ -100,6 +101,7 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 
 def _write_all(fd: int, data: Any, offset: int) -> None:
+    faults.fail("flush.enospc")  # test-only: a full file system (ucpd.faults; inert in production)
     mv = memoryview(data).cast("B")
     while mv.nbytes:
         n = os.pwrite(fd, mv, offset)
@@ -550,12 +552,14 @@ def write_version(
             fsync_dir(tmp)
         if final.exists():
             raise FormatError(f"{final} appeared while writing; another writer owns this step")
+        faults.point("flush.meta", step)  # test-only crash points (ucpd.faults; inert in production)
         os.rename(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if fsync:
         fsync_dir(root)
+    faults.point("flush.renamed", step)
     if update_latest:
         _maybe_update_latest(root, step, fsync)
     return final
@@ -814,9 +818,23 @@ def retain(root: str | os.PathLike, keep: int, protect: Iterable[int] = ()) -> l
         if v.state == "complete" and v.step not in keep_steps or v.state == "torn" and newest is not None and v.step < newest and v.step not in keep_steps:
             _remove_dir(root, v.path, v.step)
             removed.append(v.path)
+    return removed + clean_temp(root)
+
+
+def clean_temp(root: str | os.PathLike) -> list[Path]:
+    """Remove the temporary (``.tmp``) and half-deleted (``.del``) folders under ``root`` whose
+    writer process is gone (a writer killed mid-version). Returns the paths removed."""
+    removed: list[Path] = []
+    if not os.path.isdir(root):
+        return removed
     for entry in os.scandir(root):
         m = spec.TMP_RE.match(entry.name) or spec.DEL_RE.match(entry.name)
         if m and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(m.group(2))):
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(Path(entry.path))
     return removed
+
+
+def point_latest(root: str | os.PathLike, step: int, fsync: bool = True) -> None:
+    """Make ``LATEST`` name ``step`` unless it already names a newer complete version."""
+    _maybe_update_latest(Path(root), step, fsync)

@@ -98,7 +98,11 @@ class ParityGroup:
                     continue
                 team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
 
+            half = s.units(size) // 2
+
             def send(u):
+                if u == half:
+                    faults.point("parity.encode", step)  # test-only (ucpd.faults; inert in production)
                 row, pos = s.row_of(team.rank, u)
                 payload = blob_segments(u * s.unit, min((u + 1) * s.unit, size), spans)
                 ok = True

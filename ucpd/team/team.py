@@ -362,6 +362,7 @@ class Team:
                 self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
 
     def _heal_push(self, holder: int, step: int, push, holders: set) -> None:
+        faults.point("heal.push", step)
         self.healing["pending"] += 1
         try:
             if push():
@@ -422,6 +423,7 @@ class Team:
         if msg_type == "replica_data":
             return self._receivers.submit(self._replica_write, b, frames)
         if msg_type == "replica_end":
+            faults.point("replica.received", b["step"])
             return self._receivers.submit(self._replica_finish, b)
         if msg_type.startswith("parity_") or msg_type == "blob_unit":
             if self.parity is None:
@@ -761,6 +763,7 @@ class Team:
         got = self.restore_sources(version.step)  # pins on the peers what is read from them
         try:
             faults.stall("flush.fetch", version.step)
+            faults.point("flush.fetch.kill", version.step)
             remote = {r: w for r, w in got.where.items() if w[0] == "peer"}
             sizes = {r: used_bytes(got.parts[r]) for r in remote}
             bases, total = {}, 0

@@ -1,0 +1,32 @@
+"""A short randomized fault campaign (seeded, bounded in time): many kill points in one run.
+
+The long one is ``benchmarks/reliability/campaign.py --seed S --minutes M``; this one draws
+one-node points for about 45 s. A failure prints the seed and the trial to replay it with
+``tests/faults/test_kill_points.py`` or the campaign script.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+SEED = 20261123
+
+
+def _campaign_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "benchmarks", "reliability", "campaign.py")
+    spec = importlib.util.spec_from_file_location("ucpd_campaign", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_a_short_seeded_campaign_survives_every_crash_it_injects():
+    mod = _campaign_module()
+    trials = mod.campaign(SEED, 45.0, team=False, log=lambda s: None)
+    text, per = mod.table(trials)
+    print(text)
+    assert sum(t.fired for t in trials) >= 5, text
+    failed = [(t.point, t.step, t.error) for t in trials if t.fired and not t.survived]
+    assert not failed, f"seed {SEED}: {failed}\n{text}"
