@@ -182,7 +182,7 @@ def test_a_stopped_peer_never_blocks_snapshots_or_restores_and_the_team_degrades
         st1 = nodes[1].status()
         print(f"stopped peer: snapshot waits {[round(w, 2) for w in waits]} s, restore {took:.2f} s, "
               f"node 2 declared dead after <= {time.monotonic() - t_stop:.1f} s")
-        assert max(waits) < 15.0 and took < BOUND, (waits, took)  # bound: one peer request timeout (10 s) + dead-after
+        assert max(waits) < BOUND and took < BOUND, (waits, took)  # bound: dead-after (a request to a dead peer fails then)
         assert sum(waits[1:]) / len(waits[1:]) < BOUND
         assert any("not answering" in line for line in st["degraded"]), st["degraded"]
         assert st["redundancy"]["healthy"] is False

@@ -164,6 +164,8 @@ class Team:
         self._expire_leases(now)
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
+            for peer in set(range(self.config.nodes)) - set(view.live):
+                self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
             for peer in view.rejoined:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
             if view.rejoined:  # a new incarnation holds none of the copies its predecessor held

@@ -349,6 +349,20 @@ class PeerTransport:
         finally:
             self._pending.pop(req_id, None)
 
+    def fail_pending(self, dest: int, reason: str) -> int:
+        """Answer every request waiting on ``dest`` with DaemonUnreachable now (the team declared
+        it dead: waiting for the request timeout would only stall the caller). Thread-safe;
+        returns how many were waiting."""
+        failed = 0
+        for to, future in list(self._pending.values()):
+            if to == dest and not future.done():
+                try:
+                    future.set_exception(DaemonUnreachable(f"node {dest} {reason} before it answered"))
+                    failed += 1
+                except Exception:  # answered meanwhile
+                    pass
+        return failed
+
     def _check_type(self, msg_type: str) -> None:
         if not isinstance(msg_type, str) or not msg_type or msg_type.startswith("_"):
             raise ValueError(f"message type must be a non-empty string not starting with '_', got {msg_type!r}")
