@@ -202,8 +202,9 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "restore",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
-            {"step": _int(), "job": job_name},
-            "plan the copies that fill these targets; reply: {lease, step, where, sources, tensors, objects by rank}",
+            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str},
+            "plan the copies that fill these targets; reply: {lease, step, where, sources, tensors, objects by rank}; "
+            "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died",
         ),
         MessageType(
             "describe",

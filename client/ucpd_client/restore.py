@@ -9,6 +9,8 @@ daemon's RAM to the trainer's memory, with no staging in between for CPU targets
 
 from __future__ import annotations
 
+import os
+
 import pickle
 from typing import Any, Mapping
 
@@ -222,6 +224,14 @@ def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements:
     return step
 
 
+def process_id() -> dict:
+    """This process as the daemon can check it is alive: its pid, in its pid namespace."""
+    try:
+        return {"pid": os.getpid(), "pidns": os.readlink("/proc/self/ns/pid")}
+    except OSError:
+        return {}
+
+
 def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
     global elements its placement names. Returns (step, the version's plain values)."""
@@ -230,7 +240,7 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
         for e in entries
     ]
     conn = ckpt._conn()
-    body = {"rank": ckpt.rank, "world_size": ckpt.world_size, "targets": targets}
+    body = {"rank": ckpt.rank, "world_size": ckpt.world_size, "targets": targets, **process_id()}
     if step is not None:
         body["step"] = step
     plan = conn.call("restore", **body)

@@ -19,6 +19,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import psutil
 import zmq
 
 from .. import faults, knobs, native, protocol
@@ -35,6 +36,16 @@ SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its 
 
 LOCK_NAME = "ucpd.lock"
 LEASE_SECONDS = 600.0
+
+
+def _pid_namespace() -> str | None:
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
+_PIDNS = _pid_namespace()
 DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
 
 
@@ -151,6 +162,7 @@ class Daemon:
         self._waits: list[_Parked] = []
         self._leases: dict[int, tuple[object, float]] = {}
         self._next_lease = 1
+        self._readers_checked = 0.0
         self._clients: dict[int, float] = {}  # pid -> last seen
         self._last_activity = time.monotonic()
         self.started = time.time()
@@ -501,7 +513,9 @@ class Daemon:
         else:  # reading flushed files: retention must leave this step alone meanwhile
             pin = (_job(body), chosen)
             self.store.disk_readers[pin] = self.store.disk_readers.get(pin, 0) + 1
-        self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS)
+        # a reader in our pid namespace is watched: if it dies mid-read, its lease ends then
+        reader = body.get("pid") if body.get("pidns") and body.get("pidns") == _PIDNS else None
+        self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS, reader)
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
@@ -538,7 +552,7 @@ class Daemon:
         return {}
 
     def _end_lease(self, lease: int) -> None:
-        pin, _ = self._leases.pop(lease, (None, 0.0))
+        pin, _, _ = self._leases.pop(lease, (None, 0.0, None))
         if hasattr(pin, "release"):
             pin.release()
         elif isinstance(pin, tuple):
@@ -640,8 +654,14 @@ class Daemon:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        for lease, (_, deadline) in list(self._leases.items()):
-            if now > deadline:
+        check_readers = now >= self._readers_checked + 1.0
+        if check_readers:
+            self._readers_checked = now
+        for lease, (_, deadline, reader) in list(self._leases.items()):
+            dead = check_readers and reader is not None and not psutil.pid_exists(reader)
+            if now > deadline or dead:
+                if dead:
+                    log.info("lease %d: its reader (pid %d) died mid-restore; the version is unpinned", lease, reader)
                 with self.store.lock:
                     self._end_lease(lease)
         idle = self.config.idle_exit
