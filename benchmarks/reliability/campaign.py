@@ -31,7 +31,10 @@ def draw(rng: random.Random, points: list[str]) -> tuple[str, int]:
     return point, rng.randint(1, 3)
 
 
-def campaign(seed: int, seconds: float, team: bool = True, log=print, points: list[str] | None = None) -> list:
+def campaign(seed: int, seconds: float, team: bool = True, log=print, points: list[str] | None = None,
+             min_fired: int = 0) -> list:
+    """Trials at points drawn from ``seed`` for ``seconds``, and on until ``min_fired`` crashes
+    were injected (a busy machine runs fewer trials in the same time)."""
     from helpers import faultkit
     from ucpd import faults
 
@@ -42,7 +45,7 @@ def campaign(seed: int, seconds: float, team: bool = True, log=print, points: li
     end = time.monotonic() + seconds
     try:
         i = 0
-        while time.monotonic() < end:
+        while time.monotonic() < end or sum(t.fired for t in trials) < min_fired:
             point, step = draw(rng, pool)
             work = os.path.join(base, f"t{i:04d}")
             t = faultkit.trial(point, step, work, f"/dev/shm/ucpd-campaign-{os.getpid()}-{i}", seed=seed)
