@@ -321,6 +321,12 @@ class MapTimer:
         return v
 
 
+def proc_cpu() -> float:
+    """user + system CPU seconds of this process, every thread."""
+    t = os.times()
+    return t.user + t.system
+
+
 def cpu_seconds(pid: int) -> float:
     """user + system CPU seconds of a process so far."""
     with open(f"/proc/{pid}/stat") as f:
@@ -555,7 +561,7 @@ def train_scene(args) -> dict:
         pending["ucpd"] = pending["dcp"] = None
 
     methods = ["none", "ucpd", "dcp", "torch.save"]
-    rec: dict[str, dict[str, list]] = {m: {"step": [], "call": [], "train": [], "blocked": []} for m in methods}
+    rec: dict[str, dict[str, list]] = {m: {"step": [], "call": [], "train": [], "blocked": [], "cpu": []} for m in methods}
     handles = []  # (ucpd) the worker's split of each counted snapshot
     try:
         # warm-up: the first steps of the model, the daemon's slots (keep + 1 snapshots), DCP's
@@ -573,12 +579,19 @@ def train_scene(args) -> dict:
             for m in order:
                 for i in range(args.train_steps + 1):
                     blocked[0] = 0.0
+                    c0 = proc_cpu() + cpu_seconds(daemon.proc.pid)
                     t0 = time.perf_counter()
                     tr.train_step(before_update=before_update(m))
                     t1 = time.perf_counter()
                     call = checkpoint(m)
                     t2 = time.perf_counter()
-                    if i:  # the first step of a block overlaps no earlier checkpoint
+                    # CPU seconds of this process (the trainer, the snapshot worker's copy threads,
+                    # DCP's threads) and of the daemon during the step: far less sensitive to the
+                    # other jobs on the machine than wall time; the cost of work that finishes
+                    # after the step lands in the next step's figure
+                    cpu = proc_cpu() + cpu_seconds(daemon.proc.pid) - c0
+                    if i:
+                        rec[m]["cpu"].append(cpu)  # the first step of a block overlaps no earlier checkpoint
                         rec[m]["step"].append(t2 - t0)
                         rec[m]["train"].append(t1 - t0)
                         rec[m]["call"].append(call)
@@ -613,7 +626,8 @@ def train_scene(args) -> dict:
            "ucpd_split": {k: median([x[k] for x in splits]) for k in ("begin", "copy", "commit_rpc")} if splits else None}
     for m in methods:
         out[m] = {"step": median(rec[m]["step"]), "train": median(rec[m]["train"]), "call": median(rec[m]["call"]),
-                  "blocked": median(rec[m]["blocked"]), "paired_pct": (median(per_round[m]) - 1) * 100,
+                  "blocked": median(rec[m]["blocked"]), "cpu": median(rec[m]["cpu"]),
+                  "cpu_pct": (median(rec[m]["cpu"]) / median(rec["none"]["cpu"]) - 1) * 100, "paired_pct": (median(per_round[m]) - 1) * 100,
                   "paired_rounds": per_round[m], "slowdown_pct": (median(rec[m]["step"]) / base - 1) * 100, "n": len(rec[m]["step"])}
     return out
 
@@ -689,10 +703,11 @@ def print_run(i: int, run: dict, st_bytes: int) -> None:
         print(f"\n(c) example GPT, {c['params'] / 1e6:.1f} M params, state {c['state_bytes'] / MiB:.0f} MiB, {c['tensors']} tensors, "
               f"{c['torch_threads']} torch threads")
         print(table(["method", "step (median)", "slowdown (medians)", "slowdown (median of per-round pairs)", "train part",
-                     "of it: waiting for staging", "checkpoint call", "n"],
+                     "of it: waiting for staging", "checkpoint call", "CPU s/step (+ vs none)", "n"],
                     [[m, fmt_seconds(c[m]["step"]), f"{c[m]['slowdown_pct']:+.1f}%", f"{c[m].get('paired_pct', float('nan')):+.1f}%",
                       fmt_seconds(c[m]["train"]),
-                      fmt_seconds(c[m]["blocked"]), fmt_seconds(c[m]["call"]), str(c[m]["n"])] for m in ("none", "ucpd", "dcp", "torch.save")]))
+                      fmt_seconds(c[m]["blocked"]), fmt_seconds(c[m]["call"]),
+                      f"{c[m]['cpu']:.2f} ({c[m]['cpu_pct']:+.1f}%)" if "cpu" in c[m] else "-", str(c[m]["n"])] for m in ("none", "ucpd", "dcp", "torch.save")]))
         if c.get("ucpd_split"):
             print("ucpd snapshots during training, worker split (median): " + ", ".join(f"{k} {fmt_seconds(v)}" for k, v in c["ucpd_split"].items())
                   + f"; daemon CPU {fmt_seconds(c['daemon_cpu'])} per snapshot")
@@ -719,6 +734,10 @@ def print_spread(runs: list[dict]) -> None:
         if xs:
             s = stats(xs)
             rows.append([f"(c) step slowdown, {m}", f"{s['min']:+.1f}%", f"{s['median']:+.1f}%", f"{s['max']:+.1f}%"])
+        xs = [r["train"][m]["cpu_pct"] for r in runs if r.get("train") and "cpu_pct" in r["train"][m]]
+        if xs:
+            s = stats(xs)
+            rows.append([f"(c) CPU per step (trainer + daemon), {m}", f"{s['min']:+.1f}%", f"{s['median']:+.1f}%", f"{s['max']:+.1f}%"])
     print(table(["what", "min", "median", "max"], rows))
 
 
