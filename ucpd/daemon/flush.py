@@ -25,7 +25,7 @@ from .. import faults, native
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch
 from ..format import TensorSource, open_version, retain, write_version
-from ..format.writer import clean_temp, point_latest
+from ..format.root import clean_temp, point_latest
 from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
 from ..ucl.execute import execute
 from .flush_interval import FlushInterval
