@@ -168,25 +168,29 @@ class VersionReader:
             return np.empty(0, np.uint8)
         return np.frombuffer(self._map(t), dtype=np.uint8, count=t.nbytes, offset=t.data_offset)
 
+    def checked_source(self, name: str):
+        """Tensor ``name``'s bytes with their chunk CRCs (``ucpd.checked.CheckedSource``), named
+        in errors by file and tensor."""
+        from ..checked import CheckedSource
+
+        t = self.info(name)
+        return CheckedSource(
+            self.array(name).reshape(-1), t.crcs, self.meta.chunk_bytes, f"{self.path / t.file}: tensor {name!r}",
+            recorded="ucp.json", remedy="the file is corrupt: restore it from another copy or use an older step",
+            file_offset=t.data_offset,
+        )
+
     def bad_chunks(
         self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None
     ) -> list[tuple[int, int, int, int, int]]:
         """``(chunk, begin, end, crc_found, crc_recorded)`` of every corrupt chunk that overlaps
         ``byte_ranges`` (byte offsets inside the tensor; None = the whole tensor)."""
-        t = self.info(name)
-        C = self.meta.chunk_bytes
-        runs = _chunk_runs(t.nbytes, C, byte_ranges)
-        bad = []
-        m = self._map(t)
-        with memoryview(m) as mv:
-            for i0, i1 in runs:
-                b, e = i0 * C, min(i1 * C, t.nbytes)
-                got = chunk_crcs(mv[t.data_offset + b : t.data_offset + e], C)
-                for k, crc in enumerate(got):
-                    i = i0 + k
-                    if crc != t.crcs[i]:
-                        bad.append((i, i * C, min((i + 1) * C, t.nbytes), crc, t.crcs[i]))
-        return bad
+        from .. import checked
+
+        src = self.checked_source(name)
+        chunks = None if byte_ranges is None else checked.touched_chunks(byte_ranges, src.chunk, src.nbytes)
+        C = src.chunk
+        return [(i, i * C, min((i + 1) * C, src.nbytes), got, src.crcs[i]) for i, got in checked.bad_chunks(src, chunks)]
 
     def verify(self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None) -> None:
         """Check the CRC32C of every chunk of ``name`` overlapping ``byte_ranges`` (``[(begin,
@@ -197,15 +201,10 @@ class VersionReader:
             raise self.checksum_error(name, bad)
 
     def checksum_error(self, name: str, bad: Sequence[tuple[int, int, int, int, int]]) -> ChecksumMismatch:
-        """The error for ``bad`` chunks of ``name`` (as ``bad_chunks`` lists them)."""
-        t = self.tensors[name]
-        i, b, e, got, want = bad[0]
-        more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
-        return ChecksumMismatch(
-            f"{self.path / t.file}: tensor {name!r} chunk {i} (tensor bytes [{b}, {e}), file bytes "
-            f"[{t.data_offset + b}, {t.data_offset + e})) has crc32c {got:#010x}, ucp.json records "
-            f"{want:#010x}{more}; the file is corrupt: restore it from another copy or use an older step"
-        )
+        """The error for ``bad`` chunks of ``name`` (as ``bad_chunks`` lists them): ``ucpd.checked.damaged``."""
+        from ..checked import damaged
+
+        return damaged(self.checked_source(name), [(i, got) for i, _b, _e, got, _want in bad])
 
     # -- non-tensor state -------------------------------------------------------------------
 
@@ -259,23 +258,3 @@ class VersionReader:
         from .local import read_local
 
         return read_local(self, name, placement, local_shape, out)
-
-
-def _chunk_runs(nbytes: int, C: int, byte_ranges: Iterable[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """Half-open runs ``[i0, i1)`` of chunk indices covering ``byte_ranges`` (merged)."""
-    n = spec.n_chunks(nbytes, C)
-    if byte_ranges is None:
-        return [(0, n)] if n else []
-    idx: list[tuple[int, int]] = []
-    for b, e in byte_ranges:
-        b, e = max(0, int(b)), min(nbytes, int(e))
-        if b < e:
-            idx.append((b // C, (e - 1) // C + 1))
-    idx.sort()
-    runs: list[tuple[int, int]] = []
-    for i0, i1 in idx:
-        if runs and i0 <= runs[-1][1]:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], i1))
-        else:
-            runs.append((i0, i1))
-    return runs

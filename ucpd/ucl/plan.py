@@ -255,12 +255,14 @@ def _merge_fills(fills: list[Fill]) -> list[Fill]:
 
 
 def plan_consolidate(
-    name: str, global_shape: Sequence[int], sources: Sequence[SourcePiece]
+    name: str, global_shape: Sequence[int], sources: Sequence[SourcePiece], rows: tuple[int, int] | None = None
 ) -> CopyPlan:
     """Plan the whole global tensor ``name`` (C-contiguous in the destination) from the pieces
-    that sources hold. Raises PlacementMismatch as :func:`plan_restore` does."""
+    that sources hold; ``rows=(r0, r1)``: only rows ``[r0, r1)`` of dim 0 (the destination holds
+    just those rows, C order). Raises PlacementMismatch as :func:`plan_restore` does."""
     gs = tuple(global_shape)
-    frag = Fragment(name, gs, (Piece(contiguous_view(gs), full_box(gs)),) if prod(gs) else ())
+    box = full_box(gs) if rows is None else GBox((rows[0],) + (0,) * (len(gs) - 1), (rows[1] - rows[0],) + gs[1:])
+    frag = Fragment(name, gs, (Piece(contiguous_view(box.lengths), box),) if prod(box.lengths) else ())
     return plan_restore([frag], {name: sources})
 
 
