@@ -281,7 +281,7 @@ def global_shape_of(name: str, pieces: Sequence[SourcePiece]) -> tuple[int, ...]
             a is not None and b is not None and a != b for a, b in zip(s.global_shape, shape)
         ):
             raise PlacementMismatch(
-                f"tensor {name!r}: sources disagree on the global shape: {tuple(first.global_shape or ())} "
+                f"global tensor {name!r}: sources disagree on the global shape: {tuple(first.global_shape or ())} "
                 f"({first.key!r}) vs {tuple(s.global_shape)} ({s.key!r})"
             )
         shape = [a if a is not None else b for a, b in zip(shape, s.global_shape)]
