@@ -29,6 +29,7 @@ from typing import Protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import PlacementMismatch, ProtocolError
 from ..native import CHUNK_BYTES
+from ..protocol import tensor_entry
 from ..ucl import Fragment, placement_from_dict, resolve
 from ..ucl.plan import SourcePiece, global_shape_of
 
@@ -125,24 +126,18 @@ class TensorEntry:
         return self.pkey
 
     @classmethod
-    def from_wire(cls, raw: dict) -> "TensorEntry":
-        """An entry as ``to_wire`` wrote it (already validated by the protocol schema)."""
+    def from_wire(cls, raw: dict, pkey: str = "", frags: tuple | None = None) -> "TensorEntry":
+        """An entry from its wire record (``protocol.TENSOR_ENTRY``, already validated by the
+        schema): a commit's manifest, the index, a peer's part."""
         return cls(
             raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
-            tuple(raw["crcs"]), bool(raw.get("skipped")),
+            tuple(raw["crcs"]), bool(raw.get("skipped")), pkey, frags,
         )
 
     def to_wire(self) -> dict:
-        return {
-            "skipped": self.skipped,
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "placement": self.placement,
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-            "crcs": list(self.crcs),
-        }
+        return tensor_entry(
+            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped
+        )
 
 
 @dataclass
@@ -426,7 +421,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
         key = placement_key(raw["placement"])
         frags = fragments_of(name, key, tuple(raw["shape"]))
-        return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True, key, frags)
+        return TensorEntry.from_wire({**raw, "offset": 0}, key, frags)
     if numel * dt.itemsize != raw["nbytes"]:
         raise ProtocolError(
             f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
@@ -442,7 +437,4 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
         raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
     key = placement_key(raw["placement"])
     frags = fragments_of(name, key, tuple(raw["shape"]))  # shape must agree with the placement
-    return TensorEntry(
-        name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]),
-        False, key, frags,
-    )
+    return TensorEntry.from_wire(raw, key, frags)
