@@ -43,7 +43,9 @@ def _view(raw) -> View:
 
 def _source(s: dict, array: np.ndarray) -> CheckedSource:
     """A plan's source table row over its mapped bytes."""
-    return CheckedSource(array, s["crcs"], s["chunk"], f"restore source {s['path']} (bytes from {s['offset']}):")
+    return CheckedSource(
+        array, s["crcs"], s["chunk"], f"restore source {s['path']} (bytes from {s['offset']}):", recorded="the restore plan"
+    )
 
 
 def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, int | None] | None = None) -> dict[str, Any]:
