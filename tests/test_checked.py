@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 from ucpd import native
-from ucpd.checked import CheckedCopier, CheckedSource, touched_chunks, verify
+from ucpd.checked import CheckedCopier, CheckedSource, touched_chunks, verify, view_byte_ranges, view_chunks
 from ucpd.errors import ChecksumMismatch
-from ucpd.ucl import Shard, plan_consolidate, plan_restore, resolve, source_pieces
+from ucpd.ucl import Shard, View, plan_consolidate, plan_restore, resolve, source_pieces
 
 CHUNK = 256
 
@@ -21,7 +21,7 @@ def source(arr: np.ndarray, damage: int | None = None) -> CheckedSource:
 def run(plan, sources, dst):
     cp = CheckedCopier(sources)
     for c in plan.copies:
-        cp.add(c, dst)
+        cp.add_array(c, dst)
     cp.run()
 
 
@@ -79,3 +79,12 @@ def test_verify_and_touched_chunks():
     verify(src, [0, 1, 3])
     with pytest.raises(ChecksumMismatch, match="chunk 2 "):
         verify(src)
+
+
+@pytest.mark.parametrize("view", [View(0, (4, 3), (512, 1)), View(7, (3, 2, 5), (2000, 600, 1)), View(0, (64, 4), (64, 1)), View(0, (0, 2), (2, 1))])
+def test_view_chunks_covers_every_run(view):
+    exact = set(touched_chunks(view_byte_ranges(view, 4), CHUNK, 1 << 30))
+    got = view_chunks(view, 4, CHUNK)
+    assert exact <= got
+    if view.shape[0] == 4:  # runs far apart: the exact chunks only
+        assert got == exact == {0, 8, 16, 24}

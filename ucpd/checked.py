@@ -30,7 +30,6 @@ Threads: a copier is used by one thread; the native calls release the GIL.
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from math import prod
 from typing import Any
 
@@ -42,12 +41,11 @@ from .ucl.execute import execute
 from .ucl.geometry import View
 from .ucl.plan import Copy, CopyPlan
 
-__all__ = ["CheckedCopier", "CheckedSource", "bad_chunks", "byte_span", "damaged", "touched_chunks", "verify", "view_byte_ranges"]
+__all__ = ["CheckedCopier", "CheckedSource", "bad_chunks", "byte_span", "damaged", "touched_chunks", "verify", "view_byte_ranges", "view_chunks"]
 
 MAX_RUNS = 4096  # above this many runs per window, its whole span counts as touched
 
 
-@dataclass(frozen=True, eq=False)
 class CheckedSource:
     """One tensor's bytes and their chunk CRCs, and how an error names it.
 
@@ -57,17 +55,16 @@ class CheckedSource:
     ``file_offset``: where the tensor's bytes start in its file, shown in the error if given.
     """
 
-    array: np.ndarray
-    crcs: Sequence[int]
-    chunk: int
-    where: str
-    recorded: str = "the snapshot"
-    remedy: str = "the copy is damaged: restore another step, or from the flush directory"
-    file_offset: int | None = None
+    __slots__ = ("array", "crcs", "chunk", "where", "recorded", "remedy", "file_offset", "nbytes")
 
-    @property
-    def nbytes(self) -> int:
-        return self.array.nbytes
+    def __init__(
+        self, array: np.ndarray, crcs: Sequence[int], chunk: int, where: str, recorded: str = "the snapshot",
+        remedy: str = "the copy is damaged: restore another step, or from the flush directory",
+        file_offset: int | None = None,
+    ):
+        self.array, self.crcs, self.chunk, self.where = array, crcs, chunk, where
+        self.recorded, self.remedy, self.file_offset = recorded, remedy, file_offset
+        self.nbytes = array.nbytes
 
     @property
     def bytes(self) -> np.ndarray:
@@ -117,6 +114,37 @@ def view_byte_ranges(view: Any, itemsize: int, max_runs: int = MAX_RUNS) -> list
     return [(int(b) * itemsize, (int(b) + run) * itemsize) for b in starts]
 
 
+def view_chunks(view: Any, itemsize: int, chunk: int, max_runs: int = MAX_RUNS) -> set[int]:
+    """The chunk numbers a strided element window's runs touch (as :func:`view_byte_ranges`,
+    computed on arrays: a column shard of a large matrix has thousands of runs). Where the
+    window has at least as many runs as its span has chunks, or too many runs, every chunk of
+    the span (a superset; the runs are not worked out)."""
+    offset, shape, strides = view.offset, tuple(view.shape), tuple(view.strides)
+    if prod(shape) == 0:
+        return set()
+    dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims[-1][0]
+        dims.pop()
+    count = prod(s for s, _ in dims) if dims else 1
+    b, e = byte_span(view, itemsize)
+    first, last = b // chunk, (e - 1) // chunk
+    if count > max_runs or last - first + 1 <= count or any(st < 0 for _, st in dims):
+        return set(range(first, last + 1))  # at least a run per chunk of the span: it touches them all
+    starts = np.zeros(1, dtype=np.int64) + offset
+    for s, st in dims:
+        starts = (starts[:, None] + np.arange(s, dtype=np.int64)[None, :] * st).reshape(-1)
+    lo = starts * itemsize // chunk
+    hi = ((starts + run) * itemsize - 1) // chunk
+    if int((hi - lo).max()) <= 1:
+        return set(np.unique(np.concatenate([lo, hi])).tolist())
+    out: set[int] = set()
+    for a, b in zip(lo.tolist(), hi.tolist()):
+        out.update(range(a, b + 1))
+    return out
+
+
 def touched_chunks(byte_ranges: Iterable[tuple[int, int]], chunk: int, nbytes: int) -> list[int]:
     """The sorted chunk numbers that ``[(begin, end)]`` byte ranges overlap (clipped to ``nbytes``)."""
     out: set[int] = set()
@@ -164,8 +192,8 @@ class CheckedCopier:
     """Runs copies from checksummed sources into flat destination arrays (see the module).
 
     ``sources`` maps each ``Copy.src_key`` to its :class:`CheckedSource`. ``add`` each copy with
-    its destination (a 1-D C-contiguous writable array of the same item size; ``dst_ptr`` its
-    address, if the caller has it), then ``run`` once. Every window is bounds-checked in ``add``
+    its destination's address, size and item size (or ``add_array`` into a numpy array), then
+    ``run`` once. Every window is bounds-checked in ``add``
     (the fast paths take raw pointers).
     """
 
@@ -187,32 +215,38 @@ class CheckedCopier:
             base = self._base[key] = _ptr(self.sources[key].array)
         return base
 
-    def add(self, c: Copy, dst: np.ndarray, dst_ptr: int | None = None) -> None:
+    def add_array(self, c: Copy, dst: np.ndarray) -> None:
+        """``add`` into a 1-D C-contiguous writable numpy array."""
+        self.add(c, _ptr(dst), dst.nbytes, dst.itemsize, dst)
+
+    def add(self, c: Copy, dst_ptr: int, dst_nbytes: int, itemsize: int, dst_view: Any) -> None:
+        """``dst_view``: the destination as a 1-D array of ``itemsize``-byte items, or a callable
+        that makes one (called only for a strided copy: the contiguous paths need only the
+        address)."""
         if c.src_view.numel == 0:
             return
         src = self.sources[c.src_key]
-        itemsize = dst.itemsize
         lo, hi = byte_span(c.src_view, itemsize)
         dlo, dhi = byte_span(c.dst_view, itemsize)
-        if lo < 0 or hi > src.nbytes or dlo < 0 or dhi > dst.nbytes or min(c.src_view.strides + c.dst_view.strides, default=0) < 0:
+        if lo < 0 or hi > src.nbytes or dlo < 0 or dhi > dst_nbytes or min(c.src_view.strides + c.dst_view.strides, default=0) < 0:
             raise PlacementMismatch(
                 f"copy plan window outside its buffer (source bytes {lo}..{hi} of {src.nbytes}, "
-                f"target bytes {dlo}..{dhi} of {dst.nbytes}); the planner and the buffers disagree"
+                f"target bytes {dlo}..{dhi} of {dst_nbytes}); the planner and the buffers disagree"
             )
         chunk = src.chunk
         if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
-            d = (_ptr(dst) if dst_ptr is None else dst_ptr) + c.dst_view.offset * itemsize
+            d = dst_ptr + c.dst_view.offset * itemsize
             self.scatter.append((c.src_key, d, c.dst_view.strides, self._src_base(c.src_key) + lo, c.dst_view.shape, itemsize, lo))
             for a, b in ((lo, min(hi, -(-lo // chunk) * chunk)), (max(lo, hi // chunk * chunk), hi)):
                 if a < b and (a % chunk or b % chunk):  # scatter_crc checksums whole chunks only
                     self.apart.setdefault(c.src_key, []).append((a, b))
             return
         if not (c.src_view.is_contiguous and c.dst_view.is_contiguous):
-            self.strided.setdefault(c.src_key, []).append((dst, c))
+            self.strided.setdefault(c.src_key, []).append((dst_view if isinstance(dst_view, np.ndarray) else dst_view(), c))
             return
         body_lo = -(-lo // chunk) * chunk
         body_hi = hi if hi == src.nbytes else hi // chunk * chunk
-        d = (_ptr(dst) if dst_ptr is None else dst_ptr) + c.dst_view.offset * itemsize - lo  # + a source byte offset
+        d = dst_ptr + c.dst_view.offset * itemsize - lo  # + a source byte offset
         base = self._src_base(c.src_key)
         if body_hi <= body_lo or (body_lo - lo) % itemsize or (hi - body_hi) % itemsize:
             self._plain(c.src_key, chunk, d, base, lo, hi)
@@ -257,8 +291,10 @@ class CheckedCopier:
         for key, work in self.strided.items():
             src = self.sources[key]
             isz = src.array.itemsize
-            ranges = [r for _, c in work for r in view_byte_ranges(c.src_view, isz)]
-            verify(src, touched_chunks(ranges, src.chunk, src.nbytes), threads)
+            chunks: set[int] = set()
+            for _, c in work:
+                chunks |= view_chunks(c.src_view, isz, src.chunk)
+            verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
             by_dst: dict[int, tuple[np.ndarray, list[Copy]]] = {}
             for dst, c in work:
                 by_dst.setdefault(id(dst), (dst, []))[1].append(c)

@@ -112,9 +112,9 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
             on_host = target.device.type == "cpu" and target.is_contiguous()
             host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
             if t["copies"]:
-                dst, ptr = _numpy_view(host), host.data_ptr()
+                ptr, isz = host.data_ptr(), host.element_size()
                 for src, sv, dv in t["copies"]:
-                    run.add(Copy(src, _view(sv), _view(dv)), dst, ptr)
+                    run.add(Copy(src, _view(sv), _view(dv)), ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
             finish.append((target, host, t["fills"]))
         run.run()
         for target, host, fills in finish:

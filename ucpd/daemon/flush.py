@@ -206,7 +206,7 @@ class Flusher:
                 run = CheckedCopier({key: source(key) for key in plan.keys()})
                 dst = out.view(lookup_dtype(g.dtype).storage)
                 for c in plan.copies:
-                    run.add(c, dst)
+                    run.add_array(c, dst)
                 run.run()
             if faults.armed():
                 faults.point("flush.write", version.step)

@@ -73,7 +73,7 @@ def read_local(
 
     run = CheckedCopier({key: reader.checked_source(key) for key in plan.keys()})
     for c in plan.copies:
-        run.add(c, flat)
+        run.add_array(c, flat)
     run.run()
     if plan.fills:
         execute(CopyPlan((), plan.fills), {}, flat, dtype=dname)
