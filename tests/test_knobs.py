@@ -30,3 +30,16 @@ def test_two_run_dirs_never_share_a_shm_dir(monkeypatch, tmp_path):
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     assert knobs.shm_dir(0, a) != knobs.shm_dir(0, b)
     assert knobs.shm_dir(0, a) == knobs.shm_dir(0, a) != knobs.shm_dir(1, a)
+
+
+def test_override_reaches_native_thread_count(monkeypatch):
+    from ucpd import native
+
+    monkeypatch.setenv("UCPD_COPY_THREADS", "3")
+    assert native.default_threads() == 3
+    with knobs.override(UCPD_COPY_THREADS=2):
+        assert native.default_threads() == 2 == knobs.copy_threads()
+    assert native.default_threads() == 3
+    monkeypatch.delenv("UCPD_COPY_THREADS")
+    with knobs.override(UCPD_COPY_THREADS=5):
+        assert native.default_threads() == 5

@@ -16,10 +16,17 @@ from typing import Iterator
 _overrides: dict[str, str] = {}
 
 
-def _get(name: str, default: str) -> str:
+def get(name: str, default: str | None = None) -> str | None:
+    """The raw text of knob ``name``: an ``override`` in force, else the environment, else
+    ``default``. Every reader of a ``UCPD_*`` variable goes through here (``ucpd.native``'s
+    thread count included), so an override reaches all of them."""
     if name in _overrides:
         return _overrides[name]
     return os.environ.get(name, default)
+
+
+def _get(name: str, default: str) -> str:
+    return get(name, default)  # type: ignore[return-value]
 
 
 @contextlib.contextmanager

@@ -37,7 +37,7 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
-from ucpd import _native
+from ucpd import _native, knobs
 from ucpd.errors import UcpdError
 
 __all__ = [
@@ -100,12 +100,13 @@ def default_threads() -> int:
     """Threads a call uses when ``threads`` is None.
 
     ``$UCPD_COPY_THREADS`` if set (a positive integer), else ``min(os.cpu_count(), 8)``.
-    Read on every call, so tests and benchmarks may change the variable at run time.
+    Read on every call through ``ucpd.knobs`` (so ``knobs.override(UCPD_COPY_THREADS=...)``
+    reaches it), and tests and benchmarks may change the variable at run time.
 
     Raises:
         NativeError: ``$UCPD_COPY_THREADS`` is not a positive integer.
     """
-    env = os.environ.get("UCPD_COPY_THREADS")
+    env = knobs.get("UCPD_COPY_THREADS")
     if env:
         try:
             n = int(env)

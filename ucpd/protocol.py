@@ -141,6 +141,19 @@ TENSOR_ENTRY = _record(
     # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
     {"skipped": _bool},
 )
+
+
+def tensor_entry(
+    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False
+) -> dict:
+    """A TENSOR_ENTRY record: the one builder of it (the trainer's commit manifest, the daemon's
+    ``TensorEntry.to_wire`` for the index and the peers)."""
+    return {
+        "name": name, "dtype": dtype, "shape": list(shape), "placement": placement, "offset": offset,
+        "nbytes": nbytes, "crcs": list(crcs), "skipped": skipped,
+    }
+
+
 # A tensor a restore wants filled.
 TARGET_ENTRY = _record({"name": _str, "dtype": _str, "shape": _shape, "placement": _dict})
 

@@ -29,7 +29,7 @@ import torch
 
 from ucpd import faults, knobs, native
 from ucpd.errors import InvalidPlacement, ProtocolError, UcpdError
-from ucpd.protocol import job_name
+from ucpd.protocol import job_name, tensor_entry
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 
@@ -332,13 +332,11 @@ class Checkpointer:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise
         faults.point("client.staged", handle.step)
-        manifest = []
-        for e in entries:
-            item = {"name": e.name, "dtype": e.signature[0], "shape": list(e.tensor.shape), "placement": e.placement}
-            if e.name in skipped:
-                manifest.append({**item, "offset": 0, "nbytes": 0, "crcs": [], "skipped": True})
-            else:
-                manifest.append({**item, "offset": e.offset, "nbytes": e.nbytes, "crcs": list(crcs[e.name])})
+        manifest = [
+            tensor_entry(e.name, e.signature[0], e.tensor.shape, e.placement, skipped=True) if e.name in skipped
+            else tensor_entry(e.name, e.signature[0], e.tensor.shape, e.placement, e.offset, e.nbytes, crcs[e.name])
+            for e in entries
+        ]
         handle.timings["manifest"] = time.perf_counter()
         conn.call(
             "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],

@@ -7,7 +7,7 @@ import pytest
 
 from ucpd.errors import ChecksumMismatch, PlacementMismatch
 from ucpd.format import open_version, write_version
-from ucpd.format.local import view_byte_ranges
+from ucpd.checked import view_byte_ranges
 from ucpd.ucl import Box, Flat, FlatBuffer, Fused, Padded, Replicated, Shard, Stacked, View
 
 from .helpers import rand_bytes, source

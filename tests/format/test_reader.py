@@ -11,7 +11,7 @@ import pytest
 
 from ucpd.errors import ChecksumMismatch, FormatError, PlacementMismatch, VersionNotFound
 from ucpd.format import list_versions, open_version, write_version
-from ucpd.format.writer import write_latest
+from ucpd.format.root import write_latest
 
 from .helpers import rand_bytes, sample_state, source, sources_of
 

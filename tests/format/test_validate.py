@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 from ucpd.format import validate, write_version
-from ucpd.format.writer import write_latest
+from ucpd.format.root import write_latest
 
 from .helpers import rand_bytes, sample_state, source, sources_of
 

@@ -149,7 +149,7 @@ def test_retain(tmp_path):
         write_version(tmp_path, s, [source("a", rand_bytes("int32", (3,)), "int32")], fsync=False)
     (tmp_path / ".step-9.tmp-999999999").mkdir()  # stale: no such pid
     (tmp_path / "step-0").mkdir()  # torn, older than the newest complete
-    from ucpd.format.writer import write_latest
+    from ucpd.format.root import write_latest
 
     write_latest(tmp_path, 2)  # a rolled-back LATEST is never deleted
     removed = {p.name for p in retain(tmp_path, keep=1)}

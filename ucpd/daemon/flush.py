@@ -5,7 +5,7 @@ One thread per daemon. Each job's versions go to a checkpoint root of their own,
 from measurements: ``flush_interval.py``) is pinned (so eviction
 leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
 output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
-against its CRC, and the version is committed on disk by the format's writer (temp dir,
+against its CRC as it is copied (``ucpd.checked``), and the version is committed on disk by the format's writer (temp dir,
 fsync, rename, ``LATEST``). The thread runs at a lower CPU priority, at most ``flush_rate``
 bytes per second, and steps aside between writes while a trainer copies a snapshot into a slot,
 so the trainers keep their share of the cores and of the memory bandwidth.
@@ -23,11 +23,10 @@ import numpy as np
 
 from .. import faults, native
 from ..dtypes import dtype as lookup_dtype
-from ..errors import ChecksumMismatch
+from ..checked import CheckedCopier, CheckedSource
 from ..format import TensorSource, open_version, retain, write_version
-from ..format.writer import clean_temp, point_latest
-from ..ucl import Fragment, GBox, Piece, contiguous_view, full_box, plan_restore
-from ..ucl.execute import execute
+from ..format.root import clean_temp, point_latest
+from ..ucl import plan_consolidate
 from .flush_interval import FlushInterval
 from .slot_prep import yield_to_snapshots
 
@@ -49,18 +48,6 @@ class FlushProgress:
     errors: int = 0  # flushes that failed, in all
     failing: int = 0  # flushes that failed since the last one that succeeded
     yielded_s: float = 0.0  # seconds the flush stepped aside for snapshots
-
-
-def verify_source(array: np.ndarray, crcs: tuple[int, ...], what: str) -> None:
-    """Check a whole source tensor's bytes against its chunk CRCs."""
-    got = native.crc32c_chunks(array, native.CHUNK_BYTES) if array.nbytes else []
-    for i, (a, b) in enumerate(zip(got, crcs)):
-        if a != b:
-            lo = i * native.CHUNK_BYTES
-            raise ChecksumMismatch(
-                f"{what}: chunk {i} (bytes {lo}..{min(lo + native.CHUNK_BYTES, array.nbytes)}) has CRC32C "
-                f"{a:#010x}, expected {b:#010x}; the RAM copy is damaged, restore from a peer or disk"
-            )
 
 
 class Flusher:
@@ -199,48 +186,39 @@ class Flusher:
             release()
 
     def _write(self, version, t0, globals_, parts, buffer_of) -> None:
-        arrays: dict = {}
-        verified: set = set()
+        sources: dict = {}
 
-        def source_array(key):
-            if key not in arrays:
+        def source(key) -> CheckedSource:
+            if key not in sources:
                 rank, idx = key
                 t = parts[rank].tensors[idx]
-                mm = buffer_of(rank)
-                arr = np.frombuffer(mm, dtype=lookup_dtype(t.dtype).storage, count=t.nbytes // lookup_dtype(t.dtype).itemsize, offset=t.offset)
-                arrays[key] = (arr, t)
-            return arrays[key]
+                dt = lookup_dtype(t.dtype)
+                arr = np.frombuffer(buffer_of(rank), dtype=dt.storage, count=t.nbytes // dt.itemsize, offset=t.offset)
+                sources[key] = CheckedSource(
+                    arr, t.crcs, native.CHUNK_BYTES, f"step {version.step}, rank {rank}, tensor {t.name!r} in RAM:",
+                    recorded="the rank's snapshot", remedy="the RAM copy is damaged, restore from a peer or disk",
+                )
+            return sources[key]
 
-        def copy_into(g, out: np.ndarray, frags) -> None:
-            plan = plan_restore(frags, {g.name: g.sources})
-            srcs = {}
-            for c in plan.copies:
-                arr, t = source_array(c.src_key)
-                if c.src_key not in verified:
-                    verify_source(arr, t.crcs, f"step {version.step}, rank {c.src_key[0]}, tensor {t.name!r}")
-                    verified.add(c.src_key)
-                srcs[c.src_key] = arr
-            execute(plan, srcs, out.view(lookup_dtype(g.dtype).storage) if out.nbytes else out)
+        def copy_into(g, out: np.ndarray, rows=None) -> None:
+            plan = plan_consolidate(g.name, g.shape, g.sources, rows)
+            if out.nbytes:
+                run = CheckedCopier({key: source(key) for key in plan.keys()})
+                dst = out.view(lookup_dtype(g.dtype).storage)
+                for c in plan.copies:
+                    run.add_array(c, dst)
+                run.run()
             if faults.armed():
                 faults.point("flush.write", version.step)
                 faults.stall("flush.hang", version.step)
 
         def make_fill(g):
-            def fill(out: np.ndarray) -> None:
-                box = full_box(g.shape)
-                copy_into(g, out, [Fragment(g.name, g.shape, (Piece(contiguous_view(box.lengths), box),))])
-
-            return fill
+            return lambda out: copy_into(g, out)
 
         def make_fill_rows(g):
             if not g.shape:
                 return None
-
-            def fill_rows(out: np.ndarray, r0: int, r1: int) -> None:
-                box = GBox((r0,) + (0,) * (len(g.shape) - 1), (r1 - r0,) + tuple(g.shape[1:]))
-                copy_into(g, out, [Fragment(g.name, g.shape, (Piece(contiguous_view(box.lengths), box),))])
-
-            return fill_rows
+            return lambda out, r0, r1: copy_into(g, out, (r0, r1))
 
         tensors = [
             TensorSource(g.name, g.dtype, g.shape, g.pattern, make_fill(g), make_fill_rows(g))
@@ -279,7 +257,7 @@ class Flusher:
                 root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
                 throttle=self._step_aside,
             )
-        arrays.clear()
+        sources.clear()
         faults.point("flush.done", version.step)
         if self.keep_on_disk:
             with self.store.lock:

@@ -112,13 +112,7 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                 if rp["slot"] not in slots.slots:
                     break
                 raw_tensors = rp["tensors"] if "tensors" in rp else msgpack.unpackb(rp["tensors_packed"], raw=False)
-                tensors = [
-                    TensorEntry(
-                        t["name"], t["dtype"], tuple(t["shape"]), t["placement"], t["offset"], t["nbytes"],
-                        tuple(t["crcs"]), bool(t.get("skipped")),
-                    )
-                    for t in raw_tensors
-                ]
+                tensors = [TensorEntry.from_wire(t) for t in raw_tensors]
                 parts[rp["rank"]] = RankPart(
                     rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"), rp.get("objects_crc")
                 )

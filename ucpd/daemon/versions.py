@@ -29,8 +29,9 @@ from typing import Protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import PlacementMismatch, ProtocolError
 from ..native import CHUNK_BYTES
+from ..protocol import tensor_entry
 from ..ucl import Fragment, placement_from_dict, resolve
-from ..ucl.plan import SourcePiece
+from ..ucl.plan import SourcePiece, global_shape_of
 
 
 @functools.lru_cache(maxsize=65536)
@@ -125,24 +126,18 @@ class TensorEntry:
         return self.pkey
 
     @classmethod
-    def from_wire(cls, raw: dict) -> "TensorEntry":
-        """An entry as ``to_wire`` wrote it (already validated by the protocol schema)."""
+    def from_wire(cls, raw: dict, pkey: str = "", frags: tuple | None = None) -> "TensorEntry":
+        """An entry from its wire record (``protocol.TENSOR_ENTRY``, already validated by the
+        schema): a commit's manifest, the index, a peer's part."""
         return cls(
             raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
-            tuple(raw["crcs"]), bool(raw.get("skipped")),
+            tuple(raw["crcs"]), bool(raw.get("skipped")), pkey, frags,
         )
 
     def to_wire(self) -> dict:
-        return {
-            "skipped": self.skipped,
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": list(self.shape),
-            "placement": self.placement,
-            "offset": self.offset,
-            "nbytes": self.nbytes,
-            "crcs": list(self.crcs),
-        }
+        return tensor_entry(
+            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped
+        )
 
 
 @dataclass
@@ -212,39 +207,35 @@ class Version:
         """
         if self._globals is None:
             out: dict[str, GlobalTensor] = {}
+            claims: dict[str, list[SourcePiece]] = {}  # every rank's pieces, skipped ones too: the shape they agree on
             for rank in sorted(self.parts):
                 for idx, t in enumerate(self.parts[rank].tensors):
                     for frag in t.fragments():
                         if not frag.pieces:
                             continue  # partition padding: nothing global to keep
+                        gs = tuple(frag.global_shape)
                         g = out.get(frag.name)
                         if g is None:
-                            g = out[frag.name] = GlobalTensor(frag.name, t.dtype, tuple(frag.global_shape), t.placement)
-                        else:
-                            g.shape = _agree(self.step, rank, frag.name, g, t.dtype, tuple(frag.global_shape))
+                            g = out[frag.name] = GlobalTensor(frag.name, t.dtype, gs, t.placement)
+                            claims[frag.name] = []
+                        elif g.dtype != t.dtype:
+                            raise PlacementMismatch(
+                                f"step {self.step}: rank {rank} says global tensor {frag.name!r} is {t.dtype}, another "
+                                f"rank said {g.dtype}: check the dtypes the ranks save it in"
+                            )
+                        pieces = [SourcePiece((rank, idx), piece.local, piece.box, gs) for piece in frag.pieces]
+                        claims[frag.name].extend(pieces)
                         if not t.skipped:
-                            for piece in frag.pieces:
-                                g.sources.append(SourcePiece((rank, idx), piece.local, piece.box))
-            for g in out.values():
-                if None in g.shape:  # a stacked dim whose count no placement gave: what the items cover
-                    g.shape = tuple(
-                        max((p.box.offsets[d] + p.box.lengths[d] for p in g.sources), default=0) if n is None else n
-                        for d, n in enumerate(g.shape)
-                    )
+                            g.sources.extend(pieces)
+            for g in out.values():  # a stacked dim whose count no placement gave: what the items cover
+                try:
+                    g.shape = global_shape_of(g.name, claims[g.name])
+                except PlacementMismatch as exc:
+                    raise PlacementMismatch(
+                        f"step {self.step}: {exc} (sources are (rank, tensor index)); check the placements those ranks save it with"
+                    ) from None
             self._globals = out
         return self._globals
-
-
-def _agree(step: int, rank: int, name: str, g: GlobalTensor, dtype: str, shape: tuple) -> tuple:
-    """Merge what another rank says of a global tensor's shape (None: unknown) with what we know."""
-    if g.dtype != dtype or len(shape) != len(g.shape) or any(
-        a is not None and b is not None and a != b for a, b in zip(g.shape, shape)
-    ):
-        raise PlacementMismatch(
-            f"step {step}: rank {rank} says global tensor {name!r} is {dtype}{list(shape)}, "
-            f"another rank said {g.dtype}{list(g.shape)}"
-        )
-    return tuple(a if a is not None else b for a, b in zip(g.shape, shape))
 
 
 def duplicates(version: "Version") -> dict[int, list[str]]:
@@ -430,7 +421,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
         key = placement_key(raw["placement"])
         frags = fragments_of(name, key, tuple(raw["shape"]))
-        return TensorEntry(name, raw["dtype"], tuple(raw["shape"]), raw["placement"], 0, 0, (), True, key, frags)
+        return TensorEntry.from_wire({**raw, "offset": 0}, key, frags)
     if numel * dt.itemsize != raw["nbytes"]:
         raise ProtocolError(
             f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
@@ -446,7 +437,4 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
         raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
     key = placement_key(raw["placement"])
     frags = fragments_of(name, key, tuple(raw["shape"]))  # shape must agree with the placement
-    return TensorEntry(
-        name, raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"], tuple(raw["crcs"]),
-        False, key, frags,
-    )
+    return TensorEntry.from_wire(raw, key, frags)

@@ -81,7 +81,7 @@ def when(t: float | None) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .reader import list_versions
+    from .root import list_versions
 
     root = Path(args.dir)
     if not root.is_dir():
@@ -124,7 +124,7 @@ def _resolve_version_dir(d: Path, step: int | None) -> tuple[Path, int | None]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .reader import open_version
+    from .root import open_version
     from .validate import validate
 
     root, step = _resolve_version_dir(Path(args.dir), args.step)

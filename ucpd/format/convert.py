@@ -24,7 +24,7 @@ from .. import state_names
 from ..errors import FormatError
 from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
 from .hf import universal_to_hf
-from .reader import open_version
+from .root import open_version
 from .writer import REPLICATED, TensorSource, write_safetensors, write_version
 
 Progress = Callable[[int, int], None] | None

@@ -48,7 +48,7 @@ import numpy as np
 from ..dtypes import BY_NAME
 from ..errors import FormatError
 from . import safe_unpickle
-from .reader import open_version
+from .root import open_version
 from .writer import REPLICATED, TensorSource, write_version
 
 Progress = Callable[[int, int], None] | None

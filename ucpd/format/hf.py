@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import FormatError
-from .reader import open_version
+from .root import open_version
 from .writer import TensorSource, write_safetensors
 
 Progress = Callable[[int, int], None] | None

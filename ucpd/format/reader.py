@@ -1,4 +1,4 @@
-"""Reading versions: ``list_versions``, ``open_version`` and ``VersionReader``.
+"""Reading one version: ``read_meta`` and ``VersionReader`` (listing and opening versions: ``root``).
 
 Every file is bounds-checked against ``ucp.json`` when a version is opened (sizes, headers,
 offsets); tensor bytes are verified against their chunk CRCs when they are read through
@@ -10,56 +10,19 @@ Threads: a ``VersionReader`` may be shared by threads for reading (``array``, ``
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, VersionNotFound
+from ..errors import ChecksumMismatch, FormatError, PlacementMismatch
 from . import spec
 from ._checksum import chunk_crcs
 from .header import read_header
 from .spec import BlobInfo, Meta, TensorInfo
-from .writer import read_latest
-
-log = logging.getLogger("ucpd.format")
-
-
-@dataclass(frozen=True)
-class VersionSummary:
-    """One ``step-<N>`` folder (or a writer's temporary folder) under a root, cheaply checked.
-
-    ``state``: ``"complete"`` (ucp.json parses, every file is there with its recorded size),
-    ``"torn"`` (a ``step-<N>`` folder that is not; ``problem`` says why) or ``"partial"``
-    (``.step-<N>.tmp-<pid>``: a write in progress, or left by a writer that died).
-    """
-
-    step: int
-    path: Path
-    state: str
-    tensors: int = 0
-    nbytes: int = 0
-    created: float | None = None
-    latest: bool = False
-    problem: str | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "path": str(self.path),
-            "state": self.state,
-            "tensors": self.tensors,
-            "bytes": self.nbytes,
-            "created": self.created,
-            "latest": self.latest,
-            "problem": self.problem,
-        }
-
 
 def read_meta(path: Path, step: int | None = None) -> Meta:
     """Read and check ``<path>/ucp.json``; FormatError if missing or malformed."""
@@ -75,7 +38,7 @@ def read_meta(path: Path, step: int | None = None) -> Meta:
     return spec.parse_meta(data, str(f), expect_step=step)
 
 
-def _check_files_present(path: Path, meta: Meta) -> None:
+def check_files_present(path: Path, meta: Meta) -> None:
     for f in meta.files.values():
         p = path / f.name
         try:
@@ -102,83 +65,6 @@ def _blobs(meta: Meta) -> list[BlobInfo]:
     return out + [meta.objects_ranks[r] for r in sorted(meta.objects_ranks)]
 
 
-def _summarize(path: Path, step: int, latest: int | None) -> VersionSummary:
-    try:
-        meta = read_meta(path, step)
-        _check_files_present(path, meta)
-    except FormatError as exc:
-        return VersionSummary(step, path, "torn", latest=step == latest, problem=str(exc))
-    return VersionSummary(
-        step, path, "complete", len(meta.tensors), meta.total_bytes, meta.created_unix, step == latest
-    )
-
-
-def list_versions(root: str | os.PathLike) -> list[VersionSummary]:
-    """Every ``step-<N>`` folder under ``root`` (and writers' temporary folders), by step.
-
-    Cheap: reads each ``ucp.json`` and stats the files; use ``validate`` for checksums.
-    A missing ``root`` has no versions.
-    """
-    root = Path(root)
-    latest = read_latest(root)
-    out: list[VersionSummary] = []
-    try:
-        entries = list(os.scandir(root))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
-    for e in entries:
-        if not e.is_dir(follow_symlinks=True):
-            continue
-        step = spec.parse_step_dirname(e.name)
-        if step is not None:
-            out.append(_summarize(Path(e.path), step, latest))
-            continue
-        m = spec.TMP_RE.match(e.name)
-        if m:
-            pid = int(m.group(2))
-            from .writer import _pid_alive
-
-            how = "in progress" if _pid_alive(pid) else "stale: its writer is gone"
-            out.append(VersionSummary(int(m.group(1)), Path(e.path), "partial", problem=f"writer pid {pid} ({how})"))
-    out.sort(key=lambda v: (v.step, v.state != "complete"))
-    return out
-
-
-def _default_step(root: Path) -> int:
-    versions = [v for v in list_versions(root) if v.state == "complete"]
-    latest = read_latest(root)
-    if latest is not None:
-        if any(v.step == latest for v in versions):
-            return latest
-        log.warning(
-            "%s names step-%d, which is missing or torn; using the newest complete version",
-            root / spec.LATEST_FILE, latest,
-        )
-    if not versions:
-        if not root.is_dir():
-            raise VersionNotFound(f"{root}: no such directory; pass the checkpoint root (the folder holding step-<N>/)")
-        raise VersionNotFound(f"{root}: no complete version (step-<N>/ with ucp.json); nothing to restore")
-    return versions[-1].step
-
-
-def open_version(root: str | os.PathLike, step: int | None = None) -> VersionReader:
-    """Open version ``step`` under ``root``; ``None`` = the one ``LATEST`` names, or the newest
-    complete one when ``LATEST`` is missing or names a missing/torn folder.
-
-    Raises VersionNotFound (no such step / nothing complete) or FormatError (torn or malformed:
-    missing or bad ucp.json, missing/truncated file, bad header, header disagreeing with
-    ucp.json), each naming the path and the problem.
-    """
-    root = Path(root)
-    if step is None:
-        step = _default_step(root)
-    path = root / spec.step_dirname(step)
-    if not path.is_dir():
-        have = [v.step for v in list_versions(root) if v.state == "complete"]
-        raise VersionNotFound(f"{path}: no such version; complete versions under {root}: {have or 'none'}")
-    return VersionReader(path, read_meta(path, step))
-
-
 class VersionReader:
     """An open, structurally checked version. Use as a context manager or call ``close``."""
 
@@ -190,7 +76,7 @@ class VersionReader:
         self._maps: dict[str, mmap.mmap] = {}
         self._objects: dict | None = None
         try:
-            _check_files_present(self.path, meta)
+            check_files_present(self.path, meta)
             for f in meta.files.values():
                 self._maps[f.name] = self._open_file(f)
         except BaseException:
@@ -282,25 +168,29 @@ class VersionReader:
             return np.empty(0, np.uint8)
         return np.frombuffer(self._map(t), dtype=np.uint8, count=t.nbytes, offset=t.data_offset)
 
+    def checked_source(self, name: str):
+        """Tensor ``name``'s bytes with their chunk CRCs (``ucpd.checked.CheckedSource``), named
+        in errors by file and tensor."""
+        from ..checked import CheckedSource
+
+        t = self.info(name)
+        return CheckedSource(
+            self.array(name).reshape(-1), t.crcs, self.meta.chunk_bytes, f"{self.path / t.file}: tensor {name!r}",
+            recorded="ucp.json", remedy="the file is corrupt: restore it from another copy or use an older step",
+            file_offset=t.data_offset,
+        )
+
     def bad_chunks(
         self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None
     ) -> list[tuple[int, int, int, int, int]]:
         """``(chunk, begin, end, crc_found, crc_recorded)`` of every corrupt chunk that overlaps
         ``byte_ranges`` (byte offsets inside the tensor; None = the whole tensor)."""
-        t = self.info(name)
-        C = self.meta.chunk_bytes
-        runs = _chunk_runs(t.nbytes, C, byte_ranges)
-        bad = []
-        m = self._map(t)
-        with memoryview(m) as mv:
-            for i0, i1 in runs:
-                b, e = i0 * C, min(i1 * C, t.nbytes)
-                got = chunk_crcs(mv[t.data_offset + b : t.data_offset + e], C)
-                for k, crc in enumerate(got):
-                    i = i0 + k
-                    if crc != t.crcs[i]:
-                        bad.append((i, i * C, min((i + 1) * C, t.nbytes), crc, t.crcs[i]))
-        return bad
+        from .. import checked
+
+        src = self.checked_source(name)
+        chunks = None if byte_ranges is None else checked.touched_chunks(byte_ranges, src.chunk, src.nbytes)
+        C = src.chunk
+        return [(i, i * C, min((i + 1) * C, src.nbytes), got, src.crcs[i]) for i, got in checked.bad_chunks(src, chunks)]
 
     def verify(self, name: str, byte_ranges: Iterable[tuple[int, int]] | None = None) -> None:
         """Check the CRC32C of every chunk of ``name`` overlapping ``byte_ranges`` (``[(begin,
@@ -311,15 +201,10 @@ class VersionReader:
             raise self.checksum_error(name, bad)
 
     def checksum_error(self, name: str, bad: Sequence[tuple[int, int, int, int, int]]) -> ChecksumMismatch:
-        """The error for ``bad`` chunks of ``name`` (as ``bad_chunks`` lists them)."""
-        t = self.tensors[name]
-        i, b, e, got, want = bad[0]
-        more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
-        return ChecksumMismatch(
-            f"{self.path / t.file}: tensor {name!r} chunk {i} (tensor bytes [{b}, {e}), file bytes "
-            f"[{t.data_offset + b}, {t.data_offset + e})) has crc32c {got:#010x}, ucp.json records "
-            f"{want:#010x}{more}; the file is corrupt: restore it from another copy or use an older step"
-        )
+        """The error for ``bad`` chunks of ``name`` (as ``bad_chunks`` lists them): ``ucpd.checked.damaged``."""
+        from ..checked import damaged
+
+        return damaged(self.checked_source(name), [(i, got) for i, _b, _e, got, _want in bad])
 
     # -- non-tensor state -------------------------------------------------------------------
 
@@ -373,23 +258,3 @@ class VersionReader:
         from .local import read_local
 
         return read_local(self, name, placement, local_shape, out)
-
-
-def _chunk_runs(nbytes: int, C: int, byte_ranges: Iterable[tuple[int, int]] | None) -> list[tuple[int, int]]:
-    """Half-open runs ``[i0, i1)`` of chunk indices covering ``byte_ranges`` (merged)."""
-    n = spec.n_chunks(nbytes, C)
-    if byte_ranges is None:
-        return [(0, n)] if n else []
-    idx: list[tuple[int, int]] = []
-    for b, e in byte_ranges:
-        b, e = max(0, int(b)), min(nbytes, int(e))
-        if b < e:
-            idx.append((b // C, (e - 1) // C + 1))
-    idx.sort()
-    runs: list[tuple[int, int]] = []
-    for i0, i1 in idx:
-        if runs and i0 <= runs[-1][1]:
-            runs[-1] = (runs[-1][0], max(runs[-1][1], i1))
-        else:
-            runs.append((i0, i1))
-    return runs

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from ..errors import ChecksumMismatch, FormatError, UcpdError
 from . import spec
-from .reader import VersionReader, list_versions, read_meta
-from .writer import read_latest
+from .reader import VersionReader, read_meta
+from .root import list_versions, read_latest
 
 _KNOWN_FILES = {spec.META_FILE, spec.OBJECTS_FILE}
 

@@ -1,4 +1,4 @@
-"""Writing versions: ``write_version``, ``retain`` and the ``LATEST`` pointer.
+"""Writing versions: ``write_version`` and ``write_safetensors`` (``LATEST`` and retention: ``root``).
 
 Commit protocol (``docs/FORMAT.md``): everything is built in ``<root>/.step-<N>.tmp-<pid>/``;
 each file is fsynced; ``ucp.json`` is written last and fsynced; the directory is fsynced and
@@ -18,7 +18,6 @@ checksums on one native thread; fill, CRC and pwrite release the GIL.
 
 from __future__ import annotations
 
-import errno
 import json
 import mmap
 import os
@@ -38,6 +37,8 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError
 from . import spec
 from ._checksum import chunk_crcs as _chunk_crcs
+from ._fs import fsync_dir, write_all
+from .root import maybe_update_latest
 
 WRITE_CRC_THREADS = 1  # the writer checksums on one thread while another writes: I/O is the bound,
 # and a background flush must leave the other cores to the trainers
@@ -85,59 +86,6 @@ class TensorSource:
         for s in self.shape:
             n *= int(s)
         return n
-
-
-# --------------------------------------------------------------------------------------------
-# small file-system helpers
-# --------------------------------------------------------------------------------------------
-
-
-def fsync_dir(path: str | os.PathLike) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_all(fd: int, data: Any, offset: int) -> None:
-    faults.fail("flush.enospc")  # test-only: a full file system (ucpd.faults; inert in production)
-    mv = memoryview(data).cast("B")
-    while mv.nbytes:
-        n = os.pwrite(fd, mv, offset)
-        if n <= 0:  # pragma: no cover - pwrite raises rather than returning 0 on real errors
-            raise OSError(errno.EIO, "short write")
-        mv = mv[n:]
-        offset += n
-
-
-def write_file_atomic(path: Path, data: bytes, *, fsync: bool = True) -> None:
-    """Replace ``path`` with ``data``: temp file in the same folder, fsync, rename, fsync folder."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{threading.get_ident()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _write_all(fd, data, 0)
-        if fsync:
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    if fsync:
-        fsync_dir(path.parent)
-
-
-def read_latest(root: str | os.PathLike) -> int | None:
-    """The step ``LATEST`` names, or None if it is missing or unreadable."""
-    try:
-        text = (Path(root) / spec.LATEST_FILE).read_text(encoding="ascii").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return spec.parse_step_dirname(text)
-
-
-def write_latest(root: str | os.PathLike, step: int, *, fsync: bool = True) -> None:
-    """Point ``LATEST`` at ``step-<step>`` (atomically)."""
-    write_file_atomic(Path(root) / spec.LATEST_FILE, (spec.step_dirname(step) + "\n").encode(), fsync=fsync)
 
 
 # --------------------------------------------------------------------------------------------
@@ -243,7 +191,7 @@ class _IOThread:
         self._pending: list = []
 
     def submit(self, fd: int, buf: Any, offset: int):
-        fut = self._ex.submit(_write_all, fd, buf, offset)
+        fut = self._ex.submit(write_all, fd, buf, offset)
         self._pending.append(fut)
         return fut
 
@@ -333,7 +281,7 @@ class _ShardWriter:
             if self.io is not None:
                 self.busy[self.cur] = self.io.submit(self.fd, buf, self.pos - self.used)
             else:
-                _write_all(self.fd, buf, self.pos - self.used)
+                write_all(self.fd, buf, self.pos - self.used)
             n, self.used = self.used, 0
             self.cur ^= 1
             self.pacer.advance(n)
@@ -364,7 +312,7 @@ class _ShardWriter:
                 if self.io is not None:
                     self.io.submit(self.fd, piece, self.pos)
                 else:
-                    _write_all(self.fd, piece, self.pos)
+                    write_all(self.fd, piece, self.pos)
                 acc.feed(piece)  # while the I/O thread writes the same bytes
                 self.pos += piece.nbytes
                 self.pacer.advance(piece.nbytes)  # paces the submissions, hence the I/O
@@ -543,7 +491,7 @@ def write_version(
         data = dump_meta(meta)
         fd = os.open(tmp / spec.META_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            _write_all(fd, data, 0)
+            write_all(fd, data, 0)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -561,7 +509,7 @@ def write_version(
         fsync_dir(root)
     faults.point("flush.renamed", step)
     if update_latest:
-        _maybe_update_latest(root, step, fsync)
+        maybe_update_latest(root, step, fsync)
     return final
 
 
@@ -622,7 +570,7 @@ def _write_shard(
     try:
         if io == "mmap" or any(callable(t.fill) and n > stage.nbytes // 2 and t.fill_rows is None for t, n in shard):
             _extend(fd, size)
-        _write_all(fd, head, 0)
+        write_all(fd, head, 0)
         fmap = _map_region(fd, 0, size) if io == "mmap" and off else None
         w = _ShardWriter(fd, len(head), stage, pacer, chunk, None if fmap is None else fmap[1], iot)
         try:
@@ -717,7 +665,7 @@ def _write_contents(
         try:
             pos = 0
             for key, b in blobs:
-                _write_all(fd, b, pos)
+                write_all(fd, b, pos)
                 ent = {"file": spec.OBJECTS_FILE, "byte_range": [pos, pos + len(b)], "crc32c": chunk_crcs(b, chunk)}
                 if key == "global":
                     objects_meta["global"] = ent
@@ -760,81 +708,3 @@ def dump_meta(meta: dict) -> bytes:
     return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
 
-def _maybe_update_latest(root: Path, step: int, fsync: bool) -> None:
-    cur = read_latest(root)
-    if cur is not None and cur > step and (root / spec.step_dirname(cur) / spec.META_FILE).is_file():
-        return  # LATEST already names a newer complete version
-    write_latest(root, step, fsync=fsync)
-
-
-# --------------------------------------------------------------------------------------------
-# retention
-# --------------------------------------------------------------------------------------------
-
-
-def _pid_alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _remove_dir(root: Path, path: Path, step: int) -> None:
-    """Rename out of sight first (so a crash mid-delete leaves no torn ``step-<N>``), then delete."""
-    doomed = root / spec.del_dirname(step, os.getpid())
-    if doomed.exists():
-        shutil.rmtree(doomed, ignore_errors=True)
-    os.rename(path, doomed)
-    fsync_dir(root)
-    shutil.rmtree(doomed, ignore_errors=True)
-
-
-def retain(root: str | os.PathLike, keep: int, protect: Iterable[int] = ()) -> list[Path]:
-    """Delete all but the newest ``keep`` complete versions (never the one ``LATEST`` names,
-    nor the steps in ``protect``: versions being read),
-    torn ``step-<N>`` folders older than the newest complete version, and temporary or
-    half-deleted folders whose writer process is gone. Returns the paths removed."""
-    if keep < 1:
-        raise FormatError(f"keep must be >= 1, got {keep}")
-    from .reader import list_versions
-
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    removed: list[Path] = []
-    versions = list_versions(root)
-    complete = sorted(v.step for v in versions if v.state == "complete")
-    latest = read_latest(root)
-    keep_steps = set(complete[-keep:]) | set(protect)
-    if latest is not None:
-        keep_steps.add(latest)
-    newest = complete[-1] if complete else None
-    for v in versions:
-        if v.state == "complete" and v.step not in keep_steps or v.state == "torn" and newest is not None and v.step < newest and v.step not in keep_steps:
-            _remove_dir(root, v.path, v.step)
-            removed.append(v.path)
-    return removed + clean_temp(root)
-
-
-def clean_temp(root: str | os.PathLike) -> list[Path]:
-    """Remove the temporary (``.tmp``) and half-deleted (``.del``) folders under ``root`` whose
-    writer process is gone (a writer killed mid-version). Returns the paths removed."""
-    removed: list[Path] = []
-    if not os.path.isdir(root):
-        return removed
-    for entry in os.scandir(root):
-        m = spec.TMP_RE.match(entry.name) or spec.DEL_RE.match(entry.name)
-        if m and entry.is_dir(follow_symlinks=False) and not _pid_alive(int(m.group(2))):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
-    return removed
-
-
-def point_latest(root: str | os.PathLike, step: int, fsync: bool = True) -> None:
-    """Make ``LATEST`` name ``step`` unless it already names a newer complete version."""
-    _maybe_update_latest(Path(root), step, fsync)

@@ -10,6 +10,7 @@ See docs/UCL.md for the placement patterns and docs/ARCHITECTURE.md for the seam
 ``ucpd.ucl`` imports numpy only; torch is imported lazily by ``execute_torch``.
 """
 
+from .check import Overlap, check_overlaps
 from .execute import execute, execute_torch, fill_bits, storage_view, window
 from .geometry import (
     GBox,
@@ -42,9 +43,7 @@ from .placements import (
 from .plan import (
     Copy,
     CopyPlan,
-    Overlap,
     SourcePiece,
-    check_overlaps,
     global_shape_of,
     plan_consolidate,
     plan_restore,

@@ -1,7 +1,7 @@
 """The resharding planner: which source elements go to which destination elements.
 
-Pure functions over offsets and lengths: no files, sockets, shared memory or tensor data (except
-:func:`check_overlaps`, which compares bytes the caller hands it).
+Pure functions over offsets and lengths: no files, sockets, shared memory or tensor data
+(comparing the bytes of overlapping replicas is ``ucpd.ucl.check``'s job).
 
 A *source* is a buffer named by a hashable ``key`` (a rank's slot, a file, a peer's copy). The
 caller lists, per global tensor name, the :class:`SourcePiece` records the sources hold, most
@@ -255,12 +255,14 @@ def _merge_fills(fills: list[Fill]) -> list[Fill]:
 
 
 def plan_consolidate(
-    name: str, global_shape: Sequence[int], sources: Sequence[SourcePiece]
+    name: str, global_shape: Sequence[int], sources: Sequence[SourcePiece], rows: tuple[int, int] | None = None
 ) -> CopyPlan:
     """Plan the whole global tensor ``name`` (C-contiguous in the destination) from the pieces
-    that sources hold. Raises PlacementMismatch as :func:`plan_restore` does."""
+    that sources hold; ``rows=(r0, r1)``: only rows ``[r0, r1)`` of dim 0 (the destination holds
+    just those rows, C order). Raises PlacementMismatch as :func:`plan_restore` does."""
     gs = tuple(global_shape)
-    frag = Fragment(name, gs, (Piece(contiguous_view(gs), full_box(gs)),) if prod(gs) else ())
+    box = full_box(gs) if rows is None else GBox((rows[0],) + (0,) * (len(gs) - 1), (rows[1] - rows[0],) + gs[1:])
+    frag = Fragment(name, gs, (Piece(contiguous_view(box.lengths), box),) if prod(box.lengths) else ())
     return plan_restore([frag], {name: sources})
 
 
@@ -279,7 +281,7 @@ def global_shape_of(name: str, pieces: Sequence[SourcePiece]) -> tuple[int, ...]
             a is not None and b is not None and a != b for a, b in zip(s.global_shape, shape)
         ):
             raise PlacementMismatch(
-                f"tensor {name!r}: sources disagree on the global shape: {tuple(first.global_shape or ())} "
+                f"global tensor {name!r}: sources disagree on the global shape: {tuple(first.global_shape or ())} "
                 f"({first.key!r}) vs {tuple(s.global_shape)} ({s.key!r})"
             )
         shape = [a if a is not None else b for a, b in zip(shape, s.global_shape)]
@@ -291,60 +293,3 @@ def global_shape_of(name: str, pieces: Sequence[SourcePiece]) -> tuple[int, ...]
         if n is None:
             shape[k] = max((s.box.offsets[k] + s.box.lengths[k] for s in pieces), default=0)
     return tuple(shape)  # type: ignore[arg-type]
-
-
-class Overlap(NamedTuple):
-    """Sources ``key_a`` and ``key_b`` both hold ``box`` of tensor ``name`` with different bytes."""
-
-    name: str
-    box: GBox
-    key_a: Hashable
-    key_b: Hashable
-
-    def __str__(self) -> str:
-        return (
-            f"tensor {self.name!r}: sources {self.key_a!r} and {self.key_b!r} hold different "
-            f"values for the overlapping range {format_box(self.box)}"
-        )
-
-
-def check_overlaps(
-    sources: Mapping[str, Sequence[SourcePiece]],
-    arrays: Mapping[Hashable, "object"],
-    *,
-    limit: int = 100,
-) -> list[Overlap]:
-    """Compare the bytes of overlapping source pieces (replicas must agree).
-
-    ``arrays`` maps every source key to its 1-D buffer (numpy, storage dtype). Each piece is
-    compared with the earlier pieces that cover its elements (so n replicas cost n - 1
-    comparisons, not n^2). Returns at most ``limit`` problems, empty when all agree.
-    """
-    from .execute import window  # numpy lives with the executor
-
-    problems: list[Overlap] = []
-    for name, pieces in sources.items():
-        for j, b in enumerate(pieces):
-            remaining = [b.box]
-            for a in pieces[:j]:
-                nxt = []
-                for r in remaining:
-                    hit = intersect(r, a.box)
-                    if hit is None:
-                        nxt.append(r)
-                        continue
-                    ho, hl = hit
-                    av = a.view.sub(tuple(h - o for h, o in zip(ho, a.box[0])), hl)
-                    bv = b.view.sub(tuple(h - o for h, o in zip(ho, b.box[0])), hl)
-                    wa = window(arrays[a.key], av)
-                    wb = window(arrays[b.key], bv)
-                    if wa.dtype.itemsize != wb.dtype.itemsize or not (wa == wb.view(wa.dtype)).all():
-                        problems.append(Overlap(name, hit, a.key, b.key))
-                        if len(problems) >= limit:
-                            return problems
-                    if hit != r:
-                        nxt.extend(difference(r, hit))
-                remaining = nxt
-                if not remaining:
-                    break
-    return problems

@@ -14,8 +14,8 @@ configuration, a pipeline renumbering rule, tied weights and the optimizer's ZeR
 tensor of a checkpoint followed; :func:`from_deepspeed` imports Megatron-DeepSpeed's
 ``universal_checkpoint_info`` pattern lists.
 
-Importing this package needs numpy only; resolving pipeline offsets and ZeRO partitions imports
-``ucpd_client.layouts``.
+Importing this package needs numpy only; pipeline offsets and ZeRO partitions come from
+``ucpd.ucl.layouts``.
 """
 
 from .deepspeed import from_deepspeed

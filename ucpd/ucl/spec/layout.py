@@ -11,10 +11,10 @@ maps a stage's copy of a tied weight to the one global parameter, the first rule
 matches the name gives the placement (expert indices are made global by ``stacked``), and the
 placement is checked against the local shape (and the rule's global shape, if it gives one).
 Optimizer states follow their parameter (ZeRO 0), or are the rank's ``Flat`` partitions of
-each group's buffer (ZeRO 1/2, ``ucpd_client.layouts.zero_partitions``), or per-parameter flat
+each group's buffer (ZeRO 1/2, ``ucpd.ucl.layouts.zero_partitions``), or per-parameter flat
 partitions (ZeRO 3, ``layouts.zero3_param``).
 
-Pipeline and ZeRO helpers come from ``ucpd_client.layouts``, imported when first needed.
+Pipeline and ZeRO helpers come from ``ucpd.ucl.layouts``.
 Pure functions of their arguments; safe from any thread.
 """
 
@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import InvalidPlacement, PlacementMismatch
+from .. import layouts as L
 from ..placements import Box, Fused, Padded, Placement, Replicated, Shard, Stacked
 from ..resolve import resolve
 from .errors import SpecError, SpecMismatch
@@ -307,7 +308,6 @@ class BoundSpec:
         pl = self.spec.pipeline
         if pl is None or env.get("pp", 1) == 1:
             return 0
-        from ucpd_client import layouts as L
 
         layers = pl.layers.eval(env)
         per = [loc.eval(env) for loc in pl.layers_per_stage] if pl.layers_per_stage else None
@@ -323,7 +323,6 @@ class BoundSpec:
         off = self.layer_offset(env) if offset is None else offset
         name = local
         if pl is not None and off:
-            from ucpd_client import layouts as L
 
             name = L.global_layer_name(local, off, key=pl.key)
         for t in self.spec.ties:
@@ -459,7 +458,6 @@ class BoundSpec:
                 for s in opt.states:
                     add(state_name(s)(key), rename_stacked(p, state_name(s)), shape)
             return
-        from ucpd_client import layouts as L
 
         groups: dict[str, list[str]] = {}
         axis_of: dict[str, tuple[str, str]] = {"": ("dp", opt.flat)}

@@ -1,0 +1,317 @@
+"""Reading through a copy plan over checksummed sources, verifying exactly the chunks it reads.
+
+One implementation for every reader of checksummed bytes: the trainer's restore (RAM slots or
+flushed files, ``ucpd_client.restore``), resharded reads of a flushed version
+(``ucpd.format.local``) and the daemon's flush (RAM slots into the universal format).
+
+A *source* (:class:`CheckedSource`) is one tensor's bytes (a 1-D array of its storage dtype)
+with the CRC32C of each ``chunk``-byte piece (chunk *i* covers bytes ``[i*C, min((i+1)*C,
+nbytes))``). :class:`CheckedCopier` runs the copies of a ``ucpd.ucl`` plan (``Copy(src_key,
+src_view, dst_view)``, views in elements) in the cheapest way each allows, reading every byte it
+copies once where it can:
+
+- contiguous whole chunks: one native batch copies them and checksums what it reads in the same
+  pass (``native.copy_batch(crc_chunk=C)``; a same-layout restore is just this);
+- contiguous partial chunks (a slice's first and last): copied in one native batch that also
+  checksums them; each chunk's CRC is completed from the bytes around the copied part (read,
+  not copied) with ``crc32c_combine``;
+- a contiguous source into a strided window (a whole tensor from inner-dim shards): one native
+  scatter per copy that checksums the whole chunks it reads as it copies;
+- other strided windows: per source, the chunks the window's runs touch are verified, then
+  copied while they are still in cache (``ucpd.ucl.execute``).
+
+A damaged chunk raises :func:`damaged`'s ``ChecksumMismatch`` (one text: which source, chunk and
+bytes, the CRCs, and what to do) before ``run`` returns; bytes may already have been copied
+into the destinations by then.
+
+Threads: a copier is used by one thread; the native calls release the GIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping, Sequence
+from math import prod
+from typing import Any
+
+import numpy as np
+
+from . import knobs, native
+from .errors import ChecksumMismatch, PlacementMismatch
+from .ucl.execute import execute
+from .ucl.geometry import View
+from .ucl.plan import Copy, CopyPlan
+
+__all__ = ["CheckedCopier", "CheckedSource", "bad_chunks", "byte_span", "damaged", "touched_chunks", "verify", "view_byte_ranges", "view_chunks"]
+
+MAX_RUNS = 4096  # above this many runs per window, its whole span counts as touched
+
+
+class CheckedSource:
+    """One tensor's bytes and their chunk CRCs, and how an error names it.
+
+    ``array``: 1-D, C-contiguous, the tensor's storage dtype (its itemsize is the element size
+    of the views that read it). ``where``: what the error names ("<file>: tensor 'w'").
+    ``recorded``: who recorded the CRCs ("ucp.json"). ``remedy``: what to do about damage.
+    ``file_offset``: where the tensor's bytes start in its file, shown in the error if given.
+    """
+
+    __slots__ = ("array", "crcs", "chunk", "where", "recorded", "remedy", "file_offset", "nbytes")
+
+    def __init__(
+        self, array: np.ndarray, crcs: Sequence[int], chunk: int, where: str, recorded: str = "the snapshot",
+        remedy: str = "the copy is damaged: restore another step, or from the flush directory",
+        file_offset: int | None = None,
+    ):
+        self.array, self.crcs, self.chunk, self.where = array, crcs, chunk, where
+        self.recorded, self.remedy, self.file_offset = recorded, remedy, file_offset
+        self.nbytes = array.nbytes
+
+    @property
+    def bytes(self) -> np.ndarray:
+        return self.array.view(np.uint8)
+
+
+def damaged(src: CheckedSource, bad: Sequence[tuple[int, int]]) -> ChecksumMismatch:
+    """The error for chunks ``bad`` = ``[(chunk, crc found)]`` of ``src`` (at least one)."""
+    i, got = bad[0]
+    b, e = i * src.chunk, min((i + 1) * src.chunk, src.nbytes)
+    in_file = f", file bytes [{src.file_offset + b}, {src.file_offset + e})" if src.file_offset is not None else ""
+    more = f" (and {len(bad) - 1} more chunks)" if len(bad) > 1 else ""
+    return ChecksumMismatch(
+        f"{src.where} chunk {i} (tensor bytes [{b}, {e}){in_file}) has crc32c {got:#010x}, {src.recorded} "
+        f"records {src.crcs[i]:#010x}{more}; {src.remedy}"
+    )
+
+
+# -- chunk arithmetic ---------------------------------------------------------------------------
+
+
+def byte_span(view: View, itemsize: int) -> tuple[int, int]:
+    """``[first, last + 1)`` bytes a non-empty window reads (strides >= 0)."""
+    hi = view.offset + sum((n - 1) * st for n, st in zip(view.shape, view.strides)) + 1
+    return view.offset * itemsize, hi * itemsize
+
+
+def view_byte_ranges(view: Any, itemsize: int, max_runs: int = MAX_RUNS) -> list[tuple[int, int]]:
+    """Byte ranges ``[(begin, end)]`` that a strided element window touches in its buffer.
+
+    Exact (one range per contiguous run) up to ``max_runs`` runs, else the window's span.
+    """
+    offset, shape, strides = view.offset, tuple(view.shape), tuple(view.strides)
+    if prod(shape) == 0:
+        return []
+    dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
+    run = 1  # fold trailing dims that are contiguous into one run
+    while dims and dims[-1][1] == run:
+        run *= dims[-1][0]
+        dims.pop()
+    count = prod(s for s, _ in dims) if dims else 1
+    if count > max_runs or any(st < 0 for _, st in dims):
+        return [byte_span(view, itemsize)]
+    starts = np.zeros(1, dtype=np.int64) + offset
+    for s, st in dims:
+        starts = (starts[:, None] + np.arange(s, dtype=np.int64)[None, :] * st).reshape(-1)
+    return [(int(b) * itemsize, (int(b) + run) * itemsize) for b in starts]
+
+
+def view_chunks(view: Any, itemsize: int, chunk: int, max_runs: int = MAX_RUNS) -> set[int]:
+    """The chunk numbers a strided element window's runs touch (as :func:`view_byte_ranges`,
+    computed on arrays: a column shard of a large matrix has thousands of runs). Where the
+    window has at least as many runs as its span has chunks, or too many runs, every chunk of
+    the span (a superset; the runs are not worked out)."""
+    offset, shape, strides = view.offset, tuple(view.shape), tuple(view.strides)
+    if prod(shape) == 0:
+        return set()
+    dims = [(s, st) for s, st in zip(shape, strides) if s != 1]
+    run = 1
+    while dims and dims[-1][1] == run:
+        run *= dims[-1][0]
+        dims.pop()
+    count = prod(s for s, _ in dims) if dims else 1
+    b, e = byte_span(view, itemsize)
+    first, last = b // chunk, (e - 1) // chunk
+    if count > max_runs or last - first + 1 <= count or any(st < 0 for _, st in dims):
+        return set(range(first, last + 1))  # at least a run per chunk of the span: it touches them all
+    starts = np.zeros(1, dtype=np.int64) + offset
+    for s, st in dims:
+        starts = (starts[:, None] + np.arange(s, dtype=np.int64)[None, :] * st).reshape(-1)
+    lo = starts * itemsize // chunk
+    hi = ((starts + run) * itemsize - 1) // chunk
+    if int((hi - lo).max()) <= 1:
+        return set(np.unique(np.concatenate([lo, hi])).tolist())
+    out: set[int] = set()
+    for a, b in zip(lo.tolist(), hi.tolist()):
+        out.update(range(a, b + 1))
+    return out
+
+
+def touched_chunks(byte_ranges: Iterable[tuple[int, int]], chunk: int, nbytes: int) -> list[int]:
+    """The sorted chunk numbers that ``[(begin, end)]`` byte ranges overlap (clipped to ``nbytes``)."""
+    out: set[int] = set()
+    for b, e in byte_ranges:
+        b, e = max(0, b), min(e, nbytes)
+        if b < e:
+            out.update(range(b // chunk, (e - 1) // chunk + 1))
+    return sorted(out)
+
+
+def bad_chunks(src: CheckedSource, chunks: Iterable[int] | None = None, threads: int | None = None) -> list[tuple[int, int]]:
+    """``[(chunk, crc found)]`` of the damaged chunks among ``chunks`` (None: all) of ``src``;
+    runs of neighbouring chunks are checksummed in one multi-threaded native call."""
+    todo = range(len(src.crcs)) if chunks is None else sorted(set(chunks))
+    raw, C = src.bytes, src.chunk
+    threads = threads or knobs.copy_threads()
+    bad: list[tuple[int, int]] = []
+    k = 0
+    while k < len(todo):  # runs of consecutive chunks
+        first = todo[k]
+        while k + 1 < len(todo) and todo[k + 1] == todo[k] + 1:
+            k += 1
+        last = todo[k]
+        k += 1
+        got = native.crc32c_chunks(raw[first * C : min((last + 1) * C, src.nbytes)], C, threads=threads)
+        bad.extend((first + j, crc) for j, crc in enumerate(got) if crc != src.crcs[first + j])
+    return bad
+
+
+def verify(src: CheckedSource, chunks: Iterable[int] | None = None, threads: int | None = None) -> None:
+    """Check chunks ``chunks`` (None: all) of ``src`` against their CRCs. Raises :func:`damaged`."""
+    bad = bad_chunks(src, chunks, threads)
+    if bad:
+        raise damaged(src, bad)
+
+
+# -- the copier ---------------------------------------------------------------------------------
+
+
+def _ptr(a: np.ndarray) -> int:
+    return a.__array_interface__["data"][0]
+
+
+class CheckedCopier:
+    """Runs copies from checksummed sources into flat destination arrays (see the module).
+
+    ``sources`` maps each ``Copy.src_key`` to its :class:`CheckedSource`. ``add`` each copy with
+    its destination's address, size and item size (or ``add_array`` into a numpy array), then
+    ``run`` once. Every window is bounds-checked in ``add``
+    (the fast paths take raw pointers).
+    """
+
+    def __init__(self, sources: Mapping[Hashable, CheckedSource] | Sequence[CheckedSource], threads: int | None = None):
+        self.sources = sources
+        self.threads = threads
+        self._base: dict[Hashable, int] = {}  # source key -> address of its bytes
+        self.fused: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
+        self.expect: dict[int, list[tuple[Hashable, int]]] = {}  # chunk size -> (source, first chunk)
+        self.plain: list[tuple[int, int, int]] = []  # parts of one chunk each: (dst, src, nbytes)
+        self.partial: list[tuple[Hashable, int, int]] = []  # what each plain item reads: (source, lo, hi)
+        self.apart: dict[Hashable, list[tuple[int, int]]] = {}  # source byte ranges verified on their own
+        self.scatter: list[tuple] = []  # (key, dst_ptr, dst_strides, src_ptr, shape, itemsize, lo)
+        self.strided: dict[Hashable, list[tuple[np.ndarray, Copy]]] = {}
+
+    def _src_base(self, key: Hashable) -> int:
+        base = self._base.get(key)
+        if base is None:
+            base = self._base[key] = _ptr(self.sources[key].array)
+        return base
+
+    def add_array(self, c: Copy, dst: np.ndarray) -> None:
+        """``add`` into a 1-D C-contiguous writable numpy array."""
+        self.add(c, _ptr(dst), dst.nbytes, dst.itemsize, dst)
+
+    def add(self, c: Copy, dst_ptr: int, dst_nbytes: int, itemsize: int, dst_view: Any) -> None:
+        """``dst_view``: the destination as a 1-D array of ``itemsize``-byte items, or a callable
+        that makes one (called only for a strided copy: the contiguous paths need only the
+        address)."""
+        if c.src_view.numel == 0:
+            return
+        src = self.sources[c.src_key]
+        lo, hi = byte_span(c.src_view, itemsize)
+        dlo, dhi = byte_span(c.dst_view, itemsize)
+        if lo < 0 or hi > src.nbytes or dlo < 0 or dhi > dst_nbytes or min(c.src_view.strides + c.dst_view.strides, default=0) < 0:
+            raise PlacementMismatch(
+                f"copy plan window outside its buffer (source bytes {lo}..{hi} of {src.nbytes}, "
+                f"target bytes {dlo}..{dhi} of {dst_nbytes}); the planner and the buffers disagree"
+            )
+        chunk = src.chunk
+        if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
+            d = dst_ptr + c.dst_view.offset * itemsize
+            self.scatter.append((c.src_key, d, c.dst_view.strides, self._src_base(c.src_key) + lo, c.dst_view.shape, itemsize, lo))
+            for a, b in ((lo, min(hi, -(-lo // chunk) * chunk)), (max(lo, hi // chunk * chunk), hi)):
+                if a < b and (a % chunk or b % chunk):  # scatter_crc checksums whole chunks only
+                    self.apart.setdefault(c.src_key, []).append((a, b))
+            return
+        if not (c.src_view.is_contiguous and c.dst_view.is_contiguous):
+            self.strided.setdefault(c.src_key, []).append((dst_view if isinstance(dst_view, np.ndarray) else dst_view(), c))
+            return
+        body_lo = -(-lo // chunk) * chunk
+        body_hi = hi if hi == src.nbytes else hi // chunk * chunk
+        d = dst_ptr + c.dst_view.offset * itemsize - lo  # + a source byte offset
+        base = self._src_base(c.src_key)
+        if body_hi <= body_lo or (body_lo - lo) % itemsize or (hi - body_hi) % itemsize:
+            self._plain(c.src_key, chunk, d, base, lo, hi)
+            return
+        self.fused.setdefault(chunk, []).append((d + body_lo, base + body_lo, body_hi - body_lo))
+        self.expect.setdefault(chunk, []).append((c.src_key, body_lo // chunk))
+        if body_lo > lo:
+            self._plain(c.src_key, chunk, d, base, lo, body_lo)
+        if hi > body_hi:
+            self._plain(c.src_key, chunk, d, base, body_hi, hi)
+
+    def _plain(self, key: Hashable, chunk: int, dst: int, base: int, lo: int, hi: int) -> None:
+        """Copy source bytes [lo, hi) that cover no whole chunk, cut at chunk boundaries."""
+        while lo < hi:
+            end = min(hi, (lo // chunk + 1) * chunk)
+            self.plain.append((dst + lo, base + lo, end - lo))
+            self.partial.append((key, lo, end))
+            lo = end
+
+    def _check(self, key: Hashable, first: int, crcs: Sequence[int]) -> None:
+        want = self.sources[key].crcs
+        for j, crc in enumerate(crcs):
+            if crc != want[first + j]:
+                src = self.sources[key]
+                raise damaged(src, [(first + k, x) for k, x in enumerate(crcs) if x != want[first + k]])
+
+    def run(self) -> None:
+        threads = self.threads or knobs.copy_threads()
+        for key, ranges in self.apart.items():
+            src = self.sources[key]
+            verify(src, touched_chunks(ranges, src.chunk, src.nbytes), threads)
+        if self.plain:
+            self._run_partial(threads)
+        if self.scatter:
+            items = [(d, st, sp, sh, isz, self.sources[k].chunk, lo) for k, d, st, sp, sh, isz, lo in self.scatter]
+            for (key, *_), (first, crcs) in zip(self.scatter, native.scatter_crc_batch(items, threads)):
+                self._check(key, first, crcs)
+        for chunk, items in self.fused.items():
+            got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
+            for (key, first), crcs in zip(self.expect[chunk], got):
+                self._check(key, first, crcs)
+        for key, work in self.strided.items():
+            src = self.sources[key]
+            isz = src.array.itemsize
+            chunks: set[int] = set()
+            for _, c in work:
+                chunks |= view_chunks(c.src_view, isz, src.chunk)
+            verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
+            by_dst: dict[int, tuple[np.ndarray, list[Copy]]] = {}
+            for dst, c in work:
+                by_dst.setdefault(id(dst), (dst, []))[1].append(c)
+            for dst, copies in by_dst.values():
+                execute(CopyPlan(copies=tuple(copies), fills=()), {key: src.array}, dst)
+
+    def _run_partial(self, threads: int) -> None:
+        """Copy the partial chunks, checksumming what is copied in the same pass; each chunk's
+        CRC is completed from the bytes around the copied part (read, not copied) and compared."""
+        biggest = max(hi - lo for _, lo, hi in self.partial)
+        got = native.copy_batch(self.plain, threads=threads, crc_chunk=biggest)
+        for (key, lo, hi), crcs in zip(self.partial, got):
+            src = self.sources[key]
+            raw, chunk = src.bytes, src.chunk
+            i = lo // chunk
+            c_lo, c_hi = i * chunk, min((i + 1) * chunk, src.nbytes)
+            crc = native.crc32c_combine(native.crc32c(raw[c_lo:lo]), crcs[0], hi - lo)
+            crc = native.crc32c_combine(crc, native.crc32c(raw[hi:c_hi]), c_hi - hi)
+            if crc != src.crcs[i]:
+                raise damaged(src, [(i, crc)])
