@@ -338,7 +338,7 @@ class Checkpointer:
             for e in entries
         ]
         handle.timings["manifest"] = time.perf_counter()
-        conn.call(
+        sealed = conn.call(
             "commit", rank=self.rank, world_size=self.world_size, step=handle.step, slot=reply["slot"],
             tensors=manifest, objects=objects, objects_crc=native.crc32c(objects), **self._job,
         )
@@ -347,6 +347,17 @@ class Checkpointer:
         handle.timings["sealed"] = time.perf_counter()
         handle.skipped = len(skipped)
         handle._sealed.set()
+        self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
+
+    def _map_ahead(self, paths) -> None:
+        """Map the rank's warm spare slots now, between snapshots, so the next snapshot that
+        lands in one pays no page-table work (the daemon faulted their pages in already)."""
+        for path in paths:
+            if not self._maps.has(path, True):
+                try:
+                    self._maps.get(path, writable=True)
+                except OSError:  # the daemon deleted it meanwhile
+                    pass
 
     def guard(self, optimizer: torch.optim.Optimizer):
         """Make ``optimizer.step()`` wait until the last snapshot is staged (returns the hook handle)."""

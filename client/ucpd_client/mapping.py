@@ -43,6 +43,9 @@ class Mappings:
         self._maps[key] = (mm, arr, (st.st_dev, st.st_ino))
         return arr
 
+    def has(self, path: str, writable: bool) -> bool:
+        return (path, writable) in self._maps
+
     def forget_missing(self) -> None:
         """Unmap files that are gone or replaced (the daemon deleted or re-created them)."""
         for key, (_, _, ident) in list(self._maps.items()):

@@ -90,9 +90,9 @@ def test_spares_stop_at_the_memory_limit_and_never_evict_or_refuse(make_daemon, 
     with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
         sd = state()
         ck.snapshot(1, sd).wait()
-        time.sleep(0.5)
-        assert ck.status()["slots"]["warming"] == 0
-        assert len(slot_files(dirs["shm"])) == 2
+        wait_for(lambda: ck.status()["slots"]["warming"] == 0)
+        time.sleep(0.3)  # nothing more comes
+        assert len(slot_files(dirs["shm"])) == 2 and ck.status()["slots"]["warming"] == 0
         assert ck.latest() == 1
         for step in range(2, 5):  # the limit now costs versions (keep can't be met), never a snapshot
             ck.snapshot(step, sd).wait()
@@ -161,3 +161,14 @@ def test_allocating_a_slot_pauses_between_pieces_and_backs_every_page(tmp_path):
     assert len(pauses) == 3
     assert os.stat(path).st_size == size
     assert oct(os.stat(path).st_mode & 0o777) == oct(0o600)
+
+
+def test_the_trainer_maps_its_warm_spares_between_snapshots(make_daemon, dirs):
+    make_daemon("--keep", "2", flush=False)
+    with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
+        sd = state()
+        ck.snapshot(1, sd).wait()
+        files = warm_files(ck, dirs["shm"], 3)
+        ck.snapshot(2, sd).wait()  # its commit reply names the spare still free: mapped now
+        paths = {os.path.join(dirs["shm"], name) for name in files}
+        assert all(ck._maps.has(p, True) for p in paths), "a slot of the rotation is not mapped ahead"

@@ -280,7 +280,7 @@ class Daemon:
         if slot is not None:
             self.prep.warm(rank, slot.size)
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
-            return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip}
+            return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip, "spares": self.prep.ready_spares(rank)}
         waiting = {"rank": rank, "skip": skip, "job": job}
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
         if sid is not None:
@@ -296,7 +296,7 @@ class Daemon:
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)
         faults.point("snapshot.sealed", version.step)
-        return {"state": version.state.value}
+        return {"state": version.state.value, "spares": self.prep.ready_spares(body["rank"])}
 
     def _on_abort(self, ident, req_id, body):
         self.store.abort(body["rank"], body["step"], body["slot"], _job(body))
@@ -620,7 +620,10 @@ class Daemon:
                 if parked is not None:
                     self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
                     faults.point("snapshot.lent", parked.step)
-                    reply = {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", [])}
+                    reply = {
+                        "slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", []),
+                        "spares": self.prep.ready_spares(rank),
+                    }
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
     def _deferred_reply(self, ident: bytes, req_id: int, body, exc) -> None:

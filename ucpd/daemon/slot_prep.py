@@ -127,6 +127,11 @@ class SlotPreparer:
             self._start()
         return queued
 
+    def ready_spares(self, rank: int) -> list[str]:
+        """Paths of the rank's free, warm slots: the trainer maps them ahead of use, between
+        snapshots (a first mapping of a slot costs page-table work in the trainer too)."""
+        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE]
+
     def claim(self, rank: int, nbytes: int) -> int | None:
         """A spare on its way for ``rank`` that holds ``nbytes``: its id (a begin parks on it and
         it becomes urgent), or None."""
