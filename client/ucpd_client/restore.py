@@ -67,42 +67,47 @@ def _damaged(src: dict, i: int, crc: int) -> ChecksumMismatch:
     )
 
 
-def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[int, set[int]]) -> None:
-    """Check every touched chunk of every source against its CRC (raises ChecksumMismatch)."""
+def verify_sources(sources: list[dict], arrays: list[np.ndarray], touched: dict[int, set[int]], threads: int | None = None) -> None:
+    """Check every touched chunk of every source against its CRC (raises ChecksumMismatch).
+    Runs of neighbouring chunks are checksummed in one multi-threaded pass each."""
+    threads = knobs.copy_threads() if threads is None else threads
     for idx, chunks in touched.items():
         src, raw = sources[idx], arrays[idx].view(np.uint8)
         chunk = src["chunk"]
-        if len(chunks) * 2 >= len(src["crcs"]):
-            got = native.crc32c_chunks(raw, chunk, threads=knobs.copy_threads())
-            pairs = [(i, got[i]) for i in sorted(chunks)]
-        else:
-            pairs = [(i, native.crc32c(raw[i * chunk : (i + 1) * chunk])) for i in sorted(chunks)]
-        for i, crc in pairs:
-            if crc != src["crcs"][i]:
-                raise _damaged(src, i, crc)
+        order = sorted(chunks)
+        start = 0
+        for k in range(1, len(order) + 1):
+            if k < len(order) and order[k] == order[k - 1] + 1:
+                continue
+            first, last = order[start], order[k - 1]
+            got = native.crc32c_chunks(raw[first * chunk : (last + 1) * chunk], chunk, threads=threads)
+            for i, crc in enumerate(got, first):
+                if crc != src["crcs"][i]:
+                    raise _damaged(src, i, crc)
+            start = k
 
 
 class _Executor:
-    """Runs a restore plan's copies in the cheapest way each allows, reading every byte it
-    copies once where it can:
+    """Runs a restore plan's copies in two phases, so that a damaged source leaves every target
+    as it was (never half-written):
 
-    - contiguous whole CRC chunks: one native batch copies them and checksums what it reads
-      in the same pass (a same-layout restore is just this);
-    - contiguous partial chunks (a slice's first and last): one native batch without CRC,
-      after their chunks are verified on their own;
-    - a contiguous source into a strided window (a whole tensor from inner-dim shards): one
-      native scatter per copy that checksums the whole chunks it reads as it copies;
-    - other strided windows: per source, its touched chunks are verified and then copied while
-      they are still in cache (multi-threaded native window copies inside ``execute``).
+    1. verify: every chunk any copy reads is checksummed first (runs of neighbouring chunks
+       in one multi-threaded native pass each); a mismatch raises ChecksumMismatch before
+       the first byte lands in a target;
+    2. commit: the copies, in the cheapest way each allows —
+       - contiguous runs (a same-layout restore is just this): one native batch copy, which
+         checksums whole chunks again in the same pass (RAM that changed since phase 1);
+       - a contiguous source into a strided window (a whole tensor from inner-dim shards): one
+         native scatter per copy (it checksums the whole chunks it reads as it copies, again);
+       - other strided windows: multi-threaded native window copies inside ``execute``.
     """
 
     def __init__(self, sources: list[dict], arrays: list[np.ndarray]):
         self.sources, self.arrays = sources, arrays
-        self.fused: dict[int, list[tuple[int, int, int]]] = {}  # chunk size -> (dst, src, nbytes)
-        self.expect: dict[int, list[tuple[int, int]]] = {}  # chunk size -> (source, first chunk)
-        self.plain: list[tuple[int, int, int]] = []  # parts of one chunk each: (dst, src, nbytes)
-        self.partial: list[tuple[int, int, int]] = []  # what each plain item reads: (source, lo, hi)
-        self.apart: list[Copy] = []  # source ranges whose chunks are verified in a pass of their own
+        self.copies: list[Copy] = []  # every copy: what phase 1 verifies
+        # contiguous runs of whole chunks, by chunk size: ([(dst, src, nbytes)], [(source, first chunk)])
+        self.batch: dict[int, tuple[list, list]] = {}
+        self.plain: list[tuple[int, int, int]] = []  # other contiguous runs: (dst, src, nbytes)
         self.scatter: list[tuple] = []  # (key, dst_ptr, dst_strides, src_ptr, shape, itemsize, lo)
         self.strided: dict[int, list[tuple[np.ndarray, Copy]]] = {}
 
@@ -117,87 +122,54 @@ class _Executor:
                 f"restore plan window outside its buffer (source bytes {lo}..{hi} of {src['nbytes']}, "
                 f"target bytes {dlo}..{dhi} of {host.numel() * itemsize}); the daemon and client disagree"
             )
+        self.copies.append(c)
         chunk = src["chunk"]
+        base = self.arrays[c.src_key].ctypes.data
         if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
-            base = self.arrays[c.src_key].ctypes.data
             dst = host.data_ptr() + c.dst_view.offset * itemsize
             self.scatter.append((c.src_key, dst, c.dst_view.strides, base + lo, c.dst_view.shape, itemsize, lo))
-            for a, b in ((lo, min(hi, -(-lo // chunk) * chunk)), (max(lo, hi // chunk * chunk), hi)):
-                if a < b and (a % chunk or b % chunk):  # scatter_crc checksums whole chunks only
-                    self._apart(c.src_key, a, b, itemsize)
             return
         if not (c.src_view.is_contiguous and c.dst_view.is_contiguous):
             self.strided.setdefault(c.src_key, []).append((_numpy_view(host), c))
             return
-        body_lo = -(-lo // chunk) * chunk
-        body_hi = hi if hi == src["nbytes"] else hi // chunk * chunk
-        dst = host.data_ptr() + c.dst_view.offset * itemsize - lo  # + a source byte offset
-        base = self.arrays[c.src_key].ctypes.data
-        if body_hi <= body_lo or (body_lo - lo) % itemsize or (hi - body_hi) % itemsize:
-            self._plain(c, dst, base, lo, hi)
-            return
-        self.fused.setdefault(chunk, []).append((dst + body_lo, base + body_lo, body_hi - body_lo))
-        self.expect.setdefault(chunk, []).append((c.src_key, body_lo // chunk))
-        if body_lo > lo:
-            self._plain(c, dst, base, lo, body_lo)
-        if hi > body_hi:
-            self._plain(c, dst, base, body_hi, hi)
+        if lo % chunk == 0 and (hi % chunk == 0 or hi == src["nbytes"]):  # whole chunks: re-checked as copied
+            items, expect = self.batch.setdefault(chunk, ([], []))
+            items.append((host.data_ptr() + dlo, base + lo, hi - lo))
+            expect.append((c.src_key, lo // chunk))
+        else:
+            self.plain.append((host.data_ptr() + dlo, base + lo, hi - lo))
 
-    def _plain(self, c: Copy, dst: int, base: int, lo: int, hi: int) -> None:
-        """Copy source bytes [lo, hi) that cover no whole chunk, cut at chunk boundaries."""
-        chunk = self.sources[c.src_key]["chunk"]
-        while lo < hi:
-            end = min(hi, (lo // chunk + 1) * chunk)
-            self.plain.append((dst + lo, base + lo, end - lo))
-            self.partial.append((c.src_key, lo, end))
-            lo = end
-
-    def _apart(self, key: int, lo: int, hi: int, itemsize: int) -> None:
-        n = (hi - lo) // itemsize
-        self.apart.append(Copy(key, View(lo // itemsize, (n,), (1,)), View(0, (n,), (1,))))
+    def verify(self) -> None:
+        """Phase 1: raises ChecksumMismatch, having written nothing, if any chunk read is damaged."""
+        verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.copies))
 
     def run(self) -> None:
+        """Phase 2 (after ``verify``): the copies."""
         threads = knobs.copy_threads()
-        verify_sources(self.sources, self.arrays, touched_chunks(self.sources, self.apart))
+        if self.batch:  # checksummed again in the same pass (no dearer than a plain copy): a chunk
+            # that changed since phase 1 is RAM going bad under the restore, reported as such
+            for chunk, (items, expect) in self.batch.items():
+                got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
+                for (key, first), crcs in zip(expect, got):
+                    src = self.sources[key]
+                    for j, crc in enumerate(crcs):
+                        if crc != src["crcs"][first + j]:
+                            raise _damaged(src, first + j, crc)
         if self.plain:
-            self._run_partial(threads)
+            native.copy_batch(self.plain, threads=threads)
         if self.scatter:
             items = [(d, st, sp, sh, isz, self.sources[k]["chunk"], lo) for k, d, st, sp, sh, isz, lo in self.scatter]
             for (key, *_), (first, crcs) in zip(self.scatter, native.scatter_crc_batch(items, threads)):
                 src = self.sources[key]
                 for j, crc in enumerate(crcs):
                     if crc != src["crcs"][first + j]:
-                        raise _damaged(src, first + j, crc)
-        for chunk, items in self.fused.items():
-            got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
-            for (key, first), crcs in zip(self.expect[chunk], got):
-                src = self.sources[key]
-                for j, crc in enumerate(crcs):
-                    if crc != src["crcs"][first + j]:
-                        raise _damaged(src, first + j, crc)
+                        raise _damaged(src, first + j, crc)  # changed since phase 1: RAM going bad
         for key, work in self.strided.items():
-            verify_sources(self.sources, self.arrays, touched_chunks(self.sources, [c for _, c in work]))
             by_dst: dict[int, tuple[np.ndarray, list[Copy]]] = {}
             for dst, c in work:
                 by_dst.setdefault(id(dst), (dst, []))[1].append(c)
             for dst, copies in by_dst.values():
                 execute(CopyPlan(copies=tuple(copies), fills=()), {key: self.arrays[key]}, dst)
-
-
-    def _run_partial(self, threads: int) -> None:
-        """Copy the partial chunks, checksumming what is copied in the same pass; each chunk's
-        CRC is completed from the bytes around the copied part (read, not copied) and compared."""
-        biggest = max(hi - lo for _, lo, hi in self.partial)
-        got = native.copy_batch(self.plain, threads=threads, crc_chunk=biggest)
-        for (key, lo, hi), crcs in zip(self.partial, got):
-            src, raw = self.sources[key], self.arrays[key].view(np.uint8)
-            chunk = src["chunk"]
-            i = lo // chunk
-            c_lo, c_hi = i * chunk, min((i + 1) * chunk, src["nbytes"])
-            crc = native.crc32c_combine(native.crc32c(raw[c_lo:lo]), crcs[0], hi - lo)
-            crc = native.crc32c_combine(crc, native.crc32c(raw[hi:c_hi]), c_hi - hi)
-            if crc != src["crcs"][i]:
-                raise _damaged(src, i, crc)
 
 
 def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, int | None] | None = None) -> dict[str, Any]:
@@ -232,9 +204,20 @@ def process_id() -> dict:
         return {}
 
 
+MAX_SOURCES_TRIED = 4  # a restore whose source fails its checksums asks the daemon for the next one
+
+
 def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
-    global elements its placement names. Returns (step, the version's plain values)."""
+    global elements its placement names. Returns (step, the version's plain values).
+
+    Every chunk a plan reads is verified before any target is written: a damaged source
+    (a flipped byte in a slot or a flushed file) leaves the targets as they were. The client
+    then tells the daemon (``release`` with ``damaged``), which counts it
+    (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
+    the daemon answers from the next source, the same step from the flush dir, or (no step
+    asked) the previous version. When no other
+    source is left, ChecksumMismatch is raised, the targets untouched."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -243,39 +226,69 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
     body = {"rank": ckpt.rank, "world_size": ckpt.world_size, "targets": targets, **process_id()}
     if step is not None:
         body["step"] = step
-    plan = conn.call("restore", **body)
-    try:
-        faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
-        sources = plan["sources"]
-        arrays = []
-        ckpt._maps.forget_missing()
-        wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
-        for s in sources:
-            whole = wholes.get(s["path"])
-            if whole is None:
-                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
-            if s["offset"] + s["nbytes"] > whole.nbytes:
-                raise PlacementMismatch(f"restore source {s['path']} is shorter than the plan says")
-            arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage))
-        run = _Executor(sources, arrays)
-        finish = []  # (target, host buffer, fills)
-        for e, t in zip(entries, plan["tensors"]):
-            target = e.tensor
-            on_host = target.device.type == "cpu" and target.is_contiguous()
-            host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
-            for src, sv, dv in t["copies"]:
-                run.add(Copy(src, _view(sv), _view(dv)), host)
-            finish.append((target, host, t["fills"]))
-        run.run()
-        for target, host, fills in finish:
-            flat = host.view(-1)
-            for (off, shape, strides), value in fills:
-                torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
-            if host is not target:
-                target.copy_(host)
-        values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))
-        faults.point("client.restored", plan["step"])
-    finally:
-        conn.call("release", lease=plan["lease"])
+    tried: list[tuple[int, str]] = []
+    first: ChecksumMismatch | None = None  # what the first damaged source said
+    while True:
+        try:
+            plan = conn.call("restore", **body)
+        except ChecksumMismatch as exc:  # the daemon has no sound copy left
+            if first is None:
+                raise
+            raise ChecksumMismatch(f"{first}; then: {exc}; the targets are unchanged") from None
+        damaged = False
+        try:
+            faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
+            values = _apply_plan(ckpt, entries, plan)
+            faults.point("client.restored", plan["step"])
+        except ChecksumMismatch as exc:
+            damaged = True
+            first = first or exc
+            if (plan["step"], plan["where"]) in tried or len(tried) + 1 >= MAX_SOURCES_TRIED:
+                raise
+            tried.append((plan["step"], plan["where"]))
+            body["avoid"] = [list(t) for t in tried]
+            continue
+        finally:
+            conn.call("release", lease=plan["lease"], **({"damaged": True} if damaged else {}))
+        break
     ckpt.last_restore = {"step": plan["step"], "where": plan["where"]}
+    if tried:
+        ckpt.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
     return plan["step"], values
+
+
+def _apply_plan(ckpt, entries: list, plan: dict) -> dict[str, Any]:
+    """Verify every source chunk the plan reads and the plain values, then copy and fill."""
+    sources = plan["sources"]
+    arrays = []
+    ckpt._maps.forget_missing()
+    wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
+    for s in sources:
+        whole = wholes.get(s["path"])
+        if whole is None:
+            try:
+                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
+            except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
+                raise ChecksumMismatch(f"restore source {s['path']} cannot be read ({exc})") from None
+        if s["offset"] + s["nbytes"] > whole.nbytes:
+            raise ChecksumMismatch(f"restore source {s['path']} is shorter than the plan says (truncated?)")
+        arrays.append(whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage))
+    run = _Executor(sources, arrays)
+    finish = []  # (target, host buffer, fills)
+    for e, t in zip(entries, plan["tensors"]):
+        target = e.tensor
+        on_host = target.device.type == "cpu" and target.is_contiguous()
+        host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
+        for src, sv, dv in t["copies"]:
+            run.add(Copy(src, _view(sv), _view(dv)), host)
+        finish.append((target, host, t["fills"]))
+    values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))  # checked before any write
+    run.verify()
+    run.run()
+    for target, host, fills in finish:
+        flat = host.view(-1)
+        for (off, shape, strides), value in fills:
+            torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
+        if host is not target:
+            target.copy_(host)
+    return values
