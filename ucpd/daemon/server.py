@@ -25,7 +25,7 @@ import zmq
 from .. import faults, knobs, native, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import (
-    AlreadyRunning, ChecksumMismatch, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
+    AlreadyRunning, ChecksumMismatch, FormatError, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
 )
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
@@ -518,7 +518,20 @@ class Daemon:
             except VersionNotFound:
                 raise damaged from None
         else:
-            reader = self._open_disk(step if step is not None else disk, job)
+            target = step if step is not None else disk
+            while True:
+                try:
+                    reader = self._open_disk(target, job)
+                    break
+                except FormatError as exc:  # a flushed version torn since (a file cut short): the one before
+                    if step is not None or target is None:
+                        raise
+                    self.note_checksum_failure("disk")
+                    log.error("job %r: flushed step %d is damaged (%s); restoring an older one", job, target, exc)
+                    avoid = set(avoid) | {(job, target, "disk")}
+                    target = self._disk_choice(job, avoid)
+                    if target is None:
+                        raise
         with reader:
             sources = restore_plan.from_disk(reader)
             # the reader checked these against the version's own checksums
