@@ -218,3 +218,19 @@ def test_a_damaged_index_is_refused_on_restart_counted_and_the_flush_dir_serves(
         t = sentinel()
         assert ckpt.restore(t) == 1 and ckpt.last_restore["where"] == "disk"
         assert torch.equal(t["w"], state(1)["w"])
+
+
+def test_a_slot_file_cut_short_is_refused_before_the_daemon_reads_its_mapping(tmp_path):
+    """The flusher and the team read slots through the daemon's mapping: one of a file cut short
+    would SIGBUS the daemon, so ``Slot.mapping()`` checks the size first (mapped before or not)."""
+    from ucpd.daemon.slots import SlotStore, allocate_file
+
+    slots = SlotStore(str(tmp_path), 64 << 20)
+    path = str(tmp_path / "slot-000001.shm")
+    allocate_file(path, 4 << 20)
+    slot = slots.add(1, path, 4 << 20)
+    assert len(slot.mapping()) == 4 << 20
+    os.truncate(path, 4096)
+    with pytest.raises(ChecksumMismatch, match="cut to 4096"):
+        slot.mapping()
+    slots.close()
