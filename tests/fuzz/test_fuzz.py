@@ -167,3 +167,49 @@ def test_msgpack_bombs_are_refused_without_allocating(make_daemon):
     ]
     counts = send_frames(d.run_dir, bombs)
     assert sum(counts.values()) == len(bombs)
+
+
+# --- regressions: defects the fuzzers found ------------------------------------------------------
+
+
+@pytest.mark.parametrize("payload, words", [
+    (b"\x80\x02]r\xff\xff\xff\x7f.", "memo index"),  # LONG_BINPUT 2**31-1: the memo table grew to it (GiBs zeroed)
+    (b"\x80\x05\x96\x00\x00\x00\x00\x10\x00\x00\x00.", "malformed"),  # BYTEARRAY8 of 64 GiB in 12 bytes
+    (b"\x80\x04\x95\x00\x00\x00\x00\x00\x01\x00\x00.", "frame"),  # FRAME of 16 TiB
+    (b"\x80\x02c__builtin__\nbytearray\nJ\x00\x00\x00\x40\x85R.", "bytearray built from int"),  # bytearray(1 GiB)
+])
+def test_pickles_that_claim_memory_are_refused_before_it_is_allocated(payload, words):
+    import resource
+
+    from ucpd.errors import FormatError
+    from ucpd.format.safe_unpickle import loads_pickle
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(FormatError, match=words):
+        loads_pickle(payload)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 64 << 10  # KiB: nothing big was touched
+
+
+def test_pickled_bytearrays_still_load():
+    import pickle
+
+    from ucpd.format.safe_unpickle import loads_pickle
+
+    for proto in (2, 3, 4, 5):
+        assert loads_pickle(pickle.dumps({"b": bytearray(b"\x00\xffab")}, protocol=proto)) == {"b": bytearray(b"\x00\xffab")}
+
+
+@pytest.mark.parametrize("doc", [
+    {"index_version": 1, "chunk_bytes": 1 << 20},  # no slots: a KeyError took the daemon down at start
+    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [{"id": "x"}], "versions": []},
+    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [{"id": 1, "path": "../../etc/passwd", "size": 1}], "versions": []},
+    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [], "versions": [{"parts": [{"rank": 0}]}]},
+])
+def test_a_malformed_index_starts_the_store_empty(tmp_path, doc):
+    from ucpd.daemon.index import INDEX_NAME
+    from ucpd.daemon.store import NodeStore
+
+    (tmp_path / INDEX_NAME).write_bytes(msgpack.packb(doc))
+    store = NodeStore(str(tmp_path), 64 << 20, keep=2)
+    assert store.adopted.index_damaged and not list(store.versions())
+    store.close()
