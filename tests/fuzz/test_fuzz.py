@@ -213,3 +213,20 @@ def test_a_malformed_index_starts_the_store_empty(tmp_path, doc):
     store = NodeStore(str(tmp_path), 64 << 20, keep=2)
     assert store.adopted.index_damaged and not list(store.versions())
     store.close()
+
+
+def test_a_message_of_several_frames_gets_a_protocol_error_not_silence(make_daemon):
+    d = make_daemon("--mem-limit", "64M", flush=False)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"ipc://{os.path.join(d.run_dir, 'ucpd.sock')}")
+    try:
+        for parts in ([b"a", b"b"], [protocol.request("status", 1), b"x", b"y"], [b"", b"", b""]):
+            sock.send_multipart(parts)
+            assert sock.poll(5000), parts
+            _, body, err = protocol.decode_reply(sock.recv())
+            assert isinstance(err, ProtocolError) and "one frame" in str(err)
+    finally:
+        sock.close()
+    with Connection(d.run_dir) as conn:
+        assert conn.call("status")["counters"]["bad_messages"] == 3

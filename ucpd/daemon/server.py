@@ -214,6 +214,11 @@ class Daemon:
                             break
                         if ident is None:
                             continue
+                        if frame is None:  # more frames than one request: answered, not dropped
+                            self.store.counters.bad_messages += 1
+                            self._reply(ident, protocol.error(0, ProtocolError(
+                                "a request is one frame (a msgpack envelope); this message had several")))
+                            continue
                         self._handle(ident, frame)
                 for step in (self._drain_done, self._answer_waits, self._housekeeping, self._team_tick):
                     try:
@@ -230,7 +235,9 @@ class Daemon:
             return parts[0], parts[1]
         if len(parts) == 3 and parts[1] == b"":
             return parts[0], parts[2]
-        return None, None  # not a DEALER envelope: drop it
+        if len(parts) > 1:
+            return parts[0], None  # several frames: the loop answers with a ProtocolError
+        return None, None
 
     def _reply(self, ident: bytes, frame: bytes) -> None:
         try:
