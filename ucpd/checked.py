@@ -208,6 +208,8 @@ class CheckedCopier:
         self.apart: dict[Hashable, list[tuple[int, int]]] = {}  # source byte ranges verified on their own
         self.scatter: list[tuple] = []  # (key, dst_ptr, dst_strides, src_ptr, shape, itemsize, lo)
         self.strided: dict[Hashable, list[tuple[np.ndarray, Copy]]] = {}
+        self.reads: dict[Hashable, list[tuple[int, int]]] = {}  # contiguous source byte ranges read
+        self.verified = False  # verify() ran: run() need not check apart what it checked
 
     def _src_base(self, key: Hashable) -> int:
         base = self._base.get(key)
@@ -234,6 +236,8 @@ class CheckedCopier:
                 f"target bytes {dlo}..{dhi} of {dst_nbytes}); the planner and the buffers disagree"
             )
         chunk = src.chunk
+        if c.src_view.is_contiguous:
+            self.reads.setdefault(c.src_key, []).append((lo, hi))
         if c.src_view.is_contiguous and not c.dst_view.is_contiguous and chunk % itemsize == 0:
             d = dst_ptr + c.dst_view.offset * itemsize
             self.scatter.append((c.src_key, d, c.dst_view.strides, self._src_base(c.src_key) + lo, c.dst_view.shape, itemsize, lo))
@@ -273,9 +277,23 @@ class CheckedCopier:
                 src = self.sources[key]
                 raise damaged(src, [(first + k, x) for k, x in enumerate(crcs) if x != want[first + k]])
 
+    def verify(self) -> None:
+        """Check every chunk the added copies read, writing nothing (raises :func:`damaged`).
+        Call it before ``run`` when a damaged source must leave the destinations as they were:
+        it costs one more read of the sources (``run`` still checks what it copies, in the same
+        pass: bytes that change in between are reported too)."""
+        threads = self.threads or knobs.copy_threads()
+        for key in set(self.reads) | set(self.strided):
+            src = self.sources[key]
+            chunks = set(touched_chunks(self.reads.get(key, ()), src.chunk, src.nbytes))
+            for _, c in self.strided.get(key, ()):
+                chunks |= view_chunks(c.src_view, src.array.itemsize, src.chunk)
+            verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
+        self.verified = True
+
     def run(self) -> None:
         threads = self.threads or knobs.copy_threads()
-        for key, ranges in self.apart.items():
+        for key, ranges in (() if self.verified else self.apart.items()):
             src = self.sources[key]
             verify(src, touched_chunks(ranges, src.chunk, src.nbytes), threads)
         if self.plain:
@@ -292,9 +310,10 @@ class CheckedCopier:
             src = self.sources[key]
             isz = src.array.itemsize
             chunks: set[int] = set()
-            for _, c in work:
-                chunks |= view_chunks(c.src_view, isz, src.chunk)
-            verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
+            if not self.verified:
+                for _, c in work:
+                    chunks |= view_chunks(c.src_view, isz, src.chunk)
+                verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
             by_dst: dict[int, tuple[np.ndarray, list[Copy]]] = {}
             for dst, c in work:
                 by_dst.setdefault(id(dst), (dst, []))[1].append(c)

@@ -90,6 +90,12 @@ def _shape(field: str, v: Any) -> tuple[int, ...]:
     return tuple(_int()(field, d) for d in v)
 
 
+def _avoid_entry(field: str, v: Any) -> tuple[int, str]:
+    if not (isinstance(v, (list, tuple)) and len(v) == 2 and v[1] in ("ram", "disk")):
+        raise ProtocolError(f"field {field!r} must be [step, \"ram\" | \"disk\"]")
+    return _int()(field, v[0]), v[1]
+
+
 def _list_of(item: Callable[[str, Any], Any], max_len: int = 1 << 20) -> Callable[[str, Any], list]:
     def check(field: str, v: Any) -> list:
         if not isinstance(v, (list, tuple)) or len(v) > max_len:
@@ -215,7 +221,9 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "restore",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
-            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str},
+            # avoid: [[step, "ram" | "disk"], ...] copies that failed their checksums at this client
+            # (a retry): the daemon plans from the next source, or the previous version
+            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str, "avoid": _list_of(_avoid_entry, 16)},
             "plan the copies that fill these targets; reply: {lease, step, where, sources, tensors, objects by rank}; "
             "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died",
         ),
@@ -225,7 +233,14 @@ REQUESTS: dict[str, MessageType] = {
             {"step": _int(), "job": job_name},
             "what a version holds: {step, where, tensors: {name: {dtype, shape}}, objects by rank}",
         ),
-        MessageType("release", {"lease": _int()}, {}, "the client finished reading a restore's sources"),
+        MessageType(
+            "release",
+            {"lease": _int()},
+            # damaged: a source failed its checksums at the client (nothing was written); the
+            # daemon counts it and serves the next restore of that step from another source
+            {"damaged": _bool},
+            "the client finished reading a restore's sources",
+        ),
         MessageType("status", {}, {}, "reply: the daemon's state as a JSON-able map"),
         MessageType("drop", {"job": job_name}, {}, "free every version of a job on this node; reply: {job, steps, bytes}"),
         MessageType("shutdown", {}, {}, "stop the daemon (keeps shm segments for re-adoption)"),

@@ -80,9 +80,20 @@ def process_id() -> dict:
         return {}
 
 
+MAX_SOURCES_TRIED = 4  # a restore whose source fails its checksums asks the daemon for the next one
+
+
 def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
-    global elements its placement names. Returns (step, the version's plain values)."""
+    global elements its placement names. Returns (step, the version's plain values).
+
+    Every chunk a plan reads is verified before any target is written: a damaged source
+    (a flipped byte in a slot or a flushed file) leaves the targets as they were. The client
+    then tells the daemon (``release`` with ``damaged``), which counts it
+    (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
+    the daemon answers from the next source, the same step from the flush dir, or (no step
+    asked) the previous version. When no other
+    source is left, ChecksumMismatch is raised, the targets untouched."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -91,41 +102,72 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
     body = {"rank": ckpt.rank, "world_size": ckpt.world_size, "targets": targets, **process_id()}
     if step is not None:
         body["step"] = step
-    plan = conn.call("restore", **body)
-    try:
-        faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
-        sources = plan["sources"]
-        arrays = []
-        ckpt._maps.forget_missing()
-        wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
-        for s in sources:
-            whole = wholes.get(s["path"])
-            if whole is None:
-                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
-            if s["offset"] + s["nbytes"] > whole.nbytes:
-                raise PlacementMismatch(f"restore source {s['path']} is shorter than the plan says")
-            arrays.append(_source(s, whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage)))
-        run = CheckedCopier(arrays, threads=knobs.copy_threads())
-        finish = []  # (target, host buffer, fills)
-        for e, t in zip(entries, plan["tensors"]):
-            target = e.tensor
-            on_host = target.device.type == "cpu" and target.is_contiguous()
-            host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
-            if t["copies"]:
-                ptr, isz = host.data_ptr(), host.element_size()
-                for src, sv, dv in t["copies"]:
-                    run.add(Copy(src, _view(sv), _view(dv)), ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
-            finish.append((target, host, t["fills"]))
-        run.run()
-        for target, host, fills in finish:
-            flat = host.view(-1)
-            for (off, shape, strides), value in fills:
-                torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
-            if host is not target:
-                target.copy_(host)
-        values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))
-        faults.point("client.restored", plan["step"])
-    finally:
-        conn.call("release", lease=plan["lease"])
+    tried: list[tuple[int, str]] = []
+    first: ChecksumMismatch | None = None  # what the first damaged source said
+    while True:
+        try:
+            plan = conn.call("restore", **body)
+        except ChecksumMismatch as exc:  # the daemon has no sound copy left
+            if first is None:
+                raise
+            raise ChecksumMismatch(f"{first}; then: {exc}; the targets are unchanged") from None
+        damaged = False
+        try:
+            faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
+            values = _apply_plan(ckpt, entries, plan)
+            faults.point("client.restored", plan["step"])
+        except ChecksumMismatch as exc:
+            damaged = True
+            first = first or exc
+            if (plan["step"], plan["where"]) in tried or len(tried) + 1 >= MAX_SOURCES_TRIED:
+                raise
+            tried.append((plan["step"], plan["where"]))
+            body["avoid"] = [list(t) for t in tried]
+            continue
+        finally:
+            conn.call("release", lease=plan["lease"], **({"damaged": True} if damaged else {}))
+        break
     ckpt.last_restore = {"step": plan["step"], "where": plan["where"]}
+    if tried:
+        ckpt.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
     return plan["step"], values
+
+
+def _apply_plan(ckpt, entries: list, plan: dict) -> dict[str, Any]:
+    """Verify every source chunk the plan reads and the plain values, then copy and fill: a
+    damaged source leaves every target as it was."""
+    sources = plan["sources"]
+    arrays = []
+    ckpt._maps.forget_missing()
+    wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
+    for s in sources:
+        whole = wholes.get(s["path"])
+        if whole is None:
+            try:
+                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
+            except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
+                raise ChecksumMismatch(f"restore source {s['path']} cannot be read ({exc})") from None
+        if s["offset"] + s["nbytes"] > whole.nbytes:
+            raise ChecksumMismatch(f"restore source {s['path']} is shorter than the plan says (truncated?)")
+        arrays.append(_source(s, whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage)))
+    run = CheckedCopier(arrays, threads=knobs.copy_threads())
+    finish = []  # (target, host buffer, fills)
+    for e, t in zip(entries, plan["tensors"]):
+        target = e.tensor
+        on_host = target.device.type == "cpu" and target.is_contiguous()
+        host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
+        if t["copies"]:
+            ptr, isz = host.data_ptr(), host.element_size()
+            for src, sv, dv in t["copies"]:
+                run.add(Copy(src, _view(sv), _view(dv)), ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
+        finish.append((target, host, t["fills"]))
+    values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))  # checked before any write
+    run.verify()  # every chunk the copies read, before the first byte lands in a target
+    run.run()
+    for target, host, fills in finish:
+        flat = host.view(-1)
+        for (off, shape, strides), value in fills:
+            torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
+        if host is not target:
+            target.copy_(host)
+    return values

@@ -154,7 +154,8 @@ def test_embedded_daemon_starts_and_outlives_the_trainer(tmp_path, dirs):
     assert not os.path.exists(os.path.join(run, "ucpd.sock"))
 
 
-def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemon, dirs):
+def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(make_daemon, dirs):
+    daemon = make_daemon("--mem-limit", "1G", "--keep", "2", flush=False)  # no flushed copy to fall back on
     n = (3 << 20) + 7  # 12 MiB + 28 bytes of float32: four CRC chunks, the last one short
     full = torch.randn(n, generator=torch.Generator().manual_seed(9))
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
@@ -187,7 +188,8 @@ def test_slices_that_start_and_end_inside_crc_chunks_are_exact_and_checked(daemo
         ckpt.restore({"v": torch.zeros(5)}, placements={"v": P.Box((n - 5,), (5,), (n,))})  # other chunks fine
 
 
-def test_whole_tensor_from_column_shards_is_exact_and_checked(daemon, dirs):
+def test_whole_tensor_from_column_shards_is_exact_and_checked(make_daemon, dirs):
+    daemon = make_daemon("--mem-limit", "1G", "--keep", "2", flush=False)  # no flushed copy to fall back on
     g = torch.Generator().manual_seed(4)
     full = torch.randn(513, 4099, generator=g)  # odd sizes: shards end inside CRC chunks
     halves = [full[:, :2050].contiguous(), full[:, 2050:].contiguous()]

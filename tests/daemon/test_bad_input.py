@@ -111,7 +111,8 @@ def test_daemon_class_raises_already_running(daemon, dirs):
         Daemon(DaemonConfig(run_dir=daemon.run_dir, shm_dir=dirs["shm"] + "-3", mem_limit=1 << 30))
 
 
-def test_a_flipped_byte_in_ram_is_a_checksum_mismatch(daemon, dirs):
+def test_a_flipped_byte_in_ram_is_a_checksum_mismatch(make_daemon, dirs):
+    daemon = make_daemon("--mem-limit", "1G", "--keep", "2", flush=False)  # no flushed copy to fall back on
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.arange(1000.0)}).wait()
         status = ckpt.status()

@@ -187,7 +187,9 @@ def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
             f.write(bytes([b[0] ^ 0xFF]))
     wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
     restore_on(team.run_dirs()[:2], 2, 1, 1, 1)  # node 0's rank reads node 2's part from node 1
-    assert status(team.nodes[0].run_dir)["team"]["counters"]["replica_checksum_errors"] >= 1
+    st = status(team.nodes[0].run_dir)
+    assert st["team"]["counters"]["replica_checksum_errors"] >= 1
+    assert st["checksum_failures"]["replica"] >= 1  # ucpd_checksum_failures_total{where="replica"}
 
 
 def test_junk_and_forged_messages_on_the_peer_port_are_refused_and_the_team_keeps_committing(make_team):
@@ -286,6 +288,7 @@ def test_a_flipped_bit_in_a_parity_block_is_detected_and_the_rebuild_goes_around
     restore_on([team.nodes[i].run_dir for i in range(5)], 5, 1, 1, 2)  # bit for bit
     errors = [status(team.nodes[i].run_dir)["team"]["counters"]["parity_checksum_errors"] for i in range(5)]
     assert sum(errors) >= 1, errors  # the flipped block was caught, not served
+    assert sum(status(team.nodes[i].run_dir)["checksum_failures"].get("parity", 0) for i in range(5)) == sum(errors)
 
 
 def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(make_team, monkeypatch):

@@ -6,6 +6,13 @@ file that is then renamed over the old one: a crash mid-update leaves the old in
 new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
 Versions that were not complete come back as nothing.
+
+The file is ``{"index_version": 2, "crc32c": CRC32C(body), "body": msgpack(doc)}``: a flipped
+byte or a cut anywhere fails the checksum (or the decode), and every field of the document is
+checked (types, slot ids, each tensor inside its slot) before anything is re-adopted. A damaged
+index is never trusted: the daemon starts empty, removes the segments, and says so
+(``Adopted.index_damaged``, counted as a checksum failure in ``index``); restores then come
+from the flush dir. Version 1 files (no checksum, written before) are still read, and checked.
 """
 
 from __future__ import annotations
@@ -15,14 +22,15 @@ from dataclasses import dataclass
 
 import msgpack
 
-from .. import faults
-from ..native import CHUNK_BYTES
+from .. import faults, protocol
+from ..native import CHUNK_BYTES, crc32c
 
 from .slots import SlotState, SlotStore
 from .versions import DEFAULT_JOB, RankPart, TensorEntry, Version, VersionState
 
 INDEX_NAME = "index.msgpack"
-INDEX_VERSION = 1
+INDEX_VERSION = 2
+MAX_INDEX_BYTES = 1 << 30
 
 
 def save(shm_dir: str, slots: SlotStore, store) -> None:
@@ -64,7 +72,8 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
     path = os.path.join(shm_dir, INDEX_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # manifests: ours alone
-        f.write(msgpack.packb(doc, use_bin_type=True))
+        body = msgpack.packb(doc, use_bin_type=True)
+        f.write(msgpack.packb({"index_version": INDEX_VERSION, "crc32c": crc32c(body), "body": body}, use_bin_type=True))
         f.flush()
         os.fsync(f.fileno())
     faults.point("index.tmp", max((v["step"] for v in versions if v["state"] != "complete"), default=None))
@@ -76,28 +85,132 @@ class Adopted:
     slots: int
     versions: int
     dropped: list[str]
+    index_damaged: bool = False  # the index failed its checksum or its checks: started empty
+
+
+def _unpack(data: bytes) -> object:
+    if not isinstance(data, bytes):
+        raise ValueError("packed field is not bytes")
+    try:
+        return msgpack.unpackb(
+            data, raw=False, strict_map_key=False, max_array_len=protocol.MAX_ITEMS, max_map_len=protocol.MAX_ITEMS
+        )
+    except Exception as exc:  # msgpack raises several unrelated types for bad bytes
+        raise ValueError(f"not msgpack ({exc})") from None
+
+
+def _need(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _int(v, what: str) -> int:
+    _need(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 62, f"{what} is not a non-negative integer")
+    return v
+
+
+def _slot_name(v) -> str:
+    _need(isinstance(v, str) and v.startswith("slot-") and "/" not in v and "\0" not in v and v not in (".", ".."),
+          f"slot file name {v!r} is not a slot's")
+    return v
+
+
+def decode(data: bytes) -> dict:
+    """Decode and check an index file's bytes; raises ValueError for any damage (see ``_decode``)."""
+    try:
+        return _decode(data)
+    except protocol.ProtocolError as exc:  # a tensor entry failing the wire schema
+        raise ValueError(str(exc)) from None
+
+
+def _decode(data: bytes) -> dict:
+    """Decode and check an index file's bytes; raises ValueError (any damage) or returns the
+    document with every field checked: ``slots`` [{id, path, size}], ``versions`` [{step, job,
+    world_size, state, created, committed_at, on_disk, parts: [{rank, slot, objects,
+    objects_crc, layout, tensors: [wire TENSOR_ENTRY]}]}], ``next_slot``, ``team_job``."""
+    _need(len(data) <= MAX_INDEX_BYTES, "larger than the limit")
+    outer = _unpack(data)
+    _need(isinstance(outer, dict), "not a map")
+    version = outer.get("index_version")
+    if version == 2:
+        body = outer.get("body")
+        _need(set(outer) == {"index_version", "crc32c", "body"} and isinstance(body, bytes), "malformed envelope")
+        _need(crc32c(body) == outer["crc32c"], "its CRC32C does not match (flipped or cut bytes)")
+        doc = _unpack(body)
+        _need(isinstance(doc, dict), "body is not a map")
+    elif version == 1:  # written by an older daemon: no checksum, checked field by field below
+        doc = outer
+    else:
+        raise ValueError(f"unknown index version {version!r}")
+    _need(doc.get("chunk_bytes") == CHUNK_BYTES, f"its checksums use {doc.get('chunk_bytes')}-byte chunks, this build {CHUNK_BYTES}")
+    out = {"next_slot": _int(doc.get("next_slot", 1), "next_slot")}
+    team_job = doc.get("team_job")
+    out["team_job"] = protocol.job_name("team_job", team_job) if team_job is not None else None
+    slots, sizes = [], {}
+    _need(isinstance(doc.get("slots"), list), "slots is not a list")
+    for s in doc["slots"]:
+        _need(isinstance(s, dict), "a slot is not a map")
+        sid, size = _int(s.get("id"), "slot id"), _int(s.get("size"), "slot size")
+        _need(sid not in sizes, f"slot {sid} listed twice")
+        sizes[sid] = size
+        slots.append({"id": sid, "path": _slot_name(s.get("path")), "size": size})
+    out["slots"] = slots
+    versions = []
+    _need(isinstance(doc.get("versions"), list), "versions is not a list")
+    for raw in doc["versions"]:
+        _need(isinstance(raw, dict) and isinstance(raw.get("parts"), list), "a version is not a map with parts")
+        v = {
+            "step": _int(raw.get("step"), "step"),
+            "job": protocol.job_name("job", raw.get("job", DEFAULT_JOB)),
+            "world_size": _int(raw.get("world_size"), "world_size"),
+            "state": VersionState(raw.get("state")),
+            "on_disk": bool(raw.get("on_disk", False)),
+        }
+        _need(v["state"] in (VersionState.COMMITTED, VersionState.FLUSHED, VersionState.COMPLETE), "a version in a state never indexed")
+        for key in ("created", "committed_at"):
+            t = raw.get(key)
+            _need((t is None and key == "committed_at") or (isinstance(t, (int, float)) and not isinstance(t, bool)), f"{key} is not a time")
+            v[key] = t
+        parts = []
+        for rp in raw["parts"]:
+            _need(isinstance(rp, dict), "a part is not a map")
+            rank, sid = _int(rp.get("rank"), "rank"), _int(rp.get("slot"), "part slot")
+            _need(rank < v["world_size"], f"rank {rank} outside a world of {v['world_size']}")
+            packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
+            tensors = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", packed)
+            for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
+                _need(sid not in sizes or t["offset"] + t["nbytes"] <= sizes[sid], f"tensor {t['name']!r} ends outside slot {sid}")
+            objects = rp.get("objects")
+            _need(isinstance(objects, bytes), "objects are not bytes")
+            crc = rp.get("objects_crc")
+            _need(crc is None or (isinstance(crc, int) and 0 <= crc < 1 << 32), "objects_crc is not a CRC32C")
+            _need(crc is None or crc32c(objects) == crc, f"step {v['step']} rank {rank}: plain values fail their CRC32C")
+            layout = rp.get("layout")
+            _need(layout is None or isinstance(layout, dict), "layout is not a map")
+            parts.append({"rank": rank, "slot": sid, "objects": objects, "objects_crc": crc, "layout": layout, "tensors": tensors})
+        v["parts"] = parts
+        versions.append(v)
+    out["versions"] = versions
+    return out
 
 
 def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
     """Re-adopt what a previous daemon left in shm_dir; unknown or broken files are removed."""
     path = os.path.join(shm_dir, INDEX_NAME)
     dropped: list[str] = []
+    damaged = False
     doc = None
     if os.path.exists(path):
         try:
             with open(path, "rb") as f:
-                doc = msgpack.unpackb(f.read(), raw=False, strict_map_key=False)
-            if not isinstance(doc, dict) or doc.get("index_version") != INDEX_VERSION:
-                raise ValueError("unknown index version")
-            if doc.get("chunk_bytes") != CHUNK_BYTES:
-                raise ValueError(f"its checksums use {doc.get('chunk_bytes')}-byte chunks, this build {CHUNK_BYTES}")
+                doc = decode(f.read(MAX_INDEX_BYTES + 1))
         except Exception as exc:  # a damaged index: start empty rather than trust it
             dropped.append(f"index unreadable ({exc}); starting empty")
-            doc = None
+            doc, damaged = None, True
     known: set[str] = set()
     if doc:
-        slots.next_id = max(slots.next_id, int(doc.get("next_slot", 1)))
-        if store.team_job is None and isinstance(doc.get("team_job"), str):
+        slots.next_id = max(slots.next_id, doc["next_slot"])
+        if store.team_job is None and doc["team_job"] is not None:
             store.team_job = doc["team_job"]
         for s in doc["slots"]:
             p = os.path.join(shm_dir, s["path"])
@@ -109,17 +222,17 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
         for raw in doc["versions"]:
             parts = {}
             for rp in raw["parts"]:
-                if rp["slot"] not in slots.slots:
+                if rp["slot"] not in slots.slots or rp["rank"] in parts or slots.slots[rp["slot"]].state is SlotState.HELD:
                     break
-                raw_tensors = rp["tensors"] if "tensors" in rp else msgpack.unpackb(rp["tensors_packed"], raw=False)
-                tensors = [TensorEntry.from_wire(t) for t in raw_tensors]
-                parts[rp["rank"]] = RankPart(
-                    rp["rank"], rp["slot"], tensors, rp["objects"], rp.get("layout"), rp.get("objects_crc")
-                )
+                tensors = [TensorEntry.from_wire(t) for t in rp["tensors"]]
+                parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp["layout"], rp["objects_crc"])
             else:
-                job = raw.get("job", DEFAULT_JOB)
-                v = Version(raw["step"], raw["world_size"], VersionState(raw["state"]), parts, raw["created"], raw["committed_at"])
-                v.on_disk, v.job = raw.get("on_disk", False), job
+                job = raw["job"]
+                if raw["step"] in store.table_of(job).versions:
+                    dropped.append(f"step {raw['step']} of job {job!r} listed twice")
+                    continue
+                v = Version(raw["step"], raw["world_size"], raw["state"], parts, raw["created"], raw["committed_at"])
+                v.on_disk, v.job = raw["on_disk"], job
                 store.table_of(job).versions[v.step] = v
                 for p in parts.values():
                     slot = slots.slots[p.slot]
@@ -138,4 +251,4 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
         if name.startswith("slot-") and name not in known:
             os.unlink(os.path.join(shm_dir, name))
             dropped.append(f"removed stray segment {name}")
-    return Adopted(len(slots.slots), sum(1 for _ in store.versions()), dropped)
+    return Adopted(len(slots.slots), sum(1 for _ in store.versions()), dropped, damaged)

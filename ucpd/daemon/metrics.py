@@ -23,10 +23,17 @@ class _Collector:
 
             reasons = degraded(d, {"state": fstate[0], "current_step": progress.step, "seconds_without_progress": fstate[1],
                                    "last_error": progress.last_error} if fstate else None, team)
+            damaged = d.checksum_failures()
         for name, value in c.items():
             yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
         yield GaugeMetricFamily("ucpd_degraded", "1 while the daemon works with less than configured (see ucpd status)",
                                 value=1 if reasons else 0)
+        failures = CounterMetricFamily(
+            "ucpd_checksum_failures", "bytes that failed their CRC32C, by where they were kept", labels=["where"]
+        )
+        for where in ("ram", "disk", "index", "replica", "parity", "peer", "transport"):
+            failures.add_metric([where], damaged.get(where, 0))
+        yield failures
         yield GaugeMetricFamily("ucpd_mem_used_bytes", "bytes held in shm slots", value=used)
         yield GaugeMetricFamily("ucpd_mem_limit_bytes", "memory limit for slots", value=limit)
         newest = GaugeMetricFamily("ucpd_latest_committed_step", "newest committed step of each job (-1: none)", labels=["job"])

@@ -24,7 +24,9 @@ import zmq
 
 from .. import faults, knobs, native, protocol
 from ..dtypes import dtype as lookup_dtype
-from ..errors import AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
+from ..errors import (
+    AlreadyRunning, ChecksumMismatch, FormatError, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
+)
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .slot_prep import SlotPreparer
@@ -161,6 +163,13 @@ class Daemon:
         self.prep = SlotPreparer(self.store, self._done, rotation, warm=config.prepare_spare)
         self._waits: list[_Parked] = []
         self._leases: dict[int, tuple[object, float]] = {}
+        self._lease_src: dict[int, tuple[str, int, str]] = {}  # lease -> (job, step, "ram" | "disk") it reads
+        # checksum failures detected by this daemon or reported by its clients, by where the
+        # damaged bytes were ("ram": a slot, "disk": a flushed file, "index": the shm index);
+        # the team's (replica, parity, peer, transport) are added by checksum_failures()
+        self._checksum_failures: dict[str, int] = {}
+        if self.store.adopted.index_damaged:
+            self._checksum_failures["index"] = 1
         self._next_lease = 1
         self._readers_checked = 0.0
         self._clients: dict[int, float] = {}  # pid -> last seen
@@ -205,6 +214,11 @@ class Daemon:
                             break
                         if ident is None:
                             continue
+                        if frame is None:  # more frames than one request: answered, not dropped
+                            self.store.counters.bad_messages += 1
+                            self._reply(ident, protocol.error(0, ProtocolError(
+                                "a request is one frame (a msgpack envelope); this message had several")))
+                            continue
                         self._handle(ident, frame)
                 for step in (self._drain_done, self._answer_waits, self._housekeeping, self._team_tick):
                     try:
@@ -221,7 +235,9 @@ class Daemon:
             return parts[0], parts[1]
         if len(parts) == 3 and parts[1] == b"":
             return parts[0], parts[2]
-        return None, None  # not a DEALER envelope: drop it
+        if len(parts) > 1:
+            return parts[0], None  # several frames: the loop answers with a ProtocolError
+        return None, None
 
     def _reply(self, ident: bytes, frame: bytes) -> None:
         try:
@@ -436,24 +452,100 @@ class Daemon:
         hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
         return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
 
-    def _find_version(self, step: int | None, job: str):
-        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
-        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer."""
+    def note_checksum_failure(self, where: str, n: int = 1) -> None:
+        """Count ``n`` checksum failures of bytes kept in ``where`` (metrics, status)."""
+        self._checksum_failures[where] = self._checksum_failures.get(where, 0) + n
+
+    def checksum_failures(self) -> dict[str, int]:
+        """Checksum failures by where the damaged bytes were: this daemon's and its team's."""
+        out = dict(self._checksum_failures)
         if self.team is not None:
-            return self._team_find(step, job)
+            st = self.team.counters
+            more = {
+                "replica": self.team.replicas.checksum_errors if self.team.replicas else 0,
+                "parity": st.get("parity_checksum_errors", 0),
+                "peer": st.get("fetch_checksum_errors", 0),
+                "transport": self.team.transport.counters.get("checksum_errors", 0),
+            }
+            for k, v in more.items():
+                if v:
+                    out[k] = out.get(k, 0) + v
+        return out
+
+    def _ram_choice(self, step: int | None, job: str, avoid: set):
+        """The RAM version to restore ``step`` from (None: the newest committed), skipping copies
+        a client found damaged."""
         version = self.store.version_for_restore(step, job)
-        disk = self._disk_latest(job) if step is None else None
+        if version is None or (job, version.step, "ram") not in avoid:
+            return version
+        if step is not None:
+            return None
+        table = self.store.tables.get(job)
+        sound = [v for v in (table.committed() if table else []) if (job, v.step, "ram") not in avoid]
+        return sound[-1] if sound else None
+
+    def _disk_choice(self, job: str, avoid: set) -> int | None:
+        """The newest complete flushed step of ``job`` that no client found damaged."""
+        newest = self._disk_latest(job)
+        if newest is None or (job, newest, "disk") not in avoid:
+            return newest
+        from ..format import list_versions
+
+        steps = [v.step for v in list_versions(self.job_flush_dir(job)) if v.state == "complete"]
+        sound = [s for s in steps if (job, s, "disk") not in avoid]
+        return max(sound) if sound else None
+
+    def _find_version(self, step: int | None, job: str, avoid: set = frozenset()):
+        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
+        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer.
+        ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
+        (a retry): the same step from the other place, or (no step asked) the newest other version."""
+        if self.team is not None:
+            return self._team_find(step, job, avoid)
+        version = self._ram_choice(step, job, avoid)
+        disk = self._disk_choice(job, avoid) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             sources = self._ram_sources(version)
             objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
             return sources, objects, version.step, version, "ram"
-        with self._open_disk(step, job) as reader:
+        if step is None and disk is None and avoid:
+            raise ChecksumMismatch(
+                f"job {job!r}: every version this daemon holds in RAM or in the flush dir that a restore tried "
+                "failed its checksums"
+            )
+        if step is not None and {(job, step, "disk"), (job, step, "ram")} & avoid:
+            damaged = ChecksumMismatch(
+                f"job {job!r} step {step}: every copy this daemon can reach (RAM, flush dir) failed its checksums; "
+                "restore an older step"
+            )
+            if (job, step, "disk") in avoid:
+                raise damaged
+            try:
+                reader = self._open_disk(step, job)
+            except VersionNotFound:
+                raise damaged from None
+        else:
+            target = step if step is not None else disk
+            while True:
+                try:
+                    reader = self._open_disk(target, job)
+                    break
+                except FormatError as exc:  # a flushed version torn since (a file cut short): the one before
+                    if step is not None or target is None:
+                        raise
+                    self.note_checksum_failure("disk")
+                    log.error("job %r: flushed step %d is damaged (%s); restoring an older one", job, target, exc)
+                    avoid = set(avoid) | {(job, target, "disk")}
+                    target = self._disk_choice(job, avoid)
+                    if target is None:
+                        raise
+        with reader:
             sources = restore_plan.from_disk(reader)
             # the reader checked these against the version's own checksums
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
 
-    def _team_find(self, step: int | None, job: str):
+    def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
         """``_find_version`` across the team (a worker thread: it asks the peers). The team's
         RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
         if self.store.team_job is not None and job != self.store.team_job:
@@ -468,12 +560,16 @@ class Daemon:
             if not self.config.flush_dir:
                 raise
             got = None
-        if got is not None and (disk is None or disk <= got.step):
+        damaged = got is not None and (job, got.step, "ram") in avoid
+        if got is not None and not damaged and (disk is None or disk <= got.step):
             return got.sources, got.objects, got.step, got, "ram"
         if got is not None:
             with self.store.lock:
                 got.release()
-        with self._open_disk(step, job) as reader:
+        if damaged and ((job, got.step, "disk") in avoid or (step is None and disk is None)):
+            raise ChecksumMismatch(f"job {job!r} step {got.step}: the team's copy failed its checksums at the client "
+                                   "and the flush dir holds no sound copy")
+        with self._open_disk(got.step if damaged else step, job) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return sources, objects, reader.step, None, "disk"
@@ -490,7 +586,9 @@ class Daemon:
         return self._restore(body)
 
     def _restore(self, body):
-        sources, objects, chosen, pin, where = self._find_version(body.get("step"), _job(body))
+        job = _job(body)
+        avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
+        sources, objects, chosen, pin, where = self._find_version(body.get("step"), job, avoid)
         try:
             plan = restore_plan.plan(sources, body["targets"])
             if self.team is not None and pin is not None:
@@ -516,6 +614,7 @@ class Daemon:
         # a reader in our pid namespace is watched: if it dies mid-read, its lease ends then
         reader = body.get("pid") if body.get("pidns") and body.get("pidns") == _PIDNS else None
         self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS, reader)
+        self._lease_src[lease] = (_job(body), chosen, where)
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
@@ -548,11 +647,18 @@ class Daemon:
             raise self._not_this_job(step, job, f"{root}: {exc}") from None
 
     def _on_release(self, ident, req_id, body):
+        src = self._lease_src.get(body["lease"])
+        if body.get("damaged") and src is not None:
+            job, step, where = src
+            self.note_checksum_failure(where)
+            log.error("job %r step %d: a client found its %s copy damaged (a chunk failed its CRC32C); "
+                      "its retry reads another copy", job, step, where)
         self._end_lease(body["lease"])
         return {}
 
     def _end_lease(self, lease: int) -> None:
         pin, _, _ = self._leases.pop(lease, (None, 0.0, None))
+        self._lease_src.pop(lease, None)
         if hasattr(pin, "release"):
             pin.release()
         elif isinstance(pin, tuple):

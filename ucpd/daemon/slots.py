@@ -21,7 +21,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import SnapshotRejected
+from ..errors import ChecksumMismatch, SnapshotRejected
+
+
+def check_size(path: str, size: int) -> None:
+    """Raise ChecksumMismatch if the file at ``path`` holds fewer than ``size`` bytes (one that
+    is gone is left to the caller: a mapping keeps an unlinked file's bytes)."""
+    try:
+        got = os.stat(path).st_size
+    except FileNotFoundError:
+        return
+    if got < size:
+        raise ChecksumMismatch(f"{path} was cut to {got} of its {size} bytes: its data is lost")
 
 
 class SlotState(enum.Enum):
@@ -43,7 +54,10 @@ class Slot:
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
-        """The daemon's read-write mapping of the slot (created on first use, kept)."""
+        """The daemon's read-write mapping of the slot (created on first use, kept). A file cut
+        short since (shm damage) raises ChecksumMismatch: reading its mapping past the new end
+        would kill the daemon with SIGBUS."""
+        check_size(self.path, self.size)
         if self._map is None:
             fd = os.open(self.path, os.O_RDWR)
             try:

@@ -81,6 +81,7 @@ def collect(daemon) -> dict:
         "mem_used": store.slots.used_bytes,
         "keep": store.keep,
         "latest_committed": latest.step if latest else None,
+        "checksum_failures": daemon.checksum_failures(),
         "jobs": jobs,
         "team_job": store.team_job,
         "job_mem_limit": store.job_limit or None,

@@ -33,6 +33,7 @@ import math
 import io
 import mmap
 import pickle
+import pickletools
 import struct
 import zipfile
 from collections import OrderedDict
@@ -65,8 +66,40 @@ _STORAGES = {
     "ComplexFloatStorage": "complex64", "UntypedStorage": "uint8",
 }
 _PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
+
+
+def _bytearray(source: Any = b"", encoding: Any = None) -> bytearray:
+    """``bytearray`` as pickles rebuild one (protocols 2-4: from bytes, or latin-1 text), never
+    ``bytearray(n)``: a pickle of a few bytes must not make the reader allocate n of them."""
+    if isinstance(source, (bytes, bytearray)) and encoding is None:
+        return bytearray(source)
+    if isinstance(source, str) and encoding in ("latin-1", "latin1"):
+        return bytearray(source.encode("latin-1"))
+    raise UnsafePickle(f"bytearray built from {type(source).__name__} (only from bytes or latin-1 text)")
+
+
 _SAFE_BUILTINS = {"set": set, "frozenset": frozenset, "complex": complex, "slice": slice,
-                  "bytearray": bytearray}
+                  "bytearray": _bytearray}
+_MEMO_PUTS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+def _check_lengths(data: bytes) -> None:
+    """Refuse, before the C unpickler sees them, opcodes that make it allocate what the pickle
+    merely claims: a BYTEARRAY8 (or a FRAME) longer than the pickle, and memo indices past its
+    length (the memo table grows to the index: ``LONG_BINPUT 2**31`` in a 20-byte pickle would
+    make the reader zero GiBs). ``pickletools.genops`` checks every length against the bytes
+    left; one pass over the opcodes, no objects built."""
+    limit = len(data)
+    try:
+        for op, arg, _ in pickletools.genops(data):
+            if op.name in _MEMO_PUTS and (not isinstance(arg, int) or arg > limit):
+                raise FormatError(f"cannot unpickle (memo index {arg} in a pickle of {limit} bytes)")
+            if op.name == "FRAME" and arg > limit:
+                raise FormatError(f"cannot unpickle (frame of {arg} bytes in a pickle of {limit} bytes)")
+    except FormatError:
+        raise
+    except Exception as exc:  # ValueError for a length past the end, and others for bad opcodes
+        raise FormatError(f"cannot unpickle (malformed: {exc})") from None
 
 
 class TorchDtype(str):
@@ -365,6 +398,7 @@ def load(path: str | Path, *, extra_types: frozenset[str] = frozenset()) -> Any:
         return whole[start:start + nbytes]
 
     try:
+        _check_lengths(data)
         return SafeUnpickler(io.BytesIO(data), storages, extra_types).load()
     except UnsafePickle as exc:
         raise UnsafePickle(f"{path}: {exc}") from None
@@ -377,6 +411,7 @@ def load(path: str | Path, *, extra_types: frozenset[str] = frozenset()) -> Any:
 def loads_pickle(data: bytes, *, extra_types: frozenset[str] = frozenset()) -> Any:
     """Unpickle plain bytes with the same allowlist (no storages)."""
     try:
+        _check_lengths(data)
         return SafeUnpickler(io.BytesIO(data), None, extra_types).load()
     except (UnsafePickle, FormatError):
         raise

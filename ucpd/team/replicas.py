@@ -46,6 +46,9 @@ class Replica:
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
+        from ..daemon.slots import check_size
+
+        check_size(self.path, self.size)  # a replica file cut short: lost, not read (SIGBUS)
         if self._map is None:
             fd = os.open(self.path, os.O_RDWR)
             try:

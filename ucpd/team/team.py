@@ -856,6 +856,7 @@ class Team:
                         native.copy(dst, buf)
                         crcs = native.crc32c_chunks(dst, s["chunk"])
                         if list(crcs) != list(s["crcs"]):
+                            self.counters["fetch_checksum_errors"] = self.counters.get("fetch_checksum_errors", 0) + 1
                             raise ChecksumMismatch(
                                 f"bytes of rank {rank} step {sources.step} from node {node} fail their checksum; "
                                 "restore again (another copy will be used if this one stays bad)"

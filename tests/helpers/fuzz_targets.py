@@ -1,0 +1,257 @@
+"""Fuzz targets: every decoder of bytes that come from outside a process, each as a function of
+one ``bytes`` that returns when the input is handled (decoded, or refused with the decoder's
+typed error) and raises anything else — an untyped exception is a defect.
+
+Shared by the hypothesis tests (``tests/fuzz/``, short, in CI) and the long run
+(``benchmarks/reliability/fuzz.py``, atheris). ``SEEDS[name]`` are valid inputs that
+mutation starts from (a fuzzer given only random bytes rarely gets past the first check).
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import struct
+import time
+from collections import OrderedDict
+from typing import Callable
+
+import msgpack
+
+from ucpd import protocol
+from ucpd.errors import FormatError, ProtocolError, UcpdError
+from ucpd.native import CHUNK_BYTES, crc32c
+
+# --- seeds --------------------------------------------------------------------------------------
+
+_ENTRY = {"name": "w", "dtype": "float32", "shape": [4], "placement": {"kind": "replicated"}, "offset": 0,
+          "nbytes": 16, "crcs": [1234]}
+
+
+def _request_seeds() -> list[bytes]:
+    return [
+        protocol.request("hello", 1, rank=0, world_size=2, pid=42),
+        protocol.request("begin", 2, rank=0, world_size=1, step=3, nbytes=4096, job="j"),
+        protocol.request("commit", 3, rank=0, world_size=1, step=3, slot=1, tensors=[_ENTRY], objects=b"\x80\x04N.",
+                         objects_crc=5, layout={"a": 1}),
+        protocol.request("abort", 4, rank=0, step=3, slot=1),
+        protocol.request("latest", 5, job="j"),
+        protocol.request("restore", 6, rank=0, world_size=1, step=3,
+                         targets=[{k: _ENTRY[k] for k in ("name", "dtype", "shape", "placement")}], avoid=[[3, "ram"]]),
+        protocol.request("describe", 7, step=3),
+        protocol.request("release", 8, lease=1, damaged=True),
+        protocol.request("status", 9),
+    ]
+
+
+def _reply_seeds() -> list[bytes]:
+    from ucpd.errors import ChecksumMismatch
+
+    return [protocol.ok(1, {"step": 3}), protocol.error(2, ChecksumMismatch("bad")), protocol.ok(3, {"slot": 1, "path": "/x"})]
+
+
+def _peer_seeds() -> list[bytes]:
+    part = {"rank": 0, "tensors": [_ENTRY], "objects": b"", "used": 16}
+    bodies = [
+        ("replica_begin", {"origin": 0, "step": 1, "world_size": 1, "parts": [part]}),
+        ("replica_data", {"origin": 0, "step": 1, "rank": 0, "offset": 0}),
+        ("fetch", {"origin": 0, "step": 1, "rank": 0, "ranges": [[0, 16]]}),
+        ("holdings", {"step": 1}),
+        ("parity_unit", {"step": 1, "inc": "a", "row": 0, "pos": 1, "index": 0}),
+        ("commit", {"m": {"t": "protected", "step": 1, "world": 2, "ranks": [0, 1], "e": 7}}),
+        ("commit", {"m": {"t": "state", "e": 1, "committed": [1], "recorded": [], "protected": [[2, 2, [0]]]}}),
+        ("hello", {"domain": "rack-1"}),
+    ]
+    out = []
+    for i, (t, b) in enumerate(bodies):
+        header = {"v": 1, "src": 1, "dst": 0, "seq": i + 1, "id": i, "re": None, "t": t, "inc": "abc",
+                  "ts": time.time(), "b": msgpack.packb(b, use_bin_type=True), "p": [[16, 99]], "e": None}
+        out.append(msgpack.packb(header, use_bin_type=True))
+    return out
+
+
+def _index_seeds() -> list[bytes]:
+    doc = {
+        "index_version": 2, "chunk_bytes": CHUNK_BYTES, "next_slot": 3, "team_job": None,
+        "slots": [{"id": 1, "path": "slot-1", "size": 4096}, {"id": 2, "path": "slot-2", "size": 4096}],
+        "versions": [{
+            "step": 5, "job": "default", "world_size": 1, "state": "committed", "created": 1.0, "committed_at": 2.0,
+            "on_disk": False,
+            "parts": [{"rank": 0, "slot": 1, "objects": b"", "objects_crc": crc32c(b""), "layout": None,
+                       "tensors_packed": msgpack.packb([_ENTRY], use_bin_type=True)}],
+        }],
+    }
+    body = msgpack.packb(doc, use_bin_type=True)
+    v2 = msgpack.packb({"index_version": 2, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
+    doc1 = dict(doc, index_version=1)
+    return [v2, msgpack.packb(doc1, use_bin_type=True)]
+
+
+def _meta_seeds() -> list[bytes]:
+    from ucpd.format.spec import CHECKSUM, FORMAT_NAME, FORMAT_VERSION
+
+    meta = {
+        "format": FORMAT_NAME, "format_version": FORMAT_VERSION, "step": 7, "checksum": CHECKSUM, "chunk_bytes": 4,
+        "created": "2026-11-23T00:00:00Z", "created_unix": 1.5, "layout": {},
+        "files": {"model-00001-of-00001.safetensors": {"size": 120, "data_offset": 96}},
+        "tensors": {"w": {"dtype": "float32", "shape": [2, 3], "pattern": {"kind": "replicated"},
+                          "file": "model-00001-of-00001.safetensors", "byte_range": [96, 120],
+                          "crc32c": [1, 2, 3, 4, 5, 6]}},
+        "objects": {"global": None, "ranks": {"0": {"file": "objects.bin", "byte_range": [0, 5], "crc32c": [9, 8]}}},
+    }
+    return [json.dumps(meta).encode(), json.dumps(meta, indent=1).encode()]
+
+
+def _header_seeds() -> list[bytes]:
+    from ucpd.format.header import build_header
+
+    entries = [("a", "float32", (2, 3), 0, 24), ("b", "bfloat16", (4,), 24, 32), ("c", "int8", (0,), 32, 32)]
+    return [build_header(entries, {"format": "pt"}) + bytes(range(32)), build_header([], None)]
+
+
+class _Opaque:  # pickled by name: the unpickler must refuse it
+    pass
+
+
+def _pickle_seeds() -> list[bytes]:
+    import argparse
+
+    values = [
+        {"step": 3, "rng": [1, 2, 3], "name": "x", "f": 1.5, "b": b"\x00\x01", "t": (1, (2,)), "n": None},
+        OrderedDict(a=1, b=[set([1]), frozenset([2]), complex(1, 2), slice(1, 5, 2), bytearray(b"ab")]),
+        argparse.Namespace(lr=0.1, steps=10),
+    ]
+    out = []
+    for v in values:
+        for proto in (2, 4, 5):
+            out.append(pickle.dumps(v, protocol=proto))
+    out.append(b"cos\nsystem\n(S'true'\ntR.")  # the classic payload: must be refused
+    return out
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+
+def fuzz_request(data: bytes) -> None:
+    """The daemon's decoder of client requests (envelope + schema)."""
+    try:
+        protocol.decode_request(data)
+    except ProtocolError:
+        pass
+
+
+def fuzz_reply(data: bytes) -> None:
+    """The client's decoder of daemon replies: a typed error or a body, nothing else."""
+    try:
+        _, body, err = protocol.decode_reply(data)
+    except ProtocolError:
+        return
+    assert (body is None) != (err is None) and (err is None or isinstance(err, UcpdError))
+
+
+def fuzz_peer(data: bytes) -> None:
+    """A peer message as the transport receives it: header, then the body's schema, then (for
+    the commit protocol) the commit message."""
+    from ucpd.team import commit
+    from ucpd.team.transport import _parse_header
+
+    try:
+        h = _parse_header(data)
+        if h["t"] in protocol.PEER_REQUESTS:
+            b = protocol.validate_peer(h["t"], h["b"])
+            if h["t"] == "commit":
+                commit.parse(b["m"])
+    except ProtocolError:
+        pass
+
+
+def fuzz_index(data: bytes) -> None:
+    """The daemon's shm index (``index.msgpack``): refused whole (ValueError) or fully checked."""
+    from ucpd.daemon import index
+
+    try:
+        doc = index.decode(data)
+    except ValueError:
+        return
+    for v in doc["versions"]:
+        for p in v["parts"]:
+            assert all(t["offset"] >= 0 and t["nbytes"] >= 0 for t in p["tensors"])
+
+
+def fuzz_ucp_json(data: bytes) -> None:
+    """``ucp.json`` of a flushed version."""
+    from ucpd.format.spec import parse_meta
+
+    try:
+        meta = parse_meta(data, "fuzz/ucp.json")
+    except FormatError:
+        return
+    for t in meta.tensors.values():
+        f = meta.files[t.file]
+        assert f.data_offset <= t.data_offset and t.data_offset + t.nbytes <= f.size
+
+
+def fuzz_safetensors(data: bytes) -> None:
+    """The safetensors header parser (``data`` is the whole file)."""
+    from ucpd.format.header import parse_header
+
+    try:
+        h = parse_header(data, len(data), "fuzz.safetensors")
+    except FormatError:
+        return
+    assert all(0 <= e.begin <= e.end <= h.data_len for e in h.entries.values())
+
+
+def fuzz_unpickle(data: bytes) -> None:
+    """The restricted unpickler: only allowlisted names resolve, nothing runs, nothing big is built."""
+    from ucpd.format.safe_unpickle import loads_pickle
+
+    try:
+        loads_pickle(data)
+    except FormatError:  # UnsafePickle is one
+        pass
+
+
+TARGETS: dict[str, Callable[[bytes], None]] = {
+    "request": fuzz_request,
+    "reply": fuzz_reply,
+    "peer": fuzz_peer,
+    "index": fuzz_index,
+    "ucp_json": fuzz_ucp_json,
+    "safetensors": fuzz_safetensors,
+    "unpickle": fuzz_unpickle,
+}
+
+SEEDS: dict[str, Callable[[], list[bytes]]] = {
+    "request": _request_seeds,
+    "reply": _reply_seeds,
+    "peer": _peer_seeds,
+    "index": _index_seeds,
+    "ucp_json": _meta_seeds,
+    "safetensors": _header_seeds,
+    "unpickle": _pickle_seeds,
+    "daemon": _request_seeds,
+}
+
+
+def mutate(seed: bytes, edits: list[tuple[int, int, int]], cut: int | None) -> bytes:
+    """``seed`` with byte edits (pos, op, value): op 0 sets, 1 inserts, 2 deletes; then cut to
+    ``cut`` bytes. Used by the hypothesis strategies."""
+    buf = bytearray(seed)
+    for pos, op, val in edits:
+        if not buf:
+            buf.append(val)
+            continue
+        pos %= len(buf)
+        if op == 0:
+            buf[pos] = val
+        elif op == 1:
+            buf.insert(pos, val)
+        else:
+            del buf[pos]
+    if cut is not None:
+        del buf[cut:]
+    return bytes(buf)
+
+
+__all__ = ["TARGETS", "SEEDS", "mutate", "struct"]
