@@ -38,3 +38,60 @@ def test_a_reader_killed_mid_restore_does_not_pin_the_version_for_the_lease_time
                 assert time.monotonic() < deadline, "the dead reader's lease still pins the version"
                 time.sleep(0.2)
         assert out["steps"] == [1]
+
+
+# --- the rules, without a daemon ------------------------------------------------------------------
+
+
+class _Store:
+    def __init__(self):
+        self.disk_readers = {}
+        self.kept = 0
+
+    def enforce_keep(self):
+        self.kept += 1
+
+
+class _Version:
+    pins = 0
+
+
+def test_a_lease_pins_a_ram_version_until_it_ends():
+    from ucpd.daemon.leases import Leases
+
+    store, v = _Store(), _Version()
+    leases = Leases(store)
+    a, b = leases.grant(v, "j", 3, "ram"), leases.grant(v, "j", 3, "ram")
+    assert a != b and v.pins == 2
+    leases.end(a)
+    leases.end(a)  # twice: nothing more
+    assert v.pins == 1 and store.kept == 1  # unpinned: --keep may evict it now
+    leases.end(b)
+    assert v.pins == 0
+
+
+def test_a_lease_on_a_flushed_step_counts_its_readers():
+    from ucpd.daemon.leases import Leases
+
+    store = _Store()
+    leases = Leases(store)
+    a, b = leases.grant(None, "j", 7, "disk"), leases.grant(None, "j", 7, "disk")
+    assert store.disk_readers == {("j", 7): 2}
+    leases.end(a)
+    assert store.disk_readers == {("j", 7): 1}
+    leases.end(b)
+    assert store.disk_readers == {}
+
+
+def test_leases_end_on_expiry_or_when_their_reader_is_gone_in_our_pid_namespace():
+    from ucpd.daemon import leases as L
+
+    now = [100.0]
+    alive = {11: True, 12: False, 13: False}
+    leases = L.Leases(_Store(), clock=lambda: now[0], alive=lambda pid: alive[pid])
+    live = leases.grant(_Version(), "j", 1, "ram", pid=11, pidns=L.PIDNS)
+    dead = leases.grant(_Version(), "j", 1, "ram", pid=12, pidns=L.PIDNS)
+    elsewhere = leases.grant(_Version(), "j", 1, "ram", pid=13, pidns="pid:[other]")  # cannot be checked
+    assert leases.due() == [dead]
+    now[0] += L.LEASE_SECONDS + 1
+    assert sorted(leases.due()) == sorted([live, dead, elsewhere])

@@ -19,7 +19,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import psutil
 import zmq
 
 from .. import faults, knobs, native, protocol
@@ -29,6 +28,7 @@ from ..errors import (
 )
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
+from .leases import Leases
 from .slot_prep import SlotPreparer
 from .store import NodeStore
 from .versions import DEFAULT_JOB, VersionState
@@ -37,17 +37,6 @@ log = logging.getLogger("ucpd.server")
 SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
 
 LOCK_NAME = "ucpd.lock"
-LEASE_SECONDS = 600.0
-
-
-def _pid_namespace() -> str | None:
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return None
-
-
-_PIDNS = _pid_namespace()
 DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
 
 
@@ -162,16 +151,13 @@ class Daemon:
         rotation = config.keep + 1 + (1 if self.flusher is not None else 0)
         self.prep = SlotPreparer(self.store, self._done, rotation, warm=config.prepare_spare)
         self._waits: list[_Parked] = []
-        self._leases: dict[int, tuple[object, float]] = {}
-        self._lease_src: dict[int, tuple[str, int, str]] = {}  # lease -> (job, step, "ram" | "disk") it reads
+        self.leases = Leases(self.store)
         # checksum failures detected by this daemon or reported by its clients, by where the
         # damaged bytes were ("ram": a slot, "disk": a flushed file, "index": the shm index);
         # the team's (replica, parity, peer, transport) are added by checksum_failures()
         self._checksum_failures: dict[str, int] = {}
         if self.store.adopted.index_damaged:
             self._checksum_failures["index"] = 1
-        self._next_lease = 1
-        self._readers_checked = 0.0
         self._clients: dict[int, float] = {}  # pid -> last seen
         self._last_activity = time.monotonic()
         self.started = time.time()
@@ -602,19 +588,7 @@ class Daemon:
             return self._lease_reply(body, objects, chosen, pin, where, plan)
 
     def _lease_reply(self, body, objects, chosen, pin, where, plan):
-        lease = self._next_lease
-        self._next_lease += 1
-        if hasattr(pin, "release"):
-            pass  # a team restore's sources: pinned while they were gathered
-        elif pin is not None:
-            pin.pins += 1
-        else:  # reading flushed files: retention must leave this step alone meanwhile
-            pin = (_job(body), chosen)
-            self.store.disk_readers[pin] = self.store.disk_readers.get(pin, 0) + 1
-        # a reader in our pid namespace is watched: if it dies mid-read, its lease ends then
-        reader = body.get("pid") if body.get("pidns") and body.get("pidns") == _PIDNS else None
-        self._leases[lease] = (pin, time.monotonic() + LEASE_SECONDS, reader)
-        self._lease_src[lease] = (_job(body), chosen, where)
+        lease = self.leases.grant(pin, _job(body), chosen, where, body.get("pid"), body.get("pidns"))
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
@@ -647,29 +621,14 @@ class Daemon:
             raise self._not_this_job(step, job, f"{root}: {exc}") from None
 
     def _on_release(self, ident, req_id, body):
-        src = self._lease_src.get(body["lease"])
-        if body.get("damaged") and src is not None:
-            job, step, where = src
+        held = self.leases.get(body["lease"])
+        if body.get("damaged") and held is not None:
+            job, step, where = held.job, held.step, held.where
             self.note_checksum_failure(where)
             log.error("job %r step %d: a client found its %s copy damaged (a chunk failed its CRC32C); "
                       "its retry reads another copy", job, step, where)
-        self._end_lease(body["lease"])
+        self.leases.end(body["lease"])
         return {}
-
-    def _end_lease(self, lease: int) -> None:
-        pin, _, _ = self._leases.pop(lease, (None, 0.0, None))
-        self._lease_src.pop(lease, None)
-        if hasattr(pin, "release"):
-            pin.release()
-        elif isinstance(pin, tuple):
-            left = self.store.disk_readers.get(pin, 1) - 1
-            if left:
-                self.store.disk_readers[pin] = left
-            else:
-                self.store.disk_readers.pop(pin, None)
-        elif pin is not None:
-            pin.pins -= 1
-            self.store.enforce_keep()
 
     def _on_status(self, ident, req_id, body):
         from .status import collect
@@ -763,16 +722,10 @@ class Daemon:
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
-        check_readers = now >= self._readers_checked + 1.0
-        if check_readers:
-            self._readers_checked = now
-        for lease, (_, deadline, reader) in list(self._leases.items()):
-            dead = check_readers and reader is not None and not psutil.pid_exists(reader)
-            if now > deadline or dead:
-                if dead:
-                    log.info("lease %d: its reader (pid %d) died mid-restore; the version is unpinned", lease, reader)
-                with self.store.lock:
-                    self._end_lease(lease)
+        if self.leases.held:
+            with self.store.lock:
+                for lease in self.leases.due():
+                    self.leases.end(lease)
         idle = self.config.idle_exit
         if idle and now - self._last_activity > idle and not self._waits and (self.flusher is None or self.flusher.idle()):
             log.info("idle for %.0f s: exiting", idle)
