@@ -21,14 +21,15 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from .. import faults, knobs, native, protocol
+from .. import faults, knobs, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import (
-    AlreadyRunning, ChecksumMismatch, FormatError, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
+    AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
 )
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .leases import Leases
+from .locate import Locator
 from .slot_prep import SlotPreparer
 from .store import NodeStore
 from .versions import DEFAULT_JOB, VersionState
@@ -37,7 +38,6 @@ log = logging.getLogger("ucpd.server")
 SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
 
 LOCK_NAME = "ucpd.lock"
-DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
 
 
 @dataclass
@@ -122,7 +122,8 @@ class Daemon:
             config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=self.team,
             job_limit=config.job_mem_limit, single_job=self.team is not None, job=config.job,
         )
-        self.store.commit_listeners.append(self._ram_sources)  # ready before anyone asks to restore it
+        self.locate = Locator(self.store, config.flush_dir, self.team, self.note_checksum_failure)
+        self.store.commit_listeners.append(self.locate.ram_sources)  # ready before anyone asks to restore it
         self.flusher = None
         if config.flush_dir and (self.team is None or self.team.flushes):
             from .flush import Flusher
@@ -163,11 +164,6 @@ class Daemon:
         self.started = time.time()
         self._stop = False
         self.address = f"ipc://{os.path.join(config.run_dir, SOCKET_NAME)}"
-        self._disk_guard = threading.Lock()
-        self._disk_pool = None  # flush dir lookups, bounded in time (_disk_latest)
-        self._disk_pending: dict = {}
-        self._disk_cache: dict[str, int | None] = {}
-        self.disk_unresponsive: str | None = None
 
     # --- loop ------------------------------------------------------------------------------------
 
@@ -337,18 +333,18 @@ class Daemon:
         job = _job(body)
         if self.team is not None:
             if self.store.team_job is not None and job != self.store.team_job:
-                return {"step": self._disk_latest(job)}  # another job's versions are not this team's
+                return {"step": self.locate.disk_latest(job)}  # another job's versions are not this team's
             return self._defer(ident, req_id, lambda: self._team_latest(job))
         v = self.store.version_for_restore(None, job)
         step = v.step if v is not None else None
-        disk = self._disk_latest(job)
+        disk = self.locate.disk_latest(job)
         if disk is not None and (step is None or disk > step):
             step = disk
         return {"step": step}
 
     def _team_latest(self, job: str) -> dict:
         step = self.team.latest()
-        disk = self._disk_latest(job)
+        disk = self.locate.disk_latest(job)
         if disk is not None and (step is None or disk > step):
             step = disk
         return {"step": step}
@@ -371,72 +367,13 @@ class Daemon:
         return None
 
     def job_flush_dir(self, job: str) -> str | None:
-        """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
-        return os.path.join(self.config.flush_dir, job) if self.config.flush_dir else None
+        """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/``."""
+        return self.locate.job_flush_dir(job)
 
-    def _disk_latest(self, job: str) -> int | None:
-        """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
-        (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
-        does not return in time goes on in the background (one per job at a time) and the last
-        answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
-        if self.job_flush_dir(job) is None:
-            return None
-        import concurrent.futures as cf
-
-        with self._disk_guard:
-            fut = self._disk_pending.get(job)
-            if fut is not None and not fut.done():
-                return self._disk_cache.get(job)  # still hung: no second wait
-            if fut is None:
-                if self._disk_pool is None:
-                    self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
-                fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
-        try:
-            step = fut.result(timeout=DISK_LOOKUP_SECONDS)
-        except cf.TimeoutError:
-            if not self.disk_unresponsive:
-                log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
-                            self.config.flush_dir, DISK_LOOKUP_SECONDS)
-            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
-            return self._disk_cache.get(job)
-        finally:
-            with self._disk_guard:
-                if fut.done() and self._disk_pending.get(job) is fut:
-                    del self._disk_pending[job]
-        self.disk_unresponsive = None
-        self._disk_cache[job] = step
-        return step
-
-    def _disk_latest_now(self, job: str) -> int | None:
-        """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
-        root = self.job_flush_dir(job)
-        if root is None or not os.path.isdir(root):
-            return None
-        from ..format import read_latest
-
-        step = read_latest(root)
-        if step is not None and os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json")):
-            return step
-        from ..format import list_versions  # LATEST missing or stale: look at what is there
-
-        complete = [v.step for v in list_versions(root) if v.state == "complete"]
-        return max(complete) if complete else None
-
-    def _not_this_job(self, step: int | None, job: str, disk: str | None = None) -> VersionNotFound:
-        """The error for a version ``job`` does not have, naming whose it is when another job has it."""
-        what = f"step {step}" if step is not None else "committed version"
-        where = f"the flush dir ({disk})" if disk else (
-            f"the flush dir ({self.job_flush_dir(job)} does not exist)" if self.config.flush_dir else "the daemon has no --flush-dir"
-        )
-        owners = [j for j in self.store.owners_of(step) if j != job] if step is not None else []
-        if owners:
-            return VersionNotFound(
-                f"job {job!r} has no {what} on this node; step {step} here belongs to job(s) {owners}: a job never "
-                "restores another's versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote it)"
-            )
-        others = sorted(j for j in self.store.tables if j != job and self.store.tables[j].latest_committed())
-        hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
-        return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
+    @property
+    def disk_unresponsive(self) -> str | None:
+        """Since when the flush dir has not answered a lookup in time (None: it answers)."""
+        return self.locate.disk_unresponsive
 
     def note_checksum_failure(self, where: str, n: int = 1) -> None:
         """Count ``n`` checksum failures of bytes kept in ``where`` (metrics, status)."""
@@ -458,114 +395,6 @@ class Daemon:
                     out[k] = out.get(k, 0) + v
         return out
 
-    def _ram_choice(self, step: int | None, job: str, avoid: set):
-        """The RAM version to restore ``step`` from (None: the newest committed), skipping copies
-        a client found damaged."""
-        version = self.store.version_for_restore(step, job)
-        if version is None or (job, version.step, "ram") not in avoid:
-            return version
-        if step is not None:
-            return None
-        table = self.store.tables.get(job)
-        sound = [v for v in (table.committed() if table else []) if (job, v.step, "ram") not in avoid]
-        return sound[-1] if sound else None
-
-    def _disk_choice(self, job: str, avoid: set) -> int | None:
-        """The newest complete flushed step of ``job`` that no client found damaged."""
-        newest = self._disk_latest(job)
-        if newest is None or (job, newest, "disk") not in avoid:
-            return newest
-        from ..format import list_versions
-
-        steps = [v.step for v in list_versions(self.job_flush_dir(job)) if v.state == "complete"]
-        sound = [s for s in steps if (job, s, "disk") not in avoid]
-        return max(sound) if sound else None
-
-    def _find_version(self, step: int | None, job: str, avoid: set = frozenset()):
-        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
-        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer.
-        ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
-        (a retry): the same step from the other place, or (no step asked) the newest other version."""
-        if self.team is not None:
-            return self._team_find(step, job, avoid)
-        version = self._ram_choice(step, job, avoid)
-        disk = self._disk_choice(job, avoid) if step is None else None
-        if version is not None and (disk is None or disk <= version.step):
-            sources = self._ram_sources(version)
-            objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
-            return sources, objects, version.step, version, "ram"
-        if step is None and disk is None and avoid:
-            raise ChecksumMismatch(
-                f"job {job!r}: every version this daemon holds in RAM or in the flush dir that a restore tried "
-                "failed its checksums"
-            )
-        if step is not None and {(job, step, "disk"), (job, step, "ram")} & avoid:
-            damaged = ChecksumMismatch(
-                f"job {job!r} step {step}: every copy this daemon can reach (RAM, flush dir) failed its checksums; "
-                "restore an older step"
-            )
-            if (job, step, "disk") in avoid:
-                raise damaged
-            try:
-                reader = self._open_disk(step, job)
-            except VersionNotFound:
-                raise damaged from None
-        else:
-            target = step if step is not None else disk
-            while True:
-                try:
-                    reader = self._open_disk(target, job)
-                    break
-                except FormatError as exc:  # a flushed version torn since (a file cut short): the one before
-                    if step is not None or target is None:
-                        raise
-                    self.note_checksum_failure("disk")
-                    log.error("job %r: flushed step %d is damaged (%s); restoring an older one", job, target, exc)
-                    avoid = set(avoid) | {(job, target, "disk")}
-                    target = self._disk_choice(job, avoid)
-                    if target is None:
-                        raise
-        with reader:
-            sources = restore_plan.from_disk(reader)
-            # the reader checked these against the version's own checksums
-            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
-
-    def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
-        """``_find_version`` across the team (a worker thread: it asks the peers). The team's
-        RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
-        if self.store.team_job is not None and job != self.store.team_job:
-            raise VersionNotFound(
-                f"this team of daemons serves job {self.store.team_job!r}, not {job!r}: a job never restores another's "
-                "versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote them)"
-            )
-        disk = self._disk_latest(job) if step is None else None
-        try:
-            got = self.team.restore_sources(step)
-        except VersionNotFound:
-            if not self.config.flush_dir:
-                raise
-            got = None
-        damaged = got is not None and (job, got.step, "ram") in avoid
-        if got is not None and not damaged and (disk is None or disk <= got.step):
-            return got.sources, got.objects, got.step, got, "ram"
-        if got is not None:
-            with self.store.lock:
-                got.release()
-        if damaged and ((job, got.step, "disk") in avoid or (step is None and disk is None)):
-            raise ChecksumMismatch(f"job {job!r} step {got.step}: the team's copy failed its checksums at the client "
-                                   "and the flush dir holds no sound copy")
-        with self._open_disk(got.step if damaged else step, job) as reader:
-            sources = restore_plan.from_disk(reader)
-            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
-
-    def _ram_sources(self, version):
-        """A RAM version's restore sources, indexed once (at commit) and kept with it."""
-        if version.restore_sources is None:
-            version.restore_sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
-        return version.restore_sources
-
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
             return self._defer(ident, req_id, lambda: self._restore(body))
@@ -574,7 +403,7 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        sources, objects, chosen, pin, where = self._find_version(body.get("step"), job, avoid)
+        sources, objects, chosen, pin, where = self.locate.find(body.get("step"), job, avoid)
         try:
             plan = restore_plan.plan(sources, body["targets"])
             if self.team is not None and pin is not None:
@@ -602,23 +431,12 @@ class Daemon:
         return self._describe(body)
 
     def _describe(self, body):
-        sources, objects, chosen, pin, where = self._find_version(body.get("step"), _job(body))
+        sources, objects, chosen, pin, where = self.locate.find(body.get("step"), _job(body))
         if hasattr(pin, "release"):
             with self.store.lock:
                 pin.release()
         tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
         return {"step": chosen, "where": where, "tensors": tensors, **_objects_body(objects)}
-
-    def _open_disk(self, step, job: str):
-        from ..format import open_version
-
-        root = self.job_flush_dir(job)
-        if root is None or not os.path.isdir(root):
-            raise self._not_this_job(step, job)
-        try:
-            return open_version(root, step)
-        except (VersionNotFound, FileNotFoundError) as exc:
-            raise self._not_this_job(step, job, f"{root}: {exc}") from None
 
     def _on_release(self, ident, req_id, body):
         held = self.leases.get(body["lease"])
@@ -741,8 +559,7 @@ class Daemon:
             self.team.close()
         if self._workers is not None:
             self._workers.shutdown(wait=False, cancel_futures=True)
-        if self._disk_pool is not None:
-            self._disk_pool.shutdown(wait=False, cancel_futures=True)
+        self.locate.close()
         if self.flusher is not None:
             self.flusher.stop()
         if self.metrics is not None:

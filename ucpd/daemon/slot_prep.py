@@ -21,7 +21,6 @@ slot under the store lock (lends it to a parked begin, or keeps it free for the 
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time

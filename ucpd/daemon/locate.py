@@ -1,0 +1,231 @@
+"""Where a version is: in this node's RAM, the team's, or the flush dir — for restores and ``latest``.
+
+``Locator.find`` answers "where is step N of job J (or its newest committed version)": the RAM
+version wins unless the flush dir holds a newer one; copies a client found damaged (``avoid``)
+are skipped for the same step elsewhere, or for the version before. Flush dir lookups are
+bounded in time (``DISK_LOOKUP_SECONDS``): a hung file system never stalls ``latest`` or RAM
+restores. Every "not found" names what the job does have, and whose a step is when another job
+has it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+from .. import native
+from ..errors import ChecksumMismatch, FormatError, VersionNotFound
+from . import restore as restore_plan
+
+log = logging.getLogger("ucpd.locate")
+
+DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
+
+
+class Locator:
+    """``store``: the NodeStore; ``flush_dir``: the daemon's ``--flush-dir`` (None: none);
+    ``team``: the node's Team (None: one node); ``note_checksum_failure(where)`` counts damage."""
+
+    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None):
+        self.store = store
+        self.flush_dir = flush_dir
+        self.team = team
+        self.note_checksum_failure = note_checksum_failure
+        self._disk_guard = threading.Lock()
+        self._disk_pool = None  # flush dir lookups, bounded in time (disk_latest)
+        self._disk_pending: dict = {}
+        self._disk_cache: dict[str, int | None] = {}
+        self.disk_unresponsive: str | None = None
+
+    def close(self) -> None:
+        if self._disk_pool is not None:
+            self._disk_pool.shutdown(wait=False, cancel_futures=True)
+
+    def job_flush_dir(self, job: str) -> str | None:
+        """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
+        return os.path.join(self.flush_dir, job) if self.flush_dir else None
+
+    def disk_latest(self, job: str) -> int | None:
+        """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
+        (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
+        does not return in time goes on in the background (one per job at a time) and the last
+        answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
+        if self.job_flush_dir(job) is None:
+            return None
+        import concurrent.futures as cf
+
+        with self._disk_guard:
+            fut = self._disk_pending.get(job)
+            if fut is not None and not fut.done():
+                return self._disk_cache.get(job)  # still hung: no second wait
+            if fut is None:
+                if self._disk_pool is None:
+                    self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
+                fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
+        try:
+            step = fut.result(timeout=DISK_LOOKUP_SECONDS)
+        except cf.TimeoutError:
+            if not self.disk_unresponsive:
+                log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
+                            self.flush_dir, DISK_LOOKUP_SECONDS)
+            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
+            return self._disk_cache.get(job)
+        finally:
+            with self._disk_guard:
+                if fut.done() and self._disk_pending.get(job) is fut:
+                    del self._disk_pending[job]
+        self.disk_unresponsive = None
+        self._disk_cache[job] = step
+        return step
+
+    def _disk_latest_now(self, job: str) -> int | None:
+        """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
+        root = self.job_flush_dir(job)
+        if root is None or not os.path.isdir(root):
+            return None
+        from ..format import read_latest
+
+        step = read_latest(root)
+        if step is not None and os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json")):
+            return step
+        from ..format import list_versions  # LATEST missing or stale: look at what is there
+
+        complete = [v.step for v in list_versions(root) if v.state == "complete"]
+        return max(complete) if complete else None
+
+    def not_this_job(self, step: int | None, job: str, disk: str | None = None) -> VersionNotFound:
+        """The error for a version ``job`` does not have, naming whose it is when another job has it."""
+        what = f"step {step}" if step is not None else "committed version"
+        where = f"the flush dir ({disk})" if disk else (
+            f"the flush dir ({self.job_flush_dir(job)} does not exist)" if self.flush_dir else "the daemon has no --flush-dir"
+        )
+        owners = [j for j in self.store.owners_of(step) if j != job] if step is not None else []
+        if owners:
+            return VersionNotFound(
+                f"job {job!r} has no {what} on this node; step {step} here belongs to job(s) {owners}: a job never "
+                "restores another's versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote it)"
+            )
+        others = sorted(j for j in self.store.tables if j != job and self.store.tables[j].latest_committed())
+        hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
+        return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
+
+    def _ram_choice(self, step: int | None, job: str, avoid: set):
+        """The RAM version to restore ``step`` from (None: the newest committed), skipping copies
+        a client found damaged."""
+        version = self.store.version_for_restore(step, job)
+        if version is None or (job, version.step, "ram") not in avoid:
+            return version
+        if step is not None:
+            return None
+        table = self.store.tables.get(job)
+        sound = [v for v in (table.committed() if table else []) if (job, v.step, "ram") not in avoid]
+        return sound[-1] if sound else None
+
+    def _disk_choice(self, job: str, avoid: set) -> int | None:
+        """The newest complete flushed step of ``job`` that no client found damaged."""
+        newest = self.disk_latest(job)
+        if newest is None or (job, newest, "disk") not in avoid:
+            return newest
+        from ..format import list_versions
+
+        steps = [v.step for v in list_versions(self.job_flush_dir(job)) if v.state == "complete"]
+        sound = [s for s in steps if (job, s, "disk") not in avoid]
+        return max(sound) if sound else None
+
+    def find(self, step: int | None, job: str, avoid: set = frozenset()):
+        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
+        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer.
+        ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
+        (a retry): the same step from the other place, or (no step asked) the newest other version."""
+        if self.team is not None:
+            return self._team_find(step, job, avoid)
+        version = self._ram_choice(step, job, avoid)
+        disk = self._disk_choice(job, avoid) if step is None else None
+        if version is not None and (disk is None or disk <= version.step):
+            sources = self.ram_sources(version)
+            objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
+            return sources, objects, version.step, version, "ram"
+        if step is None and disk is None and avoid:
+            raise ChecksumMismatch(
+                f"job {job!r}: every version this daemon holds in RAM or in the flush dir that a restore tried "
+                "failed its checksums"
+            )
+        if step is not None and {(job, step, "disk"), (job, step, "ram")} & avoid:
+            damaged = ChecksumMismatch(
+                f"job {job!r} step {step}: every copy this daemon can reach (RAM, flush dir) failed its checksums; "
+                "restore an older step"
+            )
+            if (job, step, "disk") in avoid:
+                raise damaged
+            try:
+                reader = self.open_disk(step, job)
+            except VersionNotFound:
+                raise damaged from None
+        else:
+            target = step if step is not None else disk
+            while True:
+                try:
+                    reader = self.open_disk(target, job)
+                    break
+                except FormatError as exc:  # a flushed version torn since (a file cut short): the one before
+                    if step is not None or target is None:
+                        raise
+                    self.note_checksum_failure("disk")
+                    log.error("job %r: flushed step %d is damaged (%s); restoring an older one", job, target, exc)
+                    avoid = set(avoid) | {(job, target, "disk")}
+                    target = self._disk_choice(job, avoid)
+                    if target is None:
+                        raise
+        with reader:
+            sources = restore_plan.from_disk(reader)
+            # the reader checked these against the version's own checksums
+            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
+            return sources, objects, reader.step, None, "disk"
+
+    def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
+        """``find`` across the team (a worker thread: it asks the peers). The team's
+        RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
+        if self.store.team_job is not None and job != self.store.team_job:
+            raise VersionNotFound(
+                f"this team of daemons serves job {self.store.team_job!r}, not {job!r}: a job never restores another's "
+                "versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote them)"
+            )
+        disk = self.disk_latest(job) if step is None else None
+        try:
+            got = self.team.restore_sources(step)
+        except VersionNotFound:
+            if not self.flush_dir:
+                raise
+            got = None
+        damaged = got is not None and (job, got.step, "ram") in avoid
+        if got is not None and not damaged and (disk is None or disk <= got.step):
+            return got.sources, got.objects, got.step, got, "ram"
+        if got is not None:
+            with self.store.lock:
+                got.release()
+        if damaged and ((job, got.step, "disk") in avoid or (step is None and disk is None)):
+            raise ChecksumMismatch(f"job {job!r} step {got.step}: the team's copy failed its checksums at the client "
+                                   "and the flush dir holds no sound copy")
+        with self.open_disk(got.step if damaged else step, job) as reader:
+            sources = restore_plan.from_disk(reader)
+            objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
+            return sources, objects, reader.step, None, "disk"
+
+    def ram_sources(self, version):
+        """A RAM version's restore sources, indexed once (at commit) and kept with it."""
+        if version.restore_sources is None:
+            version.restore_sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+        return version.restore_sources
+
+    def open_disk(self, step, job: str):
+        from ..format import open_version
+
+        root = self.job_flush_dir(job)
+        if root is None or not os.path.isdir(root):
+            raise self.not_this_job(step, job)
+        try:
+            return open_version(root, step)
+        except (VersionNotFound, FileNotFoundError) as exc:
+            raise self.not_this_job(step, job, f"{root}: {exc}") from None
