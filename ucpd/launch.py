@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from . import knobs
 from .errors import AlreadyRunning, DaemonUnreachable, LaunchError
-from .daemon.server import LOCK_NAME  # the run dir's lock, holding the daemon's pid
+from .daemon.runtime import LOCK_NAME  # the run dir's lock, holding the daemon's pid
 
 LOG_NAME = "ucpd-daemon.log"
 SOCKET_NAME = "ucpd.sock"

@@ -9,12 +9,10 @@ that is not yet committed — are parked and answered when their condition is me
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import math
 import os
 import queue
-import stat
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,11 +22,12 @@ import zmq
 from .. import faults, knobs, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import (
-    AlreadyRunning, InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
+    InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
 )
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .leases import Leases
+from .runtime import DirLocks
 from .locate import Locator
 from .slot_prep import SlotPreparer
 from .store import NodeStore
@@ -37,7 +36,6 @@ from .versions import DEFAULT_JOB, VersionState
 log = logging.getLogger("ucpd.server")
 SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
 
-LOCK_NAME = "ucpd.lock"
 
 
 @dataclass
@@ -79,40 +77,10 @@ def _objects_body(objects: dict) -> dict:
     return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
 
 
-def ensure_private_dir(path: str) -> None:
-    """Create ``path`` mode 0700, or check that an existing one is ours and private."""
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    st = os.stat(path)
-    if st.st_uid != os.getuid():
-        raise AlreadyRunning(f"{path} belongs to uid {st.st_uid}, not to this user: choose another directory")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-
-
 class Daemon:
     def __init__(self, config: DaemonConfig):
         self.config = config
-        ensure_private_dir(config.run_dir)
-        self._lock_fd = os.open(os.path.join(config.run_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock_fd)
-            raise AlreadyRunning(
-                f"another ucpd daemon already serves {config.run_dir}; stop it, or pass another --run-dir"
-            ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.write(self._lock_fd, f"{os.getpid()}\n".encode())
-        ensure_private_dir(config.shm_dir)
-        self._shm_lock_fd = os.open(os.path.join(config.shm_dir, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(self._shm_lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._shm_lock_fd)
-            os.close(self._lock_fd)
-            raise AlreadyRunning(
-                f"another ucpd daemon already keeps its segments in {config.shm_dir}; give each daemon its own --shm-dir"
-            ) from None
+        self._locks = DirLocks(config.run_dir, config.shm_dir)
         self.team = None
         if config.team is not None:
             from ..team.team import Team
@@ -576,5 +544,4 @@ class Daemon:
             os.unlink(os.path.join(self.config.run_dir, SOCKET_NAME))
         except OSError:
             pass
-        os.close(self._shm_lock_fd)
-        os.close(self._lock_fd)
+        self._locks.release()

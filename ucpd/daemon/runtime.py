@@ -1,0 +1,59 @@
+"""A daemon's hold on its directories: private run and shm dirs, one daemon per each.
+
+``claim(run_dir, shm_dir)`` makes both directories (0700, or checks an existing one is ours
+and private) and takes an exclusive ``flock`` on a lock file in each; the run dir's lock file
+holds the daemon's pid (``ucpd run`` and the tests read it). A second daemon on either gets
+``AlreadyRunning`` saying what to pass instead. The locks go with the process.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+
+from ..errors import AlreadyRunning
+
+LOCK_NAME = "ucpd.lock"
+
+
+def ensure_private_dir(path: str) -> None:
+    """Create ``path`` mode 0700, or check that an existing one is ours and private."""
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid():
+        raise AlreadyRunning(f"{path} belongs to uid {st.st_uid}, not to this user: choose another directory")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _lock(directory: str, busy: str) -> int:
+    fd = os.open(os.path.join(directory, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise AlreadyRunning(busy) from None
+    return fd
+
+
+class DirLocks:
+    """The run dir's and shm dir's locks of one daemon (``release`` on close)."""
+
+    def __init__(self, run_dir: str, shm_dir: str):
+        ensure_private_dir(run_dir)
+        self.run_fd = _lock(run_dir, f"another ucpd daemon already serves {run_dir}; stop it, or pass another --run-dir")
+        os.ftruncate(self.run_fd, 0)
+        os.write(self.run_fd, f"{os.getpid()}\n".encode())
+        try:
+            ensure_private_dir(shm_dir)
+            self.shm_fd = _lock(
+                shm_dir, f"another ucpd daemon already keeps its segments in {shm_dir}; give each daemon its own --shm-dir"
+            )
+        except BaseException:
+            os.close(self.run_fd)
+            raise
+
+    def release(self) -> None:
+        os.close(self.shm_fd)
+        os.close(self.run_fd)
