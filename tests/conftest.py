@@ -29,7 +29,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 from ucpd.launch import lock_pid
 import uuid
@@ -39,6 +38,7 @@ import psutil
 import pytest
 
 from helpers import TEST_JOB, ranks
+from helpers.daemons import spawn_and_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOCK_NAME = "ucpd.lock"
@@ -73,14 +73,6 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
 
 
-def _socket_id(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_ctime_ns
-
-
 class DaemonProcess:
     """A `ucpd serve` child process; the test can kill it (SIGKILL) and start it again."""
 
@@ -96,22 +88,8 @@ class DaemonProcess:
         if self.flush_dir:
             args += ["--flush-dir", self.flush_dir]
         args += self.extra + list(more)
-        sock = os.path.join(self.run_dir, SOCKET_NAME)
-        stale = _socket_id(sock)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log, cwd=ROOT)
-        deadline = time.monotonic() + 60
-        while True:
-            now = _socket_id(sock)
-            # the daemon writes its pid into the run dir's lock once it holds it, then binds a new socket
-            if now is not None and now != stale and lock_pid(self.run_dir) == self.proc.pid:
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"daemon did not start:\n{self.read_log()}")
-            time.sleep(0.02)
+        self.proc = spawn_and_wait(args, self.run_dir, self.log, cwd=ROOT)
+        return self
 
     @property
     def pid(self) -> int | None:

@@ -27,20 +27,19 @@ below what a rank saw committed, and restore it bit for bit.
 from __future__ import annotations
 
 import glob
-import json
 import multiprocessing as mp
 import os
-import random
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import psutil
+
+from .daemons import spawn_and_wait
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = "test"
@@ -194,8 +193,6 @@ class Daemon:
         self.proc: subprocess.Popen | None = None
 
     def start(self, fault: str | None = None, env: dict | None = None) -> "Daemon":
-        from ucpd.launch import lock_pid
-
         args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir, *self.args]
         if self.flush_dir:
             args += ["--flush-dir", self.flush_dir]
@@ -203,22 +200,9 @@ class Daemon:
         e.update(env or {})
         if fault:
             e["UCPD_FAULT"] = fault
-        sock = os.path.join(self.run_dir, "ucpd.sock")
-        stale = _sock_id(sock)
-        with open(self.log, "ab") as log:
-            log.write(f"--- start {' '.join(args[3:])} fault={fault}\n".encode())
-            self.proc = subprocess.Popen(args, stdout=log, stderr=log, cwd=ROOT, env=e)
-        deadline = time.monotonic() + 60
-        while True:
-            now = _sock_id(sock)
-            if now is not None and now != stale and lock_pid(self.run_dir) == self.proc.pid:
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon exited with {self.proc.returncode}:\n{self.read_log()}")
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"daemon did not start:\n{self.read_log()}")
-            time.sleep(0.02)
+        header = f"--- start {' '.join(args[3:])} fault={fault}\n".encode()
+        self.proc = spawn_and_wait(args, self.run_dir, self.log, cwd=ROOT, env=e, header=header)
+        return self
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -252,14 +236,6 @@ class Daemon:
                 return f.read()[-6000:]
         except OSError:
             return ""
-
-
-def _sock_id(path: str):
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_ino, st.st_ctime_ns
 
 
 # --- checks ----------------------------------------------------------------------------------------
