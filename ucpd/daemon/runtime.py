@@ -1,6 +1,6 @@
 """A daemon's hold on its directories: private run and shm dirs, one daemon per each.
 
-``claim(run_dir, shm_dir)`` makes both directories (0700, or checks an existing one is ours
+``DirLocks(run_dir, shm_dir)`` makes both directories (0700, or checks an existing one is ours
 and private) and takes an exclusive ``flock`` on a lock file in each; the run dir's lock file
 holds the daemon's pid (``ucpd run`` and the tests read it). A second daemon on either gets
 ``AlreadyRunning`` saying what to pass instead. The locks go with the process.

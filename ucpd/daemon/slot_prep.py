@@ -143,11 +143,6 @@ class SlotPreparer:
                     return p.sid
         return None
 
-    def rank_of(self, sid: int) -> int | None:
-        """The rank a spare (queued or being warmed) is meant for."""
-        with self._cv:
-            return next((p.rank for p in self._spares if p.sid == sid), None)
-
     def pending(self) -> int:
         with self._cv:
             return len(self._spares)

@@ -431,9 +431,6 @@ class NodeStore:
             log.error("cannot write the index in %s: %s", self.shm_dir, exc)
             return False
 
-    def spare_slots(self, rank: int) -> int:
-        return sum(1 for s in self.slots.slots.values() if s.state is SlotState.FREE and s.rank == rank)
-
     def close(self) -> None:
         self.slots.close()
 
