@@ -44,9 +44,25 @@ def test_a_reader_killed_mid_restore_does_not_pin_the_version_for_the_lease_time
 
 
 class _Store:
+    """The pins of ``NodeStore`` (pin / unpin a RAM version, a flushed step), and ``enforce_keep``."""
+
     def __init__(self):
         self.disk_readers = {}
         self.kept = 0
+
+    def pin(self, v):
+        v.pins += 1
+
+    def unpin(self, v):
+        v.pins -= 1
+
+    def pin_flushed(self, job, step):
+        self.disk_readers[(job, step)] = self.disk_readers.get((job, step), 0) + 1
+
+    def unpin_flushed(self, job, step):
+        self.disk_readers[(job, step)] -= 1
+        if not self.disk_readers[(job, step)]:
+            del self.disk_readers[(job, step)]
 
     def enforce_keep(self):
         self.kept += 1

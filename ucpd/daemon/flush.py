@@ -91,8 +91,8 @@ class Flusher:
     def _queue(self, version) -> None:
         old = self._pending.pop(version.job, None)
         if old is not None:
-            old.pins -= 1
-        version.pins += 1
+            self.store.unpin(old)
+        self.store.pin(version)
         self._pending[version.job] = version
         self._wake.notify()
 
@@ -100,7 +100,7 @@ class Flusher:
         """``ucpd drop``: a job's waiting version is not flushed (caller holds the store lock)."""
         old = self._pending.pop(job, None)
         if old is not None:
-            old.pins -= 1
+            self.store.unpin(old)
             self.interval.on_flush_failed(job)
         self._committed_since.pop(job, None)
 
@@ -159,7 +159,7 @@ class Flusher:
                 self.interval.on_flush_failed(version.job)
             try:
                 with self.store.lock:
-                    version.pins -= 1
+                    self.store.unpin(version)
                     self.progress.step = None
                     self.store.enforce_keep()  # it may have outlived --keep while pinned
             except Exception:  # never let the flush thread die with versions pinned
@@ -261,15 +261,10 @@ class Flusher:
         faults.point("flush.done", version.step)
         if self.keep_on_disk:
             with self.store.lock:
-                reading = {step for job, step in self.store.disk_readers if job == version.job}
+                reading = self.store.flushed_being_read(version.job)
             retain(root, self.keep_on_disk, protect=reading)
         with self.store.lock:
-            version.on_disk = True
-            from .versions import VersionState
-
-            if version.state is VersionState.COMMITTED:
-                version.state = VersionState.FLUSHED
-            self.store.save_index()
+            self.store.mark_flushed(version)
         self.progress.last_flushed = version.step
         self.progress.failing = 0
         self.progress.last_error = None

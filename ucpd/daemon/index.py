@@ -26,7 +26,7 @@ from .. import faults, protocol
 from ..native import CHUNK_BYTES, crc32c
 
 from .slots import SlotState, SlotStore
-from .versions import DEFAULT_JOB, RankPart, TensorEntry, Version, VersionState
+from .versions import DEFAULT_JOB, SEALED, RankPart, TensorEntry, Version, VersionState
 
 INDEX_NAME = "index.msgpack"
 INDEX_VERSION = 2
@@ -37,14 +37,15 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
     """Write the index of ``store`` (a ``NodeStore``: its slots' files and its jobs' versions)."""
     versions = []
     for v in store.versions():
-        if v.state not in (VersionState.COMMITTED, VersionState.FLUSHED, VersionState.COMPLETE):
+        if v.state not in SEALED:
             continue
         versions.append(
             {
                 "step": v.step,
                 "job": v.job,
                 "world_size": v.world_size,
-                "state": v.state.value,
+                # a restarted daemon protects a complete version again (its copies may be gone)
+                "state": (VersionState.COMPLETE if v.state is VersionState.PROTECTED else v.state).value,
                 "created": v.created,
                 "committed_at": v.committed_at,
                 "on_disk": v.on_disk,
@@ -231,9 +232,11 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                 if raw["step"] in store.table_of(job).versions:
                     dropped.append(f"step {raw['step']} of job {job!r} listed twice")
                     continue
-                v = Version(raw["step"], raw["world_size"], raw["state"], parts, raw["created"], raw["committed_at"])
-                v.on_disk, v.job = raw["on_disk"], job
-                store.table_of(job).versions[v.step] = v
+                state = raw["state"]
+                if state is VersionState.COMMITTED and raw["on_disk"]:
+                    state = VersionState.FLUSHED  # an index of an older daemon kept the two apart
+                v = Version(raw["step"], raw["world_size"], state, parts, raw["created"], raw["committed_at"], job=job)
+                store.table_of(job).adopt(v)
                 for p in parts.values():
                     slot = slots.slots[p.slot]
                     slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, v.step, job

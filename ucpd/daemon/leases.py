@@ -61,10 +61,10 @@ class Leases:
         if hasattr(pin, "release"):
             pass  # a team restore's sources: pinned while they were gathered
         elif pin is not None:
-            pin.pins += 1
+            self.store.pin(pin)
         else:  # reading flushed files: retention must leave this step alone meanwhile
             pin = (job, step)
-            self.store.disk_readers[pin] = self.store.disk_readers.get(pin, 0) + 1
+            self.store.pin_flushed(job, step)
         lease = self._next
         self._next += 1
         reader = pid if pidns and pidns == PIDNS else None
@@ -82,13 +82,9 @@ class Leases:
         if hasattr(pin, "release"):
             pin.release()
         elif isinstance(pin, tuple):
-            left = self.store.disk_readers.get(pin, 1) - 1
-            if left:
-                self.store.disk_readers[pin] = left
-            else:
-                self.store.disk_readers.pop(pin, None)
+            self.store.unpin_flushed(*pin)
         elif pin is not None:
-            pin.pins -= 1
+            self.store.unpin(pin)
             self.store.enforce_keep()
 
     def due(self) -> list[int]:

@@ -15,23 +15,24 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
 from .. import faults, knobs, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import (
-    InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError, VersionNotFound,
+    InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError,
 )
 from ..rpc import SOCKET_NAME
 from . import restore as restore_plan
 from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
+from .parking import Parked, Parking, begin_reply, wait_answer
 from .slot_prep import SlotPreparer
 from .store import NodeStore
-from .versions import DEFAULT_JOB, VersionState
+from .versions import DEFAULT_JOB, CommitPolicy
 
 log = logging.getLogger("ucpd.server")
 SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
@@ -63,45 +64,60 @@ def _job(body: dict) -> str:
     return body.get("job") or DEFAULT_JOB
 
 
-@dataclass
-class _Parked:
-    ident: bytes
-    req_id: int
-    deadline: float
-    step: int | None = None
-    extra: dict = field(default_factory=dict)
-
-
 def _objects_body(objects: dict) -> dict:
     """{rank: (bytes, crc)} as the reply fields ``objects`` and ``objects_crcs``."""
     return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
 
 
+def make_team(config: DaemonConfig):
+    """The team of daemons this node belongs to (``--nodes > 1``), or None."""
+    if config.team is None:
+        return None
+    from ..team.team import Team
+
+    return Team(config.team, config.shm_dir)
+
+
+def make_store(config: DaemonConfig, policy: CommitPolicy | None = None, team=None) -> NodeStore:
+    """The node's store (re-adopting what the index lists). ``policy`` decides commits (default:
+    the team's, or one node's: complete is committed)."""
+    return NodeStore(
+        config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=policy or team,
+        job_limit=config.job_mem_limit, single_job=team is not None, job=config.job,
+    )
+
+
+def make_flusher(config: DaemonConfig, store: NodeStore, team=None):
+    """The background flush to ``--flush-dir``, or None (no flush dir, or a team node that does
+    not flush)."""
+    if not config.flush_dir or (team is not None and not team.flushes):
+        return None
+    from .flush import Flusher
+    from .flush_interval import FlushInterval
+
+    gather = team.gather_for_flush if team is not None else None
+    interval = FlushInterval(config.flush_every, config.mtbf)
+    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather)
+
+
 class Daemon:
-    def __init__(self, config: DaemonConfig):
+    """One node's daemon: the socket loop and the handlers. Its collaborators are built from
+    ``config`` unless passed in (tests pass fakes, or a ``CommitPolicy`` of their own): the team,
+    the store, the flusher. Those passed in belong to the daemon from then on (``close`` closes
+    them)."""
+
+    def __init__(
+        self, config: DaemonConfig, *, store: NodeStore | None = None, team=None, flusher=None,
+        policy: CommitPolicy | None = None,
+    ):
         self.config = config
         self._locks = DirLocks(config.run_dir, config.shm_dir)
-        self.team = None
-        if config.team is not None:
-            from ..team.team import Team
-
-            self.team = Team(config.team, config.shm_dir)
-        self.store = NodeStore(
-            config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=self.team,
-            job_limit=config.job_mem_limit, single_job=self.team is not None, job=config.job,
-        )
+        self.team = team if team is not None else make_team(config)
+        self.store = store if store is not None else make_store(config, policy, self.team)
         self.locate = Locator(self.store, config.flush_dir, self.team, self.note_checksum_failure)
         self.store.commit_listeners.append(self.locate.ram_sources)  # ready before anyone asks to restore it
-        self.flusher = None
-        if config.flush_dir and (self.team is None or self.team.flushes):
-            from .flush import Flusher
-            from .flush_interval import FlushInterval
-
-            gather = self.team.gather_for_flush if self.team is not None else None
-            interval = FlushInterval(config.flush_every, config.mtbf)
-            self.flusher = Flusher(
-                self.store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather
-            )
+        self.flusher = flusher if flusher is not None else make_flusher(config, self.store, self.team)
+        if self.flusher is not None:
             self.store.commit_listeners.append(self.flusher.on_commit)
             with self.store.lock:
                 self.flusher.resume()
@@ -114,12 +130,11 @@ class Daemon:
 
             self.metrics = Metrics(self, config.metrics_port)
         self._done: queue.Queue = queue.Queue()
-        self._parked_begins: dict[int, _Parked] = {}  # slot id being allocated -> the begin waiting for it
+        self.parking = Parking()  # begins waiting for a slot, waits for a step
         # every rank rotates through --keep committed versions, the one being written, and one
         # more when a flush may pin an old version past --keep
         rotation = config.keep + 1 + (1 if self.flusher is not None else 0)
         self.prep = SlotPreparer(self.store, self._done, rotation, warm=config.prepare_spare)
-        self._waits: list[_Parked] = []
         self.leases = Leases(self.store)
         # checksum failures detected by this daemon or reported by its clients, by where the
         # damaged bytes were ("ram": a slot, "disk": a flushed file, "index": the shm index);
@@ -154,7 +169,7 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stop:
-                busy = self._parked_begins or self._waits or not self._done.empty() or self.team is not None
+                busy = self.parking or not self._done.empty() or self.team is not None
                 events = dict(poller.poll(10 if busy else 200))
                 if sock in events:
                     for _ in range(64):  # drain a burst before housekeeping
@@ -246,8 +261,7 @@ class Daemon:
         if slot is not None:
             self.prep.warm(rank, slot.size)
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
-            return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip, "spares": self.prep.ready_spares(rank)}
-        waiting = {"rank": rank, "skip": skip, "job": job}
+            return begin_reply(slot, skip, self.prep.ready_spares(rank))
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
         if sid is not None:
             self.store.within_quota(job, self.store.slots.slots[sid].size)
@@ -256,7 +270,7 @@ class Daemon:
             self.store.slots.slots[sid].rank = rank  # counted in its rotation from now on
             self.prep.allocate_now(sid, path, size)
             self.prep.warm(rank, size)  # the rest of the rotation, alongside
-        self._parked_begins[sid] = _Parked(ident, req_id, 0.0, step, waiting)
+        self.parking.park_begin(sid, Parked(ident, req_id, step, job, rank=rank, skip=skip))
         return None
 
     def _on_commit(self, ident, req_id, body):
@@ -270,31 +284,10 @@ class Daemon:
 
     def _on_wait(self, ident, req_id, body):
         step, job = body["step"], _job(body)
-        answer = self._wait_answer(step, job)
+        answer = wait_answer(self.store.table_of(job), step)
         if answer is not None:
             return answer
-        self._waits.append(_Parked(ident, req_id, time.monotonic() + body["seconds"], step, {"job": job}))
-        return None
-
-    def _wait_answer(self, step: int, job: str):
-        table = self.store.table_of(job)
-        v = table.find(step)
-        if v is None:
-            newest = table.latest_committed()
-            if newest is not None and newest.step > step:
-                raise VersionNotFound(f"step {step} was never sealed here and step {newest.step} is already committed")
-            return None
-        if v.state in (VersionState.COMMITTED, VersionState.FLUSHED):
-            return {"state": v.state.value, "step": step}
-        if v.state is VersionState.ABANDONED and isinstance(v.failure, UcpdError):
-            raise type(v.failure)(f"step {step} cannot commit: {v.failure}")
-        if v.state is VersionState.ABANDONED:
-            missing = sorted(set(range(v.world_size)) - set(v.parts))
-            raise VersionNotFound(
-                f"step {step} was abandoned: ranks {missing} never committed it before a newer step did"
-            )
-        if v.state is VersionState.EVICTED and v.committed_at is not None:
-            return {"state": v.state.value, "step": step}
+        self.parking.park_wait(Parked(ident, req_id, step, job, deadline=time.monotonic() + body["seconds"]))
         return None
 
     def _on_latest(self, ident, req_id, body):
@@ -423,9 +416,8 @@ class Daemon:
 
     def _on_drop(self, ident, req_id, body):
         job = body["job"]
-        for w in [w for w in self._waits if w.extra.get("job") == job]:
-            self._waits.remove(w)
-            self._reply(w.ident, protocol.error(w.req_id, VersionNotFound(f"job {job!r} was dropped on this node")))
+        for ident_, frame in self.parking.drop_job(job):
+            self._reply(ident_, frame)
         if self.flusher is not None:
             self.flusher.forget(job)
         out = self.store.drop(job)
@@ -454,11 +446,11 @@ class Daemon:
                 self._deferred_reply(*item[1:])
                 continue
             kind, sid, exc = item
-            parked = self._parked_begins.pop(sid, None)
+            parked = self.parking.take_begin(sid)
             with self.store.lock:
                 if sid not in self.store.slots.slots:
                     continue  # dropped meanwhile (ucpd drop, a failed reservation)
-                rank = parked.extra["rank"] if parked else self.store.slots.slots[sid].rank
+                rank = parked.rank if parked else self.store.slots.slots[sid].rank
                 if exc is not None:
                     self.store.drop_new_slot(sid)
                     if parked is not None:
@@ -467,14 +459,11 @@ class Daemon:
                     elif not isinstance(exc, UcpdError):
                         log.warning("preparing a spare slot failed: %s", exc)
                     continue
-                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.extra.get("job") if parked else None)
+                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.job if parked else None)
                 if parked is not None:
                     self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
                     faults.point("snapshot.lent", parked.step)
-                    reply = {
-                        "slot": slot.id, "path": slot.path, "size": slot.size, "skip": parked.extra.get("skip", []),
-                        "spares": self.prep.ready_spares(rank),
-                    }
+                    reply = begin_reply(slot, parked.skip, self.prep.ready_spares(rank))
                     self._reply(parked.ident, protocol.ok(parked.req_id, reply))
 
     def _deferred_reply(self, ident: bytes, req_id: int, body, exc) -> None:
@@ -487,24 +476,12 @@ class Daemon:
         self._reply(ident, protocol.error(req_id, exc))
 
     def _answer_waits(self) -> None:
-        if not self._waits:
+        if not self.parking.waits:
             return
-        now = time.monotonic()
-        keep = []
         with self.store.lock:
-            for w in self._waits:
-                try:
-                    answer = self._wait_answer(w.step, w.extra.get("job", DEFAULT_JOB))
-                except UcpdError as exc:
-                    self._reply(w.ident, protocol.error(w.req_id, exc))
-                    continue
-                if answer is not None:
-                    self._reply(w.ident, protocol.ok(w.req_id, answer))
-                elif now >= w.deadline:
-                    self._reply(w.ident, protocol.ok(w.req_id, {"state": "pending", "step": w.step}))
-                else:
-                    keep.append(w)
-        self._waits = keep
+            replies = self.parking.answer_waits(self.store.table_of, time.monotonic())
+        for ident, frame in replies:
+            self._reply(ident, frame)
 
     def _housekeeping(self) -> None:
         now = time.monotonic()
@@ -513,7 +490,7 @@ class Daemon:
                 for lease in self.leases.due():
                     self.leases.end(lease)
         idle = self.config.idle_exit
-        if idle and now - self._last_activity > idle and not self._waits and (self.flusher is None or self.flusher.idle()):
+        if idle and now - self._last_activity > idle and not self.parking.waits and (self.flusher is None or self.flusher.idle()):
             log.info("idle for %.0f s: exiting", idle)
             self._stop = True
 

@@ -20,7 +20,9 @@ from .. import faults
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
-from .versions import DEFAULT_JOB, RESTORABLE, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry
+from .versions import (
+    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry,
+)
 
 log = logging.getLogger("ucpd.store")
 
@@ -45,7 +47,7 @@ class NodeStore:
     snapshots); ``table`` is that job's table. One node alone serves any number of jobs."""
 
     def __init__(
-        self, shm_dir: str, mem_limit: int, keep: int, rounding: int = 2 << 20, policy=None,
+        self, shm_dir: str, mem_limit: int, keep: int, rounding: int = 2 << 20, policy: CommitPolicy | None = None,
         job_limit: int = 0, single_job: bool = False, job: str | None = None,
     ):
         self.shm_dir = shm_dir
@@ -64,9 +66,10 @@ class NodeStore:
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
-        self.disk_readers: dict[tuple[str, int], int] = {}  # (job, flushed step) -> restores reading it (retain keeps it)
+        self._disk_readers: dict[tuple[str, int], int] = {}  # (job, flushed step) -> restores reading it (retain keeps it)
         # called (holding the lock) with each version that became committed: restore indexing,
-        # the flusher. One commit path, whoever decides (this node alone, or the team).
+        # the flusher (later: more). One commit path, whoever decides (this node alone, or the
+        # team): ``commit``.
         self.commit_listeners: list = []
 
     # --- jobs ------------------------------------------------------------------------------------
@@ -272,15 +275,13 @@ class NodeStore:
             raise ProtocolError(f"rank {rank} says world size {body['world_size']}, others said {version.world_size}")
         part = RankPart(rank, sid, entries, body["objects"], body.get("layout"), body.get("objects_crc"))
         try:
-            committed = table.seal(version, part)
+            committed = table.seal(version, part)  # may commit it (the policy decides)
         except Exception:
-            version.parts.pop(rank, None)
-            version._globals = None
             self._dedupe_ok = False
             self.slots.release(sid)
             if len(version.parts) + 1 == version.world_size:
-                version.failure = sys.exc_info()[1]
-                self._evict(version)  # every rank sealed but it cannot commit: waiters hear why now
+                # every rank sealed but it cannot commit: waiters hear why now
+                self._give_back(table.abandon(version, sys.exc_info()[1]), indexed=False)
             raise
         self.slots.hold(slot)
         self.counters.snapshots += 1
@@ -291,15 +292,57 @@ class NodeStore:
             self.save_index()  # a team may commit it later; a restarted daemon re-adopts it
         return version, committed
 
-    def mark_committed(self, step: int) -> Version | None:
-        """The team decided ``step`` is committed: COMPLETE -> COMMITTED here (None when this
-        node holds no complete part of it — a job on fewer nodes, or a replacement node)."""
+    def protect(self, step: int) -> bool:
+        """This node's part of the team's ``step`` is held elsewhere too: COMPLETE -> PROTECTED
+        (False when it moved on, or is not here)."""
         v = self.table.versions.get(step)
-        if v is None or v.state is not VersionState.COMPLETE:
+        return v is not None and self.table.protect(v)
+
+    def commit(self, step: int) -> Version | None:
+        """The team decided ``step`` is committed: COMPLETE | PROTECTED -> COMMITTED here, then the
+        same work as a local commit (None when this node holds no complete part of it — a job
+        on fewer nodes, or a replacement node)."""
+        v = self.table.versions.get(step)
+        if v is None or v.state not in (VersionState.COMPLETE, VersionState.PROTECTED):
             return None
-        self.table.mark_committed(v)
+        self.table.commit(v)
         self._after_commit(v)
         return v
+
+    def mark_flushed(self, v: Version) -> None:
+        """The flush committed ``v`` on disk: COMMITTED -> FLUSHED (indexed, so a restarted
+        daemon does not flush it again)."""
+        if v.state in RESTORABLE:
+            self.table_of(v.job).mark_flushed(v)
+        self.save_index()
+
+    # --- pins: the only writers of Version.pins and of the flushed steps being read --------------
+
+    def pin(self, v: Version) -> None:
+        """Keep ``v`` in RAM while it is read (a restore, a flush, a copy to a peer)."""
+        v.pins += 1
+
+    def unpin(self, v: Version) -> None:
+        """The reader of ``v`` is done. (Callers run ``enforce_keep`` when what waited for the
+        reader may go now.)"""
+        if v.pins <= 0:
+            raise RuntimeError(f"step {v.step} of job {v.job!r} unpinned more often than pinned")
+        v.pins -= 1
+
+    def pin_flushed(self, job: str, step: int) -> None:
+        """A restore reads ``job``'s flushed ``step``: retention leaves it on disk meanwhile."""
+        self._disk_readers[(job, step)] = self._disk_readers.get((job, step), 0) + 1
+
+    def unpin_flushed(self, job: str, step: int) -> None:
+        left = self._disk_readers.get((job, step), 1) - 1
+        if left:
+            self._disk_readers[(job, step)] = left
+        else:
+            self._disk_readers.pop((job, step), None)
+
+    def flushed_being_read(self, job: str) -> set[int]:
+        """The flushed steps of ``job`` that restores are reading (retention keeps them)."""
+        return {step for j, step in self._disk_readers if j == job}
 
     def skip_for(self, rank: int, world_size: int, job: str = DEFAULT_JOB) -> list[str]:
         """Tensors this rank need not write: in the newest committed version of the same job
@@ -316,9 +359,10 @@ class NodeStore:
 
     def _after_commit(self, v: Version) -> None:
         self._dedupe_ok = True
-        for old in self.table_of(v.job).abandoned_before(v.step):
-            old.state = VersionState.ABANDONED
-            self._free_parts(old)
+        table = self.table_of(v.job)
+        for old in table.abandoned_before(v.step):
+            indexed = old.state in SEALED
+            self._give_back(table.abandon(old), indexed)
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
             if slot.state is SlotState.WRITING and slot.job == v.job and slot.step is not None and slot.step < v.step:
                 self.slots.release(slot.id)
@@ -374,23 +418,21 @@ class NodeStore:
         return freed
 
     def _evict(self, v: Version) -> None:
+        """``v``'s RAM goes: a committed version is EVICTED, one that never committed ABANDONED
+        (its waiters hear so)."""
+        table = self.table_of(v.job)
+        indexed = v.state in SEALED
         if v.state in RESTORABLE:
             self.counters.evicted += 1
-            v.state = VersionState.EVICTED
+            self._give_back(table.evict(v), indexed)
         else:
-            v.state = VersionState.ABANDONED  # never committed: its waiters hear so
-        self._free_parts(v)
+            self._give_back(table.abandon(v), indexed)
 
-    def _free_parts(self, v: Version) -> None:
-        """Give a version's slots back. A version the index lists leaves the index first, so a
-        crash can never re-adopt it over bytes a newer snapshot is writing."""
-        persisted = v.committed_at is not None  # the index lists committed versions only
-        sids = [p.slot for p in v.parts.values()]
-        v.parts = {}
-        v._globals = None
-        v.restore_sources = None
-        self.table_of(v.job).retire(v)
-        if persisted and not self.save_index():
+    def _give_back(self, sids: list[int], indexed: bool) -> None:
+        """Release the slots of a version that left RAM. One the index listed (it was complete)
+        leaves the index first, so a crash can never re-adopt it over bytes a newer snapshot is
+        writing."""
+        if indexed and not self.save_index():
             return  # the slots stay held (unlendable) until the index can be written
         for sid in sids:
             self.slots.release(sid)

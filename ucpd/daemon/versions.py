@@ -5,13 +5,21 @@ two jobs on a node number their steps independently and never see each other's v
 
 A version moves through explicit states::
 
-    WRITING -> COMPLETE -> COMMITTED -> FLUSHED -> EVICTED
-       \\-> ABANDONED (a rank never sealed it and a newer version committed)
+    WRITING -> COMPLETE [-> PROTECTED] -> COMMITTED -> FLUSHED -> EVICTED
+       \\----------\\------------\\-> ABANDONED (it can never commit: a newer version committed
+                                         first, its ranks disagree, or its job was dropped)
 
 WRITING: some local ranks sealed their part. COMPLETE: every rank of the job on this node
-sealed it. COMMITTED: the commit policy (one node: complete is enough; several nodes: every
-node reports it protected) says it is restorable. FLUSHED: also on disk in the universal
-format. EVICTED: its RAM was given back (it may still be on disk).
+sealed it. PROTECTED (a team of daemons): this node's part is also held by its replica holders
+or in its group's parity; it waits for the team's decision. COMMITTED: the commit policy (one
+node: complete is enough; a team: every node reported it protected) says it is restorable.
+FLUSHED: also on disk in the universal format. EVICTED: its RAM was given back (it may still be
+on disk).
+
+``VersionTable`` owns every transition: one method each (``seal``, ``protect``, ``commit``,
+``mark_flushed``, ``evict``, ``abandon``), which checks the state it leaves and clears the
+caches a version keeps (``InvalidTransition`` otherwise: a bug, never a user's mistake). Nothing
+else assigns ``Version.state``; ``NodeStore`` calls them and frees the slots.
 
 Thread-safety: callers hold the daemon's state lock.
 """
@@ -24,14 +32,17 @@ import json
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..dtypes import dtype as lookup_dtype
-from ..errors import PlacementMismatch, ProtocolError
+from ..errors import PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from ..protocol import tensor_entry
 from ..ucl import Fragment, placement_from_dict, resolve
 from ..ucl.plan import SourcePiece, global_shape_of
+
+if TYPE_CHECKING:
+    from .restore import SourceSet
 
 
 @functools.lru_cache(maxsize=65536)
@@ -86,6 +97,7 @@ def fragments_of(name: str, placement: dict | str, shape: tuple[int, ...]):
 class VersionState(enum.Enum):
     WRITING = "writing"
     COMPLETE = "complete"
+    PROTECTED = "protected"
     COMMITTED = "committed"
     FLUSHED = "flushed"
     EVICTED = "evicted"
@@ -93,6 +105,14 @@ class VersionState(enum.Enum):
 
 
 RESTORABLE = (VersionState.COMMITTED, VersionState.FLUSHED)
+# every local rank's part is here (a team may still be deciding): it can be copied, pinned, indexed
+SEALED = (VersionState.COMPLETE, VersionState.PROTECTED, *RESTORABLE)
+UNDECIDED = (VersionState.WRITING, VersionState.COMPLETE, VersionState.PROTECTED)
+
+
+class InvalidTransition(RuntimeError):
+    """A version was asked to leave a state it is not in: a bug in the daemon (the request that
+    caused it gets an internal error; the daemon keeps serving)."""
 
 DEFAULT_JOB = "default"  # the job of a client that names none (older clients)
 
@@ -182,12 +202,14 @@ class Version:
     parts: dict[int, RankPart] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     committed_at: float | None = None
-    pins: int = 0  # restores and flushes reading it right now
+    pins: int = 0  # restores, flushes and copies reading it right now (NodeStore.pin / unpin)
     incarnation: str | None = None  # the job run that writes it (a restarted job is another)
     local_size: int | None = None  # ranks that seal it on this node (None: all world_size, one node)
-    on_disk: bool = False
     job: str = DEFAULT_JOB
-    restore_sources: object | None = None  # ucpd.daemon.restore.SourceSet, built at commit
+    ranks_sealed: tuple[int, ...] = ()  # the ranks whose parts it held when it left RAM
+    # caches, cleared by the table when the parts change or go: the restore sources of the
+    # committed parts (built at commit), and the parts' fragments by global tensor
+    restore_sources: "SourceSet | None" = None
     failure: Exception | None = None  # why it could not commit once every rank sealed it
     _globals: dict[str, GlobalTensor] | None = None
 
@@ -196,8 +218,17 @@ class Version:
         return sum(p.nbytes for p in self.parts.values())
 
     @property
+    def on_disk(self) -> bool:
+        """Flushed to the universal format (it stays FLUSHED until its RAM is evicted)."""
+        return self.state is VersionState.FLUSHED
+
+    @property
     def in_ram(self) -> bool:
-        return self.state in (VersionState.WRITING, VersionState.COMPLETE, VersionState.COMMITTED, VersionState.FLUSHED) and bool(self.parts)
+        return self.state not in (VersionState.EVICTED, VersionState.ABANDONED) and bool(self.parts)
+
+    def _forget_caches(self) -> None:
+        self._globals = None
+        self.restore_sources = None
 
     def globals(self) -> dict[str, GlobalTensor]:
         """Index the parts' fragments by global tensor name (computed once per version).
@@ -329,7 +360,7 @@ class CommitPolicy(Protocol):
 
     def on_complete(self, version: Version) -> bool:
         """Called once (holding the store lock) when a version is complete on this node; True
-        commits it now, False leaves it COMPLETE until ``NodeStore.mark_committed``."""
+        commits it now, False leaves it COMPLETE (or PROTECTED) until ``NodeStore.commit``."""
 
 
 class SingleNodeCommit:
@@ -350,13 +381,6 @@ class VersionTable:
         self.retired: dict[int, Version] = {}  # evicted or abandoned, parts gone; oldest first
         self.policy = policy or SingleNodeCommit()
 
-    def retire(self, version: Version) -> None:
-        """Drop a version whose RAM was given back, remembering how it ended."""
-        self.versions.pop(version.step, None)
-        self.retired[version.step] = version
-        while len(self.retired) > self.RETIRED_MEMORY:
-            del self.retired[next(iter(self.retired))]
-
     def find(self, step: int) -> Version | None:
         return self.versions.get(step) or self.retired.get(step)
 
@@ -366,31 +390,116 @@ class VersionTable:
             v = self.versions[step] = Version(step, world_size, job=self.job)
         return v
 
+    # --- transitions: the only writers of Version.state ------------------------------------------
+
+    @staticmethod
+    def _leave(version: Version, allowed: tuple, to: VersionState) -> None:
+        if version.state not in allowed:
+            raise InvalidTransition(
+                f"step {version.step} of job {version.job!r}: {version.state.value} -> {to.value} "
+                f"(only from {', '.join(s.value for s in allowed)})"
+            )
+        version.state = to
+
     def seal(self, version: Version, part: RankPart) -> list[Version]:
-        """Add a rank's sealed part; returns the versions whose state changed to COMMITTED."""
+        """WRITING: add a rank's sealed part. When every local rank sealed it, check it
+        (agreement, coverage, replicas) and -> COMPLETE; then the policy may -> COMMITTED.
+        Returns the versions that became committed. A part that fails the checks is taken out
+        again (the caller gives its slot back) and the error raised."""
+        self._leave(version, (VersionState.WRITING,), VersionState.WRITING)
         version.parts[part.rank] = part
-        version._globals = None
-        if version.state is not VersionState.WRITING:
-            return []
+        version._forget_caches()
         local = version.local_size if self.policy.local_parts and version.local_size else version.world_size
         if len(version.parts) < local:
             return []
-        if self.policy.local_parts:
-            version.globals()  # the node's ranks must agree on shapes; coverage spans nodes
-        else:
-            check_covered(version)  # agreement and coverage now, not at restore time
-        check_skipped_covered(version)
-        check_replicas_agree(version)
+        try:
+            if self.policy.local_parts:
+                version.globals()  # the node's ranks must agree on shapes; coverage spans nodes
+            else:
+                check_covered(version)  # agreement and coverage now, not at restore time
+            check_skipped_covered(version)
+            check_replicas_agree(version)
+        except Exception:
+            del version.parts[part.rank]
+            version._forget_caches()
+            raise
         version.state = VersionState.COMPLETE
         if self.policy.on_complete(version):
-            self.mark_committed(version)
+            self.commit(version)
             return [version]
         return []
 
-    def mark_committed(self, version: Version) -> None:
-        """COMPLETE -> COMMITTED (the only place a version becomes committed)."""
-        version.state = VersionState.COMMITTED
+    def protect(self, version: Version) -> bool:
+        """COMPLETE -> PROTECTED: this node's part is held elsewhere too (a team's replicas or
+        parity). False (nothing changes) when the version already moved on: committed, evicted."""
+        if version.state is not VersionState.COMPLETE:
+            return False
+        version.state = VersionState.PROTECTED
+        return True
+
+    def commit(self, version: Version) -> None:
+        """COMPLETE | PROTECTED -> COMMITTED (the only place a version becomes committed)."""
+        self._leave(version, (VersionState.COMPLETE, VersionState.PROTECTED), VersionState.COMMITTED)
         version.committed_at = time.time()
+
+    def mark_flushed(self, version: Version) -> None:
+        """COMMITTED -> FLUSHED: its files are committed on disk. A version flushed again (after
+        a restart) stays FLUSHED."""
+        self._leave(version, RESTORABLE, VersionState.FLUSHED)
+
+    def evict(self, version: Version) -> list[int]:
+        """COMMITTED | FLUSHED -> EVICTED: its RAM goes (pins must be 0). Returns its slot ids,
+        for the caller to give back."""
+        self._leave(version, RESTORABLE, VersionState.EVICTED)
+        return self._retire(version)
+
+    def abandon(self, version: Version, failure: Exception | None = None) -> list[int]:
+        """WRITING | COMPLETE | PROTECTED -> ABANDONED: it can never commit (``failure`` says why,
+        to its waiters). Returns its slot ids, for the caller to give back."""
+        self._leave(version, UNDECIDED, VersionState.ABANDONED)
+        if failure is not None:
+            version.failure = failure
+        return self._retire(version)
+
+    def _retire(self, version: Version) -> list[int]:
+        if version.pins:
+            raise InvalidTransition(f"step {version.step} of job {version.job!r} leaves RAM while {version.pins} readers pin it")
+        sids = [p.slot for p in version.parts.values()]
+        version.ranks_sealed = tuple(sorted(version.parts))
+        version.parts = {}
+        version._forget_caches()
+        self.versions.pop(version.step, None)
+        self.retired[version.step] = version
+        while len(self.retired) > self.RETIRED_MEMORY:
+            del self.retired[next(iter(self.retired))]
+        return sids
+
+    def adopt(self, version: Version) -> None:
+        """Take in a version re-adopted from the index after a restart, in the state it had."""
+        if version.state not in SEALED:
+            raise InvalidTransition(f"step {version.step}: a {version.state.value} version is never re-adopted")
+        self.versions[version.step] = version
+
+    # --- queries -------------------------------------------------------------------------------
+
+    def outcome(self, step: int) -> VersionState | None:
+        """How ``step`` ended, for a trainer waiting on it: COMMITTED / FLUSHED / EVICTED (it
+        was committed), or None while it may still commit. Raises the version's failure, or
+        VersionNotFound, when it never will."""
+        v = self.find(step)
+        if v is None:
+            newest = self.latest_committed()
+            if newest is not None and newest.step > step:
+                raise VersionNotFound(f"step {step} was never sealed here and step {newest.step} is already committed")
+            return None
+        if v.state in RESTORABLE or (v.state is VersionState.EVICTED and v.committed_at is not None):
+            return v.state
+        if v.state is VersionState.ABANDONED and isinstance(v.failure, UcpdError):
+            raise type(v.failure)(f"step {step} cannot commit: {v.failure}")
+        if v.state is VersionState.ABANDONED:
+            missing = sorted(set(range(v.world_size)) - set(v.ranks_sealed))
+            raise VersionNotFound(f"step {step} was abandoned: ranks {missing} never committed it before a newer step did")
+        return None
 
     def latest_committed(self) -> Version | None:
         ready = [v for v in self.versions.values() if v.state in RESTORABLE]
@@ -400,12 +509,9 @@ class VersionTable:
         return sorted((v for v in self.versions.values() if v.state in RESTORABLE), key=lambda v: v.step)
 
     def abandoned_before(self, step: int) -> list[Version]:
-        """Incomplete versions older than a committed step: they can never commit now."""
-        return [
-            v
-            for v in self.versions.values()
-            if v.step < step and v.state in (VersionState.WRITING, VersionState.COMPLETE)
-        ]
+        """Incomplete versions older than a committed step: they can never commit now. (One a
+        peer copy still reads stays until it is unpinned; ``NodeStore.enforce_keep`` takes it then.)"""
+        return [v for v in self.versions.values() if v.step < step and v.state in UNDECIDED and not v.pins]
 
 
 def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from .. import faults, native, protocol
-from ..daemon.versions import RESTORABLE, VersionState
+from ..daemon.versions import SEALED
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
 from .placement import group_of, parity_groups
 from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
@@ -75,9 +75,9 @@ class ParityGroup:
         team, store, s = self.team, self.team.store, self.stripes
         with store.lock:
             v = store.table.versions.get(step)
-            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+            if v is None or not v.parts or v.state not in SEALED:
                 return False
-            v.pins += 1
+            store.pin(v)
             parts = list(v.parts.values())
             bases, size = blob_layout(parts)
             spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
@@ -123,7 +123,8 @@ class ParityGroup:
         finally:
             del spans
             with store.lock:
-                v.pins -= 1
+                store.unpin(v)
+                store.enforce_keep()  # what waited for this copy may go now
         return complete
 
     # --- holding (I/O thread) ---------------------------------------------------------------------
@@ -158,7 +159,7 @@ class ParityGroup:
         store, s = self.team.store, self.stripes
         with store.lock:
             v = store.table.versions.get(body["step"])
-            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+            if v is None or not v.parts or v.state not in SEALED:
                 raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
             parts = list(v.parts.values())
             bases, size = blob_layout(parts)

@@ -176,6 +176,11 @@ class ReplicaStore:
                 del self.held[(origin, step)]
                 self._free(rep)
 
+    def pin(self, rep: Replica) -> None:
+        """Keep ``rep`` while it is read (past ``keep``, until ``unpin``)."""
+        with self.lock:
+            rep.pins += 1
+
     def unpin(self, rep: Replica) -> None:
         """A reader is done with ``rep``; a replica kept past ``keep`` only for it goes now."""
         with self.lock:

@@ -3,7 +3,7 @@
 ``Team`` is the daemon's ``CommitPolicy`` when ``--nodes > 1``. When a version is complete on
 this node it copies the node's part to its replica holders (``placement.replica_holders``),
 then reports it protected to the commit protocol (``commit.CommitNode``), whose decisions
-come back as ``Commit`` actions that ``NodeStore.mark_committed`` applies. It answers the
+come back as ``Commit`` actions that ``NodeStore.commit`` applies. It answers the
 peers' requests (hold a replica, list what we hold, send bytes), finds the sources of a
 restore across the team (local RAM, a local replica, a peer's RAM), and heals: when the
 membership changes, parts whose copies were on a lost node are copied again.
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from .. import faults, knobs, native, protocol
 from ..daemon.restore import SourceSet, SourceTensor, _signature
-from ..daemon.versions import RESTORABLE, RankPart, TensorEntry, Version, VersionState
+from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from . import placement
@@ -126,7 +126,7 @@ class Team:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
         with store.lock:  # re-adopted versions not yet committed: protect them again
             for v in store.table.versions.values():
-                if v.state is VersionState.COMPLETE:
+                if v.state in (VersionState.COMPLETE, VersionState.PROTECTED):
                     self._work.put(("protect", v.step))
         log.info("team: node %d of %d listening on %s", self.rank, self.config.nodes, self.address)
 
@@ -202,7 +202,7 @@ class Team:
                     faults.point(point, out.msg.get("step"), settle=0.3)
             elif isinstance(out, Commit):
                 with self.store.lock:
-                    self.store.mark_committed(out.step)
+                    self.store.commit(out.step)
                 log.debug("team: step %d committed", out.step)
             elif isinstance(out, Record):
                 log.debug("team: step %d decided, recorded", out.step)
@@ -238,7 +238,7 @@ class Team:
         """Copy our part of ``step`` to its holders, then report it protected."""
         with self.store.lock:
             v = self.store.table.versions.get(step)
-            if v is None or v.state not in (VersionState.COMPLETE, *RESTORABLE) or not v.parts:
+            if v is None or v.state not in SEALED or not v.parts:
                 return
             ranks = tuple(sorted(v.parts))
             rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
@@ -262,6 +262,8 @@ class Team:
                 step, len(rec.holders), wanted, len(self.live()),
             )
         rec.protected = True
+        with self.store.lock:
+            self.store.protect(step)
         with self._lock:
             out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic())
         self._apply(out)
@@ -270,9 +272,9 @@ class Team:
     def _push_own(self, holder: int, step: int) -> bool:
         with self.store.lock:
             v = self.store.table.versions.get(step)
-            if v is None or not v.parts or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+            if v is None or not v.parts or v.state not in SEALED:
                 return False
-            v.pins += 1
+            self.store.pin(v)
             parts = list(v.parts.values())
             views = {p.rank: memoryview(self.store.slots.slots[p.slot].mapping()) for p in parts}
             world = v.world_size
@@ -281,7 +283,7 @@ class Team:
         finally:
             del views
             with self.store.lock:
-                v.pins -= 1
+                self.store.unpin(v)
                 self.store.enforce_keep()
 
     def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read) -> bool:
@@ -380,7 +382,7 @@ class Team:
             rep = self.replicas.get(origin, step)
             if rep is None:
                 return False
-            rep.pins += 1
+            self.replicas.pin(rep)
         try:
             return self._push(holder, origin, step, rep.world_size, list(rep.parts.values()), rep.view)
         finally:
@@ -462,13 +464,16 @@ class Team:
         with self.store.lock:
             if origin == self.rank:
                 obj = self.store.table.versions.get(step)
-                if obj is None or not obj.parts or obj.state not in (VersionState.COMPLETE, *RESTORABLE):
+                if obj is None or not obj.parts or obj.state not in SEALED:
                     raise VersionNotFound(f"node {self.rank} no longer holds its part of step {step}")
             else:
                 obj = self.replicas.get(origin, step)
                 if obj is None:
                     raise VersionNotFound(f"node {self.rank} holds no copy of node {origin}'s step {step}")
-            obj.pins += 1
+            if isinstance(obj, Version):
+                self.store.pin(obj)
+            else:
+                self.replicas.pin(obj)
             _, pinned = self._leases.setdefault((src, lease), (time.monotonic() + PIN_LEASE, []))
             pinned.append(obj)
 
@@ -477,7 +482,7 @@ class Team:
             _, pinned = self._leases.pop(key, (0.0, []))
             for obj in pinned:
                 if isinstance(obj, Version):
-                    obj.pins -= 1
+                    self.store.unpin(obj)
                 else:
                     self.replicas.unpin(obj)
             if pinned:
@@ -496,7 +501,7 @@ class Team:
         items = []
         with self.store.lock:
             for v in self.store.table.versions.values():
-                if (step is None or v.step == step) and v.parts and v.state in (VersionState.COMPLETE, *RESTORABLE):
+                if (step is None or v.step == step) and v.parts and v.state in SEALED:
                     item = {"origin": self.rank, "step": v.step, "world_size": v.world_size, "ranks": sorted(v.parts)}
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
@@ -516,7 +521,7 @@ class Team:
             if origin == self.rank:
                 v = self.store.table.versions.get(step)
                 part = v.parts.get(rank) if v is not None else None
-                if part is None or v.state not in (VersionState.COMPLETE, *RESTORABLE):
+                if part is None or v.state not in SEALED:
                     raise VersionNotFound(f"node {self.rank} no longer holds rank {rank} of step {step}")
                 mm = memoryview(self.store.slots.slots[part.slot].mapping())
                 limit = used_bytes(part)
@@ -731,14 +736,14 @@ class Team:
                     if own is None:
                         raise VersionNotFound(f"step {step} left this node while restoring; ask again")
                     if v not in pins:
-                        v.pins += 1
+                        self.store.pin(v)
                         pins.append(v)
                     where[rank] = ("local", self.store.slots.slots[own.slot].path, 0)
                 elif node == self.rank:
                     rep = self.replicas.get(origin, step)
                     if rep is None:
                         raise VersionNotFound(f"step {step}: the replica of node {origin} left this node; ask again")
-                    rep.pins += 1
+                    self.replicas.pin(rep)
                     pins.append(rep)
                     where[rank] = ("local", rep.path, rep.bases[rank])
                 else:
@@ -952,7 +957,10 @@ class TeamSources:
         """The client finished reading: unpin, delete fetched copies (caller holds the store lock)."""
         self.unpin_peers()
         for p in self.pins:
-            p.pins -= 1
+            if isinstance(p, Version):
+                self.team.store.unpin(p)
+            else:
+                self.team.replicas.unpin(p)
         self.pins = []
         for f in self.files:
             _unlink(f)

@@ -1,0 +1,91 @@
+"""Replies that wait: a ``begin`` whose slot is being allocated, and a ``wait`` for a step that
+is not decided yet.
+
+The server parks such a request here and sends the frames these methods return when the
+condition is met (the slot is ready, the step committed or failed, the wait timed out). No
+sockets or threads inside: the rules are testable on their own. Callers hold the store lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .. import protocol
+from ..errors import UcpdError, VersionNotFound
+from .versions import VersionTable
+
+
+@dataclass
+class Parked:
+    """A request whose reply waits: who asked (ROUTER identity, request id) and for what."""
+
+    ident: bytes
+    req_id: int
+    step: int
+    job: str
+    deadline: float = 0.0  # a wait: when to answer "pending" (monotonic seconds)
+    rank: int = 0  # a begin: the rank that asked, and the tensors it may skip
+    skip: list = field(default_factory=list)
+
+
+Reply = tuple[bytes, bytes]  # (ROUTER identity, reply frame)
+
+
+def begin_reply(slot, skip: list, spares: list) -> dict:
+    """The body of a ``begin`` reply: the slot lent, what the rank may skip, its ready spares."""
+    return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip, "spares": spares}
+
+
+def wait_answer(table: VersionTable, step: int) -> dict | None:
+    """The body of a ``wait`` reply for ``step`` now, or None while it may still commit. Raises
+    the typed error of a step that never will."""
+    state = table.outcome(step)
+    return None if state is None else {"state": state.value, "step": step}
+
+
+class Parking:
+    def __init__(self) -> None:
+        self.begins: dict[int, Parked] = {}  # slot id being allocated -> the begin waiting for it
+        self.waits: list[Parked] = []
+
+    def __bool__(self) -> bool:
+        return bool(self.begins or self.waits)
+
+    # --- begins --------------------------------------------------------------------------------
+
+    def park_begin(self, sid: int, parked: Parked) -> None:
+        self.begins[sid] = parked
+
+    def take_begin(self, sid: int) -> Parked | None:
+        """The begin waiting for slot ``sid`` (None: a spare nobody waits for)."""
+        return self.begins.pop(sid, None)
+
+    # --- waits ---------------------------------------------------------------------------------
+
+    def park_wait(self, parked: Parked) -> None:
+        self.waits.append(parked)
+
+    def answer_waits(self, table_of, now: float) -> list[Reply]:
+        """Replies for the waits whose step was decided (or failed), or whose time ran out;
+        the others stay parked. ``table_of(job)``: that job's version table."""
+        out, keep = [], []
+        for w in self.waits:
+            try:
+                answer = wait_answer(table_of(w.job), w.step)
+            except UcpdError as exc:
+                out.append((w.ident, protocol.error(w.req_id, exc)))
+                continue
+            if answer is not None:
+                out.append((w.ident, protocol.ok(w.req_id, answer)))
+            elif now >= w.deadline:
+                out.append((w.ident, protocol.ok(w.req_id, {"state": "pending", "step": w.step})))
+            else:
+                keep.append(w)
+        self.waits = keep
+        return out
+
+    def drop_job(self, job: str) -> list[Reply]:
+        """``ucpd drop JOB``: every wait of the job is answered with VersionNotFound."""
+        gone = [w for w in self.waits if w.job == job]
+        self.waits = [w for w in self.waits if w.job != job]
+        return [(w.ident, protocol.error(w.req_id, VersionNotFound(f"job {job!r} was dropped on this node"))) for w in gone]
