@@ -298,14 +298,15 @@ class NodeStore:
         v = self.table.versions.get(step)
         return v is not None and self.table.protect(v)
 
-    def commit(self, step: int) -> Version | None:
-        """The team decided ``step`` is committed: COMPLETE | PROTECTED -> COMMITTED here, then the
-        same work as a local commit (None when this node holds no complete part of it — a job
-        on fewer nodes, or a replacement node)."""
-        v = self.table.versions.get(step)
+    def commit(self, step: int, job: str | None = None) -> Version | None:
+        """The commit policy (a team) decided ``step`` of ``job`` (default: the team's) is committed:
+        COMPLETE | PROTECTED -> COMMITTED here, then the same work as a local commit (None when
+        this node holds no complete part of it — a job on fewer nodes, or a replacement node)."""
+        table = self.table_of(job) if job is not None else self.table
+        v = table.versions.get(step)
         if v is None or v.state not in (VersionState.COMPLETE, VersionState.PROTECTED):
             return None
-        self.table.commit(v)
+        table.commit(v)
         self._after_commit(v)
         return v
 

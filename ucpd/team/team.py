@@ -65,7 +65,9 @@ class Team:
 
     local_parts = True
 
-    def __init__(self, config: TeamConfig, shm_dir: str) -> None:
+    def __init__(self, config: TeamConfig, shm_dir: str, link=None) -> None:
+        """``link``: makes the transport to the peers, called as ``PeerTransport`` is (tests pass
+        an in-process one: ``tests/helpers/fake_link.py``)."""
         from .transport import PeerTransport
 
         self.config = config
@@ -96,7 +98,7 @@ class Team:
         self._pushers = ThreadPoolExecutor(PUSH_IN_FLIGHT, thread_name_prefix="ucpd-push")
         self._receivers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-receive")
         self._stopping = False
-        self.transport = PeerTransport(
+        self.transport = (link or PeerTransport)(
             self.rank,
             config.listen,
             config.secret,
