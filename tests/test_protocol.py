@@ -18,7 +18,7 @@ def test_reply_carries_typed_error():
 
 
 def test_ok_reply():
-    assert protocol.decode_reply(protocol.ok(5, {"step": 3})) == (5, {"step": 3}, None)
+    assert protocol.decode_reply(protocol.ok("latest", 5, {"step": 3})) == (5, {"step": 3}, None)
 
 
 @pytest.mark.parametrize(
