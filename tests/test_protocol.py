@@ -369,3 +369,23 @@ def test_a_daemon_that_builds_a_bad_reply_answers_a_protocol_error_and_keeps_ser
             conn.call("shutdown")
     finally:
         t.join(30)
+
+
+def test_decoding_a_large_reply_pauses_the_gc_and_gives_it_back(monkeypatch):
+    import gc
+
+    seen = []
+    real = protocol.trainer.validate_reply
+    monkeypatch.setattr(protocol.trainer, "validate_reply", lambda t, b: seen.append(gc.isenabled()) or real(t, b))
+    big = protocol.pack("ok", 1, {"job": "j", "steps": list(range(300_000)), "bytes": 1})
+    assert len(big) >= protocol.BIG_FRAME
+    assert gc.isenabled()
+    protocol.decode_reply(big, "drop")
+    protocol.decode_reply(protocol.pack("ok", 2, {"step": 1}), "latest")
+    assert seen == [False, True] and gc.isenabled()
+    gc.disable()
+    try:
+        protocol.decode_reply(big, "drop")
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()

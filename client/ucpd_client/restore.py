@@ -2,9 +2,10 @@
 
 The daemon answers a restore with a plan (``ucpd.protocol.RestorePlan``, made by
 ``ucpd.daemon.restore``): a table of source tensors (a file, an offset, a dtype, chunk CRCs)
-and per target tensor a list of strided copies and padding fills. The client maps each source file read-only once, checks the CRC of
-every chunk any copy touches, and copies straight into the target tensors — one copy from the
-daemon's RAM to the trainer's memory, with no staging in between for CPU targets. The copying
+and per target tensor a list of strided copies and padding fills. The client maps each source
+file read-only once, checks the CRC of every chunk any copy touches, and copies straight into
+the target tensors — one copy from the daemon's RAM to the trainer's memory, with no staging
+in between for CPU targets. The copying
 and verifying (fused copy+CRC where the windows allow) is ``ucpd.checked.CheckedCopier``.
 """
 

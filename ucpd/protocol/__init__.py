@@ -7,8 +7,8 @@ daemon, and between the daemons of a team — requests, replies, and the records
   ``PlanCopy``, ``PlanFill``);
 - ``peer``: the daemon <-> daemon message bodies and replies (``PEER_REQUESTS``).
 
-Every name is re-exported here: importers use ``ucpd.protocol`` (``docs/PROTOCOL.md`` is the
-reader's page).
+Every name is re-exported here: importers use ``ucpd.protocol``. Every message and reply, in
+tables: docs/ARCHITECTURE.md, section ``ucpd.protocol``.
 """
 
 from ..errors import ProtocolError, UcpdError
@@ -19,9 +19,9 @@ from .trainer import (
     validate_reply, validate_request,
 )
 from .wire import (
-    JOB_NAME, MAX_FRAME_BYTES, MAX_INT, MAX_ITEMS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, PROTOCOL_VERSION,
+    BIG_FRAME, JOB_NAME, MAX_FRAME_BYTES, MAX_INT, MAX_ITEMS, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, PROTOCOL_VERSION,
     MessageType, Record, _bool, _bytes, _crc, _dict, _float, _int, _list_of, _map_of, _nullable, _one_of, _path,
-    _record, _shape, _str, job_name, pack, reply_from_wire, reply_to_wire, to_wire, unpack_envelope,
+    _record, _shape, _str, gc_paused, job_name, pack, reply_from_wire, reply_to_wire, to_wire, unpack_envelope,
     validate_fields,
 )
 
@@ -31,7 +31,8 @@ __all__ = [
     "EMPTY", "OBJECTS", "OBJECTS_CRCS", "REQUESTS", "TARGET_ENTRY", "TENSOR_ENTRY", "VERSION_STATES", "WHERE",
     "PlanCopy", "PlanFill", "PlanSource", "PlanTensor", "RestorePlan", "decode_reply", "decode_request", "error", "ok",
     "request", "tensor_entry", "validate_reply", "validate_request",
-    "JOB_NAME", "MAX_FRAME_BYTES", "MAX_INT", "MAX_ITEMS", "MAX_NAME_LEN", "MAX_PATH_LEN", "MAX_RANKS",
+    "BIG_FRAME", "JOB_NAME", "MAX_FRAME_BYTES", "MAX_INT", "MAX_ITEMS", "MAX_NAME_LEN", "MAX_PATH_LEN", "MAX_RANKS",
+    "gc_paused",
     "PROTOCOL_VERSION", "MessageType", "Record", "job_name", "pack", "reply_from_wire", "reply_to_wire", "to_wire",
     "unpack_envelope", "validate_fields",
     # validators, for schemas written elsewhere (ucpd.team)

@@ -21,9 +21,9 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..errors import ProtocolError, UcpdError
 from .wire import (
-    MAX_INT, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, MessageType, Record, _bool, _bytes, _crc, _dict, _float, _int,
-    _list_of, _map_of, _nullable, _one_of, _path, _shape, _str, job_name, pack, reply_from_wire, reply_to_wire,
-    unpack_envelope, validate_fields,
+    BIG_FRAME, MAX_INT, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, MessageType, Record, _bool, _bytes, _crc, _dict, _float,
+    _int, _list_of, _map_of, _nullable, _one_of, _path, _shape, _str, gc_paused, job_name, pack, reply_from_wire,
+    reply_to_wire, unpack_envelope, validate_fields,
 )
 
 log = logging.getLogger("ucpd.protocol")
@@ -162,8 +162,8 @@ class _Bad(Exception):
     pass
 
 
-# NamedTuple's own __new__ is a Python function; tuple.__new__(cls, fields) builds the same
-# record in C (no defaults or checks are skipped: these records have none)
+# NamedTuple's own __new__ is a Python function; tuple.__new__(cls, every field) builds the
+# same record in C
 _new = tuple.__new__
 
 
@@ -177,7 +177,8 @@ def _sources_from_wire(raw: list, where: str) -> tuple:
         try:
             if type(s) is not dict or len(s) != 6:
                 raise _Bad
-            path, offset, nbytes, dtype, crcs, chunk = s["path"], s["offset"], s["nbytes"], s["dtype"], s["crcs"], s["chunk"]
+            path, offset, nbytes, dtype = s["path"], s["offset"], s["nbytes"], s["dtype"]
+            crcs, chunk = s["crcs"], s["chunk"]
             if not (type(path) is str and 0 < len(path) <= MAX_PATH_LEN and type(dtype) is str
                     and 0 < len(dtype) <= MAX_NAME_LEN and type(offset) is int and 0 <= offset <= MAX_INT
                     and type(nbytes) is int and 0 <= nbytes <= MAX_INT and type(chunk) is int and 0 < chunk <= MAX_INT
@@ -458,11 +459,12 @@ def decode_reply(
     one (a late reply to an earlier request) comes back unchecked, for the caller to skip."""
     from ..errors import error_from_code
 
-    reply_type, rid, body = unpack_envelope(frame)
-    if reply_type == "ok" and isinstance(body, dict):
-        if msg_type is not None and (req_id is None or rid == req_id):
-            body = validate_reply(msg_type, body)
-        return rid, body, None
+    with gc_paused(len(frame) >= BIG_FRAME):
+        reply_type, rid, body = unpack_envelope(frame)
+        if reply_type == "ok" and isinstance(body, dict):
+            if msg_type is not None and (req_id is None or rid == req_id):
+                body = validate_reply(msg_type, body)
+            return rid, body, None
     if reply_type == "error" and isinstance(body, dict):
         return rid, None, error_from_code(str(body.get("code")), str(body.get("message")))
     raise ProtocolError(f"unexpected reply type {reply_type!r}")
