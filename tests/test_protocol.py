@@ -389,3 +389,40 @@ def test_decoding_a_large_reply_pauses_the_gc_and_gives_it_back(monkeypatch):
         assert not gc.isenabled()  # the caller's choice stays
     finally:
         gc.enable()
+
+
+def test_peer_replies_are_checked_by_the_sender_and_by_the_requester():
+    from ucpd.team.transport import PeerTransport
+
+    replies = {"holdings": GOOD_PEER_REPLIES["holdings"]}
+
+    def answer(src, msg_type, body, frames):
+        if msg_type == "fetch":
+            return {}, [b"abc", b"de"]
+        return replies[msg_type], []
+
+    nodes = [PeerTransport(rank, "tcp://127.0.0.1:0", None, on_message=lambda *a: None, on_request=answer,
+                           schemas=schemas)
+             for rank, schemas in enumerate([protocol.PEER_REQUESTS, protocol.PEER_REQUESTS, None])]
+    checked, unchecked, buggy = nodes  # node 2 does not check its replies (another release, a bug)
+    try:
+        addresses = [t.bind() for t in nodes]
+        for t in nodes:
+            t.start(addresses)
+        body, _ = checked.request(1, "holdings", {"step": 3})
+        assert body["node"] == 1 and body["items"][1]["parts"] is None  # decoded: optional fields None
+        _, frames = checked.request(1, "fetch", {"origin": 1, "step": 3, "rank": 0, "ranges": [[0, 3], [3, 2]]})
+        assert [bytes(f) for f in frames] == [b"abc", b"de"]
+        with pytest.raises(ValueError, match="not a request"):
+            checked.request(1, "unpin", {"lease": "x"})
+        replies["holdings"] = {"node": 1, "items": [{"origin": 0}]}
+        # the sender refuses its own bad reply: the requester gets a typed error, the sender counts it
+        with pytest.raises(ProtocolError, match=r"node 1 built a malformed 'holdings' reply.*missing field"):
+            checked.request(1, "holdings", {})
+        assert unchecked.counters["callback_errors"] == 1
+        # a peer that does not check: the requester refuses the reply
+        with pytest.raises(ProtocolError, match=r"node 2 answered 'holdings' with a malformed reply: holdings reply"):
+            checked.request(2, "holdings", {})
+    finally:
+        for t in nodes:
+            t.close()
