@@ -1,8 +1,12 @@
-"""The wire protocol: strict decoding, typed errors, request/reply symmetry."""
+"""The wire protocol: strict decoding, typed errors, request/reply symmetry; every reply's schema,
+the restore plan's records, and a client refusing a malformed reply."""
 
 import msgpack
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from helpers.fuzz_targets import GOOD_PEER_REPLIES, GOOD_REPLIES, PLAN_WIRE
 from ucpd import protocol
 from ucpd.errors import ProtocolError, SnapshotRejected
 
@@ -18,7 +22,7 @@ def test_reply_carries_typed_error():
 
 
 def test_ok_reply():
-    assert protocol.decode_reply(protocol.ok(5, {"step": 3})) == (5, {"step": 3}, None)
+    assert protocol.decode_reply(protocol.ok("latest", 5, {"step": 3})) == (5, {"step": 3}, None)
 
 
 @pytest.mark.parametrize(
@@ -58,3 +62,367 @@ def test_rank_must_be_inside_the_world():
 def test_wait_seconds_must_be_finite():
     with pytest.raises(ProtocolError, match="finite"):
         protocol.decode_request(protocol.pack("wait", 1, {"step": 0, "seconds": float("inf")}))
+
+
+# --- replies: every message type's reply schema ----------------------------------------------------
+
+WRONG = -1.5  # no validator takes it: not an int, a string, a list, a map, bytes, a bool, a choice, nil
+
+
+def _reply_params() -> list:
+    return list(_replies())
+
+
+def _replies():
+    for name, spec in protocol.REQUESTS.items():
+        yield pytest.param(spec, GOOD_REPLIES[name], id=f"trainer-{name}")
+    for name, spec in protocol.PEER_REQUESTS.items():
+        if spec.reply is not None:
+            yield pytest.param(spec, GOOD_PEER_REPLIES[name], id=f"peer-{name}")
+
+
+def _fields(spec) -> list[str]:
+    """The reply's own fields, on the wire (a restore's plan fields included)."""
+    if not isinstance(spec.reply, protocol.Record):
+        return []
+    return list(spec.reply.required) + list(spec.reply.optional) + [f for c in spec.reply.inline.values() for f in c.FIELDS]
+
+
+def test_every_message_type_says_what_answers_it():
+    for spec in [*protocol.REQUESTS.values(), *protocol.PEER_REQUESTS.values()]:
+        assert spec.doc
+        assert spec.reply is None or callable(spec.reply)
+    assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is None} == {"unpin", "commit", "hello"}
+    assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply_payload} == {"fetch", "parity_block", "blob_unit"}
+    assert {n for n, s in protocol.PEER_REQUESTS.items() if s.payload} == {"replica_data", "parity_unit"}
+    assert protocol.REQUESTS["status"].reply is protocol._dict  # a free map: the status tree is not specified
+    assert set(GOOD_REPLIES) == set(protocol.REQUESTS)
+    assert set(GOOD_PEER_REPLIES) == {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is not None}
+
+
+@pytest.mark.parametrize("spec, body", _reply_params())
+def test_a_good_reply_passes_at_both_ends(spec, body):
+    wire = protocol.reply_from_wire(spec, body)  # the receiver
+    assert isinstance(wire, dict)
+    if spec.name == "restore":
+        assert isinstance(wire["plan"], protocol.RestorePlan) and not {"sources", "tensors"} & set(wire)
+        wire = {**wire, "plan": wire["plan"]}
+    assert protocol.reply_to_wire(spec, wire) is not None  # the sender, with what the receiver decoded
+
+
+@pytest.mark.parametrize("spec, body", _reply_params())
+def test_a_reply_missing_a_field_is_a_protocol_error_naming_it(spec, body):
+    required = [f for f in _fields(spec) if not isinstance(spec.reply, protocol.Record) or f not in spec.reply.optional]
+    for field in required:
+        bad = {k: v for k, v in body.items() if k != field}
+        with pytest.raises(ProtocolError, match=rf"{spec.name} reply.*missing field '{field}'"):
+            protocol.reply_from_wire(spec, bad)
+
+
+@pytest.mark.parametrize("spec, body", _reply_params())
+def test_a_reply_field_of_the_wrong_type_is_a_protocol_error_naming_it(spec, body):
+    if not isinstance(spec.reply, protocol.Record):  # status: the whole body is the one field
+        with pytest.raises(ProtocolError, match=rf"{spec.name} reply"):
+            protocol.reply_from_wire(spec, [WRONG])
+        return
+    for field in _fields(spec):
+        with pytest.raises(ProtocolError, match=rf"{spec.name} reply.{field}"):
+            protocol.reply_from_wire(spec, {**body, field: WRONG})
+
+
+@pytest.mark.parametrize("spec, body", _reply_params())
+def test_a_reply_with_an_unknown_field_is_a_protocol_error(spec, body):
+    if not isinstance(spec.reply, protocol.Record):
+        assert protocol.reply_from_wire(spec, {**body, "anything": [1]})["anything"] == [1]  # status: free
+        return
+    with pytest.raises(ProtocolError, match=rf"{spec.name} reply: unknown fields \['bogus'\]"):
+        protocol.reply_from_wire(spec, {**body, "bogus": 1})
+
+
+def test_payload_frames_only_where_the_reply_has_them():
+    peer = protocol.PEER_REQUESTS
+    assert protocol.reply_from_wire(peer["fetch"], {}, frames=3) == {}
+    with pytest.raises(ProtocolError, match="pin reply: carries 2 payload"):
+        protocol.reply_from_wire(peer["pin"], {}, frames=2)
+    with pytest.raises(ProtocolError, match="one-way"):
+        protocol.reply_to_wire(peer["unpin"], {})
+
+
+def test_the_client_decodes_each_reply_by_its_request_type():
+    frame = protocol.pack("ok", 4, GOOD_REPLIES["begin"])
+    assert protocol.decode_reply(frame, "begin") == (4, GOOD_REPLIES["begin"], None)
+    with pytest.raises(ProtocolError, match="latest reply: missing field 'step'"):
+        protocol.decode_reply(frame, "latest")
+    # a late reply to another request comes back unchecked, for the caller to skip
+    assert protocol.decode_reply(frame, "latest", req_id=5) == (4, GOOD_REPLIES["begin"], None)
+    rid, body, err = protocol.decode_reply(protocol.error(6, SnapshotRejected("full")), "begin")
+    assert body is None and isinstance(err, SnapshotRejected)
+
+
+def test_missing_optional_reply_fields_read_as_none():
+    rid, body, _ = protocol.decode_reply(protocol.ok("latest", 1, {"step": None}), "latest")
+    assert body == {"step": None}
+    spec = protocol.PEER_REQUESTS["holdings"]
+    item = protocol.reply_from_wire(spec, GOOD_PEER_REPLIES["holdings"])["items"][1]
+    assert item["via"] == "parity" and item["parts"] is None
+
+
+def test_a_malformed_reply_at_the_daemon_is_logged_and_answered_with_a_protocol_error(caplog):
+    with caplog.at_level("ERROR", logger="ucpd.protocol"):
+        frame = protocol.ok("begin", 9, {**GOOD_REPLIES["begin"], "size": "big"})
+    rid, body, err = protocol.decode_reply(frame, "begin")
+    assert rid == 9 and body is None and isinstance(err, ProtocolError)
+    assert "begin reply.size" in str(err) and "bug" in str(err)
+    assert any("begin" in r.getMessage() and "size" in r.getMessage() for r in caplog.records)
+
+
+def test_version_states_are_the_daemons():
+    from ucpd.daemon.versions import VersionState
+
+    assert set(protocol.VERSION_STATES) == {s.value for s in VersionState}
+
+
+# --- the restore plan ------------------------------------------------------------------------------
+
+
+def _plan_round_trip(plan):
+    wire = msgpack.unpackb(msgpack.packb(plan.to_wire(), use_bin_type=True), raw=False, strict_map_key=False)
+    return wire, protocol.RestorePlan.from_wire(wire)
+
+
+def test_the_plan_records_round_trip_through_the_wire():
+    from ucpd.ucl.geometry import View
+
+    plan = protocol.RestorePlan.from_wire(PLAN_WIRE)
+    assert plan.sources[1] == protocol.PlanSource("/ckpt/step-3/model.safetensors", 0, 32, "float32", (1, 2), 16)
+    assert plan.tensors[1].copies[0] == protocol.PlanCopy(1, View(2, (2, 2), (4, 1)), View(0, (2, 2), (3, 1)))
+    assert plan.tensors[1].fills == (protocol.PlanFill(View(2, (2,), (3,)), 0),)
+    wire, again = _plan_round_trip(plan)
+    assert again == plan and wire == PLAN_WIRE
+
+
+def test_the_wire_form_of_copies_and_views_is_their_field_order():
+    """A PlanCopy goes on the wire as the array msgpack makes of the NamedTuple: these orders are
+    the wire format."""
+    from ucpd.ucl.geometry import View
+    from ucpd.ucl.plan import Copy
+
+    assert View._fields == ("offset", "shape", "strides")
+    assert protocol.PlanCopy._fields == Copy._fields == ("src_key", "src_view", "dst_view")
+    assert protocol.PlanFill._fields == ("view", "value")
+    t = protocol.PlanTensor("w", (protocol.PlanCopy(0, View(1, (2,), (3,)), View(0, (2,), (1,))),),
+                            (protocol.PlanFill(View(2, (1,), (1,)), 0.5),))
+    assert msgpack.packb(t.to_wire()) == msgpack.packb({"name": "w", "copies": [[0, [1, [2], [3]], [0, [2], [1]]]],
+                                                        "fills": [[[2, [1], [1]], 0.5]]})
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda w: w["sources"][0].update(offset=-1), r"sources\[0\].offset"),
+    (lambda w: w["sources"][1].update(crcs=[1]), r"sources\[1\]: 32 bytes in chunks of 16 need 2 CRCs, got 1"),
+    (lambda w: w["sources"][0].update(chunk=0), r"sources\[0\].chunk"),
+    (lambda w: w["sources"][0].pop("dtype"), r"sources\[0\]: missing field 'dtype'"),
+    (lambda w: w["sources"][0].update(extra=1), r"sources\[0\]: unknown fields"),
+    (lambda w: w["tensors"][0]["copies"][0].__setitem__(0, 2), r"tensors\[0\].copies\[0\]\[0\]' must name one of the plan's 2"),
+    (lambda w: w["tensors"][1]["copies"][0][1][2].append(1), r"tensors\[1\].copies\[0\]\[1\]' must be a view"),
+    (lambda w: w["tensors"][0]["copies"][0][2].__setitem__(0, -3), r"tensors\[0\].copies\[0\]\[2\]' must be a view"),
+    (lambda w: w["tensors"][0]["copies"].append([0, [0, [1], [1]]]), r"tensors\[0\].copies\[1\]' must be \[source"),
+    (lambda w: w["tensors"][1]["fills"][0].__setitem__(1, "zero"), r"tensors\[1\].fills\[0\]' must be \[view, number\]"),
+    (lambda w: w["tensors"][1]["fills"][0].__setitem__(0, [0, [1]]), r"tensors\[1\].fills\[0\]\[0\]' must be a view"),
+    (lambda w: w["tensors"][0].pop("fills"), r"tensors\[0\]: missing field 'fills'"),
+    (lambda w: w["tensors"][0].update(name=""), r"tensors\[0\].name"),
+    (lambda w: w.pop("tensors"), r"missing field 'tensors'"),
+    (lambda w: w.update(sources={}), r"sources' must be a list"),
+])
+def test_a_malformed_plan_is_a_protocol_error_naming_the_field(edit, words):
+    import copy
+
+    wire = copy.deepcopy(PLAN_WIRE)
+    edit(wire)
+    with pytest.raises(ProtocolError, match=words):
+        protocol.RestorePlan.from_wire(wire, "restore reply")
+
+
+def test_the_restore_reply_carries_the_plan_inline_and_decodes_it_typed():
+    plan = protocol.RestorePlan.from_wire(PLAN_WIRE)
+    head = {k: v for k, v in GOOD_REPLIES["restore"].items() if k not in ("sources", "tensors")}
+    frame = protocol.ok("restore", 3, {**head, "plan": plan})
+    assert msgpack.unpackb(frame, strict_map_key=False)["body"] == {**head, **PLAN_WIRE}  # the wire is flat
+    _, body, err = protocol.decode_reply(frame, "restore")
+    assert err is None and body == {**head, "plan": plan}
+    # the daemon passes a typed plan, nothing else
+    _, _, err = protocol.decode_reply(protocol.ok("restore", 4, {**head, **PLAN_WIRE}), "restore")
+    assert isinstance(err, ProtocolError) and "restore reply.plan" in str(err)
+
+
+def _views(draw, ndim):
+    from ucpd.ucl.geometry import View
+
+    dims = st.integers(0, 1 << 40)
+    return View(draw(dims), tuple(draw(st.lists(dims, min_size=ndim, max_size=ndim))),
+                tuple(draw(st.lists(dims, min_size=ndim, max_size=ndim))))
+
+
+@st.composite
+def plans(draw):
+    sources = []
+    for _ in range(draw(st.integers(0, 4))):
+        chunk = draw(st.integers(1, 1 << 30))
+        nbytes = draw(st.integers(0, 8 * chunk))
+        sources.append(protocol.PlanSource(draw(st.text(min_size=1, max_size=40)), draw(st.integers(0, 1 << 62)), nbytes,
+                                           draw(st.sampled_from(["float32", "bfloat16", "int8"])),
+                                           tuple(draw(st.lists(st.integers(0, 0xFFFFFFFF), min_size=-(-nbytes // chunk),
+                                                               max_size=-(-nbytes // chunk)))), chunk))
+    tensors = []
+    for _ in range(draw(st.integers(0, 4))):
+        copies = ()
+        if sources:
+            copies = tuple(protocol.PlanCopy(draw(st.integers(0, len(sources) - 1)), _views(draw, nd), _views(draw, nd))
+                           for nd in draw(st.lists(st.integers(0, 4), max_size=3)))
+        fills = tuple(protocol.PlanFill(_views(draw, draw(st.integers(0, 3))),
+                                        draw(st.one_of(st.integers(-(1 << 63), (1 << 63) - 1), st.floats(allow_nan=False))))
+                      for _ in range(draw(st.integers(0, 2))))
+        tensors.append(protocol.PlanTensor(draw(st.text(min_size=1, max_size=40)), copies, fills))
+    return protocol.RestorePlan(tuple(sources), tuple(tensors))
+
+
+@settings(max_examples=200, deadline=None)
+@given(plans())
+def test_any_plan_round_trips(plan):
+    _, again = _plan_round_trip(plan)
+    assert again == plan
+
+
+# --- through sockets: a malformed reply is refused by the client -------------------------------------
+
+
+class _FakeDaemon:
+    """A ZeroMQ ROUTER at a run dir's socket answering each request type with a given body."""
+
+    def __init__(self, run_dir: str, bodies: dict):
+        import os
+        import threading
+
+        import zmq
+
+        os.makedirs(run_dir, exist_ok=True)
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"ipc://{os.path.join(run_dir, 'ucpd.sock')}")
+        self.bodies, self.seen, self._stop = bodies, [], False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self):
+        while not self._stop:
+            if not self.sock.poll(50):
+                continue
+            ident, frame = self.sock.recv_multipart()
+            msg_type, req_id, _ = protocol.unpack_envelope(frame)
+            self.seen.append(msg_type)
+            self.sock.send_multipart([ident, protocol.pack("ok", req_id, self.bodies.get(msg_type, {}))])
+
+    def close(self):
+        self._stop = True
+        self.thread.join(5)
+        self.sock.close()
+
+
+def test_a_client_refuses_a_malformed_begin_reply_with_a_protocol_error(tmp_path):
+    import torch
+
+    from ucpd.rpc import Connection
+    from ucpd_client import Checkpointer
+
+    run_dir = str(tmp_path / "run")
+    hello = {**GOOD_REPLIES["hello"], "shm_dir": str(tmp_path)}
+    fake = _FakeDaemon(run_dir, {"hello": hello, "begin": {"slot": 1, "size": 4096, "skip": [], "spares": []}})
+    try:
+        with Connection(run_dir) as conn:
+            with pytest.raises(ProtocolError, match="begin reply: missing field 'path'"):
+                conn.call("begin", rank=0, world_size=1, step=1, nbytes=16)
+        with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job="j") as ckpt:
+            with pytest.raises(ProtocolError, match="begin reply: missing field 'path'"):
+                ckpt.snapshot(1, {"w": torch.zeros(4)}).wait(10)
+        assert "begin" in fake.seen
+    finally:
+        fake.close()
+
+
+def test_a_daemon_that_builds_a_bad_reply_answers_a_protocol_error_and_keeps_serving(tmp_path, monkeypatch):
+    import threading
+
+    from ucpd.daemon.server import Daemon, DaemonConfig
+    from ucpd.rpc import Connection
+
+    run, shm = tmp_path / "run", tmp_path / "shm"
+    d = Daemon(DaemonConfig(run_dir=str(run), shm_dir=str(shm), mem_limit=64 << 20))
+    monkeypatch.setattr(d, "_on_latest", lambda ident, req_id, body: {"step": "three"})
+    ready = threading.Event()
+    t = threading.Thread(target=d.serve, args=(ready,), daemon=True)
+    t.start()
+    try:
+        assert ready.wait(30)
+        with Connection(str(run)) as conn:
+            with pytest.raises(ProtocolError, match="malformed reply.*latest reply.step"):
+                conn.call("latest")
+            assert conn.call("hello", rank=0, world_size=1, pid=1)["protocol"] == protocol.PROTOCOL_VERSION
+            conn.call("shutdown")
+    finally:
+        t.join(30)
+
+
+def test_decoding_a_large_reply_pauses_the_gc_and_gives_it_back(monkeypatch):
+    import gc
+
+    seen = []
+    real = protocol.trainer.validate_reply
+    monkeypatch.setattr(protocol.trainer, "validate_reply", lambda t, b: seen.append(gc.isenabled()) or real(t, b))
+    big = protocol.pack("ok", 1, {"job": "j", "steps": list(range(300_000)), "bytes": 1})
+    assert len(big) >= protocol.BIG_FRAME
+    assert gc.isenabled()
+    protocol.decode_reply(big, "drop")
+    protocol.decode_reply(protocol.pack("ok", 2, {"step": 1}), "latest")
+    assert seen == [False, True] and gc.isenabled()
+    gc.disable()
+    try:
+        protocol.decode_reply(big, "drop")
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()
+
+
+def test_peer_replies_are_checked_by_the_sender_and_by_the_requester():
+    from ucpd.team.transport import PeerTransport
+
+    replies = {"holdings": GOOD_PEER_REPLIES["holdings"]}
+
+    def answer(src, msg_type, body, frames):
+        if msg_type == "fetch":
+            return {}, [b"abc", b"de"]
+        return replies[msg_type], []
+
+    nodes = [PeerTransport(rank, "tcp://127.0.0.1:0", None, on_message=lambda *a: None, on_request=answer,
+                           schemas=schemas)
+             for rank, schemas in enumerate([protocol.PEER_REQUESTS, protocol.PEER_REQUESTS, None])]
+    checked, unchecked, buggy = nodes  # node 2 does not check its replies (another release, a bug)
+    try:
+        addresses = [t.bind() for t in nodes]
+        for t in nodes:
+            t.start(addresses)
+        body, _ = checked.request(1, "holdings", {"step": 3})
+        assert body["node"] == 1 and body["items"][1]["parts"] is None  # decoded: optional fields None
+        _, frames = checked.request(1, "fetch", {"origin": 1, "step": 3, "rank": 0, "ranges": [[0, 3], [3, 2]]})
+        assert [bytes(f) for f in frames] == [b"abc", b"de"]
+        with pytest.raises(ValueError, match="not a request"):
+            checked.request(1, "unpin", {"lease": "x"})
+        replies["holdings"] = {"node": 1, "items": [{"origin": 0}]}
+        # the sender refuses its own bad reply: the requester gets a typed error, the sender counts it
+        with pytest.raises(ProtocolError, match=r"node 1 built a malformed 'holdings' reply.*missing field"):
+            checked.request(1, "holdings", {})
+        assert unchecked.counters["callback_errors"] == 1
+        # a peer that does not check: the requester refuses the reply
+        with pytest.raises(ProtocolError, match=r"node 2 answered 'holdings' with a malformed reply: holdings reply"):
+            checked.request(2, "holdings", {})
+    finally:
+        for t in nodes:
+            t.close()

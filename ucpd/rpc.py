@@ -2,7 +2,9 @@
 
 One ZeroMQ DEALER per connection; a connection is used by one thread at a time (the client
 keeps one per thread). Replies are matched by request id, so a late reply to a request that
-timed out is skipped rather than mistaken for the next one.
+timed out is skipped rather than mistaken for the next one. Every reply is checked against its
+request type's reply schema (``ucpd.protocol``): a malformed one is a ProtocolError naming the
+type and the field, never a KeyError later.
 """
 
 from __future__ import annotations
@@ -44,8 +46,10 @@ class Connection:
         self._connect()
 
     def call(self, msg_type: str, timeout: float | None = None, **body) -> dict:
-        """Send one request and return its reply body; raises the typed error the daemon sent,
-        or DaemonUnreachable when no reply comes within the timeout."""
+        """Send one request and return its reply body as ``protocol.validate_reply`` decodes it
+        (missing optional fields None; a restore's plan a ``RestorePlan`` under ``plan``); raises
+        the typed error the daemon sent, ProtocolError for a malformed reply, or DaemonUnreachable
+        when no reply comes within the timeout."""
         req_id = next(self._ids)
         frame = protocol.request(msg_type, req_id, **body)
         self._sock.setsockopt(zmq.SNDTIMEO, int(1000 * (self.timeout if timeout is None else timeout)))
@@ -65,9 +69,9 @@ class Connection:
                     f"the daemon at {self.run_dir} did not answer {msg_type!r} within "
                     f"{self.timeout if timeout is None else timeout:.0f} s; check `ucpd status --run-dir {self.run_dir}`"
                 )
-            rid, reply, err = protocol.decode_reply(self._sock.recv())
+            rid, reply, err = protocol.decode_reply(self._sock.recv(), msg_type, req_id)
             if rid != req_id:
-                continue
+                continue  # a late reply to an earlier request (unchecked: it answers another type)
             if err is not None:
                 raise err
             return reply

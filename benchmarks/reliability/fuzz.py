@@ -4,12 +4,13 @@
     .venv/bin/python benchmarks/reliability/fuzz.py --target request --cases 100000
     .venv/bin/python benchmarks/reliability/fuzz.py --list
 
-Targets are ``tests/helpers/fuzz_targets.py`` (``TARGETS``): request, reply, peer, index,
-ucp_json, safetensors, unpickle — each decodes one input and must either succeed or raise its
-typed error; anything else is a crash, and libFuzzer writes the input to ``crash-*`` in
-``--artifacts``. ``daemon`` starts a real ``ucpd serve`` (temporary run and shm dirs, one
-committed version) and sends every input to its socket as a request: each must get a reply,
-ok or a typed error that is not ``internal``, and the daemon's slot files must not change.
+Targets are ``tests/helpers/fuzz_targets.py`` (``TARGETS``): request, reply, reply_schemas,
+plan, peer, peer_replies, index, ucp_json, safetensors, unpickle — each decodes one input and
+must either succeed or raise its typed error; anything else is a crash, and libFuzzer writes
+the input to ``crash-*`` in ``--artifacts``. ``daemon`` starts a real ``ucpd serve``
+(temporary run and shm dirs, one committed version) and sends every input to its socket as a
+request: each must get a reply, ok or a typed error that is not ``internal``, and the daemon's
+slot files must not change.
 
 The ucpd modules (and msgpack's Python layer) are instrumented for coverage; the corpus starts
 from ``SEEDS`` (valid inputs) and lives in ``--corpus`` (default: a temporary folder). The run

@@ -1,10 +1,11 @@
 """Executing a restore plan on the trainer side: verify the source chunks, copy, fill, release.
 
-The daemon answers a restore with a plan (see ``ucpd.daemon.restore``): a table of source
-tensors (a file, an offset, a dtype, chunk CRCs) and per target tensor a list of strided
-copies and padding fills. The client maps each source file read-only once, checks the CRC of
-every chunk any copy touches, and copies straight into the target tensors — one copy from the
-daemon's RAM to the trainer's memory, with no staging in between for CPU targets. The copying
+The daemon answers a restore with a plan (``ucpd.protocol.RestorePlan``, made by
+``ucpd.daemon.restore``): a table of source tensors (a file, an offset, a dtype, chunk CRCs)
+and per target tensor a list of strided copies and padding fills. The client maps each source
+file read-only once, checks the CRC of every chunk any copy touches, and copies straight into
+the target tensors — one copy from the daemon's RAM to the trainer's memory, with no staging
+in between for CPU targets. The copying
 and verifying (fused copy+CRC where the windows allow) is ``ucpd.checked.CheckedCopier``.
 """
 
@@ -21,9 +22,8 @@ import torch
 from ucpd import faults, knobs, native
 from ucpd.dtypes import dtype as lookup_dtype
 from ucpd.checked import CheckedCopier, CheckedSource
-from ucpd.errors import ChecksumMismatch, PlacementMismatch
-from ucpd.ucl.geometry import View
-from ucpd.ucl.plan import Copy
+from ucpd.errors import ChecksumMismatch, ProtocolError
+from ucpd.protocol import PlanSource, RestorePlan
 
 from . import state as state_mod
 from .staging import dtype_name
@@ -37,14 +37,10 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(f"u{t.element_size()}")
 
 
-def _view(raw) -> View:
-    return View(raw[0], tuple(raw[1]), tuple(raw[2]))
-
-
-def _source(s: dict, array: np.ndarray) -> CheckedSource:
+def _source(s: PlanSource, array: np.ndarray) -> CheckedSource:
     """A plan's source table row over its mapped bytes."""
     return CheckedSource(
-        array, s["crcs"], s["chunk"], f"restore source {s['path']} (bytes from {s['offset']}):", recorded="the restore plan"
+        array, s.crcs, s.chunk, f"restore source {s.path} (bytes from {s.offset}):", recorded="the restore plan"
     )
 
 
@@ -106,68 +102,72 @@ def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[st
     first: ChecksumMismatch | None = None  # what the first damaged source said
     while True:
         try:
-            plan = conn.call("restore", **body)
+            reply = conn.call("restore", **body)
         except ChecksumMismatch as exc:  # the daemon has no sound copy left
             if first is None:
                 raise
             raise ChecksumMismatch(f"{first}; then: {exc}; the targets are unchanged") from None
         damaged = False
         try:
-            faults.point("client.restore", plan["step"])  # test-only crash points (inert in production)
-            values = _apply_plan(ckpt, entries, plan)
-            faults.point("client.restored", plan["step"])
+            faults.point("client.restore", reply["step"])  # test-only crash points (inert in production)
+            values = _apply_plan(ckpt, entries, reply["plan"], reply)
+            faults.point("client.restored", reply["step"])
         except ChecksumMismatch as exc:
             damaged = True
             first = first or exc
-            if (plan["step"], plan["where"]) in tried or len(tried) + 1 >= MAX_SOURCES_TRIED:
+            if (reply["step"], reply["where"]) in tried or len(tried) + 1 >= MAX_SOURCES_TRIED:
                 raise
-            tried.append((plan["step"], plan["where"]))
+            tried.append((reply["step"], reply["where"]))
             body["avoid"] = [list(t) for t in tried]
             continue
         finally:
-            conn.call("release", lease=plan["lease"], **({"damaged": True} if damaged else {}))
+            conn.call("release", lease=reply["lease"], **({"damaged": True} if damaged else {}))
         break
-    ckpt.last_restore = {"step": plan["step"], "where": plan["where"]}
+    ckpt.last_restore = {"step": reply["step"], "where": reply["where"]}
     if tried:
         ckpt.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
-    return plan["step"], values
+    return reply["step"], values
 
 
-def _apply_plan(ckpt, entries: list, plan: dict) -> dict[str, Any]:
+def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
     """Verify every source chunk the plan reads and the plain values, then copy and fill: a
     damaged source leaves every target as it was."""
-    sources = plan["sources"]
+    if len(plan.tensors) != len(entries) or any(e.name != t.name for e, t in zip(entries, plan.tensors)):
+        raise ProtocolError(
+            f"the daemon's restore plan answers {len(plan.tensors)} tensors, not the {len(entries)} targets asked for "
+            "in their order; client and daemon disagree (different ucpd releases?)"
+        )
     arrays = []
     ckpt._maps.forget_missing()
     wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
-    for s in sources:
-        whole = wholes.get(s["path"])
+    for s in plan.sources:
+        whole = wholes.get(s.path)
         if whole is None:
             try:
-                whole = wholes[s["path"]] = ckpt._maps.get(s["path"], writable=False)
+                whole = wholes[s.path] = ckpt._maps.get(s.path, writable=False)
             except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
-                raise ChecksumMismatch(f"restore source {s['path']} cannot be read ({exc})") from None
-        if s["offset"] + s["nbytes"] > whole.nbytes:
-            raise ChecksumMismatch(f"restore source {s['path']} is shorter than the plan says (truncated?)")
-        arrays.append(_source(s, whole[s["offset"] : s["offset"] + s["nbytes"]].view(lookup_dtype(s["dtype"]).storage)))
+                raise ChecksumMismatch(f"restore source {s.path} cannot be read ({exc})") from None
+        if s.offset + s.nbytes > whole.nbytes:
+            raise ChecksumMismatch(f"restore source {s.path} is shorter than the plan says (truncated?)")
+        arrays.append(_source(s, whole[s.offset : s.offset + s.nbytes].view(lookup_dtype(s.dtype).storage)))
     run = CheckedCopier(arrays, threads=knobs.copy_threads())
     finish = []  # (target, host buffer, fills)
-    for e, t in zip(entries, plan["tensors"]):
+    for e, t in zip(entries, plan.tensors):
         target = e.tensor
         on_host = target.device.type == "cpu" and target.is_contiguous()
         host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
-        if t["copies"]:
+        if t.copies:
             ptr, isz = host.data_ptr(), host.element_size()
-            for src, sv, dv in t["copies"]:
-                run.add(Copy(src, _view(sv), _view(dv)), ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
-        finish.append((target, host, t["fills"]))
-    values = merged_values(plan["objects"], ckpt.rank, plan.get("objects_crcs"))  # checked before any write
+            for c in t.copies:  # a PlanCopy is the ucl Copy the copier takes
+                run.add(c, ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
+        finish.append((target, host, t.fills))
+    values = merged_values(reply["objects"], ckpt.rank, reply["objects_crcs"])  # checked before any write
     run.verify()  # every chunk the copies read, before the first byte lands in a target
     run.run()
     for target, host, fills in finish:
         flat = host.view(-1)
-        for (off, shape, strides), value in fills:
-            torch.as_strided(flat, tuple(shape), tuple(strides), off).fill_(value)
+        for view, value in fills:
+            torch.as_strided(flat, view.shape, view.strides, view.offset).fill_(value)
         if host is not target:
             target.copy_(host)
     return values

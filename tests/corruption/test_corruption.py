@@ -70,10 +70,10 @@ def source_of(d, name: str, step: int | None = None, numel: int = N) -> tuple[st
     if step is not None:
         body["step"] = step
     with Connection(d.run_dir) as conn:
-        plan = conn.call("restore", **body)
-        conn.call("release", lease=plan["lease"])
-    (src,) = plan["sources"]
-    return src["path"], src["offset"]
+        reply = conn.call("restore", **body)
+        conn.call("release", lease=reply["lease"])
+    (src,) = reply["plan"].sources
+    return src.path, src.offset
 
 
 @pytest.mark.parametrize("where", ["w-chunk0", "w-chunk1", "b"])

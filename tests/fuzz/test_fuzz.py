@@ -84,6 +84,59 @@ def test_peer_schemas_take_any_body(msg_type, body):
         pass
 
 
+_REPLY_FIELDS = sorted({f for spec in [*protocol.REQUESTS.values(), *protocol.PEER_REQUESTS.values()]
+                        if isinstance(spec.reply, protocol.Record)
+                        for f in [*spec.reply.required, *spec.reply.optional, "sources", "tensors"]} | {"extra"})
+
+
+@FAST
+@given(st.sampled_from(sorted(protocol.REQUESTS)), st.dictionaries(st.sampled_from(_REPLY_FIELDS), _schema_values(), max_size=8))
+def test_reply_schemas_take_any_body(msg_type, body):
+    """Every reply type with bodies of the right keys and any values: decoded or ProtocolError."""
+    try:
+        protocol.validate_reply(msg_type, body)
+    except ProtocolError:
+        pass
+
+
+@FAST
+@given(st.sampled_from(sorted(n for n, s in protocol.PEER_REQUESTS.items() if s.reply is not None)),
+       st.dictionaries(st.sampled_from(_REPLY_FIELDS), _schema_values(), max_size=8))
+def test_peer_reply_schemas_take_any_body(msg_type, body):
+    try:
+        protocol.reply_from_wire(protocol.PEER_REQUESTS[msg_type], body)
+    except ProtocolError:
+        pass
+
+
+def _plan_values():
+    """Plans of the right outline with any leaves: views, copies and sources half right."""
+    leaf = _schema_values()
+    view = st.one_of(st.lists(st.one_of(st.integers(-2, 1 << 63), st.lists(st.integers(-1, 8), max_size=3), leaf),
+                              min_size=3, max_size=3), leaf)
+    copy = st.one_of(st.tuples(st.integers(-1, 3), view, view).map(list), leaf)
+    fill = st.one_of(st.tuples(view, st.one_of(st.integers(), st.floats(), leaf)).map(list), leaf)
+    tensor = st.fixed_dictionaries({"name": st.one_of(st.text(max_size=8), leaf), "copies": st.lists(copy, max_size=3),
+                                    "fills": st.lists(fill, max_size=2)})
+    source = st.fixed_dictionaries({"path": st.one_of(st.text(max_size=8), leaf), "offset": st.integers(-1, 1 << 63),
+                                    "nbytes": st.integers(-1, 64), "dtype": st.text(max_size=8),
+                                    "crcs": st.lists(st.one_of(st.integers(-1, 1 << 33), leaf), max_size=4),
+                                    "chunk": st.integers(-1, 32)})
+    return st.fixed_dictionaries({"sources": st.lists(source, max_size=3), "tensors": st.lists(tensor, max_size=3)})
+
+
+@FAST
+@given(_plan_values())
+def test_the_plan_decoder_takes_any_plan_shaped_body(body):
+    """RestorePlan.from_wire: typed records whose copies name a source, or a ProtocolError."""
+    try:
+        plan = protocol.RestorePlan.from_wire(body)
+    except ProtocolError:
+        return
+    assert all(0 <= c.src_key < len(plan.sources) for t in plan.tensors for c in t.copies)
+    assert all(len(s.crcs) == -(-s.nbytes // s.chunk) for s in plan.sources)
+
+
 # --- a real daemon's socket ---------------------------------------------------------------------
 
 # requests whose valid forms stop the daemon, drop its versions or wait on purpose are not sent

@@ -44,14 +44,53 @@ def _request_seeds() -> list[bytes]:
     ]
 
 
+_PART = {"rank": 0, "tensors": [_ENTRY], "objects": b"", "used": 16}
+# the restore plan's fields, inline in a restore reply
+PLAN_WIRE = {
+    "sources": [{"path": "/dev/shm/ucpd/slot-1", "offset": 64, "nbytes": 16, "dtype": "float32", "crcs": [77], "chunk": 1 << 20},
+                {"path": "/ckpt/step-3/model.safetensors", "offset": 0, "nbytes": 32, "dtype": "float32", "crcs": [1, 2],
+                 "chunk": 16}],
+    "tensors": [{"name": "w", "copies": [[0, [0, [4], [1]], [0, [4], [1]]]], "fills": []},
+                {"name": "v", "copies": [[1, [2, [2, 2], [4, 1]], [0, [2, 2], [3, 1]]]], "fills": [[[2, [2], [3]], 0]]}],
+}
+# a well-formed reply body (as it travels) for every request type that has a reply
+GOOD_REPLIES = {
+    "hello": {"pid": 42, "node_rank": 0, "nodes": 1, "shm_dir": "/dev/shm/ucpd", "mem_limit": 1 << 30, "protocol": 1},
+    "begin": {"slot": 1, "path": "/dev/shm/ucpd/slot-1", "size": 4096, "skip": ["w"], "spares": ["/dev/shm/ucpd/slot-2"]},
+    "commit": {"state": "committed", "spares": []},
+    "abort": {},
+    "wait": {"state": "pending", "step": 3},
+    "latest": {"step": None},
+    "restore": {"lease": 7, "step": 3, "where": "ram", "objects": {0: b"\x80\x04N."}, "objects_crcs": {0: 5}, **PLAN_WIRE},
+    "describe": {"step": 3, "where": "disk", "tensors": {"w": {"dtype": "float32", "shape": [4]}}, "objects": {0: b""},
+                 "objects_crcs": {0: None}},
+    "release": {},
+    "status": {"pid": 1, "jobs": {"j": {"steps": [1, 2]}}},
+    "drop": {"job": "j", "steps": [1, 2], "bytes": 8192},
+    "shutdown": {},
+}
+GOOD_PEER_REPLIES = {
+    "replica_begin": {}, "replica_data": {}, "replica_end": {}, "fetch": {}, "pin": {}, "parity_manifest": {},
+    "parity_unit": {}, "parity_block": {}, "blob_unit": {},
+    "holdings": {"node": 1, "items": [{"origin": 0, "step": 3, "world_size": 1, "ranks": [0], "parts": [_PART]},
+                                      {"origin": 2, "step": 3, "world_size": 1, "ranks": [0], "via": "parity"}]},
+}
+
+
 def _reply_seeds() -> list[bytes]:
     from ucpd.errors import ChecksumMismatch
 
-    return [protocol.ok(1, {"step": 3}), protocol.error(2, ChecksumMismatch("bad")), protocol.ok(3, {"slot": 1, "path": "/x"})]
+    ok = [protocol.pack("ok", i, body) for i, body in enumerate(GOOD_REPLIES.values())]
+    return ok + [protocol.error(99, ChecksumMismatch("bad"))]
+
+
+def _plan_seeds() -> list[bytes]:
+    return [msgpack.packb(PLAN_WIRE, use_bin_type=True),
+            msgpack.packb({"sources": [], "tensors": [{"name": "x", "copies": [], "fills": [[[0, [], []], 1.5]]}]})]
 
 
 def _peer_seeds() -> list[bytes]:
-    part = {"rank": 0, "tensors": [_ENTRY], "objects": b"", "used": 16}
+    part = _PART
     bodies = [
         ("replica_begin", {"origin": 0, "step": 1, "world_size": 1, "parts": [part]}),
         ("replica_data", {"origin": 0, "step": 1, "rank": 0, "offset": 0}),
@@ -149,6 +188,54 @@ def fuzz_reply(data: bytes) -> None:
     assert (body is None) != (err is None) and (err is None or isinstance(err, UcpdError))
 
 
+def fuzz_reply_schemas(data: bytes) -> None:
+    """The client's decoder of daemon replies, checking the body against each request type's
+    reply schema in turn (``decode_reply(frame, msg_type)``)."""
+    for msg_type in protocol.REQUESTS:
+        try:
+            _, body, err = protocol.decode_reply(data, msg_type)
+        except ProtocolError:
+            continue
+        assert (body is None) != (err is None)
+        if msg_type == "restore" and body is not None:
+            assert isinstance(body["plan"], protocol.RestorePlan)
+
+
+def fuzz_plan(data: bytes) -> None:
+    """A restore plan's wire fields (``RestorePlan.from_wire``): refused with ProtocolError, or
+    typed records whose copies name sources of the plan."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_array_len=protocol.MAX_ITEMS,
+                               max_map_len=protocol.MAX_ITEMS)
+    except Exception:  # not msgpack: nothing for the plan decoder to see
+        return
+    try:
+        plan = protocol.RestorePlan.from_wire(body)
+    except ProtocolError:
+        return
+    assert all(0 <= c.src_key < len(plan.sources) for t in plan.tensors for c in t.copies)
+    wire = msgpack.packb(plan.to_wire())  # bytes, not records, are compared: a NaN fill is not equal to itself
+    assert msgpack.packb(protocol.RestorePlan.from_wire(msgpack.unpackb(wire, strict_map_key=False)).to_wire()) == wire
+
+
+def fuzz_peer_replies(data: bytes) -> None:
+    """A peer's reply body as the requester checks it, for every peer request type."""
+    try:
+        body = msgpack.unpackb(data, raw=False, strict_map_key=False, max_array_len=1 << 20, max_map_len=1 << 20)
+    except Exception:
+        return
+    for spec in protocol.PEER_REQUESTS.values():
+        if spec.reply is not None:
+            try:
+                protocol.reply_from_wire(spec, body)
+            except ProtocolError:
+                pass
+
+
+def _peer_reply_seeds() -> list[bytes]:
+    return [msgpack.packb(b, use_bin_type=True) for b in GOOD_PEER_REPLIES.values()]
+
+
 def fuzz_peer(data: bytes) -> None:
     """A peer message as the transport receives it: header, then the body's schema, then (for
     the commit protocol) the commit message."""
@@ -215,7 +302,10 @@ def fuzz_unpickle(data: bytes) -> None:
 TARGETS: dict[str, Callable[[bytes], None]] = {
     "request": fuzz_request,
     "reply": fuzz_reply,
+    "reply_schemas": fuzz_reply_schemas,
+    "plan": fuzz_plan,
     "peer": fuzz_peer,
+    "peer_replies": fuzz_peer_replies,
     "index": fuzz_index,
     "ucp_json": fuzz_ucp_json,
     "safetensors": fuzz_safetensors,
@@ -225,7 +315,10 @@ TARGETS: dict[str, Callable[[bytes], None]] = {
 SEEDS: dict[str, Callable[[], list[bytes]]] = {
     "request": _request_seeds,
     "reply": _reply_seeds,
+    "reply_schemas": _reply_seeds,
+    "plan": _plan_seeds,
     "peer": _peer_seeds,
+    "peer_replies": _peer_reply_seeds,
     "index": _index_seeds,
     "ucp_json": _meta_seeds,
     "safetensors": _header_seeds,
@@ -254,4 +347,4 @@ def mutate(seed: bytes, edits: list[tuple[int, int, int]], cut: int | None) -> b
     return bytes(buf)
 
 
-__all__ = ["TARGETS", "SEEDS", "mutate", "struct"]
+__all__ = ["TARGETS", "SEEDS", "GOOD_REPLIES", "GOOD_PEER_REPLIES", "PLAN_WIRE", "mutate", "struct"]

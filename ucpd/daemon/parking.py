@@ -76,9 +76,9 @@ class Parking:
                 out.append((w.ident, protocol.error(w.req_id, exc)))
                 continue
             if answer is not None:
-                out.append((w.ident, protocol.ok(w.req_id, answer)))
+                out.append((w.ident, protocol.ok("wait", w.req_id, answer)))
             elif now >= w.deadline:
-                out.append((w.ident, protocol.ok(w.req_id, {"state": "pending", "step": w.step})))
+                out.append((w.ident, protocol.ok("wait", w.req_id, {"state": "pending", "step": w.step})))
             else:
                 keep.append(w)
         self.waits = keep

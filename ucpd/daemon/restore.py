@@ -2,9 +2,9 @@
 
 The daemon plans; the client executes. Sources are byte ranges of files the client can map
 read-only: the daemon's shm slots (a version in RAM) or the safetensors files of a flushed
-version. A plan names each source tensor once (path, offset, nbytes, dtype, chunk CRCs) and
-lists, per target tensor, strided copies and padding fills, in elements. The client verifies
-the CRC of every chunk it reads before it copies.
+version. A plan (``ucpd.protocol.RestorePlan``) names each source tensor once (path, offset,
+nbytes, dtype, chunk CRCs) and lists, per target tensor, strided copies and padding fills, in
+elements. The client verifies the CRC of every chunk it reads before it copies.
 """
 
 from __future__ import annotations
@@ -15,21 +15,10 @@ from typing import Any
 
 from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
+from ..protocol import PlanCopy, PlanFill, PlanSource, PlanTensor, RestorePlan
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import SourcePiece, plan_restore
 from .versions import fragments_of, placement_key
-
-
-@dataclass(frozen=True)
-class SourceTensor:
-    """A source tensor's bytes: a range of a file the client maps read-only."""
-
-    path: str
-    offset: int
-    nbytes: int
-    dtype: str
-    crcs: tuple[int, ...]
-    chunk: int  # bytes covered by each CRC
 
 
 @dataclass
@@ -37,7 +26,7 @@ class SourceSet:
     """Every global tensor of one version: (dtype, global shape, pieces) and the source table."""
 
     globals: dict[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
-    tensors: dict[Any, SourceTensor]  # source key -> bytes
+    tensors: dict[Any, PlanSource]  # source key -> its bytes (a row of the plan's source table)
     # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
     # same way is one whole copy, with no planning (the common same-layout restore)
     same: dict[tuple, Any] = field(default_factory=dict)
@@ -55,7 +44,7 @@ def from_ram(version, slot_path) -> SourceSet:
         for idx, t in enumerate(part.tensors):
             if t.skipped:
                 continue
-            tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+            tensors[(rank, idx)] = PlanSource(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
             same.setdefault(_signature(t.name, t.dtype, t.shape, t.key()), (rank, idx))
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
     return SourceSet(globals_, tensors, same)
@@ -69,32 +58,26 @@ def from_disk(reader) -> SourceSet:
         pieces = [SourcePiece(name, contiguous_view(shape), full_box(shape))] if math.prod(shape) else []
         globals_[name] = (info.dtype, shape, pieces)
         path = str(reader.path / info.file)
-        tensors[name] = SourceTensor(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
+        tensors[name] = PlanSource(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
         same[_signature(name, info.dtype, shape, {"kind": "replicated"})] = name
     return SourceSet(globals_, tensors, same)
 
 
-def _view(v: View) -> list:
-    return [v.offset, list(v.shape), list(v.strides)]
-
-
-def plan(sources: SourceSet, targets: list[dict]) -> dict:
-    """Plan a rank's restore. Returns the wire body ``{sources, tensors}``.
+def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
+    """Plan a rank's restore: the plan's tensors answer ``targets`` in order.
 
     Raises PlacementMismatch for an unknown tensor, a dtype or global shape that differs from
     the saved one, or a target region that no source covers.
     """
     used: dict[Any, int] = {}
-    table: list[dict] = []
+    table: list[PlanSource] = []
     out_tensors = []
+
     def source_index(key) -> int:
         idx = used.get(key)
         if idx is None:
-            st = sources.tensors[key]
             idx = used[key] = len(table)
-            table.append(
-                {"path": st.path, "offset": st.offset, "nbytes": st.nbytes, "dtype": st.dtype, "crcs": list(st.crcs), "chunk": st.chunk}
-            )
+            table.append(sources.tensors[key])
         return idx
 
     for t in targets:
@@ -102,8 +85,8 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
         frags = fragments_of(t["name"], pkey, tuple(t["shape"]))
         twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], pkey))
         if twin is not None and len(frags) == 1 and not frags[0].fills and frags[0].name == t["name"]:
-            whole = [0, [math.prod(t["shape"])], [1]]
-            out_tensors.append({"name": t["name"], "copies": [[source_index(twin), whole, whole]], "fills": []})
+            whole = View(0, (math.prod(t["shape"]),), (1,))
+            out_tensors.append(PlanTensor(t["name"], (PlanCopy(source_index(twin), whole, whole),)))
             continue
         by_name = {}
         for frag in frags:
@@ -126,7 +109,7 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
                 )
             by_name[frag.name] = pieces
         cp = plan_restore(frags, by_name)
-        copies = [[source_index(c.src_key), _view(c.src_view), _view(c.dst_view)] for c in cp.copies]
-        fills = [[_view(f.view), f.value] for f in cp.fills]
-        out_tensors.append({"name": t["name"], "copies": copies, "fills": fills})
-    return {"sources": table, "tensors": out_tensors}
+        copies = tuple(PlanCopy(source_index(c.src_key), c.src_view, c.dst_view) for c in cp.copies)
+        fills = tuple(PlanFill(f.view, f.value) for f in cp.fills)
+        out_tensors.append(PlanTensor(t["name"], copies, fills))
+    return RestorePlan(tuple(table), tuple(out_tensors))

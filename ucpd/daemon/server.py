@@ -225,7 +225,7 @@ class Daemon:
             if t2 - t0 > SLOW_REQUEST_S:
                 log.info("slow %s: %.0f ms (%.0f ms waiting for the store lock)", msg_type, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
             if reply is not None:
-                self._reply(ident, protocol.ok(req_id, reply))
+                self._reply(ident, protocol.ok(msg_type, req_id, reply))
         except UcpdError as exc:
             if isinstance(exc, (ProtocolError, InvalidPlacement, PlacementMismatch)):
                 self.store.counters.bad_messages += 1
@@ -295,7 +295,7 @@ class Daemon:
         if self.team is not None:
             if self.store.team_job is not None and job != self.store.team_job:
                 return {"step": self.locate.disk_latest(job)}  # another job's versions are not this team's
-            return self._defer(ident, req_id, lambda: self._team_latest(job))
+            return self._defer(ident, req_id, "latest", lambda: self._team_latest(job))
         v = self.store.version_for_restore(None, job)
         step = v.step if v is not None else None
         disk = self.locate.disk_latest(job)
@@ -310,7 +310,7 @@ class Daemon:
             step = disk
         return {"step": step}
 
-    def _defer(self, ident: bytes, req_id: int, work) -> None:
+    def _defer(self, ident: bytes, req_id: int, msg_type: str, work) -> None:
         """Answer a request from a worker thread: ``work`` asks other daemons, which the loop
         must never wait for. The reply goes out through the loop (``_drain_done``)."""
         if self._workers is None:
@@ -320,9 +320,9 @@ class Daemon:
 
         def run():
             try:
-                self._done.put(("reply", ident, req_id, work(), None))
+                self._done.put(("reply", ident, req_id, msg_type, work(), None))
             except Exception as exc:
-                self._done.put(("reply", ident, req_id, None, exc))
+                self._done.put(("reply", ident, req_id, msg_type, None, exc))
 
         self._workers.submit(run)
         return None
@@ -358,7 +358,7 @@ class Daemon:
 
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, lambda: self._restore(body))
+            return self._defer(ident, req_id, "restore", lambda: self._restore(body))
         return self._restore(body)
 
     def _restore(self, body):
@@ -384,11 +384,11 @@ class Daemon:
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )
         faults.point("restore.planned", chosen)
-        return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), **plan}
+        return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), "plan": plan}
 
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, lambda: self._describe(body))
+            return self._defer(ident, req_id, "describe", lambda: self._describe(body))
         return self._describe(body)
 
     def _describe(self, body):
@@ -464,11 +464,11 @@ class Daemon:
                     self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
                     faults.point("snapshot.lent", parked.step)
                     reply = begin_reply(slot, parked.skip, self.prep.ready_spares(rank))
-                    self._reply(parked.ident, protocol.ok(parked.req_id, reply))
+                    self._reply(parked.ident, protocol.ok("begin", parked.req_id, reply))
 
-    def _deferred_reply(self, ident: bytes, req_id: int, body, exc) -> None:
+    def _deferred_reply(self, ident: bytes, req_id: int, msg_type: str, body, exc) -> None:
         if exc is None:
-            self._reply(ident, protocol.ok(req_id, body))
+            self._reply(ident, protocol.ok(msg_type, req_id, body))
             return
         if not isinstance(exc, UcpdError):
             log.error("internal error answering a deferred request", exc_info=exc)

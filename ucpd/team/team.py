@@ -23,10 +23,10 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .. import faults, knobs, native, protocol
-from ..daemon.restore import SourceSet, SourceTensor, _signature
+from ..daemon.restore import SourceSet, _signature
 from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
@@ -108,6 +108,7 @@ class Team:
             heartbeat_interval=config.heartbeat,
             net_limit=config.net_limit,
             incarnation=self.incarnation,
+            schemas=protocol.PEER_REQUESTS,
         )
 
     # --- life cycle ----------------------------------------------------------------------------
@@ -621,9 +622,9 @@ class Team:
         world = None
         mine = self._holdings(step)
         replies = self._ask_all(live, "holdings", {"step": step})
-        for node, items in [(self.rank, mine)] + sorted((n, r.get("items", [])) for n, r in replies.items()):
+        mine = [protocol.HOLDING("holding", item) for item in mine]  # the peers' were checked on receipt
+        for node, items in [(self.rank, mine)] + sorted((n, r["items"]) for n, r in replies.items()):
             for item in items:
-                item = protocol.validate_fields("holding", item, *_HOLDING_FIELDS)
                 world = item["world_size"]
                 # cheapest first: our RAM, then a peer's own RAM, then a peer's replica
                 cost = 0 if node == self.rank else 1 if node == item["origin"] else 2
@@ -758,7 +759,7 @@ class Team:
                 if t.skipped:
                     continue
                 path, off = (a, b + t.offset) if kind == "local" else (f"peer:{a}:{b}:{rank}", t.offset)
-                tensors[(rank, idx)] = SourceTensor(path, off, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+                tensors[(rank, idx)] = protocol.PlanSource(path, off, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
                 same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
         globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
         objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects)) for r, p in parts.items()}
@@ -836,46 +837,48 @@ class Team:
         finally:
             os.close(fd)
 
-    def localize(self, sources: "TeamSources", plan: dict) -> dict:
-        """Bring the plan's sources that live on peers into a local file, checked on arrival."""
+    def localize(self, sources: "TeamSources", plan: protocol.RestorePlan) -> protocol.RestorePlan:
+        """Bring the plan's sources that live on peers into a local file, checked on arrival;
+        the plan again, reading them there."""
+        table = list(plan.sources)
         remote: dict[tuple[int, int, int], list[int]] = {}
-        for i, s in enumerate(plan["sources"]):
-            if s["path"].startswith("peer:"):
-                _, node, origin, rank = s["path"].split(":")
+        for i, s in enumerate(table):
+            if s.path.startswith("peer:"):
+                _, node, origin, rank = s.path.split(":")
                 remote.setdefault((int(node), int(origin), int(rank)), []).append(i)
         if not remote:
             return plan
-        total = sum((plan["sources"][i]["nbytes"] + 63) // 64 * 64 for idx in remote.values() for i in idx)
+        total = sum((table[i].nbytes + 63) // 64 * 64 for idx in remote.values() for i in idx)
         mm = self._cache_file(sources, total)
         path = sources.files[-1]
         try:
             at = 0
             for (node, origin, rank), idx in remote.items():
-                for batch in _batches(idx, plan["sources"], DATA_BATCH):
-                    ranges = [[plan["sources"][i]["offset"], plan["sources"][i]["nbytes"]] for i in batch]
+                for batch in _batches(idx, table, DATA_BATCH):
+                    ranges = [[table[i].offset, table[i].nbytes] for i in batch]
                     _, frames = self.transport.request(
                         node, "fetch", {"origin": origin, "step": sources.step, "rank": rank, "ranges": ranges}, timeout=120.0
                     )
                     got = _split(frames, [n for _, n in ranges])
                     for i, buf in zip(batch, got):
-                        s = plan["sources"][i]
-                        dst = memoryview(mm)[at : at + s["nbytes"]]
+                        s = table[i]
+                        dst = memoryview(mm)[at : at + s.nbytes]
                         native.copy(dst, buf)
-                        crcs = native.crc32c_chunks(dst, s["chunk"])
-                        if list(crcs) != list(s["crcs"]):
+                        crcs = native.crc32c_chunks(dst, s.chunk)
+                        if list(crcs) != list(s.crcs):
                             self.counters["fetch_checksum_errors"] = self.counters.get("fetch_checksum_errors", 0) + 1
                             raise ChecksumMismatch(
                                 f"bytes of rank {rank} step {sources.step} from node {node} fail their checksum; "
                                 "restore again (another copy will be used if this one stays bad)"
                             )
                         del dst
-                        s["path"], s["offset"] = path, at
-                        at += (s["nbytes"] + 63) // 64 * 64
-                        self.counters["fetched_bytes"] += s["nbytes"]
+                        table[i] = s._replace(path=path, offset=at)
+                        at += (s.nbytes + 63) // 64 * 64
+                        self.counters["fetched_bytes"] += s.nbytes
             sources.unpin_peers()  # all here: the peers may evict it again
         finally:
             mm.close()
-        return plan
+        return replace(plan, sources=tuple(table))
 
     # --- status ---------------------------------------------------------------------------------
 
@@ -935,12 +938,6 @@ class Team:
         }
 
 
-_HOLDING_FIELDS = (
-    {"origin": protocol._int(), "step": protocol._int(), "world_size": protocol._int(1), "ranks": protocol._list_of(protocol._int())},
-    {"parts": protocol._list_of(protocol.PART), "via": protocol._str},
-)
-
-
 class TeamSources:
     """A restore's sources across the team, with what they pin until the lease ends."""
 
@@ -969,14 +966,14 @@ class TeamSources:
         self.files = []
 
 
-def _batches(idx: list[int], sources: list[dict], limit: int):
+def _batches(idx: list[int], sources: list, limit: int):
     batch, size = [], 0
     for i in idx:
-        if batch and size + sources[i]["nbytes"] > limit:
+        if batch and size + sources[i].nbytes > limit:
             yield batch
             batch, size = [], 0
         batch.append(i)
-        size += sources[i]["nbytes"]
+        size += sources[i].nbytes
     if batch:
         yield batch
 

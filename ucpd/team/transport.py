@@ -21,6 +21,13 @@ any such MAC, and those with the knob on refuse payload frames without one (it c
 ``frame_bytes`` (at least one frame per buffer, empty buffers included); the receiver gets the
 flat list of frames in order and holds them all at once.
 
+Replies: given ``schemas`` (``{type: ucpd.protocol.MessageType}``; the team passes
+``protocol.PEER_REQUESTS``), only those types may be requested, and every reply is checked
+against its type's reply schema twice: by the answering node before it leaves (a reply that
+breaks it is a bug there: logged, counted in ``callback_errors``, and answered with a typed
+ProtocolError instead) and by the requester on receipt (``request`` raises ProtocolError
+naming the type and the field).
+
 Receivers refuse, count and log (rate-limited) any message with a bad or missing MAC
 (``auth_failures``), a wrong destination or unknown source (``misrouted``), a sequence number
 not above the last one seen from that sender incarnation, or a first message of an unknown
@@ -66,7 +73,7 @@ import time
 import weakref
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import msgpack
 import zmq
@@ -74,6 +81,7 @@ import zmq
 from .. import knobs
 from ..errors import AuthError, DaemonUnreachable, ProtocolError, UcpdError, error_from_code
 from ..native import crc32c
+from ..protocol import MessageType, reply_from_wire, reply_to_wire
 
 log = logging.getLogger(__name__)
 
@@ -190,13 +198,15 @@ class PeerTransport:
     ``replays``, ``malformed``, ``checksum_errors``, and ``dropped`` (unsendable before their
     deadline), ``late_replies`` (after the request timed out), ``callback_errors``.
     ``payload_mac=None`` reads ``UCPD_PEER_PAYLOAD_MAC``; it needs a secret. ``io_threads``:
-    ZeroMQ I/O threads, more for links faster than a few GB/s.
+    ZeroMQ I/O threads, more for links faster than a few GB/s. ``schemas``: the message types
+    that may be requested, whose replies are checked at both ends (None: any type, unchecked).
     """
 
     def __init__(self, rank: int, listen: str, secret: bytes | None, *, on_message: OnMessage,
                  on_request: OnRequest, on_heartbeat: Callable[[int, str], None] | None = None,
                  heartbeat_interval: float = 0.5, net_limit: float = 0.0, frame_bytes: int = 4 << 20,
-                 incarnation: str | None = None, payload_mac: bool | None = None, io_threads: int = 1):
+                 incarnation: str | None = None, payload_mac: bool | None = None, io_threads: int = 1,
+                 schemas: Mapping[str, MessageType] | None = None):
         if frame_bytes <= 0:
             raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
         if heartbeat_interval <= 0:
@@ -208,6 +218,7 @@ class PeerTransport:
         self.frame_bytes, self.heartbeat_interval = frame_bytes, heartbeat_interval
         self.max_message = frame_bytes + HEADER_MARGIN
         self._on_message, self._on_request, self._on_heartbeat = on_message, on_request, on_heartbeat
+        self._schemas = schemas
         self._key = derive_key(secret) if secret else None
         self._mac = hmac.new(self._key, digestmod=hashlib.sha256) if self._key else None
         want_pmac = payload_mac_enabled() if payload_mac is None else payload_mac
@@ -326,28 +337,43 @@ class PeerTransport:
                 timeout: float = 10.0) -> tuple[dict, list[memoryview]]:
         """Send a request and wait for the reply ``(body, frames)`` (thread-safe; blocking).
 
+        The reply body is decoded by its schema when the transport has ``schemas``.
+
         Raises:
             RuntimeError: called on the I/O thread (from a callback).
+            ValueError: ``msg_type`` has no schema (with ``schemas``).
             DaemonUnreachable: no reply within ``timeout`` (peer down, unreachable or stuck).
+            ProtocolError: the reply breaks its schema.
             UcpdError: the typed error the peer's ``on_request`` raised.
         """
         if threading.get_ident() == self._io_ident:
             raise RuntimeError("PeerTransport.request() called from a transport callback would deadlock; "
                                "send() a message instead, or make the request from another thread")
         self._check_type(msg_type)
+        spec = None
+        if self._schemas is not None:
+            spec = self._schemas.get(msg_type)
+            if spec is None or spec.reply is None:
+                raise ValueError(f"{msg_type!r} is not a request of this transport's protocol (no reply schema)")
         req_id = next(self._req_ids)
         out, _ = self._prepare(dest, msg_type, body, payload, req_id=req_id, timeout=timeout)
         future: Future = Future()
         self._pending[req_id] = (dest, future)
         try:
             self._enqueue(out)
-            return future.result(timeout)
+            reply, frames = future.result(timeout)
         except FutureTimeout:
             raise DaemonUnreachable(
                 f"node {dest} ({self._links[dest].address}) did not answer {msg_type!r} within {timeout:g} s: "
                 "its daemon is down, unreachable or overloaded; check it runs and that --peers lists it") from None
         finally:
             self._pending.pop(req_id, None)
+        if spec is not None:  # here, not on the I/O thread: a holdings reply can hold 100k manifests
+            try:
+                reply = reply_from_wire(spec, reply, len(frames))
+            except ProtocolError as exc:
+                raise ProtocolError(f"node {dest} answered {msg_type!r} with a malformed reply: {exc}") from None
+        return reply, frames
 
     def fail_pending(self, dest: int, reason: str) -> int:
         """Answer every request waiting on ``dest`` with DaemonUnreachable now (the team declared
@@ -687,6 +713,8 @@ class PeerTransport:
     def _reply(self, src: int, req_id: int, msg_type: str, result: Future) -> _Out:
         try:
             reply, reply_payload = result.result()
+            if self._schemas is not None:
+                reply = self._checked_reply(src, msg_type, reply, reply_payload)
             out, _ = self._prepare(src, msg_type, reply, reply_payload, reply_to=req_id)
         except UcpdError as exc:
             out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id, err=[exc.code, str(exc)])
@@ -696,6 +724,22 @@ class PeerTransport:
             out, _ = self._prepare(src, msg_type, {}, (), reply_to=req_id,
                                    err=["internal", f"node {self.rank} failed on {msg_type!r}: {exc!r}"])
         return out
+
+
+    def _checked_reply(self, src: int, msg_type: str, reply: Any, payload: Sequence[Buffer]) -> Any:
+        """Our reply as it goes on the wire, checked against its schema; one that breaks it is
+        our bug: logged and counted, and the requester gets a ProtocolError instead."""
+        spec = self._schemas.get(msg_type)
+        try:
+            if spec is None:
+                raise ProtocolError(f"{msg_type!r} has no reply schema")
+            return reply_to_wire(spec, reply, len(payload))
+        except ProtocolError as exc:
+            self.counters["callback_errors"] += 1
+            log.error("node %d: bug: our %r reply to node %d breaks the protocol (%s); answering with an error instead",
+                      self.rank, msg_type, src, exc)
+            raise ProtocolError(
+                f"node {self.rank} built a malformed {msg_type!r} reply (a ucpd bug, please report it): {exc}") from None
 
 
 def _ensure_fd_limit(needed: int) -> None:
