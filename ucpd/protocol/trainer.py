@@ -297,7 +297,7 @@ RANK = _int(0, MAX_RANKS)
 OBJECTS = _map_of(RANK, _bytes)
 OBJECTS_CRCS = _map_of(RANK, _nullable(_crc))
 WHERE = _one_of("ram", "disk")  # where a restore reads a version: some node's RAM, or the flush dir
-VERSION_STATES = ("writing", "complete", "committed", "flushed", "evicted", "abandoned")  # daemon.versions.VersionState
+VERSION_STATES = ("writing", "complete", "protected", "committed", "flushed", "evicted", "abandoned")  # daemon.versions.VersionState
 
 REQUESTS: dict[str, MessageType] = {
     m.name: m
