@@ -206,6 +206,8 @@ def test_the_daemon_answers_mutated_requests_with_typed_errors_and_keeps_its_slo
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], torch.arange(10000.0))
     after = _slot_digests(dirs["shm"])
     assert {n: h for n, h in after.items() if n in before} == before, "a slot file changed"
+    with open(d.log) as f:  # every reply the daemon built kept its schema (protocol.ok logs one that did not)
+        assert "breaks the protocol" not in f.read()
 
 
 def test_msgpack_bombs_are_refused_without_allocating(make_daemon):
