@@ -235,3 +235,85 @@ def test_retain_leaves_protected_steps_alone(tmp_path):
         write_version(tmp_path, step, [TensorSource("w", "uint8", (3,), {"kind": "replicated"}, b"abc")], fsync=False)
     retain(tmp_path, 1, protect=[2])
     assert sorted(v.step for v in list_versions(tmp_path)) == [2, 4]
+
+
+def piece_crcs(raw: np.ndarray, begin: int, chunk: int) -> list[int]:
+    """CRCs of ``raw`` (tensor bytes from ``begin``) cut where the tensor offset is a multiple of ``chunk``."""
+    from ucpd import native
+
+    out, b = [], 0
+    while b < raw.size:
+        e = min(raw.size, (begin + b) // chunk * chunk + chunk - begin)
+        out.append(native.crc32c(raw[b:e]))
+        b = e
+    return out
+
+
+@pytest.mark.parametrize("io", ["pwrite", "mmap"])
+def test_fills_that_checksum_what_they_write_are_not_read_again(tmp_path, io, monkeypatch):
+    """``fill_crcs``: the writer records the CRCs the fills return (whole tensors, and row blocks
+    that do not line up with the chunks) and reads none of those bytes itself; a fill may still
+    return None, and then the writer checksums as usual."""
+    from ucpd.format import writer
+
+    big = rand_bytes("float32", (999, 37))  # rows of 148 bytes: blocks cut chunks
+    small = rand_bytes("int16", (300,))
+    plain = rand_bytes("uint8", (77,))
+    big_raw, small_raw = big.reshape(-1).view(np.uint8), small.view(np.uint8)
+    seen = []
+
+    def fill_big(out, chunk):  # io="mmap": the whole tensor into a mapping of the file
+        out[:] = big_raw
+        seen.append(("big-whole",))
+        return piece_crcs(out, 0, chunk)
+
+    def fill_rows_big(out, r0, r1, chunk):
+        out[:] = big_raw[r0 * 148 : r1 * 148]
+        seen.append(("big", r0, r1))
+        return piece_crcs(out, r0 * 148, chunk)
+
+    def fill_small(out, chunk):
+        out[:] = small_raw
+        seen.append(("small",))
+        return piece_crcs(out, 0, chunk)
+
+    def fill_none(out, chunk):
+        out[:] = plain
+        return None
+
+    computed = []
+    real = writer.chunk_crcs
+    monkeypatch.setattr(writer, "chunk_crcs", lambda buf, chunk: computed.append(memoryview(buf).nbytes) or real(buf, chunk))
+    srcs = [
+        TensorSource("big", "float32", big.shape, REPLICATED, fill_big, fill_rows_big, fill_crcs=True),
+        TensorSource("small", "int16", small.shape, REPLICATED, fill_small, fill_crcs=True),
+        TensorSource("plain", "uint8", plain.shape, REPLICATED, fill_none, fill_crcs=True),
+    ]
+    write_version(tmp_path, 1, srcs, staging_bytes=2 << 14, chunk_bytes=1000, io=io, fsync=False)
+    assert computed == [77]  # only the tensor whose fill returned None
+    assert sum(1 for s in seen if s[0] == "big") > 4 if io == "pwrite" else ("big-whole",) in seen
+    assert validate(tmp_path) == []
+    check_roundtrip(tmp_path, 1, {"big": ("float32", big), "small": ("int16", small), "plain": ("uint8", plain)})
+
+
+def test_the_writer_records_the_crcs_a_fill_returns(tmp_path):
+    """They are trusted (the fill computed them from what it wrote): wrong ones show in validate;
+    a wrong count is a FormatError."""
+    data = rand_bytes("uint8", (3000,))
+
+    def wrong(out, chunk):
+        out[:] = data
+        return [0] * len(piece_crcs(out, 0, chunk))
+
+    write_version(tmp_path, 1, [TensorSource("w", "uint8", data.shape, REPLICATED, wrong, fill_crcs=True)],
+                  chunk_bytes=1000, fsync=False)
+    assert any("w" in p and "chunk" in p for p in validate(tmp_path))
+
+    def short(out, chunk):
+        out[:] = data
+        return [0]
+
+    with pytest.raises(FormatError, match="returned 1 checksums .* expected 3"):
+        write_version(tmp_path, 2, [TensorSource("w", "uint8", data.shape, REPLICATED, short, fill_crcs=True)],
+                      chunk_bytes=1000, fsync=False)
+    assert [v.step for v in list_versions(tmp_path)] == [1]

@@ -71,6 +71,13 @@ class TensorSource:
     larger than a staging half streams through the staging buffer in row blocks (in order);
     without it, such a tensor is filled in one call into a mapping of the file, which costs
     page faults on fresh file pages.
+
+    ``fill_crcs`` (optional): the callables checksum what they write, so the writer does not
+    read ``out`` again. They are then called with the checksum chunk size ``C`` as one more
+    argument, ``fill(out, C)`` and ``fill_rows(out, r0, r1, C)``, and return the CRC32C of
+    ``out`` cut where the tensor's byte offset is a multiple of ``C`` (for ``fill``: the chunk
+    CRCs; for rows starting at byte ``b``, the first piece is ``min(len(out), C - b % C)`` bytes),
+    or None to have the writer checksum ``out`` as usual.
     """
 
     name: str
@@ -78,7 +85,8 @@ class TensorSource:
     shape: tuple[int, ...]
     pattern: Any
     fill: Fill
-    fill_rows: Callable[[np.ndarray, int, int], None] | None = None
+    fill_rows: Callable[..., Any] | None = None
+    fill_crcs: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -176,8 +184,26 @@ def _extend(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _call_fill(src: TensorSource, out: np.ndarray) -> None:
-    src.fill(out)
+def _fill_and_crc(src: TensorSource, out: np.ndarray, chunk: int) -> list[int]:
+    """Fill ``out`` with the whole tensor; its chunk CRCs (from the fill, else computed)."""
+    if src.fill_crcs:
+        crcs = src.fill(out, chunk)
+        if crcs is not None:
+            return _check_piece_crcs(src, crcs, 0, out.nbytes, chunk)
+    else:
+        src.fill(out)
+    return chunk_crcs(out, chunk)
+
+
+def _check_piece_crcs(src: TensorSource, crcs: Any, begin: int, nbytes: int, chunk: int) -> list[int]:
+    want = 0 if not nbytes else (begin + nbytes - 1) // chunk - begin // chunk + 1
+    crcs = list(crcs)
+    if len(crcs) != want:
+        raise FormatError(
+            f"tensor {src.name!r}: its fill returned {len(crcs)} checksums for bytes [{begin}, {begin + nbytes}), "
+            f"expected {want} (one per {chunk}-byte chunk piece)"
+        )
+    return crcs
 
 
 class _IOThread:
@@ -236,6 +262,22 @@ class _ChunkCRC:
             i += full
         if i < n:
             self.crc, self.len = crc32c(buf[i:]), n - i
+
+    def feed_crcs(self, crcs: list[int], n: int) -> None:
+        """Add ``n`` bytes given by the CRCs of their pieces cut at the chunk boundaries of the
+        stream (the first piece completes the current chunk); reads no bytes."""
+        from .. import native
+
+        C, k = self.chunk, 0
+        while n:
+            take = min(n, C - self.len)
+            self.crc = native.crc32c_combine(self.crc, crcs[k], take) if self.len else crcs[k]
+            self.len += take
+            n -= take
+            k += 1
+            if self.len == C:
+                self.crcs.append(self.crc)
+                self.crc = self.len = 0
 
     def finish(self) -> list[int]:
         if self.len:
@@ -319,8 +361,7 @@ class _ShardWriter:
             return acc.finish()
         if self.filemap is not None:
             out = self.filemap[self.pos : self.pos + nbytes]
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
             del out
             self.pos += nbytes
             self.pacer.advance(nbytes)
@@ -329,8 +370,7 @@ class _ShardWriter:
             if self.used + nbytes > self.capacity:
                 self.flush()
             out = self._free_current()[self.used : self.used + nbytes]
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
             self.used += nbytes
             self.pos += nbytes
             return crcs
@@ -341,8 +381,7 @@ class _ShardWriter:
         self.flush()
         m, out = _map_region(self.fd, self.pos, nbytes)
         try:
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
         finally:
             del out
             _close_map(m)
@@ -360,8 +399,11 @@ class _ShardWriter:
             r1 = min(rows, r0 + per)
             n = (r1 - r0) * row_bytes
             out = self._free_current()[:n]
-            src.fill_rows(out, r0, r1)
-            acc.feed(out)
+            got = src.fill_rows(out, r0, r1, self.chunk) if src.fill_crcs else src.fill_rows(out, r0, r1)
+            if got is None:
+                acc.feed(out)
+            else:
+                acc.feed_crcs(_check_piece_crcs(src, got, r0 * row_bytes, n, self.chunk), n)
             self.used = n
             self.pos += n
             self.flush()
