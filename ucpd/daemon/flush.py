@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import faults, native
+from .. import faults, knobs, native
 from ..dtypes import dtype as lookup_dtype
 from ..checked import CheckedSource, ConsolidatingCopier
 from ..format import TensorSource, open_version, retain, write_version
@@ -263,7 +263,7 @@ class Flusher:
         else:
             write_version(
                 root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-                throttle=self._step_aside,
+                throttle=self._step_aside, io=knobs.flush_io(),
             )
         sources.clear()
         faults.point("flush.done", version.step)
