@@ -58,6 +58,7 @@ from ucpd.ucl import Replicated, Shard
 
 MiB = 1 << 20
 ODIRECT_BLOCK = 16 * MiB
+ODIRECT_DEPTH = 4  # writes in flight: the floor keeps the device queue full
 JOB = "bench"
 
 
@@ -172,15 +173,22 @@ def fsync_path(p: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def run_odirect(d: Path, total: int, block: np.ndarray) -> float:
+def run_odirect(d: Path, total: int, block: np.ndarray, depth: int = ODIRECT_DEPTH) -> float:
+    """``total`` bytes written in order with O_DIRECT into a preallocated file, ``depth`` block
+    writes in flight, then fsync."""
+    from concurrent.futures import ThreadPoolExecutor
+
     f = d / "odirect.bin"
     t0 = time.perf_counter()
     fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_DIRECT, 0o644)
     try:
-        pos = 0
-        while pos < total:
+        os.posix_fallocate(fd, 0, total)  # as the writer does: no extending writes
+        def put(pos: int) -> int:
             n = min(block.nbytes, -(-(total - pos) // 4096) * 4096)
-            pos += os.pwrite(fd, memoryview(block)[:n], pos)
+            return os.pwrite(fd, memoryview(block)[:n], pos)
+
+        with ThreadPoolExecutor(depth) as ex:
+            assert sum(ex.map(put, range(0, total, block.nbytes))) >= total
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -203,12 +211,14 @@ def run_safetensors(d: Path, g) -> float:
     return dt
 
 
-def run_ucpd(flusher: Flusher, version) -> float:
+def run_ucpd(flusher: Flusher, version, io: str | None = None) -> float:
+    """The flusher's path; ``io``: the writer's I/O (``UCPD_FLUSH_IO``; None: the default)."""
     root = Path(flusher.root(version.job))
     shutil.rmtree(root, ignore_errors=True)
-    t0 = time.perf_counter()
-    flusher._flush(version)
-    dt = time.perf_counter() - t0
+    with knobs.override(**({"UCPD_FLUSH_IO": io} if io else {})):
+        t0 = time.perf_counter()
+        flusher._flush(version)
+        dt = time.perf_counter() - t0
     if flusher.progress.last_flushed != version.step:  # pragma: no cover - a bug
         raise RuntimeError(f"flush failed: {flusher.progress.last_error}")
     shutil.rmtree(root)
@@ -241,10 +251,13 @@ READS = {
 
 @contextlib.contextmanager
 def count_reads():
-    """Count the bytes every ``ucpd.native`` call reads and the bytes written through buffered
-    ``os.pwrite`` (``{"native": {fn: bytes}, "pwrite": bytes}``)."""
-    counts: dict = {"native": {}, "pwrite": 0}
-    saved = {name: getattr(native, name) for name in READS}
+    """Count the bytes every ``ucpd.native`` call reads and the bytes written by ``os.pwrite``
+    through the page cache (the kernel copies them; O_DIRECT writes are DMA from the buffer):
+    ``{"native": {fn: bytes}, "pwrite": bytes, "direct": bytes}``."""
+    import fcntl
+
+    counts: dict = {"native": {}, "pwrite": 0, "direct": 0}
+    saved = {name: getattr(native, name) for name in READS if hasattr(native, name)}
     saved_pwrite = os.pwrite
 
     def wrap(name, fn):
@@ -256,7 +269,7 @@ def count_reads():
 
     def pwrite(fd, data, offset):
         n = saved_pwrite(fd, data, offset)
-        counts["pwrite"] += n
+        counts["direct" if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT else "pwrite"] += n
         return n
 
     for name, fn in saved.items():
@@ -296,37 +309,44 @@ def bench_case(case: str, args, d: Path, shm: Path, block: np.ndarray) -> dict:
     version = commit_version(store, g, ranks, place)
     assert version is not None and version.state.name == "COMMITTED", version
     flusher = Flusher(store, str(d / f"ucpd-{case}"), every=1 << 30, rate=0)
+    runners = {
+        "ucpd": lambda: run_ucpd(flusher, version),
+        "ucpd-pwrite": lambda: run_ucpd(flusher, version, "pwrite"),
+        "safetensors": lambda: run_safetensors(d, g),
+        "odirect": lambda: run_odirect(d, total, block),
+    }
+    order = [k for k in runners if k in args.variants]
+    counts = {}
     try:
-        with count_reads() as counts:  # one untimed run: what the flush reads
-            run_ucpd(flusher, version)
-        times: dict[str, list[float]] = {"ucpd": [], "safetensors": [], "odirect": []}
-        runners = {
-            "ucpd": lambda: run_ucpd(flusher, version),
-            "safetensors": lambda: run_safetensors(d, g),
-            "odirect": lambda: run_odirect(d, total, block),
-        }
-        order = list(runners)
+        for k in order:  # one untimed run each of the flushes: what they read
+            if k.startswith("ucpd"):
+                with count_reads() as counts[k]:
+                    runners[k]()
+        times: dict[str, list[float]] = {k: [] for k in order}
         for rep in range(args.repeat):
-            for k in order[rep % 3 :] + order[: rep % 3]:
+            for k in order[rep % len(order) :] + order[: rep % len(order)]:
                 times[k].append(runners[k]())
     finally:
         flusher.stop()
         shutil.rmtree(shm / case, ignore_errors=True)
         shutil.rmtree(d / f"ucpd-{case}", ignore_errors=True)
-    native_reads = sum(counts["native"].values())
+
+    def reads(c):
+        native_reads = sum(c["native"].values())
+        return {
+            "native": native_reads / total, "kernel_copy": c["pwrite"] / total, "o_direct": c["direct"] / total,
+            "total": (native_reads + c["pwrite"]) / total,
+            "by_function": {k: v / total for k, v in sorted(c["native"].items())},
+        }
+
     return {
         "case": case, "tensors": len(g), "ranks": ranks, "bytes": total,
         "seconds": {k: spread(v) for k, v in times.items()},
         "GBps": {k: spread([total / t / 1e9 for t in v]) for k, v in times.items()},
         "ucpd_speed_vs": {
-            k: spread([o / u for u, o in zip(times["ucpd"], times[k])]) for k in ("safetensors", "odirect")
+            k: spread([o / u for u, o in zip(times["ucpd"], times[k])]) for k in order if k != "ucpd" and "ucpd" in times
         },
-        "reads_per_byte": {
-            "native": native_reads / total,
-            "pwrite": counts["pwrite"] / total,
-            "total": (native_reads + counts["pwrite"]) / total,
-            "by_function": {k: v / total for k, v in sorted(counts["native"].items())},
-        },
+        "reads_per_byte": {k: reads(c) for k, c in counts.items()},
         "raw_seconds": times,
     }
 
@@ -339,8 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/var/tmp", help="file system to write to (a real disk; a fresh temp folder inside)")
     ap.add_argument("--shm", default="/dev/shm", help="where the slots live (tmpfs)")
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--variants", default="ucpd,ucpd-pwrite,safetensors,odirect",
+                    help="ucpd (the flush, default I/O), ucpd-pwrite (UCPD_FLUSH_IO=pwrite), safetensors, odirect")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
+    args.variants = args.variants.split(",")
 
     info = machine()
     if is_tmpfs(Path(args.dir).resolve()):
@@ -359,23 +382,27 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
 
     print(f"dir {args.dir} ({'tmpfs' if is_tmpfs(Path(args.dir).resolve()) else 'disk'}); {args.repeat} repetitions; "
-          f"{os.cpu_count()} CPUs; load at start {info['loadavg_at_start']}")
-    print("GB/s: median [min, max]; ucpd/x: ucpd's speed over x's within each repetition, median [min, max]")
-    head = f"{'case':<5}{'tensors':>8}{'MiB':>6}  {'ucpd':>17}{'safetensors':>19}{'O_DIRECT':>19}{'ucpd/st':>19}{'ucpd/odirect':>19}{'reads/B':>8}"
+          f"{os.cpu_count()} CPUs; load at start {info['loadavg_at_start']}; O_DIRECT floor: {ODIRECT_BLOCK >> 20} MiB "
+          f"writes, {ODIRECT_DEPTH} in flight")
+    print("GB/s: median [min, max] of the repetitions; ucpd/x: ucpd's speed over x's within each repetition, median [min, max]")
+
+    def cell(x):
+        return f"{x['median']:5.2f} [{x['min']:.2f},{x['max']:.2f}]"
+
+    variants = [k for k in ("ucpd", "ucpd-pwrite", "safetensors", "odirect") if k in args.variants]
+    ratios = [k for k in variants if k != "ucpd"]
+    head = f"{'case':<5}{'tensors':>8}{'MiB':>6} " + "".join(f"{k:>19}" for k in variants) + "".join(f"{'ucpd/' + k:>21}" for k in ratios)
     print(head)
     print("-" * len(head))
     for r in results:
-        def cell(s):
-            return f"{s['median']:5.2f} [{s['min']:.2f},{s['max']:.2f}]"
-        gb, vs = r["GBps"], r["ucpd_speed_vs"]
-        print(f"{r['case']:<5}{r['tensors']:>8}{r['bytes'] / MiB:>6.0f}  {cell(gb['ucpd']):>17}{cell(gb['safetensors']):>19}"
-              f"{cell(gb['odirect']):>19}{cell(vs['safetensors']):>19}{cell(vs['odirect']):>19}"
-              f"{r['reads_per_byte']['total']:>8.2f}")
-    print("reads per byte flushed, by where:")
+        print(f"{r['case']:<5}{r['tensors']:>8}{r['bytes'] / MiB:>6.0f} " + "".join(f"{cell(r['GBps'][k]):>19}" for k in variants)
+              + "".join(f"{cell(r['ucpd_speed_vs'][k]):>21}" for k in ratios if k in r["ucpd_speed_vs"]))
+    print("bytes read per byte flushed (a fused copy+CRC is one read; the kernel copies what is written through the page cache):")
     for r in results:
-        rb = r["reads_per_byte"]
-        parts = ", ".join(f"{k} {v:.2f}" for k, v in rb["by_function"].items())
-        print(f"  {r['case']:<5} {rb['total']:.2f} = native {rb['native']:.2f} ({parts}) + kernel pwrite copy {rb['pwrite']:.2f}")
+        for k, rb in r["reads_per_byte"].items():
+            parts = ", ".join(f"{f} {v:.2f}" for f, v in rb["by_function"].items())
+            print(f"  {r['case']:<5} {k:<12} {rb['total']:.2f} = native {rb['native']:.2f} ({parts}) + kernel copy "
+                  f"{rb['kernel_copy']:.2f}; written with O_DIRECT {rb['o_direct']:.2f}")
     if args.json:
         out = {"config": vars(args), "machine": info, "results": results}
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
