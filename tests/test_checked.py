@@ -4,9 +4,10 @@ import numpy as np
 import pytest
 
 from ucpd import native
-from ucpd.checked import CheckedCopier, CheckedSource, touched_chunks, verify, view_byte_ranges, view_chunks
+from ucpd.checked import CheckedCopier, CheckedSource, ConsolidatingCopier, touched_chunks, verify, view_byte_ranges, view_chunks
 from ucpd.errors import ChecksumMismatch
 from ucpd.ucl import Shard, View, plan_consolidate, plan_restore, resolve, source_pieces
+from ucpd.ucl.plan import Copy
 
 CHUNK = 256
 
@@ -88,3 +89,85 @@ def test_view_chunks_covers_every_run(view):
     assert exact <= got
     if view.shape[0] == 4:  # runs far apart: the exact chunks only
         assert got == exact == {0, 8, 16, 24}
+
+
+# -- ConsolidatingCopier (the flush): the file's chunk CRCs come out of the copy ----------------------
+
+DISK = 4 * CHUNK + 64  # a file chunk that the source chunks do not divide
+
+
+def consolidate_blocks(shards, placement, gshape, dtype, block_rows, dst_chunk=DISK, damage=None):
+    """Consolidate ``shards`` ({rank: local array}) block by block as the flush does; returns the
+    global tensor and, per block, the CRCs the copier gave (None: it gave none)."""
+    srcs, pieces = {}, []
+    for r, local in shards.items():
+        frag = resolve("w", placement(r), local.shape)[0]
+        srcs[r] = source(np.ascontiguousarray(local).reshape(-1).copy(), damage=damage.get(r) if damage else None)
+        pieces += source_pieces(r, frag)
+    out = np.zeros(int(np.prod(gshape)), dtype)
+    row = int(np.prod(gshape[1:])) * out.itemsize
+    cp = ConsolidatingCopier(srcs, threads=2)
+    got = []
+    for r0 in range(0, gshape[0], block_rows):
+        r1 = min(gshape[0], r0 + block_rows)
+        plan = plan_consolidate("w", gshape, pieces, (r0, r1))
+        dst = out[r0 * row // out.itemsize : r1 * row // out.itemsize]
+        got.append((r0 * row, dst, cp.block(plan.copies, dst, r0 * row, dst_chunk)))
+    cp.finish()
+    return out.reshape(gshape), got
+
+
+def pieces_crcs(dst: np.ndarray, origin: int, chunk: int) -> list[int]:
+    raw = dst.view(np.uint8)
+    out, b = [], 0
+    while b < raw.size:
+        e = min(raw.size, (origin + b) // chunk * chunk + chunk - origin)
+        out.append(native.crc32c(raw[b:e]))
+        b = e
+    return out
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("block_rows", [64, 7, 3])
+def test_consolidating_copier_gives_the_destination_crcs_of_every_block(dim, block_rows):
+    g = np.random.default_rng(dim + block_rows).integers(0, 1 << 31, size=(64, 512), dtype=np.int32)
+    shards = {r: np.split(g, 4, axis=dim)[r] for r in range(4)}
+    out, blocks = consolidate_blocks(shards, lambda r: Shard(dim, r, 4), g.shape, np.int32, block_rows)
+    assert (out == g).all()
+    for origin, dst, crcs in blocks:
+        assert crcs == pieces_crcs(dst, origin, DISK)
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("block_rows", [64, 5])
+def test_consolidating_copier_catches_damage_even_in_chunks_cut_by_blocks(dim, block_rows):
+    g = np.arange(64 * 512, dtype=np.int32).reshape(64, 512)
+    shards = {r: np.split(g, 4, axis=dim)[r] for r in range(4)}
+    for bad_byte in (0, CHUNK - 1, 3 * CHUNK + 5, shards[2].nbytes - 1):
+        with pytest.raises(ChecksumMismatch, match=rf"test tensor 'w': chunk {bad_byte // CHUNK} \(tensor bytes"):
+            consolidate_blocks(shards, lambda r: Shard(dim, r, 4), g.shape, np.int32, block_rows, damage={2: bad_byte})
+
+
+def test_consolidating_copier_checks_chunks_it_read_only_in_part():
+    """A source holding more than the global tensor needs (a padded vocabulary): the chunk its
+    last rows share with the padding is checked at finish, reading the padding."""
+    g = np.arange(10 * 30, dtype=np.int32).reshape(10, 30)  # 1200 bytes: chunk 4 is read in part
+    padded = np.zeros((12, 30), np.int32)
+    padded[:10] = g
+    src = source(padded.reshape(-1).copy(), damage=1250)  # in the part of chunk 4 that is not copied
+    cp = ConsolidatingCopier({"a": src})
+    out = np.zeros(g.size, np.int32)
+    assert cp.block([Copy("a", View(0, (g.size,), (1,)), View(0, (g.size,), (1,)))], out, 0, DISK) == pieces_crcs(out, 0, DISK)
+    assert (out.reshape(g.shape) == g).all()
+    with pytest.raises(ChecksumMismatch, match="chunk 4 "):
+        cp.finish()
+
+
+def test_consolidating_copier_short_runs_go_the_old_way():
+    """Runs shorter than MIN_RUN_BYTES (a narrow column shard) are copied by CheckedCopier and
+    the caller checksums the destination itself (None)."""
+    g = np.arange(64 * 8, dtype=np.int32).reshape(64, 8)
+    out, blocks = consolidate_blocks({r: np.split(g, 4, axis=1)[r] for r in range(4)}, lambda r: Shard(1, r, 4), g.shape, np.int32, 64)
+    assert (out == g).all() and blocks[0][2] is None
+    with pytest.raises(ChecksumMismatch):
+        consolidate_blocks({r: np.split(g, 4, axis=1)[r] for r in range(4)}, lambda r: Shard(1, r, 4), g.shape, np.int32, 64, damage={1: 5})

@@ -24,6 +24,14 @@ A damaged chunk raises :func:`damaged`'s ``ChecksumMismatch`` (one text: which s
 bytes, the CRCs, and what to do) before ``run`` returns; bytes may already have been copied
 into the destinations by then.
 
+:class:`ConsolidatingCopier` is the flush's: it fills one destination tensor block by block and
+also returns the CRCs of what it wrote, cut on the destination's own chunk grid (the checkpoint
+file's), from the same pass (``native.copy_crc_windows``: each piece copied is checksummed once,
+and its CRC combined into both the source chunk's and the destination chunk's), so neither the
+sources nor the destination are read a second time. A source chunk read in parts (across two
+blocks) is checked once its parts are all in; ``finish`` checks the chunks that were read only
+in part, reading the rest of them.
+
 Threads: a copier is used by one thread; the native calls release the GIL.
 """
 
@@ -41,9 +49,10 @@ from .ucl.execute import execute
 from .ucl.geometry import View
 from .ucl.plan import Copy, CopyPlan
 
-__all__ = ["CheckedCopier", "CheckedSource", "bad_chunks", "byte_span", "damaged", "touched_chunks", "verify", "view_byte_ranges", "view_chunks"]
+__all__ = ["CheckedCopier", "CheckedSource", "ConsolidatingCopier", "bad_chunks", "byte_span", "damaged", "touched_chunks", "verify", "view_byte_ranges", "view_chunks"]
 
 MAX_RUNS = 4096  # above this many runs per window, its whole span counts as touched
+MIN_RUN_BYTES = 512  # ConsolidatingCopier: windows of many shorter runs go through CheckedCopier
 
 
 class CheckedSource:
@@ -334,3 +343,118 @@ class CheckedCopier:
             crc = native.crc32c_combine(crc, native.crc32c(raw[hi:c_hi]), c_hi - hi)
             if crc != src.crcs[i]:
                 raise damaged(src, [(i, crc)])
+
+
+# -- the flush's copier -------------------------------------------------------------------------
+
+
+def run_bytes(view: View, itemsize: int) -> int:
+    """Bytes of the contiguous runs a window is made of (its innermost dims that are contiguous)."""
+    run = 1
+    for n, st in zip(reversed(view.shape), reversed(view.strides)):
+        if n == 1:
+            continue
+        if st != run:
+            break
+        run *= n
+    return run * itemsize
+
+
+class ConsolidatingCopier:
+    """Fills one destination tensor from checksummed sources, block by block, and returns the
+    CRCs of what each block wrote on the destination's chunk grid (see the module).
+
+    ``sources`` maps each ``Copy.src_key`` to its :class:`CheckedSource`. Call :meth:`block` for
+    each block in order, then :meth:`finish` once: every chunk a block read is checked by then
+    (``ChecksumMismatch`` from :func:`damaged`). Used by one thread at a time."""
+
+    def __init__(self, sources: Mapping[Hashable, CheckedSource], threads: int | None = None):
+        self.sources = sources
+        self.threads = threads
+        self.pending: dict[tuple[Hashable, int], list[tuple[int, int, int]]] = {}  # chunk -> parts read (lo, hi, crc)
+
+    def block(self, copies: Sequence[Copy], dst: np.ndarray, origin: int, chunk: int) -> list[int] | None:
+        """Run ``copies`` into ``dst`` (1-D, C-contiguous, the tensor's storage dtype: the views'
+        elements), the block of the tensor that starts at byte ``origin``. Returns the CRC32C of
+        ``dst`` cut where ``origin + offset`` is a multiple of ``chunk``, or None when the copies
+        did not write every byte or went another way (strided sources, short runs): the caller
+        then checksums ``dst`` itself. Chunks read in part wait for :meth:`finish`."""
+        isz = dst.itemsize
+        todo = [c for c in copies if c.src_view.numel]
+        if any(not c.src_view.is_contiguous or run_bytes(c.dst_view, isz) < min(MIN_RUN_BYTES, c.src_view.numel * isz) for c in todo):
+            run = CheckedCopier(self.sources, self.threads)
+            for c in todo:
+                run.add_array(c, dst)
+            run.run()
+            return None
+        index: dict[Hashable, int] = {}
+        keys: list[Hashable] = []
+        items = []
+        for c in todo:
+            src = self.sources[c.src_key]
+            lo, hi = byte_span(c.src_view, isz)
+            dlo, dhi = byte_span(c.dst_view, isz)
+            if lo < 0 or hi > src.nbytes or dlo < 0 or dhi > dst.nbytes or min(c.dst_view.strides, default=0) < 0:
+                raise PlacementMismatch(
+                    f"copy plan window outside its buffer (source bytes {lo}..{hi} of {src.nbytes}, "
+                    f"target bytes {dlo}..{dhi} of {dst.nbytes}); the planner and the buffers disagree"
+                )
+            if c.src_key not in index:
+                index[c.src_key] = len(keys)
+                keys.append(c.src_key)
+            items.append((index[c.src_key], lo, c.dst_view.offset, c.dst_view.shape, c.dst_view.strides, isz))
+        srcs = [(_ptr(self.sources[k].array), self.sources[k].nbytes, self.sources[k].chunk) for k in keys]
+        crcs, covered, reads = native.copy_crc_windows(_ptr(dst), dst.nbytes, origin, chunk, srcs, items, self.threads)
+        for s, lo, hi, crc in reads:
+            self._read(keys[s], lo, hi, crc)
+        phase = origin % chunk
+        first = min(dst.nbytes, chunk - phase)
+        whole = all(
+            got == (first if k == 0 else min(chunk, dst.nbytes - (first + (k - 1) * chunk)))
+            for k, got in enumerate(covered)
+        )
+        return crcs if whole else None
+
+    def _read(self, key: Hashable, lo: int, hi: int, crc: int) -> None:
+        """Bytes [lo, hi) of source ``key`` (inside one chunk) were read, with CRC ``crc``."""
+        src = self.sources[key]
+        C = src.chunk
+        i = lo // C
+        c_lo, c_hi = i * C, min((i + 1) * C, src.nbytes)
+        if lo == c_lo and hi == c_hi:
+            if crc != src.crcs[i]:
+                raise damaged(src, [(i, crc)])
+            return
+        parts = self.pending.setdefault((key, i), [])
+        parts.append((lo, hi, crc))
+        parts.sort()
+        at, whole = c_lo, 0
+        for p_lo, p_hi, p_crc in parts:
+            if p_lo != at:
+                return  # a gap (for now)
+            whole = native.crc32c_combine(whole, p_crc, p_hi - p_lo)
+            at = p_hi
+        if at == c_hi:
+            del self.pending[(key, i)]
+            if whole != src.crcs[i]:
+                raise damaged(src, [(i, whole)])
+
+    def finish(self) -> None:
+        """Check the chunks read only in part, reading the bytes no copy read."""
+        pending, self.pending = self.pending, {}
+        for (key, i), parts in pending.items():
+            src = self.sources[key]
+            raw, C = src.bytes, src.chunk
+            c_lo, c_hi = i * C, min((i + 1) * C, src.nbytes)
+            at, whole = c_lo, 0
+            for p_lo, p_hi, p_crc in parts:
+                if p_lo < at:  # read twice (overlapping copies): check the chunk as it is now
+                    verify(src, [i], self.threads)
+                    break
+                whole = native.crc32c(raw[at:p_lo], whole)
+                whole = native.crc32c_combine(whole, p_crc, p_hi - p_lo)
+                at = p_hi
+            else:
+                whole = native.crc32c(raw[at:c_hi], whole)
+                if whole != src.crcs[i]:
+                    raise damaged(src, [(i, whole)])

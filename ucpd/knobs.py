@@ -93,6 +93,14 @@ def flush_rate() -> float:
     return float(_get("UCPD_FLUSH_RATE", str(2 << 30)))
 
 
+def flush_io() -> str:
+    """How the flush writes its files: ``direct`` (O_DIRECT from its staging buffer: no copy into
+    the page cache, the disk busy while the next block is consolidated; where the file system
+    refuses O_DIRECT, through the page cache) or ``pwrite`` (through the page cache, written out
+    by the fsync at the end of each file)."""
+    return _get("UCPD_FLUSH_IO", "direct")
+
+
 def rpc_timeout() -> float:
     """Seconds a client waits for a daemon reply before raising DaemonUnreachable."""
     return float(_get("UCPD_RPC_TIMEOUT", "60"))

@@ -5,7 +5,9 @@ What it offers, all on raw bytes (it never interprets elements):
 - parallel memcpy over a persistent thread pool: :func:`copy`, :func:`copy_ptr`, and
   :func:`copy_batch` (many tensors in one call, optionally with per-chunk CRC32C of the source
   computed in the same pass: the snapshot hot path); strided N-D windows (resharding):
-  :func:`copy_window` (numpy views) and :func:`copy_strided` (raw addresses);
+  :func:`copy_window` (numpy views) and :func:`copy_strided` (raw addresses); consolidation
+  with the CRCs of what is read and of what is written from one pass (the flush):
+  :func:`copy_crc_windows`;
 - CRC32C (Castagnoli; identical to the ``crc32c`` package): :func:`crc32c`, :func:`crc32c_ptr`,
   :func:`crc32c_combine`, :func:`crc32c_chunks`, :func:`crc32c_chunks_ptr`;
 - parity: :func:`xor_parity` (any number of buffers, unequal lengths zero-padded) and a systematic
@@ -44,6 +46,7 @@ __all__ = [
     "CHUNK_BYTES",
     "scatter_crc",
     "scatter_crc_batch",
+    "copy_crc_windows",
     "SMALL_COPY_BYTES",
     "NativeError",
     "CudaError",
@@ -225,6 +228,46 @@ def scatter_crc_batch(
     itemsize, chunk, src_offset)``; their chunk-sized pieces share the thread pool. Returns one
     ``(first, crcs)`` per item."""
     return [(f, list(c)) for f, c in _call(_native.scatter_crc_batch, [tuple(i) for i in items], _threads(threads))]
+
+
+def copy_crc_windows(
+    dst_ptr: int,
+    dst_nbytes: int,
+    dst_origin: int,
+    dst_chunk: int,
+    sources: Sequence[tuple[int, int, int]],
+    copies: Sequence[tuple[int, int, int, Sequence[int], Sequence[int], int]],
+    threads: Optional[int] = None,
+) -> tuple[list[int], list[int], list[tuple[int, int, int, int]]]:
+    """Copy contiguous source ranges into windows of one destination, reading each byte once,
+    and return the CRC32C of what was read (by source chunk) and of what was written (by
+    destination chunk), both from that one pass.
+
+    Args:
+        dst_ptr, dst_nbytes: the destination, contiguous.
+        dst_origin, dst_chunk: the destination is cut where ``dst_origin + offset`` is a multiple
+            of ``dst_chunk`` (a block of a tensor whose file chunks are ``dst_chunk`` bytes).
+        sources: ``(ptr, nbytes, chunk)`` per source: its byte 0, size and CRC chunk size.
+        copies: ``(source, src_offset, dst_offset, shape, dst_strides, itemsize)``: the source
+            bytes ``[src_offset, src_offset + numel * itemsize)`` into the window ``shape`` at
+            element offset ``dst_offset`` and element strides ``dst_strides`` of the destination
+            (row-major window order is source order; strides >= 0; windows must not overlap).
+
+    Returns:
+        ``(dst_crcs, dst_covered, reads)``: per destination piece ``k`` (``[max(0, k*C - phase),
+        min(n, (k+1)*C - phase))``, ``phase = dst_origin % dst_chunk``) the CRC32C of its first
+        ``dst_covered[k]`` bytes (the prefix written without a gap: the piece's own CRC when that
+        is its length); ``reads``: ``(source, lo, hi, crc)`` for each maximal contiguous byte
+        range read inside one chunk of a source, sorted by source and offset.
+
+    Raises:
+        NativeError: a window outside its buffer, overlapping windows, bad sizes, strides or
+            indices, a zero chunk or item size.
+    """
+    return _call(
+        _native.copy_crc_windows, dst_ptr, dst_nbytes, dst_origin, dst_chunk,
+        [tuple(s) for s in sources], [(c[0], c[1], c[2], list(c[3]), list(c[4]), c[5]) for c in copies], _threads(threads),
+    )
 
 
 def copy_strided(

@@ -370,6 +370,10 @@ uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
   return multmodp(x8nmodp(len_b), crc_a) ^ crc_b;
 }
 
+uint32_t crc32c_shift_op(uint64_t len_b) { return x8nmodp(len_b); }
+
+uint32_t crc32c_shift(uint32_t op, uint32_t crc) { return multmodp(op, crc); }
+
 const char* crc32c_backend() { return backend().name; }
 
 bool crc32c_copy_fused() { return backend().copy_fn != nullptr; }

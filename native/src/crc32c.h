@@ -20,6 +20,12 @@ uint32_t crc32c_portable(uint32_t crc, const void* data, std::size_t n);
 // CRC of A+B from crc(A), crc(B) and len(B). O(log len_b) carry-less multiplications.
 uint32_t crc32c_combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 
+// crc32c_combine in two steps, for many combines over the same lengths: the operator for
+// len_b (O(log len_b)), then its application (one GF(2) product):
+//   crc32c_combine(a, b, n) == crc32c_shift(crc32c_shift_op(n), a) ^ b
+uint32_t crc32c_shift_op(uint64_t len_b);
+uint32_t crc32c_shift(uint32_t op, uint32_t crc);
+
 // Name of the backend in use: "sse4.2" or "table".
 const char* crc32c_backend();
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "buffer.h"
+#include "consolidate.h"
 #include "copy.h"
 #include "crc32c.h"
 #include "parity.h"
@@ -130,6 +131,40 @@ NB_MODULE(_native, m) {
     for (auto& x : r) out.append(nb::make_tuple(x.first_chunk, x.crcs));
     return out;
   }, "items"_a, "threads"_a);
+
+  m.def("copy_crc_windows", [](uintptr_t dst, std::size_t dst_nbytes, std::size_t dst_origin,
+                               std::size_t dst_chunk, nb::list sources, nb::list copies, int threads) {
+    threads = check_threads(threads);
+    std::vector<CrcSource> src;
+    src.reserve(sources.size());
+    for (nb::handle h : sources) {
+      auto t = nb::cast<nb::tuple>(h);
+      if (t.size() != 3) throw std::invalid_argument("copy_crc_windows: sources are (ptr, nbytes, chunk)");
+      src.push_back(CrcSource{reinterpret_cast<const void*>(nb::cast<uintptr_t>(t[0])), nb::cast<std::size_t>(t[1]),
+                              nb::cast<std::size_t>(t[2])});
+    }
+    std::vector<CrcWindowCopy> cps;
+    cps.reserve(copies.size());
+    for (nb::handle h : copies) {
+      auto t = nb::cast<nb::tuple>(h);
+      if (t.size() != 6)
+        throw std::invalid_argument(
+            "copy_crc_windows: copies are (source, src_offset, dst_offset, shape, dst_strides, itemsize)");
+      cps.push_back(CrcWindowCopy{nb::cast<std::size_t>(t[0]), nb::cast<std::size_t>(t[1]), nb::cast<int64_t>(t[2]),
+                                  nb::cast<std::vector<int64_t>>(t[3]), nb::cast<std::vector<int64_t>>(t[4]),
+                                  nb::cast<std::size_t>(t[5])});
+    }
+    ConsolidateResult r;
+    {
+      nb::gil_scoped_release nogil;
+      r = copy_crc_windows(as_ptr(dst), dst_nbytes, dst_origin, dst_chunk, src, cps, threads);
+    }
+    nb::list crcs, covered, reads;
+    for (uint32_t c : r.dst_crcs) crcs.append(nb::int_(c));
+    for (auto c : r.dst_covered) covered.append(nb::int_(c));
+    for (const CrcRange& x : r.reads) reads.append(nb::make_tuple(x.source, x.lo, x.hi, x.crc));
+    return nb::make_tuple(crcs, covered, reads);
+  }, "dst_ptr"_a, "dst_nbytes"_a, "dst_origin"_a, "dst_chunk"_a, "sources"_a, "copies"_a, "threads"_a);
 
   m.def("copy_batch", [](nb::handle items, int threads, std::size_t crc_chunk,
                          const std::string& mode, std::size_t block) -> nb::object {

@@ -68,3 +68,124 @@ def test_a_restarted_daemon_flushes_the_committed_version_it_never_wrote(make_da
     wait_flushed(dirs["flushed"], 4)
     with open_version(dirs["flushed"], 4) as reader:
         assert reader.tensors["w"].shape == (10,)
+
+
+# -- the consolidation path, in process: each byte read once, every chunk checked ---------------
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from ucpd import native  # noqa: E402
+from ucpd.daemon.flush import Flusher  # noqa: E402
+from ucpd.daemon.store import NodeStore, prepare_slot_file  # noqa: E402
+from ucpd.errors import ChecksumMismatch  # noqa: E402
+from ucpd.ucl import Replicated, Shard  # noqa: E402
+
+MiB = 1 << 20
+
+
+def commit(store, ranks: int, tensors: dict, step: int = 1, damage: tuple | None = None):
+    """Seal a version whose rank r holds ``tensors[name][r]`` = (placement, local array) (None:
+    nothing); ``damage=(rank, byte)`` flips a byte of that rank's slot after its CRCs were taken."""
+    version = None
+    for rank in range(ranks):
+        entries, off = [], 0
+        for name, per_rank in tensors.items():
+            if per_rank[rank] is not None:
+                off = (off + 63) // 64 * 64
+                entries.append((name, *per_rank[rank], off))
+                off += per_rank[rank][1].nbytes
+        store.check_begin(rank, step, None, ranks)
+        sid, path, size = store.reserve_new_slot(off)
+        prepare_slot_file(path, size)
+        slot = store.finish_new_slot(sid, rank, step)
+        buf = np.frombuffer(slot.mapping(), np.uint8)
+        crcs = native.copy_batch([(buf.ctypes.data + o, a.ctypes.data, a.nbytes) for _, _, a, o in entries],
+                                 crc_chunk=native.CHUNK_BYTES)
+        if damage and damage[0] == rank:
+            buf[damage[1]] ^= 1
+        del buf
+        body = [{"name": n, "dtype": "float32", "shape": list(a.shape), "placement": p.to_dict(), "offset": o,
+                 "nbytes": a.nbytes, "crcs": c} for (n, p, a, o), c in zip(entries, crcs)]
+        version, _ = store.seal({"rank": rank, "world_size": ranks, "step": step, "slot": slot.id, "tensors": body,
+                                 "objects": b""})
+    return version
+
+
+def megatron_state(rng):
+    """Global tensors and their 4 ranks' parts: rows split (with chunks cut between ranks),
+    columns split, replicated (rank 0 only)."""
+    g = {
+        "qkv": rng.standard_normal((1200, 700), dtype=np.float32),  # 3.2 MiB: rows split
+        "fc2": rng.standard_normal((300, 2048), dtype=np.float32),  # columns split: 2 KiB runs
+        "ln": rng.standard_normal((700,), dtype=np.float32),
+        "scalar": np.array(3.5, np.float32),
+    }
+    parts = {
+        "qkv": [(Shard(0, r, 4), np.ascontiguousarray(np.split(g["qkv"], 4, 0)[r])) for r in range(4)],
+        "fc2": [(Shard(1, r, 4), np.ascontiguousarray(np.split(g["fc2"], 4, 1)[r])) for r in range(4)],
+        "ln": [(Replicated(), g["ln"])] + [None] * 3,
+        "scalar": [(Replicated(), g["scalar"])] + [None] * 3,
+    }
+    return g, parts
+
+
+@pytest.fixture
+def store(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o700)
+    return NodeStore(str(shm), 256 * MiB, keep=2)
+
+
+@pytest.mark.parametrize("staging", [2 * MiB, 32 * MiB])
+def test_the_flush_reads_each_byte_once_and_writes_valid_files(store, tmp_path, monkeypatch, staging):
+    from ucpd.format import writer
+
+    g, parts = megatron_state(np.random.default_rng(0))
+    version = commit(store, 4, parts)
+    monkeypatch.setattr(writer, "DEFAULT_STAGING_BYTES", staging)  # small halves: blocks cut chunks
+    read = {}
+    for name in ("copy_crc_windows", "copy_batch", "scatter_crc_batch", "crc32c_chunks", "crc32c", "copy_window"):
+        def counted(*a, _f=getattr(native, name), _n=name, **k):
+            read[_n] = read.get(_n, 0) + 1
+            return _f(*a, **k)
+        monkeypatch.setattr(native, name, counted)
+    checksummed = []
+    real = writer.chunk_crcs
+    monkeypatch.setattr(writer, "chunk_crcs", lambda buf, c: checksummed.append(memoryview(buf).nbytes) or real(buf, c))
+    flusher = Flusher(store, str(tmp_path / "flush"), every=1000, rate=0)
+    try:
+        flusher._flush(version)
+    finally:
+        flusher.stop()
+    assert flusher.progress.last_error is None and flusher.progress.last_flushed == 1
+    assert set(read) == {"copy_crc_windows"}
+    assert sum(checksummed) == 0  # the writer checksummed only the (empty) plain values
+    root = tmp_path / "flush" / version.job
+    assert validate(str(root)) == []
+    with open_version(str(root), 1) as r:
+        for name, want in g.items():
+            np.testing.assert_array_equal(r.array(name).view(np.float32), want)
+
+
+@pytest.mark.parametrize("where", ["qkv rank 2", "fc2 rank 1", "ln rank 0"])
+def test_a_damaged_slot_fails_the_flush_and_leaves_nothing(store, tmp_path, where):
+    g, parts = megatron_state(np.random.default_rng(1))
+    name, _, rank = where.split()
+    rank = int(rank)
+    offset = 0
+    for n, per_rank in parts.items():  # the tensor's offset in its slot, as commit lays them out
+        if per_rank[rank] is None:
+            continue
+        offset = (offset + 63) // 64 * 64
+        if n == name:
+            break
+        offset += per_rank[rank][1].nbytes
+    version = commit(store, 4, parts, damage=(rank, offset + per_rank[rank][1].nbytes - 5))
+    flusher = Flusher(store, str(tmp_path / "flush"), every=1000, rate=0)
+    try:
+        with pytest.raises(ChecksumMismatch, match=rf"rank {rank}, tensor '{name}' in RAM: chunk \d+"):
+            flusher._flush(version)
+    finally:
+        flusher.stop()
+    assert list_versions(str(tmp_path / "flush" / version.job)) == []

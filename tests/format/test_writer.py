@@ -42,7 +42,7 @@ def check_roundtrip(root, step, state):
             r.verify(name)
 
 
-@pytest.mark.parametrize("io", ["pwrite", "mmap"])
+@pytest.mark.parametrize("io", ["pwrite", "mmap", "direct"])
 @pytest.mark.parametrize("callable_fill", [True, False])
 def test_roundtrip_dtypes_scalars_empty(tmp_path, io, callable_fill):
     state = sample_state()
@@ -235,3 +235,163 @@ def test_retain_leaves_protected_steps_alone(tmp_path):
         write_version(tmp_path, step, [TensorSource("w", "uint8", (3,), {"kind": "replicated"}, b"abc")], fsync=False)
     retain(tmp_path, 1, protect=[2])
     assert sorted(v.step for v in list_versions(tmp_path)) == [2, 4]
+
+
+def piece_crcs(raw: np.ndarray, begin: int, chunk: int) -> list[int]:
+    """CRCs of ``raw`` (tensor bytes from ``begin``) cut where the tensor offset is a multiple of ``chunk``."""
+    from ucpd import native
+
+    out, b = [], 0
+    while b < raw.size:
+        e = min(raw.size, (begin + b) // chunk * chunk + chunk - begin)
+        out.append(native.crc32c(raw[b:e]))
+        b = e
+    return out
+
+
+@pytest.mark.parametrize("io", ["pwrite", "mmap", "direct"])
+def test_fills_that_checksum_what_they_write_are_not_read_again(tmp_path, io, monkeypatch):
+    """``fill_crcs``: the writer records the CRCs the fills return (whole tensors, and row blocks
+    that do not line up with the chunks) and reads none of those bytes itself; a fill may still
+    return None, and then the writer checksums as usual."""
+    from ucpd.format import writer
+
+    big = rand_bytes("float32", (999, 37))  # rows of 148 bytes: blocks cut chunks
+    small = rand_bytes("int16", (300,))
+    plain = rand_bytes("uint8", (77,))
+    big_raw, small_raw = big.reshape(-1).view(np.uint8), small.view(np.uint8)
+    seen = []
+
+    def fill_big(out, chunk):  # io="mmap": the whole tensor into a mapping of the file
+        out[:] = big_raw
+        seen.append(("big-whole",))
+        return piece_crcs(out, 0, chunk)
+
+    def fill_rows_big(out, r0, r1, chunk):
+        out[:] = big_raw[r0 * 148 : r1 * 148]
+        seen.append(("big", r0, r1))
+        return piece_crcs(out, r0 * 148, chunk)
+
+    def fill_small(out, chunk):
+        out[:] = small_raw
+        seen.append(("small",))
+        return piece_crcs(out, 0, chunk)
+
+    def fill_none(out, chunk):
+        out[:] = plain
+        return None
+
+    computed = []
+    real = writer.chunk_crcs
+    monkeypatch.setattr(writer, "chunk_crcs", lambda buf, chunk: computed.append(memoryview(buf).nbytes) or real(buf, chunk))
+    srcs = [
+        TensorSource("big", "float32", big.shape, REPLICATED, fill_big, fill_rows_big, fill_crcs=True),
+        TensorSource("small", "int16", small.shape, REPLICATED, fill_small, fill_crcs=True),
+        TensorSource("plain", "uint8", plain.shape, REPLICATED, fill_none, fill_crcs=True),
+    ]
+    write_version(tmp_path, 1, srcs, staging_bytes=2 << 14, chunk_bytes=1000, io=io, fsync=False)
+    assert computed == [77]  # only the tensor whose fill returned None
+    assert sum(1 for s in seen if s[0] == "big") > 4 if io != "mmap" else ("big-whole",) in seen
+    assert validate(tmp_path) == []
+    check_roundtrip(tmp_path, 1, {"big": ("float32", big), "small": ("int16", small), "plain": ("uint8", plain)})
+
+
+def test_the_writer_records_the_crcs_a_fill_returns(tmp_path):
+    """They are trusted (the fill computed them from what it wrote): wrong ones show in validate;
+    a wrong count is a FormatError."""
+    data = rand_bytes("uint8", (3000,))
+
+    def wrong(out, chunk):
+        out[:] = data
+        return [0] * len(piece_crcs(out, 0, chunk))
+
+    write_version(tmp_path, 1, [TensorSource("w", "uint8", data.shape, REPLICATED, wrong, fill_crcs=True)],
+                  chunk_bytes=1000, fsync=False)
+    assert any("w" in p and "chunk" in p for p in validate(tmp_path))
+
+    def short(out, chunk):
+        out[:] = data
+        return [0]
+
+    with pytest.raises(FormatError, match="returned 1 checksums .* expected 3"):
+        write_version(tmp_path, 2, [TensorSource("w", "uint8", data.shape, REPLICATED, short, fill_crcs=True)],
+                      chunk_bytes=1000, fsync=False)
+    assert [v.step for v in list_versions(tmp_path)] == [1]
+
+
+def files_of(root) -> dict[str, bytes]:
+    out = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            out[os.path.relpath(p, root)] = open(p, "rb").read()
+    return out
+
+
+@pytest.mark.parametrize("staging", [1 << 20, 32 << 20])
+def test_direct_io_writes_the_same_bytes_through_o_direct(tmp_path, monkeypatch, staging):
+    """io="direct": every file byte for byte as io="pwrite" writes it (header, tensors cut at any
+    offset, the last partial page), the aligned part of it through the O_DIRECT descriptor."""
+    from ucpd.format import writer
+
+    rng = np.random.default_rng(3)
+    state = sample_state(rng)
+    state["big"] = ("float32", rand_bytes("float32", (1000, 333), rng))  # 1.3 MiB: row blocks
+    state["odd"] = ("int8", rand_bytes("int8", (4097,), rng))
+    direct_bytes = []
+    real = writer._Direct.write
+    monkeypatch.setattr(writer._Direct, "write", lambda self, buf, off: direct_bytes.append(memoryview(buf).nbytes) or real(self, buf, off))
+    big = state.pop("big")[1]
+    raw = big.reshape(-1).view(np.uint8)
+
+    def fill_rows(out, r0, r1):
+        out[:] = raw[r0 * 1332 : r1 * 1332]
+
+    srcs = sources_of(state) + [TensorSource("big", "float32", big.shape, REPLICATED, lambda out: fill_rows(out, 0, 1000), fill_rows)]
+    for io in ("pwrite", "direct"):
+        write_version(tmp_path / io, 1, srcs, shard_bytes=1 << 20, staging_bytes=staging, io=io, created=1.0e9)
+    assert files_of(tmp_path / "pwrite") == files_of(tmp_path / "direct")
+    total = sum(len(b) for n, b in files_of(tmp_path / "direct").items() if n.endswith(".safetensors"))
+    assert total - 4096 * 6 < sum(direct_bytes) <= total and all(n % 4096 == 0 for n in direct_bytes)
+    assert validate(tmp_path / "direct") == []
+
+
+def test_direct_io_falls_back_where_the_file_system_refuses_it(tmp_path, monkeypatch):
+    """No O_DIRECT on this platform, or writes refused with EINVAL: the files are written through
+    the page cache, the same bytes; byte sources are never written with O_DIRECT."""
+    import errno as errno_
+
+    from ucpd.format import writer
+
+    state = sample_state()
+    write_version(tmp_path / "ref", 1, sources_of(state), io="pwrite", created=1.0e9)
+    opened = []
+    real_open = writer._Direct.open
+
+    def open_refusing(path, fd):
+        d = real_open(path, fd)
+        if d is not None:
+            opened.append(d.dfd)
+        return d
+
+    real_write_all = writer.write_all
+
+    def write_all(fd, data, offset):
+        if fd in opened:
+            raise OSError(errno_.EINVAL, "Invalid argument")
+        real_write_all(fd, data, offset)
+
+    monkeypatch.setattr(writer._Direct, "open", staticmethod(open_refusing))
+    monkeypatch.setattr(writer, "write_all", write_all)
+    write_version(tmp_path / "einval", 1, sources_of(state), io="direct", created=1.0e9)
+    assert opened and files_of(tmp_path / "einval") == files_of(tmp_path / "ref")
+    opened.clear()
+    write_version(tmp_path / "bytes", 1, sources_of(state, callable_fill=False), io="direct", created=1.0e9)
+    assert not opened and files_of(tmp_path / "bytes") == files_of(tmp_path / "ref")
+    many = {f"t.{i}": ("int8", rand_bytes("int8", (3,))) for i in range(200)}  # a header bigger than a half
+    write_version(tmp_path / "ref-many", 1, sources_of(many), io="pwrite", created=1.0e9)
+    write_version(tmp_path / "many", 1, sources_of(many), io="direct", staging_bytes=8192, created=1.0e9)
+    assert not opened and files_of(tmp_path / "many") == files_of(tmp_path / "ref-many")
+    monkeypatch.delattr(os, "O_DIRECT")
+    write_version(tmp_path / "none", 1, sources_of(state), io="direct", created=1.0e9)
+    assert files_of(tmp_path / "none") == files_of(tmp_path / "ref")

@@ -2,13 +2,16 @@
 
 One thread per daemon. Each job's versions go to a checkpoint root of their own,
 ``<flush-dir>/<job>/``. Every ``flush_every``-th committed version of a job (a fixed N, or chosen
-from measurements: ``flush_interval.py``) is pinned (so eviction
-leaves it alone), each global tensor is consolidated from the ranks' slots straight into the
-output (planned by UCL, in row blocks through the writer's staging buffer), every source chunk it reads is checked
-against its CRC as it is copied (``ucpd.checked``), and the version is committed on disk by the format's writer (temp dir,
-fsync, rename, ``LATEST``). The thread runs at a lower CPU priority, at most ``flush_rate``
-bytes per second, and steps aside between writes while a trainer copies a snapshot into a slot,
-so the trainers keep their share of the cores and of the memory bandwidth.
+from measurements: ``flush_interval.py``) is pinned (so eviction leaves it alone), each global
+tensor is consolidated from the ranks' slots straight into the output (planned by UCL, in row
+blocks through the writer's staging buffer), and the version is committed on disk by the
+format's writer (temp dir, fsync, rename, ``LATEST``). Each byte is read from RAM once: one
+native pass per block copies it, checks the source chunks it reads against the CRCs recorded at
+snapshot time and yields the file's chunk CRCs of what it wrote
+(``ucpd.checked.ConsolidatingCopier``), so neither the writer nor a second check reads it again.
+The thread runs at a lower CPU priority, at most ``flush_rate`` bytes per second, and steps
+aside between writes while a trainer copies a snapshot into a slot, so the trainers keep their
+share of the cores and of the memory bandwidth.
 """
 
 from __future__ import annotations
@@ -21,9 +24,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import faults, native
+from .. import faults, knobs, native
 from ..dtypes import dtype as lookup_dtype
-from ..checked import CheckedCopier, CheckedSource
+from ..checked import CheckedSource, ConsolidatingCopier
 from ..format import TensorSource, open_version, retain, write_version
 from ..format.root import clean_temp, point_latest
 from ..ucl import plan_consolidate
@@ -200,30 +203,35 @@ class Flusher:
                 )
             return sources[key]
 
-        def copy_into(g, out: np.ndarray, rows=None) -> None:
-            plan = plan_consolidate(g.name, g.shape, g.sources, rows)
-            if out.nbytes:
-                run = CheckedCopier({key: source(key) for key in plan.keys()})
-                dst = out.view(lookup_dtype(g.dtype).storage)
-                for c in plan.copies:
-                    run.add_array(c, dst)
-                run.run()
-            if faults.armed():
-                faults.point("flush.write", version.step)
-                faults.stall("flush.hang", version.step)
+        def consolidator(g) -> TensorSource:
+            """The tensor's fills: each block consolidated from the slots in one pass that checks
+            the source chunks it reads and returns the file's chunk CRCs of what it wrote."""
+            storage = lookup_dtype(g.dtype).storage
+            rows = int(g.shape[0]) if g.shape else 1
+            row_bytes = int(np.prod(g.shape[1:], dtype=np.int64)) * storage.itemsize if g.shape else 0
+            copier = None
 
-        def make_fill(g):
-            return lambda out: copy_into(g, out)
+            def copy_into(out: np.ndarray, chunk: int, r0: int = 0, r1: int | None = None):
+                nonlocal copier
+                crcs = None
+                if out.nbytes:
+                    plan = plan_consolidate(g.name, g.shape, g.sources, None if r1 is None else (r0, r1))
+                    if copier is None or r0 == 0:
+                        copier = ConsolidatingCopier({key: source(key) for key in {p.key for p in g.sources}})
+                    crcs = copier.block(plan.copies, out.view(storage), r0 * row_bytes, chunk)
+                    if r1 is None or r1 == rows:
+                        copier.finish()  # every chunk read is checked before the tensor is done
+                if faults.armed():
+                    faults.point("flush.write", version.step)
+                    faults.stall("flush.hang", version.step)
+                return crcs
 
-        def make_fill_rows(g):
-            if not g.shape:
-                return None
-            return lambda out, r0, r1: copy_into(g, out, (r0, r1))
+            return TensorSource(
+                g.name, g.dtype, g.shape, g.pattern, copy_into,
+                (lambda out, r0, r1, chunk: copy_into(out, chunk, r0, r1)) if g.shape else None, fill_crcs=True,
+            )
 
-        tensors = [
-            TensorSource(g.name, g.dtype, g.shape, g.pattern, make_fill(g), make_fill_rows(g))
-            for g in sorted(globals_.values(), key=lambda g: g.name)
-        ]
+        tensors = [consolidator(g) for g in sorted(globals_.values(), key=lambda g: g.name)]
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
         p = self.progress
         self.progress = FlushProgress(
@@ -255,7 +263,7 @@ class Flusher:
         else:
             write_version(
                 root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-                throttle=self._step_aside,
+                throttle=self._step_aside, io=knobs.flush_io(),
             )
         sources.clear()
         faults.point("flush.done", version.step)

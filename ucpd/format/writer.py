@@ -9,7 +9,9 @@ complete new version, never a visible partial one.
 We write safetensors by hand rather than with the ``safetensors`` library: the library needs
 every tensor as a whole torch/numpy object (numpy has no bfloat16, the daemon has no torch),
 while we stream bytes that a callback consolidates into a reused staging buffer, checksum them
-while they are hot in cache and write them with ``pwrite``.
+while they are hot in cache (or take the CRCs the callback computed as it copied:
+``TensorSource.fill_crcs``) and write them with ``pwrite``, or with O_DIRECT straight from the
+staging buffer (``io="direct"``, the flush's: no copy into the page cache).
 
 Threads: ``write_version`` may run on any thread (the flusher runs it on a background thread).
 Each call starts one I/O thread, so that pwrites overlap the next fill and checksum, and
@@ -18,6 +20,7 @@ checksums on one native thread; fill, CRC and pwrite release the GIL.
 
 from __future__ import annotations
 
+import errno
 import json
 import mmap
 import os
@@ -52,6 +55,7 @@ REPLICATED: dict = {"kind": "replicated"}
 DEFAULT_STAGING_BYTES = 32 << 20  # two halves: one is filled while the other is written (measured:
 # halves that stay in cache beat bigger ones; see benchmarks/format)
 IO_PIECE_BYTES = 16 << 20  # pwrite / pacing granularity for buffers written in place
+DIRECT_ALIGN = 4096  # io="direct": file offsets, lengths and buffer addresses of O_DIRECT writes
 
 Fill = Union[Callable[[np.ndarray], None], Any]  # a callable, or a bytes-like object
 
@@ -71,6 +75,13 @@ class TensorSource:
     larger than a staging half streams through the staging buffer in row blocks (in order);
     without it, such a tensor is filled in one call into a mapping of the file, which costs
     page faults on fresh file pages.
+
+    ``fill_crcs`` (optional): the callables checksum what they write, so the writer does not
+    read ``out`` again. They are then called with the checksum chunk size ``C`` as one more
+    argument, ``fill(out, C)`` and ``fill_rows(out, r0, r1, C)``, and return the CRC32C of
+    ``out`` cut where the tensor's byte offset is a multiple of ``C`` (for ``fill``: the chunk
+    CRCs; for rows starting at byte ``b``, the first piece is ``min(len(out), C - b % C)`` bytes),
+    or None to have the writer checksum ``out`` as usual.
     """
 
     name: str
@@ -78,7 +89,8 @@ class TensorSource:
     shape: tuple[int, ...]
     pattern: Any
     fill: Fill
-    fill_rows: Callable[[np.ndarray, int, int], None] | None = None
+    fill_rows: Callable[..., Any] | None = None
+    fill_crcs: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -121,15 +133,20 @@ _stage_pool: list[np.ndarray] = []
 
 
 def _take_stage(size: int) -> np.ndarray:
-    """A pre-faulted staging buffer of at least ``size`` bytes, reused across calls (page
-    faults on fresh memory cost more than the copy itself; see MEASUREMENTS.md)."""
+    """A pre-faulted, page-aligned (O_DIRECT needs it) staging buffer of ``size`` bytes, reused
+    across calls (page faults on fresh memory cost more than the copy itself; see
+    MEASUREMENTS.md)."""
+    buf = None
     with _stage_lock:
-        for i, buf in enumerate(_stage_pool):
-            if buf.nbytes >= size:
-                return _stage_pool.pop(i)
-    buf = np.empty(size, dtype=np.uint8)
-    buf.fill(0)
-    return buf
+        for i, b in enumerate(_stage_pool):
+            if b.nbytes >= size + DIRECT_ALIGN:
+                buf = _stage_pool.pop(i)
+                break
+    if buf is None:
+        buf = np.empty(size + DIRECT_ALIGN, dtype=np.uint8)
+        buf.fill(0)
+    start = -buf.ctypes.data % DIRECT_ALIGN
+    return buf[start : start + size]
 
 
 def _give_stage(buf: np.ndarray) -> None:
@@ -176,8 +193,26 @@ def _extend(fd: int, size: int) -> None:
         os.ftruncate(fd, size)
 
 
-def _call_fill(src: TensorSource, out: np.ndarray) -> None:
-    src.fill(out)
+def _fill_and_crc(src: TensorSource, out: np.ndarray, chunk: int) -> list[int]:
+    """Fill ``out`` with the whole tensor; its chunk CRCs (from the fill, else computed)."""
+    if src.fill_crcs:
+        crcs = src.fill(out, chunk)
+        if crcs is not None:
+            return _check_piece_crcs(src, crcs, 0, out.nbytes, chunk)
+    else:
+        src.fill(out)
+    return chunk_crcs(out, chunk)
+
+
+def _check_piece_crcs(src: TensorSource, crcs: Any, begin: int, nbytes: int, chunk: int) -> list[int]:
+    want = 0 if not nbytes else (begin + nbytes - 1) // chunk - begin // chunk + 1
+    crcs = list(crcs)
+    if len(crcs) != want:
+        raise FormatError(
+            f"tensor {src.name!r}: its fill returned {len(crcs)} checksums for bytes [{begin}, {begin + nbytes}), "
+            f"expected {want} (one per {chunk}-byte chunk piece)"
+        )
+    return crcs
 
 
 class _IOThread:
@@ -190,8 +225,8 @@ class _IOThread:
         self._ex = ThreadPoolExecutor(1, thread_name_prefix="ucpd-format-io")
         self._pending: list = []
 
-    def submit(self, fd: int, buf: Any, offset: int):
-        fut = self._ex.submit(write_all, fd, buf, offset)
+    def submit(self, fd: int, buf: Any, offset: int, direct: "_Direct | None" = None):
+        fut = self._ex.submit(write_all, fd, buf, offset) if direct is None else self._ex.submit(direct.write, buf, offset)
         self._pending.append(fut)
         return fut
 
@@ -212,6 +247,39 @@ class _IOThread:
             self.drain()
         finally:
             self._ex.shutdown(wait=True)
+
+
+class _Direct:
+    """The O_DIRECT descriptor of a file being written (``io="direct"``), beside its ordinary one.
+    A write the file system refuses (EINVAL: no O_DIRECT there, or other alignment rules) goes
+    through the ordinary descriptor instead, and so do all later ones."""
+
+    def __init__(self, fd: int, dfd: int) -> None:
+        self.fd, self.dfd, self.ok = fd, dfd, True
+
+    @staticmethod
+    def open(path: Path, fd: int) -> "_Direct | None":
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            return None
+        try:
+            return _Direct(fd, os.open(path, os.O_WRONLY | flag))
+        except OSError:
+            return None
+
+    def write(self, buf: Any, offset: int) -> None:
+        if self.ok:
+            try:
+                write_all(self.dfd, buf, offset)
+                return
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self.ok = False
+        write_all(self.fd, buf, offset)
+
+    def close(self) -> None:
+        os.close(self.dfd)
 
 
 class _ChunkCRC:
@@ -237,6 +305,22 @@ class _ChunkCRC:
         if i < n:
             self.crc, self.len = crc32c(buf[i:]), n - i
 
+    def feed_crcs(self, crcs: list[int], n: int) -> None:
+        """Add ``n`` bytes given by the CRCs of their pieces cut at the chunk boundaries of the
+        stream (the first piece completes the current chunk); reads no bytes."""
+        from .. import native
+
+        C, k = self.chunk, 0
+        while n:
+            take = min(n, C - self.len)
+            self.crc = native.crc32c_combine(self.crc, crcs[k], take) if self.len else crcs[k]
+            self.len += take
+            n -= take
+            k += 1
+            if self.len == C:
+                self.crcs.append(self.crc)
+                self.crc = self.len = 0
+
     def finish(self) -> list[int]:
         if self.len:
             self.crcs.append(self.crc)
@@ -255,39 +339,70 @@ class _ShardWriter:
     """
 
     def __init__(self, fd: int, pos: int, stage: np.ndarray, pacer: _Pacer, chunk: int, filemap,
-                 io: _IOThread | None) -> None:
+                 io: _IOThread | None, direct: _Direct | None = None, head: bytes = b"") -> None:
         self.fd, self.pos, self.pacer, self.chunk, self.io = fd, pos, pacer, chunk, io
-        half = stage.nbytes // 2
+        half = stage.nbytes // 2 // DIRECT_ALIGN * DIRECT_ALIGN if direct is not None else stage.nbytes // 2
         self.halves = [stage[:half], stage[half : 2 * half]]
         self.busy: list = [None, None]  # the write in flight from each half
         self.cur = 0
         self.filemap = filemap  # io="mmap": a uint8 array over the whole file, else None
         self.used = 0  # bytes staged in the current half, destined for [pos - used, pos)
+        self.staged = 0  # tensor bytes staged since the last flush (the pacer's count)
+        # io="direct": halves start at aligned file offsets and are written up to the last
+        # aligned byte; the rest (< DIRECT_ALIGN) moves to the front of the next half. The header
+        # is staged like the data, so the file is written from offset 0.
+        self.direct = direct
+        if direct is not None:
+            self.pos = len(head)
+            self.halves[0][: len(head)] = np.frombuffer(head, np.uint8)
+            self.used = len(head)
 
     @property
     def capacity(self) -> int:
-        return self.halves[0].nbytes
+        """The most bytes a fill or a row block may stage at once."""
+        return self.halves[0].nbytes - (DIRECT_ALIGN if self.direct is not None else 0)
+
+    def _wait(self, i: int) -> np.ndarray:
+        fut = self.busy[i]
+        if fut is not None:
+            self.busy[i] = None
+            fut.result()
+        return self.halves[i]
 
     def _free_current(self) -> np.ndarray:
-        fut = self.busy[self.cur]
-        if fut is not None:
-            self.busy[self.cur] = None
-            fut.result()
-        return self.halves[self.cur]
+        return self._wait(self.cur)
 
-    def flush(self) -> None:
-        if self.used:
-            buf = self.halves[self.cur][: self.used]
-            if self.io is not None:
-                self.busy[self.cur] = self.io.submit(self.fd, buf, self.pos - self.used)
+    def flush(self, final: bool = False) -> None:
+        if not self.used:
+            return
+        half, start = self.halves[self.cur], self.pos - self.used
+        if self.direct is not None:
+            n = self.used // DIRECT_ALIGN * DIRECT_ALIGN
+            tail = self.used - n
+            if final:
+                if n:
+                    self.busy[self.cur] = self.io.submit(self.fd, half[:n], start, self.direct)
+                if tail:  # the file's last bytes, through the page cache (fsync writes them)
+                    self.busy[self.cur] = self.io.submit(self.fd, half[n : self.used], start + n)
+                tail = 0
             else:
-                write_all(self.fd, buf, self.pos - self.used)
-            n, self.used = self.used, 0
-            self.cur ^= 1
-            self.pacer.advance(n)
+                if tail:
+                    self._wait(self.cur ^ 1)[:tail] = half[n : self.used]
+                self.busy[self.cur] = self.io.submit(self.fd, half[:n], start, self.direct) if n else None
+        else:
+            buf = half[: self.used]
+            if self.io is not None:
+                self.busy[self.cur] = self.io.submit(self.fd, buf, start)
+            else:
+                write_all(self.fd, buf, start)
+            tail = 0
+        self.used = tail
+        self.cur ^= 1
+        n, self.staged = self.staged, 0
+        self.pacer.advance(n)
 
     def finish(self) -> None:
-        self.flush()
+        self.flush(final=True)
         if self.io is not None:
             self.io.drain()
 
@@ -319,19 +434,18 @@ class _ShardWriter:
             return acc.finish()
         if self.filemap is not None:
             out = self.filemap[self.pos : self.pos + nbytes]
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
             del out
             self.pos += nbytes
             self.pacer.advance(nbytes)
             return crcs
         if nbytes <= self.capacity:
-            if self.used + nbytes > self.capacity:
+            if self.used + nbytes > self.halves[0].nbytes:
                 self.flush()
             out = self._free_current()[self.used : self.used + nbytes]
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
             self.used += nbytes
+            self.staged += nbytes
             self.pos += nbytes
             return crcs
         rows = int(src.shape[0]) if len(src.shape) else 0
@@ -341,8 +455,7 @@ class _ShardWriter:
         self.flush()
         m, out = _map_region(self.fd, self.pos, nbytes)
         try:
-            _call_fill(src, out)
-            crcs = chunk_crcs(out, self.chunk)
+            crcs = _fill_and_crc(src, out, self.chunk)
         finally:
             del out
             _close_map(m)
@@ -359,10 +472,14 @@ class _ShardWriter:
         for r0 in range(0, rows, per):
             r1 = min(rows, r0 + per)
             n = (r1 - r0) * row_bytes
-            out = self._free_current()[:n]
-            src.fill_rows(out, r0, r1)
-            acc.feed(out)
-            self.used = n
+            out = self._free_current()[self.used : self.used + n]  # after a carried tail (io="direct")
+            got = src.fill_rows(out, r0, r1, self.chunk) if src.fill_crcs else src.fill_rows(out, r0, r1)
+            if got is None:
+                acc.feed(out)
+            else:
+                acc.feed_crcs(_check_piece_crcs(src, got, r0 * row_bytes, n, self.chunk), n)
+            self.used += n
+            self.staged += n
             self.pos += n
             self.flush()
         return acc.finish()
@@ -451,7 +568,11 @@ def write_version(
       progress: called as ``progress(bytes_done, bytes_total)``.
       io: ``"pwrite"`` (fill one half of a reused staging buffer while a background thread
         pwrites the other; tensors larger than ``staging_bytes / 2`` are filled in a mapping
-        of the file; byte sources are written without a copy) or ``"mmap"`` (fill mappings).
+        of the file; byte sources are written without a copy), ``"mmap"`` (fill mappings) or
+        ``"direct"`` (as ``"pwrite"``, but the halves go to the disk with O_DIRECT: no copy into
+        the page cache, and the disk writes while the next half fills instead of at fsync; a
+        file holding byte sources or rows larger than a half, or on a file system without
+        O_DIRECT, is written as with ``"pwrite"``).
       fsync: False only for tests and benchmarks on tmpfs (no durability then).
       update_latest: point ``LATEST`` here unless it already names a newer complete version.
       created: the creation time to record (Unix seconds; default now).
@@ -464,8 +585,8 @@ def write_version(
         raise FormatError(f"step must be a non-negative int, got {step!r}")
     if chunk_bytes <= 0 or shard_bytes <= 0 or staging_bytes <= 0:
         raise FormatError("chunk_bytes, shard_bytes and staging_bytes must be positive")
-    if io not in ("pwrite", "mmap"):
-        raise FormatError(f"io must be 'pwrite' or 'mmap', got {io!r}")
+    if io not in ("pwrite", "mmap", "direct"):
+        raise FormatError(f"io must be 'pwrite', 'mmap' or 'direct', got {io!r}")
     layout = dict(layout or {})
     try:
         json.dumps(layout)
@@ -540,7 +661,7 @@ def _check_objects(objects: Mapping[str, Any] | None) -> list[tuple[str, bytes]]
 
 def _stage_for(shards, io: str, staging_bytes: int) -> np.ndarray:
     """The staging buffer for a write (two halves), sized for its largest small tensor."""
-    need = io == "pwrite" and any(callable(t.fill) and n > 0 for s in shards for t, n in s)
+    need = io in ("pwrite", "direct") and any(callable(t.fill) and n > 0 for s in shards for t, n in s)
     if not need:
         return np.empty(0, np.uint8)
     half = staging_bytes // 2
@@ -548,8 +669,26 @@ def _stage_for(shards, io: str, staging_bytes: int) -> np.ndarray:
         (min(n, half) for s in shards for t, n in s if callable(t.fill) and (n <= half or t.fill_rows is not None)),
         default=0,
     )
-    size = 2 * min(half, max(small, 1 << 20))
-    return _take_stage(size)[:size]  # a pooled buffer may be bigger; the halves are not
+    half = min(half, max(small, 1 << 20))
+    if io == "direct":  # whole pages, and room for the tail a half carries to the next
+        half = -(-half // DIRECT_ALIGN) * DIRECT_ALIGN + DIRECT_ALIGN
+    return _take_stage(2 * half)  # a pooled buffer may be bigger; the halves are not
+
+
+def _direct_fits(shard: list[tuple[TensorSource, int]], stage: np.ndarray, head: int) -> bool:
+    """Whether a file's header and every tensor can stream through the staging halves (io="direct")."""
+    cap = stage.nbytes // 2 // DIRECT_ALIGN * DIRECT_ALIGN - DIRECT_ALIGN
+    if head > cap:
+        return False
+    for t, n in shard:
+        if not n:
+            continue
+        if not callable(t.fill):
+            return False
+        rows = int(t.shape[0]) if t.shape else 0
+        if n > cap and not (t.fill_rows is not None and rows and n // rows <= cap):
+            return False
+    return cap > 0
 
 
 def _write_shard(
@@ -567,12 +706,18 @@ def _write_shard(
     size = len(head) + off
     out: dict[str, tuple[tuple[int, ...], int, int, list[int]]] = {}
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    direct = None
     try:
-        if io == "mmap" or any(callable(t.fill) and n > stage.nbytes // 2 and t.fill_rows is None for t, n in shard):
+        if io == "direct" and iot is not None and _direct_fits(shard, stage, len(head)):
+            direct = _Direct.open(path, fd)
+        if io == "mmap" or direct is not None or any(
+            callable(t.fill) and n > stage.nbytes // 2 and t.fill_rows is None for t, n in shard
+        ):
             _extend(fd, size)
-        write_all(fd, head, 0)
+        if direct is None:
+            write_all(fd, head, 0)
         fmap = _map_region(fd, 0, size) if io == "mmap" and off else None
-        w = _ShardWriter(fd, len(head), stage, pacer, chunk, None if fmap is None else fmap[1], iot)
+        w = _ShardWriter(fd, len(head), stage, pacer, chunk, None if fmap is None else fmap[1], iot, direct, head)
         try:
             for (t, n), (_, _, shape, b, e) in zip(shard, entries):
                 out[t.name] = (shape, len(head) + b, len(head) + e, w.put(t, n))
@@ -588,6 +733,8 @@ def _write_shard(
         if fsync:
             os.fsync(fd)
     finally:
+        if direct is not None:
+            direct.close()
         os.close(fd)
     return size, len(head), out
 
@@ -638,7 +785,7 @@ def _write_contents(
     patterns = {t.name: t.pattern for t, _ in items}
     dtypes = {t.name: t.dtype for t, _ in items}
     stage = _stage_for(shards, io, staging_bytes)
-    iot = _IOThread() if io == "pwrite" and shards else None
+    iot = _IOThread() if io in ("pwrite", "direct") and shards else None
     try:
         for i, shard in enumerate(shards):
             fname = spec.shard_filename(i + 1, len(shards))
