@@ -10,8 +10,9 @@ the CRC of every chunk it reads before it copies.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
@@ -20,8 +21,7 @@ from ..ucl.plan import SourcePiece, plan_restore
 from .versions import fragments_of, placement_key
 
 
-@dataclass(frozen=True)
-class SourceTensor:
+class SourceTensor(NamedTuple):
     """A source tensor's bytes: a range of a file the client maps read-only."""
 
     path: str
@@ -37,7 +37,7 @@ class SourceSet:
     """Every global tensor of one version: (dtype, global shape, pieces) and the source table."""
 
     globals: dict[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
-    tensors: dict[Any, SourceTensor]  # source key -> bytes
+    tensors: Mapping[Any, SourceTensor]  # source key -> bytes
     # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
     # same way is one whole copy, with no planning (the common same-layout restore)
     same: dict[tuple, Any] = field(default_factory=dict)
@@ -47,18 +47,43 @@ def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
     return (name, dtype, tuple(shape), placement if isinstance(placement, str) else placement_key(placement))
 
 
+class RamTensors(Mapping):
+    """The source tensors of a version in RAM, ``(rank, tensor index) -> SourceTensor``, each
+    made when a plan reads it: a version is indexed at every commit, restored rarely."""
+
+    def __init__(self, parts: dict, paths: dict[int, str]):
+        self._parts, self._paths = parts, paths
+
+    def __getitem__(self, key) -> SourceTensor:
+        rank, idx = key
+        try:
+            t = self._parts[rank].tensors[idx]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(key) from None
+        if t.skipped:
+            raise KeyError(key)
+        return SourceTensor(self._paths[rank], t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+
+    def __iter__(self):
+        for rank, part in self._parts.items():
+            for idx, t in enumerate(part.tensors):
+                if not t.skipped:
+                    yield (rank, idx)
+
+    def __len__(self) -> int:
+        return sum(not t.skipped for part in self._parts.values() for t in part.tensors)
+
+
 def from_ram(version, slot_path) -> SourceSet:
     """Sources of a version held in RAM: its ranks' tensors inside their slots."""
-    tensors, same = {}, {}
+    same: dict[tuple, Any] = {}
     for rank, part in version.parts.items():
-        path = slot_path(part.slot)
         for idx, t in enumerate(part.tensors):
-            if t.skipped:
-                continue
-            tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-            same.setdefault(_signature(t.name, t.dtype, t.shape, t.key()), (rank, idx))
+            if not t.skipped:
+                same.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, idx))
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
-    return SourceSet(globals_, tensors, same)
+    paths = {rank: slot_path(part.slot) for rank, part in version.parts.items()}
+    return SourceSet(globals_, RamTensors(dict(version.parts), paths), same)
 
 
 def from_disk(reader) -> SourceSet:
