@@ -44,7 +44,7 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
     when two ranks disagree on a global tensor's shape or dtype."""
     out: dict[str, GlobalTensor] = {}
     claims: dict[str, list[SourcePiece]] = {}  # every rank's pieces, skipped ones too: the shape they agree on
-    again: set[str] = set()  # global tensors claimed more than once: their shapes must agree
+    again: set[str] = set()  # global tensors claimed with different shapes: they must agree
     for rank in sorted(version.parts):
         for idx, t in enumerate(version.parts[rank].tensors):
             key = (rank, idx)
@@ -73,7 +73,8 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                         f"step {version.step}: rank {rank} says global tensor {name!r} is {t.dtype}, another "
                         f"rank said {g.dtype}: check the dtypes the ranks save it in"
                     )
-                again.add(name)
+                if gs != g.shape:
+                    again.add(name)  # shapes to reconcile (or disagreeing)
                 claims[name].extend(pieces)
                 if not t.skipped:
                     g.sources.extend(pieces)

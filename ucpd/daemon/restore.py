@@ -14,11 +14,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from .. import gcpause
 from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
 from ..ucl.geometry import View, contiguous_view, full_box
-from ..ucl.plan import SourcePiece, plan_restore
-from .versions import fragments_of, placement_key
+from ..ucl.plan import CopyPlan, SourcePiece, plan_restore
+from .versions import _ANY, _geometry, fragments_of, placement_key
 
 
 class SourceTensor(NamedTuple):
@@ -103,6 +104,91 @@ def _view(v: View) -> list:
     return [v.offset, list(v.shape), list(v.strides)]
 
 
+class Planner:
+    """The planning of one restore: per target, the copies (source key, source window, target
+    window) and padding fills that make it — one whole copy where a source tensor is laid out as
+    the target is, else ``ucl.plan_restore``.
+
+    A mixture-of-experts rank restores 10^4-10^5 tensors of a few shapes, each from sources of a
+    few shapes: a target whose placement resolves the same for any name is planned once per
+    (placement, shape, source pieces' geometry), and that plan is reused with the sources'
+    own keys. A plan that fails is made again under the real names, so errors name them."""
+
+    def __init__(self, sources: SourceSet):
+        self.sources = sources
+        self._kinds: dict[tuple, tuple] = {}  # (placement repr, shape) -> (placement key, shared geometry or None)
+        self._plans: dict[tuple, CopyPlan] = {}  # (kind, source geometry) -> plan over source positions
+        self._wholes: dict[int, View] = {}  # elements -> the window of all of them
+
+    def target(self, t: dict) -> tuple[list, tuple]:
+        """``(copies, fills)`` of target ``t``: ``[(source key, source View, target View)]`` and
+        ``[Fill]``. Raises PlacementMismatch for an unknown tensor, a dtype or global shape that
+        differs from the saved one, or a target region that no source covers."""
+        shape = tuple(t["shape"])
+        k = (repr(t["placement"]), shape)
+        kind = self._kinds.get(k)
+        if kind is None:
+            pkey = placement_key(t["placement"])
+            kind = self._kinds[k] = (pkey, _geometry(pkey, shape))
+        pkey, shared = kind
+        twin = self.sources.same.get((t["name"], t["dtype"], shape, pkey))
+        if twin is not None:
+            frags = shared if shared is not None else fragments_of(t["name"], pkey, shape)
+            if len(frags) == 1 and not frags[0].fills and (shared is not None or frags[0].name == t["name"]):
+                n = math.prod(shape)
+                whole = self._wholes.get(n)
+                if whole is None:
+                    whole = self._wholes[n] = View(0, (n,), (1,))
+                return [(twin, whole, whole)], ()
+        if shared is None:  # fragments named by the placement, or an invalid one: resolved under the name
+            frags = fragments_of(t["name"], pkey, shape)
+            cp = plan_restore(frags, self._pieces(t, frags))
+            return cp.copies, cp.fills
+        by_name = self._pieces(t, shared, t["name"])
+        if not by_name:
+            return [], plan_restore(shared, {}).fills  # padding only
+        pieces = by_name[t["name"]]
+        first: dict[Any, int] = {}
+        at = [first.setdefault(s.key, i) for i, s in enumerate(pieces)]  # each piece's source, by first position
+        sig = (pkey, shape, tuple((i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)))
+        cp = self._plans.get(sig)
+        if cp is None:
+            try:
+                cp = plan_restore(shared, {_ANY: [SourcePiece(i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)]})
+            except PlacementMismatch:
+                cp = plan_restore(fragments_of(t["name"], pkey, shape), by_name)  # raises, naming the sources
+                return cp.copies, cp.fills
+            self._plans[sig] = cp
+        return [(pieces[c[0]].key, c[1], c[2]) for c in cp.copies], cp.fills
+
+    def _pieces(self, t: dict, frags, name: str | None = None) -> dict[str, list[SourcePiece]]:
+        """The saved pieces of each global tensor the fragments read (``name``: the name of every
+        fragment, when they are a shared geometry's); checks dtype and global shape."""
+        by_name = {}
+        for frag in frags:
+            if not frag.pieces:
+                continue  # padding only: filled, never read
+            fname = name or frag.name
+            known = self.sources.globals.get(fname)
+            if known is None:
+                close = sorted(n for n in self.sources.globals if n.split(".")[-1] == fname.split(".")[-1])[:3]
+                hint = f" (similar saved names: {', '.join(close)})" if close else ""
+                raise PlacementMismatch(f"tensor {fname!r} is not in the checkpoint{hint}")
+            dtype, shape, pieces = known
+            if dtype != t["dtype"]:
+                raise PlacementMismatch(
+                    f"tensor {fname!r} was saved as {dtype}, the target is {t['dtype']}: convert after restoring"
+                )
+            gs = frag.global_shape
+            if len(gs) != len(shape) or (gs != shape and any(a is not None and a != b for a, b in zip(gs, shape))):
+                raise PlacementMismatch(
+                    f"tensor {fname!r} has global shape {list(shape)} in the checkpoint, but the target's "
+                    f"placement implies {list(gs)}: check the target's placement and model config"
+                )
+            by_name[fname] = pieces
+        return by_name
+
+
 def plan(sources: SourceSet, targets: list[dict]) -> dict:
     """Plan a rank's restore. Returns the wire body ``{sources, tensors}``.
 
@@ -112,6 +198,9 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
     used: dict[Any, int] = {}
     table: list[dict] = []
     out_tensors = []
+    planner = Planner(sources)
+    views: dict[View, list] = {}  # a window's wire form, made once (targets of a kind share windows)
+
     def source_index(key) -> int:
         idx = used.get(key)
         if idx is None:
@@ -122,36 +211,18 @@ def plan(sources: SourceSet, targets: list[dict]) -> dict:
             )
         return idx
 
-    for t in targets:
-        pkey = placement_key(t["placement"])
-        frags = fragments_of(t["name"], pkey, tuple(t["shape"]))
-        twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], pkey))
-        if twin is not None and len(frags) == 1 and not frags[0].fills and frags[0].name == t["name"]:
-            whole = [0, [math.prod(t["shape"])], [1]]
-            out_tensors.append({"name": t["name"], "copies": [[source_index(twin), whole, whole]], "fills": []})
-            continue
-        by_name = {}
-        for frag in frags:
-            if not frag.pieces:
-                continue  # padding only: filled, never read
-            known = sources.globals.get(frag.name)
-            if known is None:
-                close = sorted(n for n in sources.globals if n.split(".")[-1] == frag.name.split(".")[-1])[:3]
-                hint = f" (similar saved names: {', '.join(close)})" if close else ""
-                raise PlacementMismatch(f"tensor {frag.name!r} is not in the checkpoint{hint}")
-            dtype, shape, pieces = known
-            if dtype != t["dtype"]:
-                raise PlacementMismatch(
-                    f"tensor {frag.name!r} was saved as {dtype}, the target is {t['dtype']}: convert after restoring"
-                )
-            if any(a is not None and a != b for a, b in zip(frag.global_shape, shape)) or len(frag.global_shape) != len(shape):
-                raise PlacementMismatch(
-                    f"tensor {frag.name!r} has global shape {list(shape)} in the checkpoint, but the target's "
-                    f"placement implies {list(frag.global_shape)}: check the target's placement and model config"
-                )
-            by_name[frag.name] = pieces
-        cp = plan_restore(frags, by_name)
-        copies = [[source_index(c.src_key), _view(c.src_view), _view(c.dst_view)] for c in cp.copies]
-        fills = [[_view(f.view), f.value] for f in cp.fills]
-        out_tensors.append({"name": t["name"], "copies": copies, "fills": fills})
+    def wire(v: View) -> list:
+        got = views.get(v)
+        if got is None:
+            got = views[v] = _view(v)
+        return got
+
+    with gcpause.paused():
+        for t in targets:
+            copies, fills = planner.target(t)
+            out_tensors.append({
+                "name": t["name"],
+                "copies": [[source_index(key), wire(sv), wire(dv)] for key, sv, dv in copies],
+                "fills": [[wire(f.view), f.value] for f in fills],
+            })
     return {"sources": table, "tensors": out_tensors}
