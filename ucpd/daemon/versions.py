@@ -171,11 +171,11 @@ class RankPart:
 
     @functools.cached_property
     def packed_tensors(self) -> bytes:
-        """The manifest as msgpack, packed once: the index is rewritten on every commit and
-        would otherwise pack every kept version's every tensor again."""
-        import msgpack
+        """The manifest as the index keeps it (``index.pack_tensors``), packed once: the index is
+        rewritten on every commit and would otherwise pack every kept version's every tensor again."""
+        from .index import pack_tensors
 
-        return msgpack.packb([t.to_wire() for t in self.tensors], use_bin_type=True)
+        return pack_tensors(self.tensors)
 
 
 @dataclass
