@@ -37,11 +37,11 @@ class SourceTensor(NamedTuple):
 class SourceSet:
     """Every global tensor of one version: (dtype, global shape, pieces) and the source table."""
 
-    globals: dict[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
+    globals: Mapping[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
     tensors: Mapping[Any, SourceTensor]  # source key -> bytes
     # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
     # same way is one whole copy, with no planning (the common same-layout restore)
-    same: dict[tuple, Any] = field(default_factory=dict)
+    same: Mapping[tuple, Any] = field(default_factory=dict)
 
 
 def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
@@ -75,16 +75,59 @@ class RamTensors(Mapping):
         return sum(not t.skipped for part in self._parts.values() for t in part.tensors)
 
 
+class RamGlobals(Mapping):
+    """A version's global tensors as a ``SourceSet`` lists them, ``name -> (dtype, shape,
+    pieces)``, read from the version's index (``Version.globals()``) when asked."""
+
+    def __init__(self, index: dict):
+        self._index = index
+
+    def __getitem__(self, name: str) -> tuple:
+        g = self._index[name]
+        return (g.dtype, g.shape, g.sources)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class RamSame(Mapping):
+    """``SourceSet.same`` of a version in RAM, worked out at the first restore that asks."""
+
+    def __init__(self, parts: dict):
+        self._parts, self._same = parts, None
+
+    def _table(self) -> dict:
+        if self._same is None:
+            same: dict[tuple, Any] = {}
+            for rank, part in self._parts.items():
+                for idx, t in enumerate(part.tensors):
+                    if not t.skipped:
+                        same.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, idx))
+            self._same = same
+        return self._same
+
+    def __getitem__(self, key):
+        return self._table()[key]
+
+    def get(self, key, default=None):
+        return self._table().get(key, default)
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 def from_ram(version, slot_path) -> SourceSet:
-    """Sources of a version held in RAM: its ranks' tensors inside their slots."""
-    same: dict[tuple, Any] = {}
-    for rank, part in version.parts.items():
-        for idx, t in enumerate(part.tensors):
-            if not t.skipped:
-                same.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, idx))
-    globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
-    paths = {rank: slot_path(part.slot) for rank, part in version.parts.items()}
-    return SourceSet(globals_, RamTensors(dict(version.parts), paths), same)
+    """Sources of a version held in RAM: its ranks' tensors inside their slots. Built at every
+    commit, so nothing in it is per tensor until a restore reads it."""
+    parts = dict(version.parts)
+    paths = {rank: slot_path(part.slot) for rank, part in parts.items()}
+    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths), RamSame(parts))
 
 
 def from_disk(reader) -> SourceSet:
