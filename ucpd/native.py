@@ -393,6 +393,24 @@ def crc32c_chunks(buf: Buffer, chunk: int = CHUNK_BYTES, threads: Optional[int] 
     return _call(_native.crc32c_chunks, buf, chunk, _threads(threads))
 
 
+def crc32c_batch(
+    items: Sequence[tuple[int, int] | tuple[int, int, int]], chunk: int = 0, threads: Optional[int] = None
+) -> list:
+    """CRC32C of many ``(ptr, nbytes)`` ranges in one call, their bytes shared across threads.
+
+    ``chunk=0``: one CRC per range, continuing from its third element (the CRC of the bytes
+    before it; default 0) -> ``[crc]``. ``chunk=C > 0``: the CRC of every C-byte chunk of each
+    range, the first continuing from the range's third element -> ``[[crc, ...]]`` (an empty
+    list for an empty range).
+
+    Raises:
+        NativeError: a malformed item, or a null pointer in a non-empty one.
+    """
+    if chunk < 0:
+        raise NativeError(f"chunk must be >= 0, got {chunk}")
+    return _call(_native.crc32c_batch, items, _threads(threads), chunk)
+
+
 def crc32c_chunks_ptr(
     ptr: int, nbytes: int, chunk: int = CHUNK_BYTES, threads: Optional[int] = None
 ) -> list[int]:

@@ -27,7 +27,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ucpd import faults, knobs, native
+from ucpd import faults, gcpause, knobs, native
 from ucpd.errors import InvalidPlacement, ProtocolError, UcpdError
 from ucpd.protocol import job_name, tensor_entry
 from ucpd.rpc import Connection
@@ -245,9 +245,11 @@ class Checkpointer:
         (``guard(optimizer)`` does that for you before each optimizer step).
         """
         handle = SnapshotHandle(self, step)
-        tensors, values = state_mod.split(dict(state))
-        entries = [self._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
-        unknown = set(placements or {}) - set(tensors)
+        with gcpause.paused():  # 10^5 tensors: as many entries, never scanned by the collector
+            tensors, values = state_mod.split(dict(state))
+            places = placements or {}
+            entries = [self._entry(name, t, places.get(name), detach=False) for name, t in tensors.items()]
+        unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
         with self._closing:
@@ -258,17 +260,21 @@ class Checkpointer:
         handle.timings["returned"] = time.perf_counter()
         return handle
 
-    def _entry(self, name: str, t: torch.Tensor, placement) -> Entry:
+    def _entry(self, name: str, t: torch.Tensor, placement, detach: bool = True) -> Entry:
+        """``detach``: hold the tensor detached from autograd (a restore writes into it; a
+        snapshot only reads it, and detaches where it copies through torch)."""
         if type(t) is not torch.Tensor and isinstance(t, _dtensor_class()):
             from .placement import from_dtensor
 
             placement = placement or from_dtensor(t)
             t = t.to_local()
+        if detach:
+            t = t.detach()
         if placement is None:
-            return Entry(name, t.detach(), _REPLICATED)
+            return Entry(name, t, _REPLICATED)
         if not hasattr(placement, "to_dict"):
             raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {placement!r}")
-        return Entry(name, t.detach(), placement.to_dict())
+        return Entry(name, t, placement.to_dict())
 
     def _work(self) -> None:
         while True:
@@ -277,7 +283,8 @@ class Checkpointer:
                 return
             handle, entries, values = job
             try:
-                self._take(handle, entries, values)
+                with gcpause.paused():  # the manifest and its messages: a few objects per tensor
+                    self._take(handle, entries, values)
             except BaseException as exc:  # surfaced by staged()/wait()
                 handle._fail(exc)
 
@@ -292,7 +299,8 @@ class Checkpointer:
 
         The slot is asked for with last time's skip list; the reply's fresh list may only let
         us skip more (the layout shrinks, so it still fits), else we ask again."""
-        unchanged = {e.name for e in entries if self._signatures.get(e.name) == e.signature}
+        last = self._signatures
+        unchanged = {e.name for e in entries if last.get(e.name) == e.signature} if self._skip else set()
         skip = self._skip & unchanged
         while True:
             write = [e for e in entries if e.name not in skip]
@@ -300,8 +308,10 @@ class Checkpointer:
                 "begin", rank=self.rank, world_size=self.world_size, step=step,
                 nbytes=layout(write, knobs.slot_alignment()), **self._job,
             )
-            fresh = set(reply.get("skip") or ()) & unchanged
             self._skip = set(reply.get("skip") or ())
+            if self._skip and not unchanged:  # told to skip for the first time: which tensors kept their layout
+                unchanged = {e.name for e in entries if last.get(e.name) == e.signature}
+            fresh = self._skip & unchanged
             if skip <= fresh:
                 write = [e for e in entries if e.name not in fresh]
                 layout(write, knobs.slot_alignment())
@@ -320,7 +330,7 @@ class Checkpointer:
         try:
             cpu = [e for e in write if not e.tensor.is_cuda]
             gpu = [e for e in write if e.tensor.is_cuda]
-            crcs = dict(zip((e.name for e in cpu), copy_to_slot_cpu(cpu, slot))) if cpu else {}
+            crcs = dict(zip([e.name for e in cpu], copy_to_slot_cpu(cpu, slot))) if cpu else {}
             if gpu:
                 stager = self._stagers.get(reply["path"]) or self._stagers.setdefault(reply["path"], CudaStager(slot))
                 stager.queue(gpu).synchronize()

@@ -19,7 +19,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
-from ucpd import faults, knobs, native
+from ucpd import faults, gcpause, knobs, native
 from ucpd.dtypes import dtype as lookup_dtype
 from ucpd.checked import CheckedCopier, CheckedSource
 from ucpd.errors import ChecksumMismatch, ProtocolError
@@ -37,11 +37,26 @@ def _numpy_view(t: torch.Tensor) -> np.ndarray:
     return flat.numpy().view(f"u{t.element_size()}")
 
 
-def _source(s: PlanSource, array: np.ndarray) -> CheckedSource:
-    """A plan's source table row over its mapped bytes."""
-    return CheckedSource(
-        array, s.crcs, s.chunk, f"restore source {s.path} (bytes from {s.offset}):", recorded="the restore plan"
-    )
+class _SourceName:
+    """How an error names a plan's source (formatted only for an error)."""
+
+    __slots__ = ("path", "offset")
+
+    def __init__(self, path: str, offset: int):
+        self.path, self.offset = path, offset
+
+    def __str__(self) -> str:
+        return f"restore source {self.path} (bytes from {self.offset}):"
+
+
+_STORAGE: dict[str, np.dtype] = {}
+
+
+def _storage(dtype: str) -> np.dtype:
+    got = _STORAGE.get(dtype)
+    if got is None:
+        got = _STORAGE[dtype] = lookup_dtype(dtype).storage
+    return got
 
 
 def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, int | None] | None = None) -> dict[str, Any]:
@@ -61,9 +76,10 @@ def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, in
 
 def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements: Mapping[str, Any] | None) -> int:
     """Fill the tensors of a nested state in place and put its plain values back."""
-    tensors, _ = state_mod.split(dict(target_state))
-    entries = [ckpt._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
-    step, values = restore_entries(ckpt, entries, step)
+    with gcpause.paused():
+        tensors, _ = state_mod.split(dict(target_state))
+        entries = [ckpt._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
+        step, values = restore_entries(ckpt, entries, step)
     state_mod.assign_values(target_state, values)  # type: ignore[arg-type]
     return step
 
@@ -80,6 +96,13 @@ MAX_SOURCES_TRIED = 4  # a restore whose source fails its checksums asks the dae
 
 
 def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
+    """``_restore_entries`` with the cyclic garbage collector paused (``ucpd.gcpause``): the plan
+    of 10^5 tensors is millions of short-lived objects."""
+    with gcpause.paused():
+        return _restore_entries(ckpt, entries, step)
+
+
+def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
     global elements its placement names. Returns (step, the version's plain values).
 
@@ -137,30 +160,15 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
             f"the daemon's restore plan answers {len(plan.tensors)} tensors, not the {len(entries)} targets asked for "
             "in their order; client and daemon disagree (different ucpd releases?)"
         )
-    arrays = []
-    ckpt._maps.forget_missing()
-    wholes: dict[str, Any] = {}  # one mapping per file (every tensor of a slot names the same one)
-    for s in plan.sources:
-        whole = wholes.get(s.path)
-        if whole is None:
-            try:
-                whole = wholes[s.path] = ckpt._maps.get(s.path, writable=False)
-            except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
-                raise ChecksumMismatch(f"restore source {s.path} cannot be read ({exc})") from None
-        if s.offset + s.nbytes > whole.nbytes:
-            raise ChecksumMismatch(f"restore source {s.path} is shorter than the plan says (truncated?)")
-        arrays.append(_source(s, whole[s.offset : s.offset + s.nbytes].view(lookup_dtype(s.dtype).storage)))
-    run = CheckedCopier(arrays, threads=knobs.copy_threads())
-    finish = []  # (target, host buffer, fills)
+    run = CheckedCopier(_sources(ckpt, plan.sources), threads=knobs.copy_threads())
+    finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
     for e, t in zip(entries, plan.tensors):
         target = e.tensor
-        on_host = target.device.type == "cpu" and target.is_contiguous()
-        host = target if on_host else torch.empty(target.shape, dtype=target.dtype)
+        host = target if target.is_cpu and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
         if t.copies:
-            ptr, isz = host.data_ptr(), host.element_size()
-            for c in t.copies:  # a PlanCopy is the ucl Copy the copier takes
-                run.add(c, ptr, host.numel() * isz, isz, lambda h=host: _numpy_view(h))
-        finish.append((target, host, t.fills))
+            _add_copies(run, host, t.copies)
+        if t.fills or host is not target:
+            finish.append((target, host, t.fills))
     values = merged_values(reply["objects"], ckpt.rank, reply["objects_crcs"])  # checked before any write
     run.verify()  # every chunk the copies read, before the first byte lands in a target
     run.run()
@@ -171,3 +179,44 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
         if host is not target:
             target.copy_(host)
     return values
+
+
+def _sources(ckpt, rows: tuple[PlanSource, ...]) -> list[CheckedSource]:
+    """The plan's source table over the mapped files, each file mapped once (every tensor of
+    a slot names the same one); arrays are made only where a copy needs one."""
+    ckpt._maps.forget_missing()
+    files: dict[str, tuple[np.ndarray, int]] = {}
+    out = []
+    for s in rows:
+        path = s.path
+        got = files.get(path)
+        if got is None:
+            try:
+                whole = ckpt._maps.get(path, writable=False)
+            except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
+                raise ChecksumMismatch(f"restore source {path} cannot be read ({exc})") from None
+            got = files[path] = (whole, whole.ctypes.data)
+        whole, address = got
+        offset, nbytes = s.offset, s.nbytes
+        if offset + nbytes > whole.nbytes:
+            raise ChecksumMismatch(f"restore source {path} is shorter than the plan says (truncated?)")
+        out.append(CheckedSource.within(
+            whole, offset, nbytes, _storage(s.dtype), s.crcs, s.chunk, _SourceName(path, offset),
+            recorded="the restore plan", buffer_address=address,
+        ))
+    return out
+
+
+def _add_copies(run: CheckedCopier, host: torch.Tensor, copies) -> None:
+    """Add one target's copies (``PlanCopy``, the ucl ``Copy`` the copier takes): contiguous
+    windows by their byte ranges, others as views."""
+    ptr, isz = host.data_ptr(), host.element_size()
+    size = host.numel() * isz
+    for c in copies:
+        sv, dv = c.src_view, c.dst_view
+        n = sv.shape
+        if len(n) == 1 and tuple(sv.strides) == (1,) and tuple(dv.strides) == (1,) and tuple(dv.shape) == tuple(n):
+            lo = sv.offset * isz  # the planner makes runs 1-D
+            run.add_range(c.src_key, lo, lo + n[0] * isz, ptr, size, dv.offset * isz, isz)
+        else:
+            run.add(c, ptr, size, isz, lambda h=host: _numpy_view(h))

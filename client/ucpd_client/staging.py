@@ -8,8 +8,6 @@ event fires.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
@@ -28,21 +26,29 @@ def dtype_name(t: torch.Tensor) -> str:
     return name
 
 
-@dataclass
 class Entry:
-    name: str
-    tensor: torch.Tensor  # the local tensor (a DTensor's local shard)
-    placement: dict
-    offset: int = 0
+    """A tensor of a snapshot or a restore: its flat name, the local tensor (a DTensor's local
+    shard), its wire placement and its offset in the slot. Byte size and signature are worked
+    out once, when first asked (a snapshot of 10^5 tensors asks each several times)."""
+
+    __slots__ = ("name", "tensor", "placement", "offset", "_nbytes", "_signature")
+
+    def __init__(self, name: str, tensor: torch.Tensor, placement: dict, offset: int = 0):
+        self.name, self.tensor, self.placement, self.offset = name, tensor, placement, offset
+        self._nbytes = self._signature = None
 
     @property
     def nbytes(self) -> int:
-        return self.tensor.numel() * self.tensor.element_size()
+        if self._nbytes is None:
+            self._nbytes = self.tensor.numel() * self.tensor.element_size()
+        return self._nbytes
 
     @property
     def signature(self) -> tuple:
-        """What must not change for a skipped duplicate to stay valid."""
-        return (dtype_name(self.tensor), tuple(self.tensor.shape), repr(self.placement))
+        """What must not change for a skipped duplicate to stay valid: (dtype name, shape, placement)."""
+        if self._signature is None:
+            self._signature = (dtype_name(self.tensor), tuple(self.tensor.shape), repr(self.placement))
+        return self._signature
 
 
 def layout(entries: list[Entry], align: int) -> int:
@@ -63,7 +69,7 @@ def copy_to_slot_cpu(entries: list[Entry], slot: np.ndarray) -> list[list[int]]:
     for e in entries:
         t = e.tensor
         if not t.is_contiguous():
-            t = t.contiguous()
+            t = t.detach().contiguous()
             keep.append(t)
         items.append((base + e.offset, t.data_ptr(), e.nbytes))
     crcs = native.copy_batch(items, threads=knobs.copy_threads(), crc_chunk=native.CHUNK_BYTES)
@@ -99,7 +105,8 @@ class CudaStager:
         with torch.cuda.stream(self.stream):
             srcs = []
             for e in entries:
-                t = e.tensor if e.tensor.is_contiguous() else e.tensor.contiguous()
+                t = e.tensor.detach()
+                t = t if t.is_contiguous() else t.contiguous()
                 t.record_stream(self.stream)  # the allocator must not reuse it before the copy
                 srcs.append(t)
             if self._native:

@@ -136,10 +136,14 @@ struct Segment {
   std::size_t n;
   std::size_t item;
   std::size_t chunk;
-  uint32_t crc;
+  uint32_t crc;  // in: the CRC to continue (kCrcOnly); out: the segment's CRC
 };
 
 void copy_and_crc(Segment& s, const CopyOptions& o) {
+  if (o.mode == CrcMode::kCrcOnly) {
+    s.crc = crc32c_update(s.crc, s.src, s.n);
+    return;
+  }
   if (o.mode == CrcMode::kFused) {
     if (s.n >= kStreamMin)
       s.crc = crc32c_copy(s.dst, s.src, s.n, 0);
@@ -198,7 +202,7 @@ std::vector<std::vector<uint32_t>> copy_batch(const std::vector<CopyItem>& items
       }
       segs.push_back(Segment{static_cast<unsigned char*>(it.dst) + off,
                              static_cast<const unsigned char*>(it.src) + off, len, i,
-                             crc ? off / C : 0, 0});
+                             crc ? off / C : 0, off == 0 ? it.crc_init : 0u});
       off += len;
       pos += len;
     }

@@ -12,6 +12,7 @@ struct CopyItem {
   void* dst;
   const void* src;
   std::size_t nbytes;
+  uint32_t crc_init = 0;  // kCrcOnly: the item's first chunk continues this CRC (0: a fresh one)
 };
 
 // How copy_batch combines checksumming with copying (crc_chunk > 0). The benchmark compares them.
@@ -19,6 +20,7 @@ enum class CrcMode {
   kFused,        // crc32c_copy: one pass (AVX-512), else kCrcThenCopy with 64 KiB blocks
   kCrcThenCopy,  // per block: CRC the source block (pulls it into cache), then copy it
   kCopyThenCrc,  // per block: copy the block, then CRC the source block while it is cached
+  kCrcOnly,      // checksum the source, copy nothing (dst is not used): crc32c_batch
 };
 
 struct CopyOptions {

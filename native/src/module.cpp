@@ -6,6 +6,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
@@ -190,6 +191,36 @@ NB_MODULE(_native, m) {
     return crc_lists(crcs);
   }, "items"_a, "threads"_a, "crc_chunk"_a = 0, "mode"_a = "fused", "block"_a = 64 * 1024);
   m.def("crc32c_copy_fused", &crc32c_copy_fused);
+
+  // items: iterable of (ptr, nbytes) or (ptr, nbytes, crc to continue); chunk 0: one CRC per item
+  m.def("crc32c_batch", [](nb::handle items, int threads, std::size_t chunk) -> nb::object {
+    std::vector<CopyItem> v;
+    std::size_t longest = 1;
+    for (nb::handle h : items) {
+      nb::tuple t = nb::borrow<nb::tuple>(h);
+      if (!nb::isinstance<nb::tuple>(h) || (t.size() != 2 && t.size() != 3))
+        throw std::invalid_argument("crc32c_batch: each item must be a (ptr, nbytes) or (ptr, nbytes, crc) tuple");
+      const uintptr_t ptr = nb::cast<uintptr_t>(t[0]);
+      const std::size_t n = nb::cast<std::size_t>(t[1]);
+      const uint32_t init = t.size() == 3 ? nb::cast<uint32_t>(t[2]) : 0u;
+      if (n && !ptr) throw std::invalid_argument("crc32c_batch: null pointer in a non-empty item");
+      v.push_back(CopyItem{nullptr, reinterpret_cast<const void*>(ptr), n, init});
+      longest = std::max(longest, n);
+    }
+    CopyOptions o;
+    o.threads = check_threads(threads);
+    o.mode = CrcMode::kCrcOnly;
+    o.crc_chunk = chunk ? chunk : longest;
+    std::vector<std::vector<uint32_t>> crcs;
+    {
+      nb::gil_scoped_release nogil;
+      crcs = copy_batch(v, o);
+    }
+    if (chunk) return crc_lists(crcs);
+    nb::list out;
+    for (std::size_t i = 0; i < v.size(); ++i) out.append(nb::int_(crcs[i].empty() ? v[i].crc_init : crcs[i][0]));
+    return out;
+  }, "items"_a, "threads"_a, "chunk"_a = 0);
 
   m.def("pool_workers", &pool_worker_count);
 

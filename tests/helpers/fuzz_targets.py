@@ -123,7 +123,14 @@ def _index_seeds() -> list[bytes]:
     body = msgpack.packb(doc, use_bin_type=True)
     v2 = msgpack.packb({"index_version": 2, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
     doc1 = dict(doc, index_version=1)
-    return [v2, msgpack.packb(doc1, use_bin_type=True)]
+    from ucpd.daemon.index import pack_tensors  # version 3: each part's manifest as columns
+    from ucpd.daemon.versions import TensorEntry
+
+    part3 = {k: v for k, v in doc["versions"][0]["parts"][0].items() if k != "tensors_packed"}
+    part3["tensor_columns"] = pack_tensors([TensorEntry.from_wire(_ENTRY)])
+    body3 = msgpack.packb(dict(doc, index_version=3, versions=[dict(doc["versions"][0], parts=[part3])]), use_bin_type=True)
+    v3 = msgpack.packb({"index_version": 3, "crc32c": crc32c(body3), "body": body3}, use_bin_type=True)
+    return [v3, v2, msgpack.packb(doc1, use_bin_type=True)]
 
 
 def _meta_seeds() -> list[bytes]:

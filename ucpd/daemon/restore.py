@@ -10,44 +10,114 @@ elements. The client verifies the CRC of every chunk it reads before it copies.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import gcpause
 from ..errors import PlacementMismatch
 from ..native import CHUNK_BYTES
 from ..protocol import PlanCopy, PlanFill, PlanSource, PlanTensor, RestorePlan
 from ..ucl.geometry import View, contiguous_view, full_box
-from ..ucl.plan import SourcePiece, plan_restore
-from .versions import fragments_of, placement_key
+from ..ucl.plan import CopyPlan, SourcePiece, plan_restore
+from .versions import _ANY, _geometry, fragments_of, placement_key
 
 
 @dataclass
 class SourceSet:
     """Every global tensor of one version: (dtype, global shape, pieces) and the source table."""
 
-    globals: dict[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
-    tensors: dict[Any, PlanSource]  # source key -> its bytes (a row of the plan's source table)
+    globals: Mapping[str, tuple[str, tuple[int, ...], list[SourcePiece]]]
+    tensors: Mapping[Any, PlanSource]  # source key -> its bytes (a row of the plan's source table)
     # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
     # same way is one whole copy, with no planning (the common same-layout restore)
-    same: dict[tuple, Any] = field(default_factory=dict)
+    same: Mapping[tuple, Any] = field(default_factory=dict)
 
 
 def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
     return (name, dtype, tuple(shape), placement if isinstance(placement, str) else placement_key(placement))
 
 
+class RamTensors(Mapping):
+    """The source tensors of a version in RAM, ``(rank, tensor index) -> PlanSource``, each
+    made when a plan reads it: a version is indexed at every commit, restored rarely."""
+
+    def __init__(self, parts: dict, paths: dict[int, str]):
+        self._parts, self._paths = parts, paths
+
+    def __getitem__(self, key) -> PlanSource:
+        rank, idx = key
+        try:
+            t = self._parts[rank].tensors[idx]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(key) from None
+        if t.skipped:
+            raise KeyError(key)
+        return PlanSource(self._paths[rank], t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+
+    def __iter__(self):
+        for rank, part in self._parts.items():
+            for idx, t in enumerate(part.tensors):
+                if not t.skipped:
+                    yield (rank, idx)
+
+    def __len__(self) -> int:
+        return sum(not t.skipped for part in self._parts.values() for t in part.tensors)
+
+
+class RamGlobals(Mapping):
+    """A version's global tensors as a ``SourceSet`` lists them, ``name -> (dtype, shape,
+    pieces)``, read from the version's index (``Version.globals()``) when asked."""
+
+    def __init__(self, index: dict):
+        self._index = index
+
+    def __getitem__(self, name: str) -> tuple:
+        g = self._index[name]
+        return (g.dtype, g.shape, g.sources)
+
+    def __iter__(self):
+        return iter(self._index)
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+
+class RamSame(Mapping):
+    """``SourceSet.same`` of a version in RAM, worked out at the first restore that asks."""
+
+    def __init__(self, parts: dict):
+        self._parts, self._same = parts, None
+
+    def _table(self) -> dict:
+        if self._same is None:
+            same: dict[tuple, Any] = {}
+            for rank, part in self._parts.items():
+                for idx, t in enumerate(part.tensors):
+                    if not t.skipped:
+                        same.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, idx))
+            self._same = same
+        return self._same
+
+    def __getitem__(self, key):
+        return self._table()[key]
+
+    def get(self, key, default=None):
+        return self._table().get(key, default)
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
 def from_ram(version, slot_path) -> SourceSet:
-    """Sources of a version held in RAM: its ranks' tensors inside their slots."""
-    tensors, same = {}, {}
-    for rank, part in version.parts.items():
-        path = slot_path(part.slot)
-        for idx, t in enumerate(part.tensors):
-            if t.skipped:
-                continue
-            tensors[(rank, idx)] = PlanSource(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-            same.setdefault(_signature(t.name, t.dtype, t.shape, t.key()), (rank, idx))
-    globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
-    return SourceSet(globals_, tensors, same)
+    """Sources of a version held in RAM: its ranks' tensors inside their slots. Built at every
+    commit, so nothing in it is per tensor until a restore reads it."""
+    parts = dict(version.parts)
+    paths = {rank: slot_path(part.slot) for rank, part in parts.items()}
+    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths), RamSame(parts))
 
 
 def from_disk(reader) -> SourceSet:
@@ -63,6 +133,91 @@ def from_disk(reader) -> SourceSet:
     return SourceSet(globals_, tensors, same)
 
 
+class Planner:
+    """The planning of one restore: per target, the copies (source key, source window, target
+    window) and padding fills that make it — one whole copy where a source tensor is laid out as
+    the target is, else ``ucl.plan_restore``.
+
+    A mixture-of-experts rank restores 10^4-10^5 tensors of a few shapes, each from sources of a
+    few shapes: a target whose placement resolves the same for any name is planned once per
+    (placement, shape, source pieces' geometry), and that plan is reused with the sources'
+    own keys. A plan that fails is made again under the real names, so errors name them."""
+
+    def __init__(self, sources: SourceSet):
+        self.sources = sources
+        self._kinds: dict[tuple, tuple] = {}  # (placement repr, shape) -> (placement key, shared geometry or None)
+        self._plans: dict[tuple, CopyPlan] = {}  # (kind, source geometry) -> plan over source positions
+        self._wholes: dict[int, View] = {}  # elements -> the window of all of them
+
+    def target(self, t: dict) -> tuple[list, tuple]:
+        """``(copies, fills)`` of target ``t``: ``[(source key, source View, target View)]`` and
+        ``[Fill]``. Raises PlacementMismatch for an unknown tensor, a dtype or global shape that
+        differs from the saved one, or a target region that no source covers."""
+        shape = tuple(t["shape"])
+        k = (repr(t["placement"]), shape)
+        kind = self._kinds.get(k)
+        if kind is None:
+            pkey = placement_key(t["placement"])
+            kind = self._kinds[k] = (pkey, _geometry(pkey, shape))
+        pkey, shared = kind
+        twin = self.sources.same.get((t["name"], t["dtype"], shape, pkey))
+        if twin is not None:
+            frags = shared if shared is not None else fragments_of(t["name"], pkey, shape)
+            if len(frags) == 1 and not frags[0].fills and (shared is not None or frags[0].name == t["name"]):
+                n = math.prod(shape)
+                whole = self._wholes.get(n)
+                if whole is None:
+                    whole = self._wholes[n] = View(0, (n,), (1,))
+                return [(twin, whole, whole)], ()
+        if shared is None:  # fragments named by the placement, or an invalid one: resolved under the name
+            frags = fragments_of(t["name"], pkey, shape)
+            cp = plan_restore(frags, self._pieces(t, frags))
+            return cp.copies, cp.fills
+        by_name = self._pieces(t, shared, t["name"])
+        if not by_name:
+            return [], plan_restore(shared, {}).fills  # padding only
+        pieces = by_name[t["name"]]
+        first: dict[Any, int] = {}
+        at = [first.setdefault(s.key, i) for i, s in enumerate(pieces)]  # each piece's source, by first position
+        sig = (pkey, shape, tuple((i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)))
+        cp = self._plans.get(sig)
+        if cp is None:
+            try:
+                cp = plan_restore(shared, {_ANY: [SourcePiece(i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)]})
+            except PlacementMismatch:
+                cp = plan_restore(fragments_of(t["name"], pkey, shape), by_name)  # raises, naming the sources
+                return cp.copies, cp.fills
+            self._plans[sig] = cp
+        return [(pieces[c[0]].key, c[1], c[2]) for c in cp.copies], cp.fills
+
+    def _pieces(self, t: dict, frags, name: str | None = None) -> dict[str, list[SourcePiece]]:
+        """The saved pieces of each global tensor the fragments read (``name``: the name of every
+        fragment, when they are a shared geometry's); checks dtype and global shape."""
+        by_name = {}
+        for frag in frags:
+            if not frag.pieces:
+                continue  # padding only: filled, never read
+            fname = name or frag.name
+            known = self.sources.globals.get(fname)
+            if known is None:
+                close = sorted(n for n in self.sources.globals if n.split(".")[-1] == fname.split(".")[-1])[:3]
+                hint = f" (similar saved names: {', '.join(close)})" if close else ""
+                raise PlacementMismatch(f"tensor {fname!r} is not in the checkpoint{hint}")
+            dtype, shape, pieces = known
+            if dtype != t["dtype"]:
+                raise PlacementMismatch(
+                    f"tensor {fname!r} was saved as {dtype}, the target is {t['dtype']}: convert after restoring"
+                )
+            gs = frag.global_shape
+            if len(gs) != len(shape) or (gs != shape and any(a is not None and a != b for a, b in zip(gs, shape))):
+                raise PlacementMismatch(
+                    f"tensor {fname!r} has global shape {list(shape)} in the checkpoint, but the target's "
+                    f"placement implies {list(gs)}: check the target's placement and model config"
+                )
+            by_name[fname] = pieces
+        return by_name
+
+
 def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
     """Plan a rank's restore: the plan's tensors answer ``targets`` in order.
 
@@ -72,6 +227,7 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
     used: dict[Any, int] = {}
     table: list[PlanSource] = []
     out_tensors = []
+    planner = Planner(sources)
 
     def source_index(key) -> int:
         idx = used.get(key)
@@ -80,36 +236,12 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
             table.append(sources.tensors[key])
         return idx
 
-    for t in targets:
-        pkey = placement_key(t["placement"])
-        frags = fragments_of(t["name"], pkey, tuple(t["shape"]))
-        twin = sources.same.get(_signature(t["name"], t["dtype"], t["shape"], pkey))
-        if twin is not None and len(frags) == 1 and not frags[0].fills and frags[0].name == t["name"]:
-            whole = View(0, (math.prod(t["shape"]),), (1,))
-            out_tensors.append(PlanTensor(t["name"], (PlanCopy(source_index(twin), whole, whole),)))
-            continue
-        by_name = {}
-        for frag in frags:
-            if not frag.pieces:
-                continue  # padding only: filled, never read
-            known = sources.globals.get(frag.name)
-            if known is None:
-                close = sorted(n for n in sources.globals if n.split(".")[-1] == frag.name.split(".")[-1])[:3]
-                hint = f" (similar saved names: {', '.join(close)})" if close else ""
-                raise PlacementMismatch(f"tensor {frag.name!r} is not in the checkpoint{hint}")
-            dtype, shape, pieces = known
-            if dtype != t["dtype"]:
-                raise PlacementMismatch(
-                    f"tensor {frag.name!r} was saved as {dtype}, the target is {t['dtype']}: convert after restoring"
-                )
-            if any(a is not None and a != b for a, b in zip(frag.global_shape, shape)) or len(frag.global_shape) != len(shape):
-                raise PlacementMismatch(
-                    f"tensor {frag.name!r} has global shape {list(shape)} in the checkpoint, but the target's "
-                    f"placement implies {list(frag.global_shape)}: check the target's placement and model config"
-                )
-            by_name[frag.name] = pieces
-        cp = plan_restore(frags, by_name)
-        copies = tuple(PlanCopy(source_index(c.src_key), c.src_view, c.dst_view) for c in cp.copies)
-        fills = tuple(PlanFill(f.view, f.value) for f in cp.fills)
-        out_tensors.append(PlanTensor(t["name"], copies, fills))
+    with gcpause.paused():
+        for t in targets:
+            copies, fills = planner.target(t)
+            out_tensors.append(PlanTensor(
+                t["name"],
+                tuple(PlanCopy(source_index(key), sv, dv) for key, sv, dv in copies),
+                tuple(PlanFill(f.view, f.value) for f in fills),
+            ))
     return RestorePlan(tuple(table), tuple(out_tensors))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from .. import faults, knobs, protocol
+from .. import faults, gcpause, knobs, protocol
 from ..dtypes import dtype as lookup_dtype
 from ..errors import (
     InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError,
@@ -211,6 +211,10 @@ class Daemon:
             pass  # the client went away; nothing to do
 
     def _handle(self, ident: bytes, frame: bytes) -> None:
+        with gcpause.paused():  # a commit or a restore of 10^5 tensors makes millions of short-lived objects
+            self._handle_request(ident, frame)
+
+    def _handle_request(self, ident: bytes, frame: bytes) -> None:
         self._last_activity = time.monotonic()
         req_id = 0
         try:

@@ -29,17 +29,21 @@ from __future__ import annotations
 import enum
 import functools
 import json
-import math
 import time
 from dataclasses import dataclass, field
+from math import prod
 from typing import TYPE_CHECKING, Protocol
 
 from ..dtypes import dtype as lookup_dtype
-from ..errors import PlacementMismatch, ProtocolError, UcpdError, VersionNotFound
+from ..errors import ProtocolError, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from ..protocol import tensor_entry
 from ..ucl import Fragment, placement_from_dict, resolve
-from ..ucl.plan import SourcePiece, global_shape_of
+from . import coverage
+from .coverage import GlobalTensor, check_covered, check_replicas_agree, check_skipped_covered, globals_of
+
+
+duplicates = coverage.duplicates  # the store reaches it through here
 
 if TYPE_CHECKING:
     from .restore import SourceSet
@@ -132,6 +136,17 @@ class TensorEntry:
     # computed once when the entry is validated: the placement's canonical key, its fragments
     pkey: str = field(default="", compare=False, repr=False)
     frags: tuple | None = field(default=None, compare=False, repr=False)
+    # the fragments of any tensor of this placement and shape (``_geometry``); False: they
+    # depend on the name; None: not worked out yet
+    shared: tuple | bool | None = field(default=None, compare=False, repr=False)
+
+    def geometry(self) -> tuple | None:
+        """This tensor's fragments as any tensor of its placement and shape has them, named
+        ``"\\0"`` (shared by every such tensor: read the name from the entry), or None when
+        they depend on the name (``fragments()`` has them)."""
+        if self.shared is None:
+            object.__setattr__(self, "shared", _geometry(self.key(), self.shape) or False)
+        return self.shared or None
 
     def fragments(self) -> tuple:
         """What this tensor holds of which global tensors (``fragments_of``, kept with the entry)."""
@@ -176,22 +191,11 @@ class RankPart:
 
     @functools.cached_property
     def packed_tensors(self) -> bytes:
-        """The manifest as msgpack, packed once: the index is rewritten on every commit and
-        would otherwise pack every kept version's every tensor again."""
-        import msgpack
+        """The manifest as the index keeps it (``index.pack_tensors``), packed once: the index is
+        rewritten on every commit and would otherwise pack every kept version's every tensor again."""
+        from .index import pack_tensors
 
-        return msgpack.packb([t.to_wire() for t in self.tensors], use_bin_type=True)
-
-
-@dataclass
-class GlobalTensor:
-    """What the parts of a version say about one global (consolidated) tensor."""
-
-    name: str
-    dtype: str
-    shape: tuple  # ints; None on a stacked dim no rank gave a count for, until all are in
-    pattern: dict  # the placement of the first fragment seen, kept for the universal format
-    sources: list[SourcePiece] = field(default_factory=list)
+        return pack_tensors(self.tensors)
 
 
 @dataclass
@@ -237,115 +241,8 @@ class Version:
         disagree on a global tensor's shape or dtype.
         """
         if self._globals is None:
-            out: dict[str, GlobalTensor] = {}
-            claims: dict[str, list[SourcePiece]] = {}  # every rank's pieces, skipped ones too: the shape they agree on
-            for rank in sorted(self.parts):
-                for idx, t in enumerate(self.parts[rank].tensors):
-                    for frag in t.fragments():
-                        if not frag.pieces:
-                            continue  # partition padding: nothing global to keep
-                        gs = tuple(frag.global_shape)
-                        g = out.get(frag.name)
-                        if g is None:
-                            g = out[frag.name] = GlobalTensor(frag.name, t.dtype, gs, t.placement)
-                            claims[frag.name] = []
-                        elif g.dtype != t.dtype:
-                            raise PlacementMismatch(
-                                f"step {self.step}: rank {rank} says global tensor {frag.name!r} is {t.dtype}, another "
-                                f"rank said {g.dtype}: check the dtypes the ranks save it in"
-                            )
-                        pieces = [SourcePiece((rank, idx), piece.local, piece.box, gs) for piece in frag.pieces]
-                        claims[frag.name].extend(pieces)
-                        if not t.skipped:
-                            g.sources.extend(pieces)
-            for g in out.values():  # a stacked dim whose count no placement gave: what the items cover
-                try:
-                    g.shape = global_shape_of(g.name, claims[g.name])
-                except PlacementMismatch as exc:
-                    raise PlacementMismatch(
-                        f"step {self.step}: {exc} (sources are (rank, tensor index)); check the placements those ranks save it with"
-                    ) from None
-            self._globals = out
+            self._globals = globals_of(self)
         return self._globals
-
-
-def duplicates(version: "Version") -> dict[int, list[str]]:
-    """Per rank, the tensors whose every global element a lower rank also holds (replicas
-    across data-parallel ranks, replicated norms): they need not be written again."""
-    boxes: dict[tuple[int, int], set] = {}
-    for g in version.globals().values():
-        for s in g.sources:
-            boxes.setdefault(s.key, set()).add((g.name, tuple(s.box.offsets), tuple(s.box.lengths)))
-    owned: set = set()
-    out: dict[int, list[str]] = {}
-    for rank in sorted(version.parts):
-        for idx, t in enumerate(version.parts[rank].tensors):
-            if t.skipped:  # checked covered when the version completed: still a duplicate
-                out.setdefault(rank, []).append(t.name)
-                continue
-            mine = boxes.get((rank, idx))
-            if mine is None:
-                continue  # padding only
-            if mine <= owned:
-                out.setdefault(rank, []).append(t.name)
-            else:
-                owned |= mine
-    return out
-
-
-def check_covered(version: "Version") -> None:
-    """Every global tensor must be held whole by the ranks together; raises PlacementMismatch.
-
-    A cheap necessary condition: the distinct boxes the ranks hold must add up to the tensor
-    (replicas hold identical boxes, so they count once)."""
-    for g in version.globals().values():
-        total = 1
-        for n in g.shape:
-            total *= n
-        held = sum(math.prod(b[1]) for b in {(tuple(s.box.offsets), tuple(s.box.lengths)) for s in g.sources})
-        if held < total:
-            raise PlacementMismatch(
-                f"step {version.step}: the ranks together hold {held} of the {total} elements of {g.name!r} "
-                f"{list(g.shape)}; the version cannot commit — check the placements of the ranks that save it"
-            )
-
-
-def check_skipped_covered(version: "Version") -> None:
-    """Every tensor a rank skipped must be held by another rank; raises PlacementMismatch."""
-    from ..ucl.plan import plan_restore
-
-    by_name = {name: g.sources for name, g in version.globals().items()}
-    for rank, part in version.parts.items():
-        for t in part.tensors:
-            if t.skipped:
-                frags = t.fragments()
-                try:
-                    plan_restore(frags, by_name)
-                except PlacementMismatch as exc:
-                    raise PlacementMismatch(
-                        f"step {version.step}: rank {rank} skipped {t.name!r} as a duplicate, but no other rank "
-                        f"wrote it ({exc}); the version cannot commit — snapshot again"
-                    ) from None
-
-
-def check_replicas_agree(version: "Version") -> None:
-    """Ranks that hold a tensor under the same placement hold the same elements in the same
-    order (a replicated tensor — the default for tensors without a placement — or a data-parallel
-    replica): their chunk checksums must be equal, or a restore would hand every rank the lowest
-    rank's bytes. Raises PlacementMismatch naming the tensor and two ranks that differ."""
-    first: dict[tuple, tuple[int, TensorEntry]] = {}
-    for rank in sorted(version.parts):
-        for t in version.parts[rank].tensors:
-            if t.skipped or not t.nbytes:
-                continue
-            seen = first.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, t))
-            if seen[1] is not t and seen[1].crcs != t.crcs:
-                raise PlacementMismatch(
-                    f"step {version.step}: tensor {t.name!r} has the same placement on ranks {seen[0]} and {rank} "
-                    f"({t.placement.get('kind', t.placement)}: they claim the same elements) but different bytes; "
-                    "a restore would give every rank one copy. Give it the placement that says how the ranks differ "
-                    "(e.g. placements={name: Shard(dim, rank, world)}), or make the ranks agree"
-                )
 
 
 class CommitPolicy(Protocol):
@@ -514,33 +411,62 @@ class VersionTable:
         return [v for v in self.versions.values() if v.step < step and v.state in UNDECIDED and not v.pins]
 
 
+_KINDS: dict[tuple, tuple] = {}  # (dtype, shape, repr(placement)) -> (nbytes, chunks, placement key, geometry)
+
+
+def _kind(dtype: str, shape: tuple[int, ...], placement: dict) -> tuple:
+    """What every tensor of this dtype, shape and placement has: its byte size, its number of
+    chunks, its placement key and ``_geometry`` (False when it depends on the name or the pair
+    is invalid). Worked out once per kind: an expert layer's 10^4 tensors are one kind."""
+    k = (dtype, shape, repr(placement))
+    got = _KINDS.get(k)
+    if got is None:
+        nbytes = prod(shape) * lookup_dtype(dtype).itemsize
+        key = placement_key(placement)
+        got = (nbytes, -(-nbytes // CHUNK_BYTES), key, _geometry(key, shape) or False)
+        if len(_KINDS) >= 1 << 16:
+            _KINDS.clear()
+        _KINDS[k] = got
+    return got
+
+
 def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     """Check a tensor entry of a commit against its slot: dtype, shape, bytes, offsets, crcs."""
-    name = raw["name"]
-    dt = lookup_dtype(raw["dtype"])
-    numel = 1
-    for d in raw["shape"]:
-        numel *= d
+    name, dtype = raw["name"], raw["dtype"]
+    shape = tuple(raw["shape"])
+    nbytes, chunks, key, shared = _kind(dtype, shape, raw["placement"])
     skipped = bool(raw.get("skipped"))
     if skipped:
         if raw["nbytes"] or raw["crcs"]:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
-        key = placement_key(raw["placement"])
-        frags = fragments_of(name, key, tuple(raw["shape"]))
-        return TensorEntry.from_wire({**raw, "offset": 0}, key, frags)
-    if numel * dt.itemsize != raw["nbytes"]:
-        raise ProtocolError(
-            f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
-            f"but the entry says {raw['nbytes']}"
-        )
-    if raw["offset"] + raw["nbytes"] > slot_size:
-        raise ProtocolError(
-            f"rank {rank}: tensor {name!r} at offset {raw['offset']} with {raw['nbytes']} bytes "
-            f"ends outside its {slot_size}-byte slot"
-        )
-    chunks = (raw["nbytes"] + CHUNK_BYTES - 1) // CHUNK_BYTES
-    if len(raw["crcs"]) != chunks:
-        raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
-    key = placement_key(raw["placement"])
-    frags = fragments_of(name, key, tuple(raw["shape"]))  # shape must agree with the placement
-    return TensorEntry.from_wire(raw, key, frags)
+        offset = 0
+    else:
+        offset = raw["offset"]
+        if nbytes != raw["nbytes"]:
+            raise ProtocolError(
+                f"rank {rank}: tensor {name!r} is {dtype}{list(shape)} = {nbytes} bytes, but the entry says {raw['nbytes']}"
+            )
+        if offset + nbytes > slot_size:
+            raise ProtocolError(
+                f"rank {rank}: tensor {name!r} at offset {offset} with {nbytes} bytes ends outside its {slot_size}-byte slot"
+            )
+        if len(raw["crcs"]) != chunks:
+            raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
+    # shape must agree with the placement: a shared geometry says it does; else resolving under
+    # the name says so, or raises naming the tensor
+    frags = None if shared else fragments_of(name, key, shape)
+    return _entry(name, dtype, shape, raw["placement"], offset, raw["nbytes"], tuple(raw["crcs"]), skipped, key, frags, shared)
+
+
+def _entry(name, dtype, shape, placement, offset, nbytes, crcs, skipped, pkey, frags, shared) -> TensorEntry:
+    """``TensorEntry(...)`` in a third of the time (a frozen dataclass sets its fields one call
+    at a time, and a commit makes 10^5 of them). Every field is given."""
+    e = _new(TensorEntry)
+    _set(e, "__dict__", {
+        "name": name, "dtype": dtype, "shape": shape, "placement": placement, "offset": offset, "nbytes": nbytes,
+        "crcs": crcs, "skipped": skipped, "pkey": pkey, "frags": frags, "shared": shared,
+    })
+    return e
+
+
+_new, _set = object.__new__, object.__setattr__

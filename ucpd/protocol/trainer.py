@@ -62,6 +62,59 @@ def tensor_entry(
 TARGET_ENTRY = Record({"name": _str, "dtype": _str, "shape": _shape, "placement": _dict})
 
 
+# One-pass checks of the records that come 10^5 at a time (a commit's manifest, a restore's
+# targets): the same rules as their schemas, on exact types, returning the same map; None
+# hands the item to the schema, which says what is wrong with it.
+def _ints(v: Any, hi: int) -> bool:
+    """``v`` is a list of ints in [0, hi]."""
+    if type(v) is not list:
+        return False
+    for d in v:
+        if type(d) is not int or d < 0 or d > hi:
+            return False
+    return True
+
+
+def _tensor_entry_fast(x: Any) -> dict | None:
+    # exactly the 7 required fields, or those and "skipped"
+    if type(x) is not dict or not (len(x) == 7 or (len(x) == 8 and "skipped" in x)):
+        return None
+    try:
+        name, dtype, shape, placement, off, nb, crcs = (
+            x["name"], x["dtype"], x["shape"], x["placement"], x["offset"], x["nbytes"], x["crcs"])
+    except KeyError:
+        return None
+    skipped = x.get("skipped")
+    if (
+        type(name) is str and 0 < len(name) <= MAX_NAME_LEN and type(dtype) is str and 0 < len(dtype) <= MAX_NAME_LEN
+        and type(placement) is dict and type(off) is int and 0 <= off <= MAX_INT and type(nb) is int
+        and 0 <= nb <= MAX_INT and _ints(shape, MAX_INT) and len(shape) <= 16 and _ints(crcs, 0xFFFFFFFF)
+        and (skipped is None or type(skipped) is bool)
+    ):
+        return {"name": name, "dtype": dtype, "shape": tuple(shape), "placement": placement, "offset": off,
+                "nbytes": nb, "crcs": crcs, "skipped": skipped}
+    return None
+
+
+def _target_entry_fast(x: Any) -> dict | None:
+    if type(x) is not dict or len(x) != 4:
+        return None
+    try:
+        name, dtype, shape, placement = x["name"], x["dtype"], x["shape"], x["placement"]
+    except KeyError:
+        return None
+    if (
+        type(name) is str and 0 < len(name) <= MAX_NAME_LEN and type(dtype) is str and 0 < len(dtype) <= MAX_NAME_LEN
+        and type(placement) is dict and _ints(shape, MAX_INT) and len(shape) <= 16
+    ):
+        return {"name": name, "dtype": dtype, "shape": tuple(shape), "placement": placement}
+    return None
+
+
+TENSOR_ENTRY.fast = _tensor_entry_fast
+TARGET_ENTRY.fast = _target_entry_fast
+
+
 def _avoid_entry(field: str, v: Any) -> tuple[int, str]:
     if not (isinstance(v, (list, tuple)) and len(v) == 2 and v[1] in ("ram", "disk")):
         raise ProtocolError(f"field {field!r} must be [step, \"ram\" | \"disk\"]")

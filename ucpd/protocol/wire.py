@@ -109,9 +109,15 @@ def _shape(field: str, v: Any) -> tuple[int, ...]:
 
 
 def _list_of(item: Check, max_len: int = MAX_ITEMS) -> Check:
+    fast = getattr(item, "fast", None)  # a record's one-pass check (None where it declines an item)
+
     def check(field: str, v: Any) -> list:
         if not isinstance(v, (list, tuple)) or len(v) > max_len:
             raise ProtocolError(f"field {field!r} must be a list of at most {max_len} items")
+        if fast is not None:
+            out = [fast(x) for x in v]
+            if None not in out:
+                return out
         return [item(f"{field}[{i}]", x) for i, x in enumerate(v)]
 
     return check
@@ -172,10 +178,13 @@ class Record:
     same map on the wire, and which are one typed value in Python: decoding puts
     ``from_wire(body)`` under the name, encoding writes the instance's ``to_wire()`` fields."""
 
-    __slots__ = ("required", "optional", "inline", "_also")
+    __slots__ = ("required", "optional", "inline", "_also", "fast")
 
     def __init__(self, required: dict, optional: dict | None = None, inline: dict | None = None):
         self.required, self.optional, self.inline = required, optional or {}, inline or {}
+        # fast(item) -> the decoded map, or None to let the schema decode (and word the error):
+        # a one-pass check for records that arrive 10^5 at a time (set where they are defined)
+        self.fast = None
         self._also = tuple(f for cls in self.inline.values() for f in cls.FIELDS)
 
     def __call__(self, where: str, body: Any) -> dict:
