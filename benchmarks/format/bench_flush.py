@@ -10,16 +10,21 @@ global tensors as plain numpy arrays. Per repetition, in turn (the order rotates
   folder on the file system of ``--dir``;
 - ``safetensors``: ``safetensors.numpy.save_file`` of the global tensors, then fsync of the file
   and its folder;
-- ``odirect``: the floor: the same number of bytes written sequentially with ``O_DIRECT`` from
-  one aligned 16 MiB buffer (no source read at all), then fsync.
+- ``odirect`` / ``odirect4``: the floor: the same number of bytes written in order with
+  ``O_DIRECT`` from one aligned 16 MiB buffer (no source read at all) into a preallocated file,
+  one or four writes in flight, then fsync (``ucpd/floor``: against the faster of the two in
+  each repetition; which is faster depends on the device and file system);
+- ``ucpd-pwrite``: the flush writing through the page cache (``UCPD_FLUSH_IO=pwrite``).
 
 Cases: ``one`` (a single 1 GiB tensor, one rank), ``gpt`` (a GPT-like fp32 state: weights and
 two Adam moments, ~150 tensors, one rank), ``tp4`` (the same state split over 4 ranks
 Megatron-style: column-parallel weights and the vocabulary on dim 0, row-parallel weights on
 dim 1, layer norms and row-parallel biases replicated, stored once).
 
-Reported: median seconds and GB/s with the range over the repetitions, and ``ucpd`` as a ratio
-to each of the others *within a repetition* (median and range of those ratios). One more run
+Reported: median seconds and GB/s with the range over the repetitions, the CPU seconds per GB
+each spent (this process, every thread, user + system time: the kernel's copies into the page
+cache count), and ``ucpd`` as a ratio to each of the others *within a repetition* (median and
+range of those ratios). One more run
 per case counts what the flush reads: every byte that passes through a ``ucpd.native`` call
 (a fused copy+CRC is one pass) and every byte given to a buffered ``pwrite`` (the kernel copies
 it into the page cache), per byte flushed.
@@ -58,7 +63,6 @@ from ucpd.ucl import Replicated, Shard
 
 MiB = 1 << 20
 ODIRECT_BLOCK = 16 * MiB
-ODIRECT_DEPTH = 4  # writes in flight: the floor keeps the device queue full
 JOB = "bench"
 
 
@@ -173,7 +177,7 @@ def fsync_path(p: Path, directory: bool = False) -> None:
         os.close(fd)
 
 
-def run_odirect(d: Path, total: int, block: np.ndarray, depth: int = ODIRECT_DEPTH) -> float:
+def run_odirect(d: Path, total: int, block: np.ndarray, depth: int) -> float:
     """``total`` bytes written in order with O_DIRECT into a preallocated file, ``depth`` block
     writes in flight, then fsync."""
     from concurrent.futures import ThreadPoolExecutor
@@ -313,7 +317,8 @@ def bench_case(case: str, args, d: Path, shm: Path, block: np.ndarray) -> dict:
         "ucpd": lambda: run_ucpd(flusher, version),
         "ucpd-pwrite": lambda: run_ucpd(flusher, version, "pwrite"),
         "safetensors": lambda: run_safetensors(d, g),
-        "odirect": lambda: run_odirect(d, total, block),
+        "odirect": lambda: run_odirect(d, total, block, 1),
+        "odirect4": lambda: run_odirect(d, total, block, 4),
     }
     order = [k for k in runners if k in args.variants]
     counts = {}
@@ -323,9 +328,13 @@ def bench_case(case: str, args, d: Path, shm: Path, block: np.ndarray) -> dict:
                 with count_reads() as counts[k]:
                     runners[k]()
         times: dict[str, list[float]] = {k: [] for k in order}
+        cpu: dict[str, list[float]] = {k: [] for k in order}
         for rep in range(args.repeat):
             for k in order[rep % len(order) :] + order[: rep % len(order)]:
+                time.sleep(args.settle)  # let the device (and a VM host's cache) finish the last writer's work
+                c0 = time.process_time()  # every thread of this process, user + system (the kernel's copies)
                 times[k].append(runners[k]())
+                cpu[k].append(time.process_time() - c0)
     finally:
         flusher.stop()
         shutil.rmtree(shm / case, ignore_errors=True)
@@ -343,8 +352,11 @@ def bench_case(case: str, args, d: Path, shm: Path, block: np.ndarray) -> dict:
         "case": case, "tensors": len(g), "ranks": ranks, "bytes": total,
         "seconds": {k: spread(v) for k, v in times.items()},
         "GBps": {k: spread([total / t / 1e9 for t in v]) for k, v in times.items()},
+        "cpu_s_per_GB": {k: spread([c / (total / 1e9) for c in v]) for k, v in cpu.items()},
         "ucpd_speed_vs": {
-            k: spread([o / u for u, o in zip(times["ucpd"], times[k])]) for k in order if k != "ucpd" and "ucpd" in times
+            **{k: spread([o / u for u, o in zip(times["ucpd"], times[k])]) for k in order if k != "ucpd" and "ucpd" in times},
+            **({"floor": spread([min(a, b) / u for u, a, b in zip(times["ucpd"], times["odirect"], times["odirect4"])])}
+               if {"ucpd", "odirect", "odirect4"} <= set(times) else {}),
         },
         "reads_per_byte": {k: reads(c) for k, c in counts.items()},
         "raw_seconds": times,
@@ -358,9 +370,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="one,gpt,tp4")
     ap.add_argument("--dir", default="/var/tmp", help="file system to write to (a real disk; a fresh temp folder inside)")
     ap.add_argument("--shm", default="/dev/shm", help="where the slots live (tmpfs)")
-    ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--variants", default="ucpd,ucpd-pwrite,safetensors,odirect",
-                    help="ucpd (the flush, default I/O), ucpd-pwrite (UCPD_FLUSH_IO=pwrite), safetensors, odirect")
+    ap.add_argument("--repeat", type=int, default=3, help="repetitions (benchmarks/RESULTS.md: 5)")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds of quiet before each timed write")
+    ap.add_argument("--variants", default="ucpd,ucpd-pwrite,safetensors,odirect,odirect4",
+                    help="ucpd (the flush, default I/O), ucpd-pwrite (UCPD_FLUSH_IO=pwrite), safetensors, odirect "
+                         "(one write in flight), odirect4 (four); with both, ucpd/floor is against the faster")
     ap.add_argument("--json", default=None, help="write the results as JSON here")
     args = ap.parse_args(argv)
     args.variants = args.variants.split(",")
@@ -382,21 +396,31 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
 
     print(f"dir {args.dir} ({'tmpfs' if is_tmpfs(Path(args.dir).resolve()) else 'disk'}); {args.repeat} repetitions; "
-          f"{os.cpu_count()} CPUs; load at start {info['loadavg_at_start']}; O_DIRECT floor: {ODIRECT_BLOCK >> 20} MiB "
-          f"writes, {ODIRECT_DEPTH} in flight")
+          f"{os.cpu_count()} CPUs; load at start {info['loadavg_at_start']}; O_DIRECT: {ODIRECT_BLOCK >> 20} MiB "
+          f"writes into a preallocated file, 1 (odirect) or 4 (odirect4) in flight; floor: the faster of the two")
     print("GB/s: median [min, max] of the repetitions; ucpd/x: ucpd's speed over x's within each repetition, median [min, max]")
 
     def cell(x):
         return f"{x['median']:5.2f} [{x['min']:.2f},{x['max']:.2f}]"
 
-    variants = [k for k in ("ucpd", "ucpd-pwrite", "safetensors", "odirect") if k in args.variants]
-    ratios = [k for k in variants if k != "ucpd"]
-    head = f"{'case':<5}{'tensors':>8}{'MiB':>6} " + "".join(f"{k:>19}" for k in variants) + "".join(f"{'ucpd/' + k:>21}" for k in ratios)
+    variants = [k for k in ("ucpd", "ucpd-pwrite", "safetensors", "odirect", "odirect4") if k in args.variants]
+    ratios = [k for k in variants if k != "ucpd"] + (["floor"] if {"odirect", "odirect4"} <= set(variants) else [])
+    head = f"{'case':<5}{'tensors':>8}{'MiB':>6} " + "".join(f"{k:>19}" for k in variants)
     print(head)
     print("-" * len(head))
     for r in results:
-        print(f"{r['case']:<5}{r['tensors']:>8}{r['bytes'] / MiB:>6.0f} " + "".join(f"{cell(r['GBps'][k]):>19}" for k in variants)
-              + "".join(f"{cell(r['ucpd_speed_vs'][k]):>21}" for k in ratios if k in r["ucpd_speed_vs"]))
+        print(f"{r['case']:<5}{r['tensors']:>8}{r['bytes'] / MiB:>6.0f} " + "".join(f"{cell(r['GBps'][k]):>19}" for k in variants))
+    print("CPU seconds per GB written (this process, all threads, user + system), median [min, max]:")
+    head = f"{'case':<19} " + "".join(f"{k:>19}" for k in variants)
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['case']:<19} " + "".join(f"{cell(r['cpu_s_per_GB'][k]):>19}" for k in variants))
+    head = f"{'case':<19} " + "".join(f"{'ucpd/' + k:>19}" for k in ratios)
+    print(head)
+    print("-" * len(head))
+    for r in results:
+        print(f"{r['case']:<19} " + "".join(f"{cell(r['ucpd_speed_vs'][k]):>19}" for k in ratios if k in r["ucpd_speed_vs"]))
     print("bytes read per byte flushed (a fused copy+CRC is one read; the kernel copies what is written through the page cache):")
     for r in results:
         for k, rb in r["reads_per_byte"].items():

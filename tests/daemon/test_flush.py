@@ -137,13 +137,20 @@ def store(tmp_path):
     return NodeStore(str(shm), 256 * MiB, keep=2)
 
 
+@pytest.mark.parametrize("io", ["direct", "pwrite"])
 @pytest.mark.parametrize("staging", [2 * MiB, 32 * MiB])
-def test_the_flush_reads_each_byte_once_and_writes_valid_files(store, tmp_path, monkeypatch, staging):
+def test_the_flush_reads_each_byte_once_and_writes_valid_files(store, tmp_path, monkeypatch, staging, io):
+    from ucpd.daemon import flush
     from ucpd.format import writer
 
     g, parts = megatron_state(np.random.default_rng(0))
     version = commit(store, 4, parts)
-    monkeypatch.setattr(writer, "DEFAULT_STAGING_BYTES", staging)  # small halves: blocks cut chunks
+    real_write_version = flush.write_version
+    monkeypatch.setattr(flush, "write_version", lambda *a, **k: real_write_version(*a, staging_bytes=staging, **k))
+    monkeypatch.setenv("UCPD_FLUSH_IO", io)
+    staged = []  # the row blocks: with small halves they cut the snapshot's chunks
+    real_block = flush.ConsolidatingCopier.block
+    monkeypatch.setattr(flush.ConsolidatingCopier, "block", lambda self, c, dst, origin, chunk: staged.append(dst.nbytes) or real_block(self, c, dst, origin, chunk))
     read = {}
     for name in ("copy_crc_windows", "copy_batch", "scatter_crc_batch", "crc32c_chunks", "crc32c", "copy_window"):
         def counted(*a, _f=getattr(native, name), _n=name, **k):
@@ -161,6 +168,7 @@ def test_the_flush_reads_each_byte_once_and_writes_valid_files(store, tmp_path, 
     assert flusher.progress.last_error is None and flusher.progress.last_flushed == 1
     assert set(read) == {"copy_crc_windows"}
     assert sum(checksummed) == 0  # the writer checksummed only the (empty) plain values
+    assert max(staged) <= staging // 2 and (staging > 8 * MiB or any(n % MiB for n in staged))
     root = tmp_path / "flush" / version.job
     assert validate(str(root)) == []
     with open_version(str(root), 1) as r:
