@@ -359,6 +359,17 @@ def crc32c_chunks_ptr(
     return _call(_native.crc32c_chunks_ptr, ptr, nbytes, chunk, _threads(threads))
 
 
+def crc32c_chunks_batch(
+    items: Sequence[tuple[int, int]], chunk: int = CHUNK_BYTES, threads: Optional[int] = None
+) -> list[list[int]]:
+    """:func:`crc32c_chunks_ptr` of many ``(ptr, nbytes)`` buffers in one call (one GIL release;
+    every chunk of every buffer shares the thread pool, small buffers grouped): one list of
+    ``ceil(nbytes / chunk)`` CRCs per item. Read-only: the incremental snapshot's check."""
+    if chunk <= 0:
+        raise NativeError(f"chunk must be > 0, got {chunk}")
+    return _call(_native.crc32c_chunks_batch, [tuple(i) for i in items], chunk, _threads(threads))
+
+
 # ---------------------------------------------------------------------------------------------
 # parity
 

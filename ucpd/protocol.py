@@ -145,19 +145,28 @@ TENSOR_ENTRY = _record(
     },
     # skipped: this rank did not write the tensor because a lower rank writes the same
     # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
-    {"skipped": _bool},
+    # ref (an incremental snapshot): the tensor's bytes are those of the same name in the
+    # `begin`'s base version of this rank (nbytes and crcs given, offset 0); the daemon records
+    # where they live: holder, the slot that holds them, at offset (never sent by a client).
+    {"skipped": _bool, "ref": _bool, "holder": _int()},
 )
 
 
 def tensor_entry(
-    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False
+    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False,
+    ref: bool = False, holder: int | None = None,
 ) -> dict:
     """A TENSOR_ENTRY record: the one builder of it (the trainer's commit manifest, the daemon's
     ``TensorEntry.to_wire`` for the index and the peers)."""
-    return {
+    out = {
         "name": name, "dtype": dtype, "shape": list(shape), "placement": placement, "offset": offset,
         "nbytes": nbytes, "crcs": list(crcs), "skipped": skipped,
     }
+    if ref:
+        out["ref"] = True
+    if holder is not None:
+        out["holder"] = holder
+    return out
 
 
 # A tensor a restore wants filled.
@@ -186,8 +195,10 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
-            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name},
-            "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip}",
+            # base: the step an incremental snapshot's `ref` tensors point into (this rank's part of
+            # it); the reply's `base` is that step when it can be used, else None (copy everything)
+            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name, "base": _int()},
+            "ask for a free slot of at least nbytes for step; reply: {slot, path, size, skip, spares, base}",
         ),
         MessageType(
             "commit",

@@ -405,4 +405,37 @@ void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threa
   });
 }
 
+void crc32c_chunks_batch(const std::vector<const void*>& data, const std::vector<std::size_t>& n, std::size_t chunk,
+                         int threads, const std::vector<uint32_t*>& out) {
+  // every chunk of every buffer is a piece; a task is a run of pieces of at least ~1 MiB, so
+  // small buffers are grouped and large ones split
+  struct Piece {
+    std::size_t item, index;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::size_t> starts{0};  // task t covers pieces [starts[t], starts[t + 1])
+  std::size_t bytes = 0;
+  for (std::size_t k = 0; k < data.size(); ++k) {
+    for (std::size_t i = 0; i * chunk < n[k]; ++i) {
+      pieces.push_back({k, i});
+      bytes += std::min(chunk, n[k] - i * chunk);
+      if (bytes >= (1u << 20)) {
+        starts.push_back(pieces.size());
+        bytes = 0;
+      }
+    }
+  }
+  if (starts.back() != pieces.size()) starts.push_back(pieces.size());
+  if (pieces.empty()) return;
+  backend();
+  parallel_for(starts.size() - 1, threads, [&](std::size_t t) {
+    for (std::size_t j = starts[t]; j < starts[t + 1]; ++j) {
+      const Piece& pc = pieces[j];
+      const std::size_t off = pc.index * chunk;
+      out[pc.item][pc.index] =
+          crc32c_update(0, static_cast<const unsigned char*>(data[pc.item]) + off, std::min(chunk, n[pc.item] - off));
+    }
+  });
+}
+
 }  // namespace ucpd

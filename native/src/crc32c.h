@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace ucpd {
 
@@ -33,5 +34,11 @@ bool crc32c_copy_fused();  // whether crc32c_copy is the one-pass kernel
 // Per-chunk CRCs: out[i] = crc32c of bytes [i*chunk, min((i+1)*chunk, n)). `out` holds
 // ceil(n / chunk) values (none when n == 0). Chunks are spread over `threads` threads.
 void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threads, uint32_t* out);
+
+// crc32c_chunks over many buffers in one parallel pass: out[k] receives the chunk CRCs of
+// (data[k], n[k]) (sized by the caller). Every chunk of every buffer is one task, so many small
+// buffers share the threads as well as one large one does (a read-only incremental check).
+void crc32c_chunks_batch(const std::vector<const void*>& data, const std::vector<std::size_t>& n, std::size_t chunk,
+                         int threads, const std::vector<uint32_t*>& out);
 
 }  // namespace ucpd

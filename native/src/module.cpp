@@ -196,6 +196,34 @@ NB_MODULE(_native, m) {
     return chunks(as_ptr(ptr), n, chunk, threads);
   }, "ptr"_a, "nbytes"_a, "chunk"_a, "threads"_a);
 
+  m.def("crc32c_chunks_batch", [](nb::handle items, std::size_t chunk, int threads) -> nb::object {
+    // items: iterable of (ptr, nbytes); returns one list of chunk CRCs per item
+    threads = check_threads(threads);
+    if (chunk == 0) throw std::invalid_argument("crc32c_chunks_batch: chunk must be > 0");
+    std::vector<const void*> data;
+    std::vector<std::size_t> sizes;
+    for (nb::handle it : items) {
+      nb::tuple t = nb::cast<nb::tuple>(it);
+      if (t.size() != 2) throw std::invalid_argument("crc32c_chunks_batch: each item must be a (ptr, nbytes) tuple");
+      const uintptr_t ptr = nb::cast<uintptr_t>(t[0]);
+      const std::size_t n = nb::cast<std::size_t>(t[1]);
+      if (n && !ptr) throw std::invalid_argument("crc32c_chunks_batch: null pointer in a non-empty item");
+      data.push_back(reinterpret_cast<const void*>(ptr));
+      sizes.push_back(n);
+    }
+    std::vector<std::vector<uint32_t>> crcs(data.size());
+    std::vector<uint32_t*> out(data.size());
+    for (std::size_t k = 0; k < data.size(); ++k) {
+      crcs[k].resize((sizes[k] + chunk - 1) / chunk);
+      out[k] = crcs[k].data();
+    }
+    {
+      nb::gil_scoped_release nogil;
+      crc32c_chunks_batch(data, sizes, chunk, threads, out);
+    }
+    return crc_lists(crcs);
+  }, "items"_a, "chunk"_a, "threads"_a);
+
   // ---- parity ----
   m.def("xor_parity", [](nb::handle out, nb::handle inputs, int threads) {
     threads = check_threads(threads);

@@ -180,7 +180,10 @@ def _decode(data: bytes) -> dict:
             packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
             tensors = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", packed)
             for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
-                _need(sid not in sizes or t["offset"] + t["nbytes"] <= sizes[sid], f"tensor {t['name']!r} ends outside slot {sid}")
+                holder = t["holder"]  # an incremental snapshot's reference: its bytes are in that slot
+                _need(bool(t["ref"]) == (holder is not None) and holder != sid, f"tensor {t['name']!r}: a malformed reference")
+                where = sid if holder is None else holder
+                _need(where not in sizes or t["offset"] + t["nbytes"] <= sizes[where], f"tensor {t['name']!r} ends outside slot {where}")
             objects = rp.get("objects")
             _need(isinstance(objects, bytes), "objects are not bytes")
             crc = rp.get("objects_crc")
@@ -193,6 +196,17 @@ def _decode(data: bytes) -> dict:
         versions.append(v)
     out["versions"] = versions
     return out
+
+
+def _keep_holders(store, slots: SlotStore) -> None:
+    """The slots that the adopted versions' references read stay held, also those whose own
+    version is gone (``NodeStore`` counts them as orphans)."""
+    for v in store.versions():
+        for p in v.parts.values():
+            for t in p.tensors:
+                slot = slots.slots[t.holder] if t.holder is not None else None
+                if slot is not None and slot.state is SlotState.FREE:
+                    slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, None, v.job
 
 
 def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
@@ -225,6 +239,8 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
             for rp in raw["parts"]:
                 if rp["slot"] not in slots.slots or rp["rank"] in parts or slots.slots[rp["slot"]].state is SlotState.HELD:
                     break
+                if any(t["holder"] is not None and t["holder"] not in slots.slots for t in rp["tensors"]):
+                    break  # a reference whose bytes are gone
                 tensors = [TensorEntry.from_wire(t) for t in rp["tensors"]]
                 parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp["layout"], rp["objects_crc"])
             else:
@@ -242,6 +258,7 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                     slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, v.step, job
                 continue
             dropped.append(f"step {raw['step']}: a slot it needs is gone")
+        _keep_holders(store, slots)
     for slot in [s for s in slots.slots.values() if s.state is SlotState.FREE]:
         # not holding a committed version: a trainer that outlived the old daemon may still be
         # writing into it, so it is never lent again (its mapping keeps the old inode alive)

@@ -48,14 +48,16 @@ def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
 
 
 def from_ram(version, slot_path) -> SourceSet:
-    """Sources of a version held in RAM: its ranks' tensors inside their slots."""
+    """Sources of a version held in RAM: its ranks' tensors inside their slots (a reference's
+    inside its holder slot)."""
     tensors, same = {}, {}
     for rank, part in version.parts.items():
         path = slot_path(part.slot)
         for idx, t in enumerate(part.tensors):
             if t.skipped:
                 continue
-            tensors[(rank, idx)] = SourceTensor(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+            where = path if t.holder is None else slot_path(t.holder)  # a reference: a previous version's slot
+            tensors[(rank, idx)] = SourceTensor(where, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
             same.setdefault(_signature(t.name, t.dtype, t.shape, t.key()), (rank, idx))
     globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
     return SourceSet(globals_, tensors, same)

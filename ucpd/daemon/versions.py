@@ -129,6 +129,9 @@ class TensorEntry:
     nbytes: int
     crcs: tuple[int, ...]
     skipped: bool = False  # not written: a lower rank holds the same global elements
+    # an incremental snapshot's reference: the slot that holds the bytes (at ``offset``), a
+    # previous version's; None: the part's own slot
+    holder: int | None = None
     # computed once when the entry is validated: the placement's canonical key, its fragments
     pkey: str = field(default="", compare=False, repr=False)
     frags: tuple | None = field(default=None, compare=False, repr=False)
@@ -151,12 +154,13 @@ class TensorEntry:
         schema): a commit's manifest, the index, a peer's part."""
         return cls(
             raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
-            tuple(raw["crcs"]), bool(raw.get("skipped")), pkey, frags,
+            tuple(raw["crcs"]), bool(raw.get("skipped")), raw.get("holder"), pkey, frags,
         )
 
     def to_wire(self) -> dict:
         return tensor_entry(
-            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped
+            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped,
+            ref=self.holder is not None, holder=self.holder,
         )
 
 
@@ -522,6 +526,11 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     for d in raw["shape"]:
         numel *= d
     skipped = bool(raw.get("skipped"))
+    ref = bool(raw.get("ref"))
+    if raw.get("holder") is not None:
+        raise ProtocolError(f"rank {rank}: tensor {name!r} names a holder slot; only the daemon records where a reference's bytes live")
+    if ref and (skipped or raw["offset"]):
+        raise ProtocolError(f"rank {rank}: reference {name!r} must have offset 0 and not be skipped")
     if skipped:
         if raw["nbytes"] or raw["crcs"]:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
@@ -533,7 +542,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
             f"rank {rank}: tensor {name!r} is {raw['dtype']}{list(raw['shape'])} = {numel * dt.itemsize} bytes, "
             f"but the entry says {raw['nbytes']}"
         )
-    if raw["offset"] + raw["nbytes"] > slot_size:
+    if not ref and raw["offset"] + raw["nbytes"] > slot_size:
         raise ProtocolError(
             f"rank {rank}: tensor {name!r} at offset {raw['offset']} with {raw['nbytes']} bytes "
             f"ends outside its {slot_size}-byte slot"
