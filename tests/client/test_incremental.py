@@ -4,6 +4,8 @@ change — with or without bumping its version counter — makes it copied again
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -169,8 +171,6 @@ def test_a_flushed_version_with_references_holds_the_right_bytes(make_daemon, di
         c.snapshot(1, state).wait()
         x.add_(1)
         assert c.snapshot(2, state).wait().shared == 1
-        import time
-
         deadline = time.monotonic() + 60
         while c.status()["flush"]["last_flushed"] != 2:
             assert time.monotonic() < deadline, "step 2 was not flushed"
@@ -236,3 +236,22 @@ def test_a_base_that_could_not_commit_means_a_full_copy(daemon):
             c.close()
     assert_same(restore_step(daemon.run_dir, {"frozen": frozen, "x": torch.zeros(20)}, 3),
                 {"frozen": frozen, "x": torch.full((20,), 3.0)})
+
+
+def test_slots_shrink_to_what_an_incremental_snapshot_copies(make_daemon):
+    d = make_daemon("--mem-limit", "256M", "--keep", "2", flush=False)
+    frozen, x = torch.randn(4 << 20), torch.randn(1 << 18)  # 16 MiB frozen, 1 MiB trained
+    state = {"frozen": frozen, "x": x}
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as c:
+        for step in range(1, 10):
+            x.add_(1)
+            c.snapshot(step, state).wait()
+            deadline = time.monotonic() + 30
+            while c.status()["slots"]["warming"]:  # each snapshot finds the spares it asked for
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        used = c.status()["mem_used"]
+    # the first (full) snapshot's 18 MiB slot holds frozen's bytes; the rotation (--keep 2
+    # versions and the one being written) is of 2 MiB slots: 24 MiB, not 3 x 18 MiB
+    assert used <= 24 << 20, used >> 20
+    assert_same(restore_step(d.run_dir, state, 9), state)

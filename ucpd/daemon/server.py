@@ -260,7 +260,7 @@ class Daemon:
         slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
-            self.prep.warm(rank, slot.size)
+            self.prep.warm(rank, self.store.slots.round_size(nbytes))  # what it needs now, not the slot's size
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
             return begin_reply(slot, skip, self.prep.ready_spares(rank), base)
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
