@@ -231,7 +231,8 @@ class Checkpointer:
         # the last restore's {"step", "where"}: "ram" (this node's or the team's) or "disk" (the flush dir)
         self.last_restore: dict | None = None
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
-        self._incremental = Tracker() if incremental else None
+        # a team of daemons copies parts by their slot bytes: it never takes references
+        self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
         self._job = {"incarnation": self.job_id} if self.job_id else {}
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.world_size
         self._job["local_world_size"] = min(local, self.world_size)

@@ -5,10 +5,10 @@ For every tensor it wrote, the rank remembers what its last sealed snapshot held
 placement, storage address, version counter (``t._version``) and chunk CRC32Cs. At the next
 snapshot a CPU tensor whose version counter moved is copied, as always. One whose counter did
 not move is only a *candidate*: the counter misses writes through ``t.data`` and through numpy
-views, so its chunk CRCs are computed again, read-only (``native.crc32c_chunks_batch``, every
-chunk of every candidate on the copy's threads), and it is a reference only when every one of
-them equals the remembered one. CUDA tensors and non-contiguous ones are always copied (a
-device-side checksum is a later step).
+views, so its chunks are checksummed again, read-only (``native.crc32c_chunks_match``: every
+chunk of every candidate on the copy's threads, a tensor given up at its first chunk that
+differs), and it is a reference only when every chunk's CRC32C equals the remembered one. CUDA
+tensors and non-contiguous ones are always copied (a device-side checksum is a later step).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ class Tracker:
         (before its check and its copy)."""
         return {e.name: (e.tensor.data_ptr(), _version(e.tensor)) for e in entries if not e.tensor.is_cuda}
 
-    def unchanged(self, entries: list[Entry], seen: dict, threads: int) -> dict[str, list[int]]:
+    def unchanged(self, entries: list[Entry], seen: dict, threads: int) -> dict[str, tuple[int, ...]]:
         """The entries whose bytes are the base's, with their chunk CRCs. Only candidates (same
         signature, address and version counter) are read; a CRC that differs anywhere means
         the tensor changed."""
@@ -68,8 +68,9 @@ class Tracker:
                 candidates.append((e, held))
         if not candidates:
             return {}
-        crcs = native.crc32c_chunks_batch([(e.tensor.data_ptr(), e.nbytes) for e, _ in candidates], native.CHUNK_BYTES, threads)
-        return {e.name: got for (e, held), got in zip(candidates, crcs) if tuple(got) == held.crcs}
+        same = native.crc32c_chunks_match([(e.tensor.data_ptr(), e.nbytes, held.crcs) for e, held in candidates],
+                                          native.CHUNK_BYTES, threads)
+        return {e.name: held.crcs for (e, held), ok in zip(candidates, same) if ok}
 
     def sealed(self, step: int, entries: list[Entry], crcs: dict[str, list[int]], seen: dict) -> None:
         """The snapshot of ``step`` is sealed: it is the base of the next one. ``crcs``: the

@@ -1,6 +1,8 @@
 #include "crc32c.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 
@@ -405,10 +407,9 @@ void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threa
   });
 }
 
-void crc32c_chunks_batch(const std::vector<const void*>& data, const std::vector<std::size_t>& n, std::size_t chunk,
-                         int threads, const std::vector<uint32_t*>& out) {
-  // every chunk of every buffer is a piece; a task is a run of pieces of at least ~1 MiB, so
-  // small buffers are grouped and large ones split
+std::vector<bool> crc32c_chunks_match(const std::vector<const void*>& data, const std::vector<std::size_t>& n,
+                                      const std::vector<const uint32_t*>& expected, std::size_t chunk, int threads) {
+  // every chunk of every buffer is a piece; a task is a run of pieces of at least ~1 MiB
   struct Piece {
     std::size_t item, index;
   };
@@ -426,16 +427,24 @@ void crc32c_chunks_batch(const std::vector<const void*>& data, const std::vector
     }
   }
   if (starts.back() != pieces.size()) starts.push_back(pieces.size());
-  if (pieces.empty()) return;
-  backend();
-  parallel_for(starts.size() - 1, threads, [&](std::size_t t) {
-    for (std::size_t j = starts[t]; j < starts[t + 1]; ++j) {
-      const Piece& pc = pieces[j];
-      const std::size_t off = pc.index * chunk;
-      out[pc.item][pc.index] =
-          crc32c_update(0, static_cast<const unsigned char*>(data[pc.item]) + off, std::min(chunk, n[pc.item] - off));
-    }
-  });
+  std::unique_ptr<std::atomic<bool>[]> differs(new std::atomic<bool>[data.size()]);
+  for (std::size_t k = 0; k < data.size(); ++k) differs[k].store(false, std::memory_order_relaxed);
+  if (!pieces.empty()) {
+    backend();
+    parallel_for(starts.size() - 1, threads, [&](std::size_t t) {
+      for (std::size_t j = starts[t]; j < starts[t + 1]; ++j) {
+        const Piece& pc = pieces[j];
+        if (differs[pc.item].load(std::memory_order_relaxed)) continue;
+        const std::size_t off = pc.index * chunk;
+        const uint32_t got =
+            crc32c_update(0, static_cast<const unsigned char*>(data[pc.item]) + off, std::min(chunk, n[pc.item] - off));
+        if (got != expected[pc.item][pc.index]) differs[pc.item].store(true, std::memory_order_relaxed);
+      }
+    });
+  }
+  std::vector<bool> out(data.size());
+  for (std::size_t k = 0; k < data.size(); ++k) out[k] = !differs[k].load();
+  return out;
 }
 
 }  // namespace ucpd

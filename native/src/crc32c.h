@@ -35,10 +35,11 @@ bool crc32c_copy_fused();  // whether crc32c_copy is the one-pass kernel
 // ceil(n / chunk) values (none when n == 0). Chunks are spread over `threads` threads.
 void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threads, uint32_t* out);
 
-// crc32c_chunks over many buffers in one parallel pass: out[k] receives the chunk CRCs of
-// (data[k], n[k]) (sized by the caller). Every chunk of every buffer is one task, so many small
-// buffers share the threads as well as one large one does (a read-only incremental check).
-void crc32c_chunks_batch(const std::vector<const void*>& data, const std::vector<std::size_t>& n, std::size_t chunk,
-                         int threads, const std::vector<uint32_t*>& out);
+// Whether every chunk CRC of each buffer (data[k], n[k]) equals expected[k][i] (ceil(n[k] / chunk)
+// values each): one parallel pass over the chunks of all buffers (small buffers grouped into
+// ~1 MiB tasks), a buffer's remaining chunks skipped once one differs. Read-only: the incremental
+// snapshot's check of the tensors that may not have changed.
+std::vector<bool> crc32c_chunks_match(const std::vector<const void*>& data, const std::vector<std::size_t>& n,
+                                      const std::vector<const uint32_t*>& expected, std::size_t chunk, int threads);
 
 }  // namespace ucpd

@@ -5,7 +5,9 @@ job with every rank's manifest (each packed once, as a msgpack blob of its own).
 file that is then renamed over the old one: a crash mid-update leaves the old index or the
 new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
-Versions that were not complete come back as nothing.
+Versions that were not complete come back as nothing. An incremental snapshot's reference
+names its holder slot: a holder whose own version is gone stays held for it, and a version whose
+holder is gone is not re-adopted.
 
 The file is ``{"index_version": 2, "crc32c": CRC32C(body), "body": msgpack(doc)}``: a flipped
 byte or a cut anywhere fails the checksum (or the decode), and every field of the document is

@@ -252,11 +252,19 @@ class Daemon:
         }
 
     def _on_begin(self, ident, req_id, body):
-        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
+        rank, step, job = body["rank"], body["step"], _job(body)
         self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"], job)
         if self.flusher is not None:
             self.flusher.interval.on_begin(job, body.get("incarnation"))  # a new run: a restart
         base = self.store.begin_base(job, rank, step, body.get("base"))  # before a slot is freed for it
+        try:
+            return self._lend(ident, req_id, body, base)
+        except Exception:
+            self.store.end_base(job, rank, step)  # no slot: nothing will read the base for it
+            raise
+
+    def _lend(self, ident, req_id, body, base):
+        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
         slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
@@ -455,6 +463,7 @@ class Daemon:
                 if exc is not None:
                     self.store.drop_new_slot(sid)
                     if parked is not None:
+                        self.store.end_base(parked.job, parked.rank, parked.step)
                         err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
                         self._reply(parked.ident, protocol.error(parked.req_id, err))
                     elif not isinstance(exc, UcpdError):

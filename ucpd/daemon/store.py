@@ -129,7 +129,7 @@ class NodeStore:
             raise SnapshotRejected(
                 f"job {job!r}: steps {sorted(pinned)} are being restored or flushed right now; drop it again when that is over"
             )
-        steps, nbytes = [], 0
+        steps, nbytes = [], sum(self.slots.slots[sid].size for sid in self.orphans if self.slots.slots[sid].job == job)
         for v in sorted(t.versions.values() if t else (), key=lambda v: v.step):
             if v.parts:
                 nbytes += sum(self.slots.slots[p.slot].size for p in v.parts.values() if p.slot in self.slots.slots)
@@ -139,7 +139,7 @@ class NodeStore:
             nbytes += slot.size
             self.slots.release(slot.id)
         for key in [k for k in self._bases if k[0] == job]:
-            self._end_base(*key)
+            self.end_base(*key)
         self.tables.pop(job, None)
         if self.team_job == job:
             self.team_job = None
@@ -293,7 +293,7 @@ class NodeStore:
             committed = table.seal(version, part)  # may commit it (the policy decides)
         except Exception:
             self._dedupe_ok = False
-            self._end_base(job, rank)
+            self.end_base(job, rank)
             self.slots.release(sid)
             if len(version.parts) + 1 == version.world_size:
                 # every rank sealed but it cannot commit: waiters hear why now
@@ -375,7 +375,7 @@ class NodeStore:
     def abort(self, rank: int, step: int, sid: int, job: str = DEFAULT_JOB) -> None:
         slot = self.slots.slots.get(sid)
         if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step and slot.job == job:
-            self._end_base(job, rank, step)
+            self.end_base(job, rank, step)
             self.slots.release(sid)
 
     def _after_commit(self, v: Version) -> None:
@@ -386,7 +386,7 @@ class NodeStore:
             self._give_back(table.abandon(old), indexed)
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
             if slot.state is SlotState.WRITING and slot.job == v.job and slot.step is not None and slot.step < v.step:
-                self._end_base(v.job, slot.rank, slot.step)
+                self.end_base(v.job, slot.rank, slot.step)
                 self.slots.release(slot.id)
         faults.point("commit.local", v.step)  # test-only crash points (ucpd.faults; inert in production)
         self.save_index()
@@ -494,7 +494,7 @@ class NodeStore:
         when that part is in RAM (its slots then stay readable until this snapshot is sealed or
         given up, even if ``base`` is evicted meanwhile), else None (the rank copies everything).
         A team of daemons replicates parts by their slot bytes: never usable there."""
-        self._end_base(job, rank)
+        self.end_base(job, rank)
         if base is None or base >= step or getattr(self._policy, "local_parts", False):
             return None
         v = self.tables[job].versions.get(base) if job in self.tables else None
@@ -505,8 +505,9 @@ class NodeStore:
         self._bases[(job, rank)] = (step, base, part)
         return base
 
-    def _end_base(self, job: str, rank: int, step: int | None = None) -> None:
-        """The rank's snapshot (of ``step``, or any) with a base is sealed or given up."""
+    def end_base(self, job: str, rank: int, step: int | None = None) -> None:
+        """The rank's snapshot (of ``step``, or any) with a base is sealed or given up (also
+        when its begin failed: no slot for it)."""
         held = self._bases.get((job, rank))
         if held is not None and (step is None or held[0] == step):
             del self._bases[(job, rank)]
@@ -540,7 +541,7 @@ class NodeStore:
     def _seal_refs(self, job: str, rank: int, part: RankPart) -> None:
         """A sealed part reads its references' holders from now on (instead of its begin's base)."""
         self.refs.set(part.slot, _holders(part))
-        self._end_base(job, rank)
+        self.end_base(job, rank)
 
     def _release_unread(self, sids) -> None:
         """Slots nobody reads any more: an orphan (its version gone) is given back."""
