@@ -332,8 +332,8 @@ class Checkpointer:
         conn = self._conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         incr = self._incremental
-        seen = incr.observe(entries) if incr is not None else {}
-        refs = incr.unchanged([e for e in entries if e.name not in self._skip], seen, knobs.copy_threads()) if incr else {}
+        seen = incr.observe(entries) if incr is not None else []
+        refs = incr.unchanged(entries, seen, knobs.copy_threads(), self._skip) if incr is not None else {}
         handle.timings["checked"] = time.perf_counter()
         reply, write, skipped, refs = self._begin(conn, handle.step, entries, refs)
         handle.timings["slot"] = time.perf_counter()
@@ -370,7 +370,7 @@ class Checkpointer:
         faults.point("client.sealed", handle.step)
         self._signatures = {e.name: e.signature for e in entries}
         if incr is not None:
-            incr.sealed(handle.step, entries, {**crcs, **refs}, seen)
+            incr.sealed(handle.step, entries, seen, {**crcs, **refs})
         handle.timings["sealed"] = time.perf_counter()
         handle.skipped = len(skipped)
         handle.shared, handle.shared_bytes = len(refs), sum(e.nbytes for e in entries if e.name in refs)

@@ -10,9 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from ucpd import native
 from ucpd.format import open_version, validate
 from ucpd.native import CHUNK_BYTES
 from ucpd_client import Checkpointer, placement as P
+from ucpd_client.incremental import Tracker
+from ucpd_client.staging import Entry
 
 from helpers import TEST_JOB
 
@@ -61,14 +64,49 @@ def _last_chunk(x):
     x.data[-1] += 1  # the last (partial) chunk only, through .data: no version bump
 
 
+def _first_bytes(x):
+    x.numpy()[0] += 1  # inside the probe of a large tensor, through numpy: no version bump
+
+
 CHANGES = {"in place": _in_place, "under no_grad": _no_grad, "through .data": _data, "through a numpy view": _numpy,
-           "copy_": _copy, "last chunk only": _last_chunk}
+           "copy_": _copy, "last chunk only": _last_chunk, "first bytes only": _first_bytes}
+LARGE = ("last chunk only", "first bytes only")  # of a tensor of several chunks
+
+
+def test_the_tracker_reads_candidates_only_and_trusts_only_checksums():
+    replicated = {"kind": "replicated"}
+    a, b, c = frozen_tensor(), torch.randn(10), torch.randn(4, 4)
+    tracker = Tracker()
+
+    def entries():
+        return [Entry("a", a, replicated), Entry("b", b, replicated), Entry("c", c.t(), replicated)]
+
+    def seal(step):
+        es = entries()
+        seen = tracker.observe(es)
+        tracker.sealed(step, es, seen, {e.name: native.crc32c_chunks(e.tensor.contiguous().numpy()) for e in es})
+
+    def unchanged(es=None):
+        es = es or entries()
+        return set(tracker.unchanged(es, tracker.observe(es), 2))
+
+    assert unchanged() == set()  # nothing sealed yet
+    seal(1)
+    assert unchanged() == {"a", "b"}  # c is not contiguous: always copied
+    b.add_(1)  # its version counter moves: not even read
+    a.data[-1] += 1  # nothing moves, its last chunk differs
+    assert unchanged() == set()
+    seal(2)
+    assert unchanged([Entry("a", a.view(-1, 4), replicated)]) == set()  # same bytes, another shape
+    assert unchanged([Entry("a", a, {"kind": "shard", "dim": 0, "index": 0, "parts": 1})]) == set()
+    tracker.forget()
+    assert unchanged() == set()
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_a_changed_tensor_is_copied_and_an_unchanged_one_is_not(daemon, change):
     frozen = frozen_tensor()
-    x = frozen_tensor(1) if change == "last chunk only" else torch.randn(1000)
+    x = frozen_tensor(1) if change in LARGE else torch.randn(1000)
     state = {"frozen": frozen, "x": x}
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as c:
         first = c.snapshot(1, state).wait()
