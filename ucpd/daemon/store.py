@@ -260,7 +260,8 @@ class NodeStore:
                 f"rank {rank} of job {job!r} commits step {step} into slot {sid}, which is not lent to it for that step"
             )
         entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
-        if any(t.get("ref") for t in body["tensors"]):
+        has_refs = any(t.get("ref") for t in body["tensors"])
+        if has_refs:
             entries = self._resolve_refs(job, rank, step, entries, body["tensors"])
         names = set()
         end = 0
@@ -300,9 +301,9 @@ class NodeStore:
                 self._give_back(table.abandon(version, sys.exc_info()[1]), indexed=False)
             raise
         self.slots.hold(slot)
-        self._seal_refs(job, rank, part)
+        self._seal_refs(job, rank, part, has_refs)
         self.counters.snapshots += 1
-        shared = sum(t.nbytes for t in part.tensors if t.holder is not None)
+        shared = sum(t.nbytes for t in part.tensors if t.holder is not None) if has_refs else 0
         self.counters.snapshot_bytes += part.nbytes - shared
         self.counters.snapshot_shared_bytes += shared
         for v in committed:
@@ -538,9 +539,10 @@ class NodeStore:
             out.append(replace(e, offset=b.offset, holder=part.slot if b.holder is None else b.holder))
         return out
 
-    def _seal_refs(self, job: str, rank: int, part: RankPart) -> None:
+    def _seal_refs(self, job: str, rank: int, part: RankPart, has_refs: bool) -> None:
         """A sealed part reads its references' holders from now on (instead of its begin's base)."""
-        self.refs.set(part.slot, _holders(part))
+        if has_refs:
+            self.refs.set(part.slot, _holders(part))
         self.end_base(job, rank)
 
     def _release_unread(self, sids) -> None:
