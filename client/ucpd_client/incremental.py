@@ -11,8 +11,10 @@ differs), and it is a reference only when every chunk's CRC32C equals the rememb
 tensor of more than one chunk is first probed: the CRC32C of its first ``PROBE_BYTES``, taken
 as each snapshot reads it, must equal the last one's, so parameters that an optimizer rewrites
 without moving their counter (views into a flat buffer, as ZeRO keeps them) cost a few KiB, not
-a chunk, to tell changed. CUDA tensors and non-contiguous ones are always copied (a
-device-side checksum is a later step).
+a chunk, to tell changed. CUDA tensors, non-contiguous ones and those under ``MIN_BYTES`` are
+always copied: the check and the bookkeeping cost a few microseconds per tensor, what copying
+64 KiB costs (a rank of 10^5 small expert tensors would pay more than it saves); a device-side
+checksum is a later step.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ucpd import native
 from .staging import Entry
 
 PROBE_BYTES = 4096
+MIN_BYTES = 64 << 10  # smaller tensors are always copied
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -46,11 +49,12 @@ class Tracker:
     def observe(self, entries: list[Entry]) -> list[tuple | None]:
         """Each entry's storage address, version counter and probe (the CRC32C of the first
         ``PROBE_BYTES`` of a contiguous tensor of more than one chunk, else None) as this
-        snapshot reads it, before its check and its copy; None for a CUDA tensor."""
+        snapshot reads it, before its check and its copy; None for a tensor always copied (CUDA,
+        under ``MIN_BYTES``)."""
         out = []
         for e in entries:
             t = e.tensor
-            if t.is_cuda:
+            if t.nbytes < MIN_BYTES or t.is_cuda:
                 out.append(None)
                 continue
             ptr = t.data_ptr()
