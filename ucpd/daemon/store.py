@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .. import faults
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
@@ -22,7 +22,8 @@ from . import index
 from .slot_refs import SlotRefs
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
 from .versions import (
-    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry,
+    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, _entry, duplicates,
+    validate_entry,
 )
 
 log = logging.getLogger("ucpd.store")
@@ -536,7 +537,9 @@ class NodeStore:
                     f"rank {rank}: tensor {e.name!r} of step {step} is sent as unchanged since step {base}, but step "
                     f"{base} holds {'no such tensor' if b is None else 'another dtype, shape, placement or bytes'}"
                 )
-            out.append(replace(e, offset=b.offset, holder=part.slot if b.holder is None else b.holder))
+            holder = part.slot if b.holder is None else b.holder
+            out.append(_entry(e.name, e.dtype, e.shape, e.placement, b.offset, e.nbytes, e.crcs, False, e.pkey, e.frags,
+                              e.shared, holder))
         return out
 
     def _seal_refs(self, job: str, rank: int, part: RankPart, has_refs: bool) -> None:
