@@ -13,7 +13,7 @@ from ucpd.errors import ProtocolError, SnapshotRejected
 
 def test_request_round_trip():
     frame = protocol.request("begin", 7, rank=1, world_size=4, step=10, nbytes=4096)
-    assert protocol.decode_request(frame) == ("begin", 7, {"rank": 1, "world_size": 4, "step": 10, "nbytes": 4096, "incarnation": None, "local_world_size": None, "job": None})
+    assert protocol.decode_request(frame) == ("begin", 7, {"rank": 1, "world_size": 4, "step": 10, "nbytes": 4096, "incarnation": None, "local_world_size": None, "job": None, "base": None})
 
 
 def test_reply_carries_typed_error():

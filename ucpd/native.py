@@ -420,6 +420,22 @@ def crc32c_chunks_ptr(
     return _call(_native.crc32c_chunks_ptr, ptr, nbytes, chunk, _threads(threads))
 
 
+def crc32c_chunks_match(
+    items: Sequence[tuple[int, int, Sequence[int]]], chunk: int = CHUNK_BYTES, threads: Optional[int] = None
+) -> list[bool]:
+    """For each ``(ptr, nbytes, crcs)``: whether every ``chunk``-byte chunk of the ``nbytes`` at
+    ``ptr`` has the CRC32C given (``ceil(nbytes / chunk)`` of them). One GIL release and one pass
+    over every chunk of every buffer on the pool (small buffers grouped); a buffer's remaining
+    chunks are skipped once one differs. Read-only: the incremental snapshot's check.
+
+    Raises:
+        NativeError: ``chunk <= 0``, a wrong number of CRCs, or a null pointer with bytes.
+    """
+    if chunk <= 0:
+        raise NativeError(f"chunk must be > 0, got {chunk}")
+    return _call(_native.crc32c_chunks_match, [tuple(i) for i in items], chunk, _threads(threads))
+
+
 # ---------------------------------------------------------------------------------------------
 # parity
 

@@ -379,7 +379,8 @@ def loop_scene(st: State, floor: Floor, gap: float, warm: int, extra_flags: list
         out["touch_before"] = first_touch(st.nbytes, floor)
         log(f"[{tag}] first touch of fresh shm: {', '.join(f'{k} {fmt_seconds(v)}' for k, v in out['touch_before'].items())}")
     daemon = Daemon(tag, extra_flags)
-    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=BENCH_JOB)
+    # full copies: the state does not change between these snapshots (bench_incremental.py measures references)
+    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=BENCH_JOB, incremental=False)
     maps = MapTimer(ck)
     state = st.nested
     step = 0

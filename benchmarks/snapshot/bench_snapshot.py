@@ -481,7 +481,8 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
     # keep 1: one slot holds the committed version, one is written: 2 slots; plus a half-size
     # slot for rank 1 of the TP=2 snapshot (resharding b)
     daemon = Daemon("ram", mem_limit=2 * slot + slot // 2 + (64 << 20), keep=1)
-    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False)
+    # full copies: the state does not change between snapshots (bench_incremental.py measures references)
+    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)
     state = st.nested
     try:
         step = 0
@@ -575,8 +576,8 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
             f"median {fmt_seconds(median(ts_a))} for {half_bytes / GiB:.2f} GiB; torch.load {fmt_seconds(median(ts_load))}")
 
         # --- resharded (b): a version snapshotted by 2 TP ranks, restored whole by 1 rank
-        ck1 = Checkpointer(daemon.run_dir, rank=1, world_size=2, embedded=False)
-        ck0 = Checkpointer(daemon.run_dir, rank=0, world_size=2, embedded=False)
+        ck1 = Checkpointer(daemon.run_dir, rank=1, world_size=2, embedded=False, incremental=False)
+        ck0 = Checkpointer(daemon.run_dir, rank=0, world_size=2, embedded=False, incremental=False)
         try:
             step += 1
             shard_states, pls = [], []
@@ -641,7 +642,7 @@ def bench_flush(st: State, reps: int, res: Results, extra: dict) -> None:
     flush_dir = os.path.join(shm_dir("flushdir"), "flush")
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
     daemon = Daemon("flush", mem_limit=2 * slot + (64 << 20), keep=1, flush_dir=flush_dir)
-    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False)
+    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)  # full copies
     state = st.nested
     runs, daemon_secs = [], []
     try:

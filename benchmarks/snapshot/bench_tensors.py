@@ -50,7 +50,7 @@ def measure(count: int, nbytes: int, reps: int) -> dict:
     proc, run_dir, shm_dir = serve(str(count), f"{4 * count * numel * 4 // (1 << 20) + 256}M")
     out: dict[str, list[float]] = {"call": [], "commit": [], "restore": [], "restore_half": []}
     try:
-        with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job="bench") as ck:
+        with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job="bench", incremental=False) as ck:  # full copies
             for step in range(1, reps + 2):
                 t0 = time.perf_counter()
                 h = ck.snapshot(step, state)

@@ -35,6 +35,7 @@ from ucpd.ucl import Replicated
 
 from . import embedded as embedded_daemon, restore as restore_mod, state as state_mod
 from .errors import InvalidJobName
+from .incremental import Tracker
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
 
@@ -115,6 +116,9 @@ class SnapshotHandle:
         self._error: BaseException | None = None
         self._committed = False
         self.skipped = 0  # tensors not written because a lower rank holds the same elements
+        self.shared = 0  # tensors not copied: unchanged since the rank's previous snapshot (incremental)
+        self.shared_bytes = 0  # their bytes
+        self.copied_bytes = 0  # bytes copied into the slot
         self.timings: dict[str, float] = {"called": time.perf_counter()}
 
     def _fail(self, exc: BaseException) -> None:
@@ -181,6 +185,10 @@ class Checkpointer:
         local_world_size: the job's ranks on this node, which seal each version with this
             node's daemon (default ``$LOCAL_WORLD_SIZE`` as torchrun sets it, else
             ``world_size``). A team of daemons needs it; one node ignores it.
+        incremental: a CPU tensor unchanged since this rank's previous snapshot (its chunk
+            checksums, computed read-only, all equal) is not copied again: the new version
+            refers to the previous one's bytes (default True). CUDA tensors are always copied;
+            a team of daemons (``--nodes > 1``) always gets full copies.
     Raises:
         DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
     """
@@ -194,6 +202,7 @@ class Checkpointer:
         job_id: str | None = None,
         local_world_size: int | None = None,
         job: str | None = None,
+        incremental: bool = True,
     ):
         r, w = _default_rank_world()
         try:
@@ -222,6 +231,8 @@ class Checkpointer:
         # the last restore's {"step", "where"}: "ram" (this node's or the team's) or "disk" (the flush dir)
         self.last_restore: dict | None = None
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
+        # a team of daemons copies parts by their slot bytes: it never takes references
+        self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
         self._job = {"incarnation": self.job_id} if self.job_id else {}
         local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.world_size
         self._job["local_world_size"] = min(local, self.world_size)
@@ -286,6 +297,8 @@ class Checkpointer:
                 with gcpause.paused():  # the manifest and its messages: a few objects per tensor
                     self._take(handle, entries, values)
             except BaseException as exc:  # surfaced by staged()/wait()
+                if self._incremental is not None:
+                    self._incremental.forget()
                 handle._fail(exc)
 
     def _drop_stager(self, path: str) -> None:
@@ -293,9 +306,11 @@ class Checkpointer:
         if stager is not None:
             stager.close()
 
-    def _begin(self, conn, step: int, entries: list[Entry]) -> tuple[dict, list[Entry], set[str]]:
+    def _begin(self, conn, step: int, entries: list[Entry], refs: dict) -> tuple[dict, list[Entry], set[str], dict]:
         """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank
-        also holds (with the dtype, shape and placement of our last snapshot) are skipped.
+        also holds (with the dtype, shape and placement of our last snapshot) are skipped;
+        ``refs`` (unchanged since the base, with their CRCs) are not copied if the daemon can
+        still use the base, else everything is.
 
         The slot is asked for with last time's skip list; the reply's fresh list may only let
         us skip more (the layout shrinks, so it still fits), else we ask again."""
@@ -303,26 +318,34 @@ class Checkpointer:
         unchanged = {e.name for e in entries if last.get(e.name) == e.signature} if self._skip else set()
         skip = self._skip & unchanged
         while True:
-            write = [e for e in entries if e.name not in skip]
+            write = [e for e in entries if e.name not in skip and e.name not in refs]
+            base = {"base": self._incremental.base} if refs else {}
             reply = conn.call(
                 "begin", rank=self.rank, world_size=self.world_size, step=step,
-                nbytes=layout(write, knobs.slot_alignment()), **self._job,
+                nbytes=layout(write, knobs.slot_alignment()), **self._job, **base,
             )
             self._skip = set(reply.get("skip") or ())
             if self._skip and not unchanged:  # told to skip for the first time: which tensors kept their layout
                 unchanged = {e.name for e in entries if last.get(e.name) == e.signature}
             fresh = self._skip & unchanged
-            if skip <= fresh:
-                write = [e for e in entries if e.name not in fresh]
+            if refs and reply.get("base") != base["base"]:
+                refs = {}  # the base left RAM (or a team): copy everything
+            elif skip <= fresh:
+                write = [e for e in entries if e.name not in fresh and e.name not in refs]
                 layout(write, knobs.slot_alignment())
-                return reply, write, fresh
+                return reply, write, fresh, {name: crcs for name, crcs in refs.items() if name not in fresh}
+            else:
+                skip &= fresh
             conn.call("abort", rank=self.rank, step=step, slot=reply["slot"])  # layouts changed: ask again
-            skip &= fresh
 
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict) -> None:
         conn = self._conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
-        reply, write, skipped = self._begin(conn, handle.step, entries)
+        incr = self._incremental
+        seen = incr.observe(entries) if incr is not None else []
+        refs = incr.unchanged(entries, seen, knobs.copy_threads(), self._skip) if incr is not None else {}
+        handle.timings["checked"] = time.perf_counter()
+        reply, write, skipped, refs = self._begin(conn, handle.step, entries, refs)
         handle.timings["slot"] = time.perf_counter()
         faults.point("client.begin", handle.step)  # test-only crash points (inert in production)
         self._maps.forget_missing()  # slots the daemon deleted: give their pages back
@@ -344,6 +367,8 @@ class Checkpointer:
         faults.point("client.staged", handle.step)
         manifest = [
             tensor_entry(e.name, e.signature[0], e.tensor.shape, e.placement, skipped=True) if e.name in skipped
+            else tensor_entry(e.name, e.signature[0], e.tensor.shape, e.placement, 0, e.nbytes, refs[e.name], ref=True)
+            if e.name in refs
             else tensor_entry(e.name, e.signature[0], e.tensor.shape, e.placement, e.offset, e.nbytes, crcs[e.name])
             for e in entries
         ]
@@ -354,8 +379,12 @@ class Checkpointer:
         )
         faults.point("client.sealed", handle.step)
         self._signatures = {e.name: e.signature for e in entries}
+        if incr is not None:
+            incr.sealed(handle.step, entries, seen, {**crcs, **refs})
         handle.timings["sealed"] = time.perf_counter()
         handle.skipped = len(skipped)
+        handle.shared, handle.shared_bytes = len(refs), sum(e.nbytes for e in entries if e.name in refs)
+        handle.copied_bytes = sum(e.nbytes for e in write)
         handle._sealed.set()
         self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
 

@@ -1,6 +1,8 @@
 #include "crc32c.h"
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
 #include <cstdlib>
 #include <cstring>
 
@@ -407,6 +409,46 @@ void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threa
       out[i] = crc32c_update(0, p + off, std::min(chunk, n - off));
     }
   });
+}
+
+std::vector<bool> crc32c_chunks_match(const std::vector<const void*>& data, const std::vector<std::size_t>& n,
+                                      const std::vector<const uint32_t*>& expected, std::size_t chunk, int threads) {
+  // every chunk of every buffer is a piece; a task is a run of pieces of at least ~1 MiB
+  struct Piece {
+    std::size_t item, index;
+  };
+  std::vector<Piece> pieces;
+  std::vector<std::size_t> starts{0};  // task t covers pieces [starts[t], starts[t + 1])
+  std::size_t bytes = 0;
+  for (std::size_t k = 0; k < data.size(); ++k) {
+    for (std::size_t i = 0; i * chunk < n[k]; ++i) {
+      pieces.push_back({k, i});
+      bytes += std::min(chunk, n[k] - i * chunk);
+      if (bytes >= (1u << 20)) {
+        starts.push_back(pieces.size());
+        bytes = 0;
+      }
+    }
+  }
+  if (starts.back() != pieces.size()) starts.push_back(pieces.size());
+  std::unique_ptr<std::atomic<bool>[]> differs(new std::atomic<bool>[data.size()]);
+  for (std::size_t k = 0; k < data.size(); ++k) differs[k].store(false, std::memory_order_relaxed);
+  if (!pieces.empty()) {
+    backend();
+    parallel_for(starts.size() - 1, threads, [&](std::size_t t) {
+      for (std::size_t j = starts[t]; j < starts[t + 1]; ++j) {
+        const Piece& pc = pieces[j];
+        if (differs[pc.item].load(std::memory_order_relaxed)) continue;
+        const std::size_t off = pc.index * chunk;
+        const uint32_t got =
+            crc32c_update(0, static_cast<const unsigned char*>(data[pc.item]) + off, std::min(chunk, n[pc.item] - off));
+        if (got != expected[pc.item][pc.index]) differs[pc.item].store(true, std::memory_order_relaxed);
+      }
+    });
+  }
+  std::vector<bool> out(data.size());
+  for (std::size_t k = 0; k < data.size(); ++k) out[k] = !differs[k].load();
+  return out;
 }
 
 }  // namespace ucpd

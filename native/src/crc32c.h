@@ -8,6 +8,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 namespace ucpd {
 
@@ -39,5 +40,12 @@ bool crc32c_copy_fused();  // whether crc32c_copy is the one-pass kernel
 // Per-chunk CRCs: out[i] = crc32c of bytes [i*chunk, min((i+1)*chunk, n)). `out` holds
 // ceil(n / chunk) values (none when n == 0). Chunks are spread over `threads` threads.
 void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threads, uint32_t* out);
+
+// Whether every chunk CRC of each buffer (data[k], n[k]) equals expected[k][i] (ceil(n[k] / chunk)
+// values each): one parallel pass over the chunks of all buffers (small buffers grouped into
+// ~1 MiB tasks), a buffer's remaining chunks skipped once one differs. Read-only: the incremental
+// snapshot's check of the tensors that may not have changed.
+std::vector<bool> crc32c_chunks_match(const std::vector<const void*>& data, const std::vector<std::size_t>& n,
+                                      const std::vector<const uint32_t*>& expected, std::size_t chunk, int threads);
 
 }  // namespace ucpd

@@ -262,6 +262,39 @@ NB_MODULE(_native, m) {
     return chunks(as_ptr(ptr), n, chunk, threads);
   }, "ptr"_a, "nbytes"_a, "chunk"_a, "threads"_a);
 
+  m.def("crc32c_chunks_match", [](nb::handle items, std::size_t chunk, int threads) -> nb::object {
+    // items: iterable of (ptr, nbytes, expected chunk CRCs); returns one bool per item
+    threads = check_threads(threads);
+    if (chunk == 0) throw std::invalid_argument("crc32c_chunks_match: chunk must be > 0");
+    std::vector<const void*> data;
+    std::vector<std::size_t> sizes;
+    std::vector<std::vector<uint32_t>> expected;
+    for (nb::handle it : items) {
+      nb::tuple t = nb::cast<nb::tuple>(it);
+      if (t.size() != 3)
+        throw std::invalid_argument("crc32c_chunks_match: each item must be a (ptr, nbytes, crcs) tuple");
+      const uintptr_t ptr = nb::cast<uintptr_t>(t[0]);
+      const std::size_t n = nb::cast<std::size_t>(t[1]);
+      if (n && !ptr) throw std::invalid_argument("crc32c_chunks_match: null pointer in a non-empty item");
+      std::vector<uint32_t> crcs = nb::cast<std::vector<uint32_t>>(t[2]);
+      if (crcs.size() != (n + chunk - 1) / chunk)
+        throw std::invalid_argument("crc32c_chunks_match: an item needs one CRC per chunk of its bytes");
+      data.push_back(reinterpret_cast<const void*>(ptr));
+      sizes.push_back(n);
+      expected.push_back(std::move(crcs));
+    }
+    std::vector<const uint32_t*> want(expected.size());
+    for (std::size_t k = 0; k < expected.size(); ++k) want[k] = expected[k].data();
+    std::vector<bool> same;
+    {
+      nb::gil_scoped_release nogil;
+      same = crc32c_chunks_match(data, sizes, want, chunk, threads);
+    }
+    nb::list out;
+    for (bool b : same) out.append(nb::bool_(b));
+    return out;
+  }, "items"_a, "chunk"_a, "threads"_a);
+
   // ---- parity ----
   m.def("xor_parity", [](nb::handle out, nb::handle inputs, int threads) {
     threads = check_threads(threads);

@@ -28,8 +28,8 @@ def status(run_dir: str) -> dict:
     return json.loads(out.stdout)
 
 
-def ckpt_of(daemon, job: str) -> Checkpointer:
-    return Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=job)
+def ckpt_of(daemon, job: str, **kw) -> Checkpointer:
+    return Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=job, **kw)
 
 
 def test_two_jobs_on_one_daemon_number_their_steps_alone_and_never_see_each_others(daemon):
@@ -80,8 +80,8 @@ def test_keep_counts_each_jobs_versions_alone(make_daemon):
 
 def test_a_job_over_its_quota_is_refused_and_the_others_go_on(make_daemon):
     d = make_daemon("--mem-limit", "256M", "--job-mem-limit", "24M", "--keep", "3", flush=False)
-    big = {"w": torch.ones(3 << 20)}  # 12 MiB: two fit the quota, not three
-    with ckpt_of(d, "greedy") as greedy, ckpt_of(d, "modest") as modest:
+    big = {"w": torch.ones(3 << 20)}  # 12 MiB: two full copies fit the quota, not three
+    with ckpt_of(d, "greedy", incremental=False) as greedy, ckpt_of(d, "modest") as modest:
         greedy.snapshot(1, big).wait()
         greedy.snapshot(2, big).wait()
         # a third: the quota evicts greedy's own oldest (--keep 3 would have kept it)

@@ -65,4 +65,4 @@ def test_the_begin_reply_names_the_slot_the_skips_and_the_spares():
     class Slot:
         id, path, size = 4, "/dev/shm/x/seg-4", 1 << 20
 
-    assert begin_reply(Slot(), ["b"], ["/s"]) == {"slot": 4, "path": "/dev/shm/x/seg-4", "size": 1 << 20, "skip": ["b"], "spares": ["/s"]}
+    assert begin_reply(Slot(), ["b"], ["/s"]) == {"slot": 4, "path": "/dev/shm/x/seg-4", "size": 1 << 20, "skip": ["b"], "spares": ["/s"], "base": None}

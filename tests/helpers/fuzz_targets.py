@@ -56,7 +56,8 @@ PLAN_WIRE = {
 # a well-formed reply body (as it travels) for every request type that has a reply
 GOOD_REPLIES = {
     "hello": {"pid": 42, "node_rank": 0, "nodes": 1, "shm_dir": "/dev/shm/ucpd", "mem_limit": 1 << 30, "protocol": 1},
-    "begin": {"slot": 1, "path": "/dev/shm/ucpd/slot-1", "size": 4096, "skip": ["w"], "spares": ["/dev/shm/ucpd/slot-2"]},
+    "begin": {"slot": 1, "path": "/dev/shm/ucpd/slot-1", "size": 4096, "skip": ["w"], "spares": ["/dev/shm/ucpd/slot-2"],
+              "base": 3},
     "commit": {"state": "committed", "spares": []},
     "abort": {},
     "wait": {"state": "pending", "step": 3},

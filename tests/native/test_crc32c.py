@@ -71,6 +71,22 @@ def test_chunks_default_is_chunk_bytes(rng):
     ]
 
 
+@pytest.mark.parametrize("threads", [1, 2, 4])
+def test_chunks_match_says_which_buffers_kept_every_chunk(rng, threads):
+    chunk = 65_536
+    bufs = [random_bytes(rng, n, 1) for n in (0, 100, 1_000_003, 300_000, 65_536)]
+    crcs = [[ref.crc32c(b[i : i + chunk]) for i in range(0, len(b), chunk)] for b in bufs]
+    items = [(b.ctypes.data, len(b), c) for b, c in zip(bufs, crcs)]
+    assert native.crc32c_chunks_match(items, chunk, threads=threads) == [True] * 5
+    for k, i in ((1, 0), (2, 15), (3, 4)):  # one changed chunk: the first, the last (partial), one inside
+        bad = [list(c) for c in crcs]
+        bad[k][i] ^= 1
+        got = native.crc32c_chunks_match([(b.ctypes.data, len(b), c) for b, c in zip(bufs, bad)], chunk, threads=threads)
+        assert got == [j != k for j in range(5)]
+    with pytest.raises(native.NativeError, match="one CRC per chunk"):
+        native.crc32c_chunks_match([(bufs[2].ctypes.data, len(bufs[2]), crcs[2][:-1])], chunk)
+
+
 def test_buffer_kinds(rng, tmp_path):
     data = random_bytes(rng, 10_001).tobytes()
     want = ref.crc32c(data)

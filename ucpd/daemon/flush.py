@@ -54,8 +54,9 @@ class FlushProgress:
 
 
 class Flusher:
-    """``gather(version) -> (globals, parts by rank, buffer_of(rank), release)``: where the
-    version's bytes are read from. Default: this node's slots (one node holds every rank).
+    """``gather(version) -> (globals, parts by rank, buffer_of(rank[, holder]), release)``: where
+    the version's bytes are read from (``holder``: the slot of a reference's bytes, one node
+    only). Default: this node's slots (one node holds every rank).
     A team of daemons passes one that brings the other nodes' parts first."""
 
     def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None):
@@ -178,7 +179,12 @@ class Flusher:
             globals_ = version.globals()
             parts = dict(version.parts)
             slots = {r: self.store.slots.slots[p.slot] for r, p in parts.items()}
-        return globals_, parts, lambda rank: slots[rank].mapping(), lambda: None
+            holders = {t.holder: self.store.slots.slots[t.holder] for p in parts.values() for t in p.tensors if t.holder is not None}
+
+        def buffer_of(rank, holder=None):  # holder: the slot of a reference's bytes (incremental snapshots)
+            return (slots[rank] if holder is None else holders[holder]).mapping()
+
+        return globals_, parts, buffer_of, lambda: None
 
     def _flush(self, version) -> None:
         t0 = time.monotonic()
@@ -196,7 +202,8 @@ class Flusher:
                 rank, idx = key
                 t = parts[rank].tensors[idx]
                 dt = lookup_dtype(t.dtype)
-                arr = np.frombuffer(buffer_of(rank), dtype=dt.storage, count=t.nbytes // dt.itemsize, offset=t.offset)
+                buf = buffer_of(rank) if t.holder is None else buffer_of(rank, t.holder)
+                arr = np.frombuffer(buf, dtype=dt.storage, count=t.nbytes // dt.itemsize, offset=t.offset)
                 sources[key] = CheckedSource(
                     arr, t.crcs, native.CHUNK_BYTES, f"step {version.step}, rank {rank}, tensor {t.name!r} in RAM:",
                     recorded="the rank's snapshot", remedy="the RAM copy is damaged, restore from a peer or disk",

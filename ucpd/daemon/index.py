@@ -5,7 +5,9 @@ job with every rank's manifest (each packed once, as a msgpack blob of its own).
 file that is then renamed over the old one: a crash mid-update leaves the old index or the
 new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
-Versions that were not complete come back as nothing.
+Versions that were not complete come back as nothing. An incremental snapshot's reference
+names its holder slot: a holder whose own version is gone stays held for it, and a version whose
+holder is gone is not re-adopted.
 
 The file is ``{"index_version": 3, "crc32c": CRC32C(body), "body": msgpack(doc)}``: a flipped
 byte or a cut anywhere fails the checksum (or the decode), and every field of the document is
@@ -105,21 +107,29 @@ def pack_tensors(tensors) -> bytes:
         "placement": which, "placements": placements, "offset": [t.offset for t in tensors],
         "nbytes": [t.nbytes for t in tensors], "crcs": [t.crcs for t in tensors], "skipped": [t.skipped for t in tensors],
     }
+    holders = [t.holder for t in tensors]
+    if any(h is not None for h in holders):  # incremental snapshots' references: the slot of their bytes
+        cols["holder"] = holders
     return msgpack.packb(cols, use_bin_type=True)
 
 
 def _from_columns(cols) -> list[dict]:
     """``pack_tensors``'s columns back as wire ``TENSOR_ENTRY`` maps (checked by the schema next)."""
-    _need(isinstance(cols, dict) and set(cols) == {*_COLUMNS, "placements"}, "tensor columns are not the expected map")
+    _need(isinstance(cols, dict) and set(cols) - {"holder"} == {*_COLUMNS, "placements"}, "tensor columns are not the expected map")
     n = len(cols["name"]) if isinstance(cols["name"], list) else -1
-    _need(all(isinstance(cols[k], list) and len(cols[k]) == n for k in _COLUMNS), "tensor columns differ in length")
+    _need(all(isinstance(cols[k], list) and len(cols[k]) == n for k in (*_COLUMNS, *(("holder",) if "holder" in cols else ()))),
+          "tensor columns differ in length")
     places = cols["placements"]
     _need(isinstance(places, list) and all(isinstance(p, dict) for p in places), "placements are not maps")
     _need(all(type(i) is int and 0 <= i < len(places) for i in cols["placement"]), "a placement index is out of range")
-    return [
+    out = [
         {"name": a, "dtype": b, "shape": c, "placement": places[d], "offset": e, "nbytes": f, "crcs": g, "skipped": h}
         for a, b, c, d, e, f, g, h in zip(*(cols[k] for k in _COLUMNS))
     ]
+    for t, holder in zip(out, cols.get("holder") or ()):
+        if holder is not None:
+            t["ref"], t["holder"] = True, holder
+    return out
 
 
 @dataclass
@@ -224,7 +234,10 @@ def _decode(data: bytes) -> dict:
                 packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
             tensors = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", packed)
             for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
-                _need(sid not in sizes or t["offset"] + t["nbytes"] <= sizes[sid], f"tensor {t['name']!r} ends outside slot {sid}")
+                holder = t["holder"]  # an incremental snapshot's reference: its bytes are in that slot
+                _need(bool(t["ref"]) == (holder is not None) and holder != sid, f"tensor {t['name']!r}: a malformed reference")
+                where = sid if holder is None else holder
+                _need(where not in sizes or t["offset"] + t["nbytes"] <= sizes[where], f"tensor {t['name']!r} ends outside slot {where}")
             objects = rp.get("objects")
             _need(isinstance(objects, bytes), "objects are not bytes")
             crc = rp.get("objects_crc")
@@ -237,6 +250,17 @@ def _decode(data: bytes) -> dict:
         versions.append(v)
     out["versions"] = versions
     return out
+
+
+def _keep_holders(store, slots: SlotStore) -> None:
+    """The slots that the adopted versions' references read stay held, also those whose own
+    version is gone (``NodeStore`` counts them as orphans)."""
+    for v in store.versions():
+        for p in v.parts.values():
+            for t in p.tensors:
+                slot = slots.slots[t.holder] if t.holder is not None else None
+                if slot is not None and slot.state is SlotState.FREE:
+                    slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, None, v.job
 
 
 def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
@@ -269,6 +293,8 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
             for rp in raw["parts"]:
                 if rp["slot"] not in slots.slots or rp["rank"] in parts or slots.slots[rp["slot"]].state is SlotState.HELD:
                     break
+                if any(t["holder"] is not None and t["holder"] not in slots.slots for t in rp["tensors"]):
+                    break  # a reference whose bytes are gone
                 tensors = [TensorEntry.from_wire(t) for t in rp["tensors"]]
                 parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp["layout"], rp["objects_crc"])
             else:
@@ -286,6 +312,7 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                     slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, v.step, job
                 continue
             dropped.append(f"step {raw['step']}: a slot it needs is gone")
+        _keep_holders(store, slots)
     for slot in [s for s in slots.slots.values() if s.state is SlotState.FREE]:
         # not holding a committed version: a trainer that outlived the old daemon may still be
         # writing into it, so it is never lent again (its mapping keeps the old inode alive)

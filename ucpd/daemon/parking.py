@@ -26,14 +26,16 @@ class Parked:
     deadline: float = 0.0  # a wait: when to answer "pending" (monotonic seconds)
     rank: int = 0  # a begin: the rank that asked, and the tensors it may skip
     skip: list = field(default_factory=list)
+    base: int | None = None  # a begin: the base step its references may point into, if usable
 
 
 Reply = tuple[bytes, bytes]  # (ROUTER identity, reply frame)
 
 
-def begin_reply(slot, skip: list, spares: list) -> dict:
-    """The body of a ``begin`` reply: the slot lent, what the rank may skip, its ready spares."""
-    return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip, "spares": spares}
+def begin_reply(slot, skip: list, spares: list, base: int | None = None) -> dict:
+    """The body of a ``begin`` reply: the slot lent, what the rank may skip, its ready spares,
+    and the base step its references may point into (None: not usable, copy everything)."""
+    return {"slot": slot.id, "path": slot.path, "size": slot.size, "skip": skip, "spares": spares, "base": base}
 
 
 def wait_answer(table: VersionTable, step: int) -> dict | None:

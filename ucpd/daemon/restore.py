@@ -42,8 +42,9 @@ class RamTensors(Mapping):
     """The source tensors of a version in RAM, ``(rank, tensor index) -> PlanSource``, each
     made when a plan reads it: a version is indexed at every commit, restored rarely."""
 
-    def __init__(self, parts: dict, paths: dict[int, str]):
+    def __init__(self, parts: dict, paths: dict[int, str], slot_path=None):
         self._parts, self._paths = parts, paths
+        self._slot_path = slot_path  # sid -> file: an incremental snapshot's reference reads its holder slot
 
     def __getitem__(self, key) -> PlanSource:
         rank, idx = key
@@ -53,7 +54,8 @@ class RamTensors(Mapping):
             raise KeyError(key) from None
         if t.skipped:
             raise KeyError(key)
-        return PlanSource(self._paths[rank], t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+        path = self._paths[rank] if t.holder is None else self._slot_path(t.holder)
+        return PlanSource(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
 
     def __iter__(self):
         for rank, part in self._parts.items():
@@ -113,11 +115,12 @@ class RamSame(Mapping):
 
 
 def from_ram(version, slot_path) -> SourceSet:
-    """Sources of a version held in RAM: its ranks' tensors inside their slots. Built at every
-    commit, so nothing in it is per tensor until a restore reads it."""
+    """Sources of a version held in RAM: its ranks' tensors inside their slots (a reference's
+    inside its holder slot). Built at every commit, so nothing in it is per tensor until a
+    restore reads it."""
     parts = dict(version.parts)
     paths = {rank: slot_path(part.slot) for rank, part in parts.items()}
-    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths), RamSame(parts))
+    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths, slot_path), RamSame(parts))
 
 
 def from_disk(reader) -> SourceSet:

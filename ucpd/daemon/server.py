@@ -256,16 +256,25 @@ class Daemon:
         }
 
     def _on_begin(self, ident, req_id, body):
-        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
+        rank, step, job = body["rank"], body["step"], _job(body)
         self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"], job)
         if self.flusher is not None:
             self.flusher.interval.on_begin(job, body.get("incarnation"))  # a new run: a restart
+        base = self.store.begin_base(job, rank, step, body.get("base"))  # before a slot is freed for it
+        try:
+            return self._lend(ident, req_id, body, base)
+        except Exception:
+            self.store.end_base(job, rank, step)  # no slot: nothing will read the base for it
+            raise
+
+    def _lend(self, ident, req_id, body, base):
+        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
         slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
-            self.prep.warm(rank, slot.size)
+            self.prep.warm(rank, self.store.slots.round_size(nbytes))  # what it needs now, not the slot's size
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
-            return begin_reply(slot, skip, self.prep.ready_spares(rank))
+            return begin_reply(slot, skip, self.prep.ready_spares(rank), base)
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
         if sid is not None:
             self.store.within_quota(job, self.store.slots.slots[sid].size)
@@ -274,7 +283,7 @@ class Daemon:
             self.store.slots.slots[sid].rank = rank  # counted in its rotation from now on
             self.prep.allocate_now(sid, path, size)
             self.prep.warm(rank, size)  # the rest of the rotation, alongside
-        self.parking.park_begin(sid, Parked(ident, req_id, step, job, rank=rank, skip=skip))
+        self.parking.park_begin(sid, Parked(ident, req_id, step, job, rank=rank, skip=skip, base=base))
         return None
 
     def _on_commit(self, ident, req_id, body):
@@ -458,6 +467,7 @@ class Daemon:
                 if exc is not None:
                     self.store.drop_new_slot(sid)
                     if parked is not None:
+                        self.store.end_base(parked.job, parked.rank, parked.step)
                         err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
                         self._reply(parked.ident, protocol.error(parked.req_id, err))
                     elif not isinstance(exc, UcpdError):
@@ -467,7 +477,7 @@ class Daemon:
                 if parked is not None:
                     self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
                     faults.point("snapshot.lent", parked.step)
-                    reply = begin_reply(slot, parked.skip, self.prep.ready_spares(rank))
+                    reply = begin_reply(slot, parked.skip, self.prep.ready_spares(rank), parked.base)
                     self._reply(parked.ident, protocol.ok("begin", parked.req_id, reply))
 
     def _deferred_reply(self, ident: bytes, req_id: int, msg_type: str, body, exc) -> None:

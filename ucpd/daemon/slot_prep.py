@@ -13,6 +13,9 @@ more when a flusher may pin an old version past ``--keep``.
   never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
   rank's first slot, so the second snapshot finds it warm. A begin that needs a spare still
   being warmed makes it urgent: no more stepping aside.
+- The rotation follows the size a rank asks for: slots more than twice that size do not count
+  in it, and once it is ready the rank's free ones are deleted (an incremental snapshot copies
+  a fraction of what the first, full one did: its slots shrink).
 
 Results go to the server's ``done`` queue as ``("slot", sid, exc)``; the server finishes the
 slot under the store lock (lends it to a parked begin, or keeps it free for the rank).
@@ -103,12 +106,14 @@ class SlotPreparer:
     # --- the rotation ---------------------------------------------------------------------------
 
     def warm(self, rank: int, size: int) -> int:
-        """Queue spares until ``rank`` has ``rotation`` slots of at least ``size`` bytes (held,
-        being written, free or on their way). A spare never evicts a version: it is made only
-        while it fits the memory limit. Returns how many were queued."""
+        """Queue spares until ``rank`` has ``rotation`` slots of ``size`` to twice that many
+        bytes (held, being written, free or on their way), then delete its free slots larger
+        than that (``trim``). A spare never evicts a version: it is made only while it fits the
+        memory limit. Returns how many were queued."""
         if not self.enabled:
             return 0
-        have = sum(1 for s in self.store.slots.slots.values() if s.rank == rank and s.size >= size)
+        have = sum(1 for s in self._rotation(rank, size))
+        self.trim(rank, size)
         queued = 0
         for _ in range(self.rotation - have):
             if not self.store.slots.fits(self.store.slots.round_size(size)):
@@ -125,6 +130,24 @@ class SlotPreparer:
         if queued:
             self._start()
         return queued
+
+    def trim(self, rank: int, size: int) -> int:
+        """Delete ``rank``'s free slots of more than twice ``size`` once it has its rotation of
+        slots of ``size`` ready (not being warmed). Returns how many went."""
+        ready = [s for s in self._rotation(rank, size) if not (s.state is SlotState.WRITING and s.step is None)]
+        if len(ready) < self.rotation:
+            return 0
+        slots = self.store.slots.slots
+        big = [s.id for s in slots.values() if s.rank == rank and s.state is SlotState.FREE and s.size > 2 * size]
+        for sid in big:
+            self.store.slots.delete(sid)
+        return len(big)
+
+    def _rotation(self, rank: int, size: int):
+        """The rank's slots that serve a snapshot of ``size``: ``size`` to twice that, and not
+        kept only for the bytes a newer version refers to (``NodeStore.orphans``)."""
+        orphans = self.store.orphans
+        return (s for s in self.store.slots.slots.values() if s.rank == rank and size <= s.size <= 2 * size and s.id not in orphans)
 
     def ready_spares(self, rank: int) -> list[str]:
         """Paths of the rank's free, warm slots: the trainer maps them ahead of use, between

@@ -22,6 +22,8 @@ def collect(daemon) -> dict:
                 "ranks": sorted(v.parts),
                 "world_size": v.world_size,
                 "bytes": v.nbytes,
+                # of those, bytes of unchanged tensors read from an older version's slot (incremental)
+                "shared_bytes": sum(t.nbytes for p in v.parts.values() for t in p.tensors if t.holder is not None),
                 "tensors": sum(len(p.tensors) for p in v.parts.values()),
                 "on_disk": v.on_disk,
                 "age_s": round(time.time() - v.created, 1),

@@ -19,9 +19,11 @@ from dataclasses import dataclass
 from .. import faults
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
+from .slot_refs import SlotRefs
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
 from .versions import (
-    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, duplicates, validate_entry,
+    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, _entry, duplicates,
+    validate_entry,
 )
 
 log = logging.getLogger("ucpd.store")
@@ -30,7 +32,8 @@ log = logging.getLogger("ucpd.store")
 @dataclass
 class Counters:
     snapshots: int = 0
-    snapshot_bytes: int = 0
+    snapshot_bytes: int = 0  # bytes the trainers copied into slots
+    snapshot_shared_bytes: int = 0  # bytes of unchanged tensors that referenced a previous version instead
     rejected: int = 0
     bad_messages: int = 0
     restores: int = 0
@@ -60,7 +63,11 @@ class NodeStore:
         self.tables: dict[str, VersionTable] = {}
         self.team_job: str | None = job  # the job a team serves (single_job only)
         self.counters = Counters()
+        self.refs = SlotRefs()  # incremental snapshots: which slots hold bytes that others read
+        self.orphans: set[int] = set()  # held slots whose own version left RAM, kept for their readers
+        self._bases: dict[tuple[str, int], tuple[int, int, RankPart]] = {}  # (job, rank) -> (step, base step, base part)
         self.adopted = index.load(shm_dir, self.slots, self)
+        self._adopt_refs()
         if single_job and self.team_job is None and self.tables:
             self.team_job = next(iter(self.tables))
         for note in self.adopted.dropped:
@@ -123,7 +130,7 @@ class NodeStore:
             raise SnapshotRejected(
                 f"job {job!r}: steps {sorted(pinned)} are being restored or flushed right now; drop it again when that is over"
             )
-        steps, nbytes = [], 0
+        steps, nbytes = [], sum(self.slots.slots[sid].size for sid in self.orphans if self.slots.slots[sid].job == job)
         for v in sorted(t.versions.values() if t else (), key=lambda v: v.step):
             if v.parts:
                 nbytes += sum(self.slots.slots[p.slot].size for p in v.parts.values() if p.slot in self.slots.slots)
@@ -132,6 +139,8 @@ class NodeStore:
         for slot in writing:
             nbytes += slot.size
             self.slots.release(slot.id)
+        for key in [k for k in self._bases if k[0] == job]:
+            self.end_base(*key)
         self.tables.pop(job, None)
         if self.team_job == job:
             self.team_job = None
@@ -208,7 +217,7 @@ class NodeStore:
         if job is not None:
             self.within_quota(job, size)
         reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
-            self.slots.slots[p.slot].size for v in self._evictable() for p in v.parts.values() if p.slot in self.slots.slots
+            self.slots.slots[sid].size for sid in self._reclaimable(self._evictable())
         )
         if self.slots.used_bytes - reclaimable + size > self.slots.mem_limit:
             self.counters.rejected += 1
@@ -252,9 +261,17 @@ class NodeStore:
                 f"rank {rank} of job {job!r} commits step {step} into slot {sid}, which is not lent to it for that step"
             )
         entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
+        has_refs = any(t.get("ref") for t in body["tensors"])
+        if has_refs:
+            entries = self._resolve_refs(job, rank, step, entries, body["tensors"])
         names = set()
         end = 0
         for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+            if e.holder is not None:
+                if e.name in names:
+                    raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
+                names.add(e.name)
+                continue  # in its holder slot
             if e.nbytes and e.offset < end:
                 raise ProtocolError(f"rank {rank}: tensor {e.name!r} overlaps the tensor before it in the slot")
             end = max(end, e.offset + e.nbytes)
@@ -278,14 +295,18 @@ class NodeStore:
             committed = table.seal(version, part)  # may commit it (the policy decides)
         except Exception:
             self._dedupe_ok = False
+            self.end_base(job, rank)
             self.slots.release(sid)
             if len(version.parts) + 1 == version.world_size:
                 # every rank sealed but it cannot commit: waiters hear why now
                 self._give_back(table.abandon(version, sys.exc_info()[1]), indexed=False)
             raise
         self.slots.hold(slot)
+        self._seal_refs(job, rank, part, has_refs)
         self.counters.snapshots += 1
-        self.counters.snapshot_bytes += part.nbytes
+        shared = sum(t.nbytes for t in part.tensors if t.holder is not None) if has_refs else 0
+        self.counters.snapshot_bytes += part.nbytes - shared
+        self.counters.snapshot_shared_bytes += shared
         for v in committed:
             self._after_commit(v)
         if version.state is VersionState.COMPLETE:
@@ -356,6 +377,7 @@ class NodeStore:
     def abort(self, rank: int, step: int, sid: int, job: str = DEFAULT_JOB) -> None:
         slot = self.slots.slots.get(sid)
         if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step and slot.job == job:
+            self.end_base(job, rank, step)
             self.slots.release(sid)
 
     def _after_commit(self, v: Version) -> None:
@@ -366,6 +388,7 @@ class NodeStore:
             self._give_back(table.abandon(old), indexed)
         for slot in self.slots.slots.values():  # lent to a rank that never came back for them
             if slot.state is SlotState.WRITING and slot.job == v.job and slot.step is not None and slot.step < v.step:
+                self.end_base(v.job, slot.rank, slot.step)
                 self.slots.release(slot.id)
         faults.point("commit.local", v.step)  # test-only crash points (ucpd.faults; inert in production)
         self.save_index()
@@ -436,7 +459,12 @@ class NodeStore:
         if indexed and not self.save_index():
             return  # the slots stay held (unlendable) until the index can be written
         for sid in sids:
-            self.slots.release(sid)
+            unread = self.refs.drop(sid)  # its part's references end
+            if self.refs.referenced(sid):
+                self.orphans.add(sid)  # a newer version reads bytes in it: kept until it goes too
+            else:
+                self.slots.release(sid)
+            self._release_unread(unread)
 
     def _make_room(self, size: int) -> None:
         """Delete free slots, then evict old versions, until size more bytes fit the limit."""
@@ -461,6 +489,88 @@ class NodeStore:
                 "Raise --mem-limit, lower --keep, or snapshot less state; the last committed version is kept."
             )
 
+    # --- incremental snapshots: references to bytes in a previous version's slot ----------------
+
+    def begin_base(self, job: str, rank: int, step: int, base: int | None) -> int | None:
+        """A rank begins ``step`` with references into its part of ``base``: returns ``base``
+        when that part is in RAM (its slots then stay readable until this snapshot is sealed or
+        given up, even if ``base`` is evicted meanwhile), else None (the rank copies everything).
+        A team of daemons replicates parts by their slot bytes: never usable there."""
+        self.end_base(job, rank)
+        if base is None or base >= step or getattr(self._policy, "local_parts", False):
+            return None
+        v = self.tables[job].versions.get(base) if job in self.tables else None
+        if v is None or not v.in_ram or rank not in v.parts:
+            return None
+        part = v.parts[rank]
+        self.refs.set(("writing", job, rank), {part.slot, *_holders(part)})
+        self._bases[(job, rank)] = (step, base, part)
+        return base
+
+    def end_base(self, job: str, rank: int, step: int | None = None) -> None:
+        """The rank's snapshot (of ``step``, or any) with a base is sealed or given up (also
+        when its begin failed: no slot for it)."""
+        held = self._bases.get((job, rank))
+        if held is not None and (step is None or held[0] == step):
+            del self._bases[(job, rank)]
+            self._release_unread(self.refs.drop(("writing", job, rank)))
+
+    def _resolve_refs(self, job: str, rank: int, step: int, entries: list, raw: list[dict]) -> list:
+        """A commit's references as entries that name where their bytes live: the base part's
+        entry of the same name must have the same dtype, shape, placement and checksums."""
+        held = self._bases.get((job, rank))
+        if held is None or held[0] != step:
+            raise ProtocolError(
+                f"rank {rank} of job {job!r}: step {step} sends references, but its begin named no usable base; "
+                "snapshot again (the client then copies every tensor)"
+            )
+        _, base, part = held
+        by_name = {t.name: t for t in part.tensors if not t.skipped}
+        out = []
+        for e, r in zip(entries, raw):
+            if not r.get("ref"):
+                out.append(e)
+                continue
+            b = by_name.get(e.name)
+            if b is None or (b.dtype, b.shape, b.key(), b.nbytes, b.crcs) != (e.dtype, e.shape, e.key(), e.nbytes, e.crcs):
+                raise ProtocolError(
+                    f"rank {rank}: tensor {e.name!r} of step {step} is sent as unchanged since step {base}, but step "
+                    f"{base} holds {'no such tensor' if b is None else 'another dtype, shape, placement or bytes'}"
+                )
+            holder = part.slot if b.holder is None else b.holder
+            out.append(_entry(e.name, e.dtype, e.shape, e.placement, b.offset, e.nbytes, e.crcs, False, e.pkey, e.frags,
+                              e.shared, holder))
+        return out
+
+    def _seal_refs(self, job: str, rank: int, part: RankPart, has_refs: bool) -> None:
+        """A sealed part reads its references' holders from now on (instead of its begin's base)."""
+        if has_refs:
+            self.refs.set(part.slot, _holders(part))
+        self.end_base(job, rank)
+
+    def _release_unread(self, sids) -> None:
+        """Slots nobody reads any more: an orphan (its version gone) is given back."""
+        for sid in sids:
+            if sid in self.orphans:
+                self.orphans.discard(sid)
+                self.slots.release(sid)
+
+    def _reclaimable(self, versions) -> set[int]:
+        """The slots that evicting ``versions`` would give back: theirs, and orphans, that no
+        other referrer reads."""
+        going = {p.slot for v in versions for p in v.parts.values() if p.slot in self.slots.slots}
+        return {sid for sid in going | self.orphans if self.refs.readers(sid) <= going}
+
+    def _adopt_refs(self) -> None:
+        """After re-adoption: the references of the adopted parts, and the held slots no part
+        owns (orphans the index kept for them)."""
+        owned = set()
+        for v in self.versions():
+            for p in v.parts.values():
+                owned.add(p.slot)
+                self.refs.set(p.slot, _holders(p))
+        self.orphans = {sid for sid, s in self.slots.slots.items() if s.state is SlotState.HELD and sid not in owned}
+
     # --- persistence -----------------------------------------------------------------------------
 
     def save_index(self) -> bool:
@@ -476,6 +586,11 @@ class NodeStore:
 
     def close(self) -> None:
         self.slots.close()
+
+
+def _holders(part: RankPart) -> set[int]:
+    """The slots other than its own that hold bytes of ``part``'s references."""
+    return {t.holder for t in part.tensors if t.holder is not None}
 
 
 def prepare_slot_file(path: str, size: int, pause=None) -> None:

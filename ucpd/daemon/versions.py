@@ -133,6 +133,9 @@ class TensorEntry:
     nbytes: int
     crcs: tuple[int, ...]
     skipped: bool = False  # not written: a lower rank holds the same global elements
+    # an incremental snapshot's reference: the slot that holds the bytes (at ``offset``), a
+    # previous version's; None: the part's own slot
+    holder: int | None = None
     # computed once when the entry is validated: the placement's canonical key, its fragments
     pkey: str = field(default="", compare=False, repr=False)
     frags: tuple | None = field(default=None, compare=False, repr=False)
@@ -166,12 +169,13 @@ class TensorEntry:
         schema): a commit's manifest, the index, a peer's part."""
         return cls(
             raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
-            tuple(raw["crcs"]), bool(raw.get("skipped")), pkey, frags,
+            tuple(raw["crcs"]), bool(raw.get("skipped")), raw.get("holder"), pkey, frags,
         )
 
     def to_wire(self) -> dict:
         return tensor_entry(
-            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped
+            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped,
+            ref=self.holder is not None, holder=self.holder,
         )
 
 
@@ -436,6 +440,11 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     shape = tuple(raw["shape"])
     nbytes, chunks, key, shared = _kind(dtype, shape, raw["placement"])
     skipped = bool(raw.get("skipped"))
+    ref = bool(raw.get("ref"))
+    if raw.get("holder") is not None:
+        raise ProtocolError(f"rank {rank}: tensor {name!r} names a holder slot; only the daemon records where a reference's bytes live")
+    if ref and (skipped or raw["offset"]):
+        raise ProtocolError(f"rank {rank}: reference {name!r} must have offset 0 and not be skipped")
     if skipped:
         if raw["nbytes"] or raw["crcs"]:
             raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
@@ -446,7 +455,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
             raise ProtocolError(
                 f"rank {rank}: tensor {name!r} is {dtype}{list(shape)} = {nbytes} bytes, but the entry says {raw['nbytes']}"
             )
-        if offset + nbytes > slot_size:
+        if not ref and offset + nbytes > slot_size:  # a reference's bytes are in its base's slot
             raise ProtocolError(
                 f"rank {rank}: tensor {name!r} at offset {offset} with {nbytes} bytes ends outside its {slot_size}-byte slot"
             )
@@ -458,13 +467,13 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     return _entry(name, dtype, shape, raw["placement"], offset, raw["nbytes"], tuple(raw["crcs"]), skipped, key, frags, shared)
 
 
-def _entry(name, dtype, shape, placement, offset, nbytes, crcs, skipped, pkey, frags, shared) -> TensorEntry:
+def _entry(name, dtype, shape, placement, offset, nbytes, crcs, skipped, pkey, frags, shared, holder=None) -> TensorEntry:
     """``TensorEntry(...)`` in a third of the time (a frozen dataclass sets its fields one call
     at a time, and a commit makes 10^5 of them). Every field is given."""
     e = _new(TensorEntry)
     _set(e, "__dict__", {
         "name": name, "dtype": dtype, "shape": shape, "placement": placement, "offset": offset, "nbytes": nbytes,
-        "crcs": crcs, "skipped": skipped, "pkey": pkey, "frags": frags, "shared": shared,
+        "crcs": crcs, "skipped": skipped, "holder": holder, "pkey": pkey, "frags": frags, "shared": shared,
     })
     return e
 

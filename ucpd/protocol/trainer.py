@@ -43,19 +43,28 @@ TENSOR_ENTRY = Record(
     },
     # skipped: this rank did not write the tensor because a lower rank writes the same
     # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
-    {"skipped": _bool},
+    # ref (an incremental snapshot): the tensor's bytes are those of the same name in the
+    # `begin`'s base version of this rank (nbytes and crcs given, offset 0); the daemon records
+    # where they live: holder, the slot that holds them, at offset (never sent by a client).
+    {"skipped": _bool, "ref": _bool, "holder": _int()},
 )
 
 
 def tensor_entry(
-    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False
+    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False,
+    ref: bool = False, holder: int | None = None,
 ) -> dict:
     """A TENSOR_ENTRY record: the one builder of it (the trainer's commit manifest, the daemon's
     ``TensorEntry.to_wire`` for the index and the peers)."""
-    return {
+    out = {
         "name": name, "dtype": dtype, "shape": list(shape), "placement": placement, "offset": offset,
         "nbytes": nbytes, "crcs": list(crcs), "skipped": skipped,
     }
+    if ref:
+        out["ref"] = True
+    if holder is not None:
+        out["holder"] = holder
+    return out
 
 
 # A tensor a restore wants filled.
@@ -76,23 +85,24 @@ def _ints(v: Any, hi: int) -> bool:
 
 
 def _tensor_entry_fast(x: Any) -> dict | None:
-    # exactly the 7 required fields, or those and "skipped"
-    if type(x) is not dict or not (len(x) == 7 or (len(x) == 8 and "skipped" in x)):
+    # exactly the 7 required fields, and of the optional ones "skipped", "ref", "holder"
+    if type(x) is not dict or len(x) - 7 != ("skipped" in x) + ("ref" in x) + ("holder" in x):
         return None
     try:
         name, dtype, shape, placement, off, nb, crcs = (
             x["name"], x["dtype"], x["shape"], x["placement"], x["offset"], x["nbytes"], x["crcs"])
     except KeyError:
         return None
-    skipped = x.get("skipped")
+    skipped, ref, holder = x.get("skipped"), x.get("ref"), x.get("holder")
     if (
         type(name) is str and 0 < len(name) <= MAX_NAME_LEN and type(dtype) is str and 0 < len(dtype) <= MAX_NAME_LEN
         and type(placement) is dict and type(off) is int and 0 <= off <= MAX_INT and type(nb) is int
         and 0 <= nb <= MAX_INT and _ints(shape, MAX_INT) and len(shape) <= 16 and _ints(crcs, 0xFFFFFFFF)
-        and (skipped is None or type(skipped) is bool)
+        and (skipped is None or type(skipped) is bool) and (ref is None or type(ref) is bool)
+        and (holder is None or (type(holder) is int and 0 <= holder <= MAX_INT))
     ):
         return {"name": name, "dtype": dtype, "shape": tuple(shape), "placement": placement, "offset": off,
-                "nbytes": nb, "crcs": crcs, "skipped": skipped}
+                "nbytes": nb, "crcs": crcs, "skipped": skipped, "ref": ref, "holder": holder}
     return None
 
 
@@ -366,10 +376,14 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "begin",
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
-            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name},
+            # base: the step an incremental snapshot's `ref` tensors point into (this rank's part of
+            # it); the reply's `base` is that step when it can be used, else None (copy everything)
+            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name, "base": _int()},
             "ask for a free slot of at least nbytes for step; reply: the slot (id, file, size), the tensors a "
-            "lower rank holds (skip), the rank's warm free slots to map ahead (spares)",
-            Record({"slot": _int(), "path": _path, "size": _int(), "skip": _list_of(_str), "spares": _list_of(_path)}),
+            "lower rank holds (skip), the rank's warm free slots to map ahead (spares), the base its references "
+            "may point into (base: None when it cannot be used)",
+            Record({"slot": _int(), "path": _path, "size": _int(), "skip": _list_of(_str), "spares": _list_of(_path)},
+                   {"base": _int()}),
         ),
         MessageType(
             "commit",
