@@ -46,6 +46,9 @@ __all__ = ["CheckedCopier", "CheckedSource", "bad_chunks", "byte_span", "damaged
 MAX_RUNS = 4096  # above this many runs per window, its whole span counts as touched
 
 
+_REMEDY = "the copy is damaged: restore another step, or from the flush directory"
+
+
 class CheckedSource:
     """One tensor's bytes and their chunk CRCs, and how an error names it.
 
@@ -59,8 +62,7 @@ class CheckedSource:
 
     def __init__(
         self, array: np.ndarray, crcs: Sequence[int], chunk: int, where: str, recorded: str = "the snapshot",
-        remedy: str = "the copy is damaged: restore another step, or from the flush directory",
-        file_offset: int | None = None,
+        remedy: str = _REMEDY, file_offset: int | None = None,
     ):
         self._array, self._within, self._address = array, None, None
         self.crcs, self.chunk, self.where = crcs, chunk, where
@@ -81,7 +83,7 @@ class CheckedSource:
         self._array, self._within = None, (buffer, offset, dtype)
         self._address = None if buffer_address is None else buffer_address + offset
         self.crcs, self.chunk, self.where = crcs, chunk, where
-        self.recorded, self.remedy, self.file_offset = recorded, "the copy is damaged: restore another step, or from the flush directory", None
+        self.recorded, self.remedy, self.file_offset = recorded, _REMEDY, None
         self.nbytes = nbytes
         return self
 
