@@ -360,29 +360,40 @@ class CheckedCopier:
         it costs one more read of the sources (``run`` still checks what it copies, in the same
         pass: bytes that change in between are reported too). The chunks of every source are
         checksummed in one native batch per chunk size (a restore reads 10^5 sources)."""
-        runs: dict[int, list[tuple[Hashable, int, int]]] = {}  # chunk size -> (source, first, last chunk)
-        for key in self.reads.keys() | self.strided.keys():
+        runs: dict[int, tuple[list, list]] = {}  # chunk size -> ([(source, first chunk)], [(address, bytes)])
+
+        def add(key: Hashable, src: CheckedSource, first: int, last: int) -> None:
+            C = src.chunk
+            todo, items = runs.get(C) or runs.setdefault(C, ([], []))
+            todo.append((key, first))
+            items.append((src.address + first * C, min((last + 1) * C, src.nbytes) - first * C))
+
+        for key, reads in self.reads.items():
             src = self.sources[key]
-            C, reads = src.chunk, self.reads.get(key, ())
             if len(reads) == 1 and key not in self.strided:  # most sources: one range read
                 lo, hi = reads[0]
-                hi = min(hi, src.nbytes, len(src.crcs) * C)
+                hi = min(hi, src.nbytes, len(src.crcs) * src.chunk)
                 if lo < hi:
-                    runs.setdefault(C, []).append((key, lo // C, (hi - 1) // C))
+                    add(key, src, lo // src.chunk, (hi - 1) // src.chunk)
                 continue
-            chunks = set(touched_chunks(reads, C, src.nbytes))
-            for _, c in self.strided.get(key, ()):
-                chunks |= view_chunks(c.src_view, src.array.itemsize, C)
-            runs.setdefault(C, []).extend((key, a, b) for a, b in _runs(i for i in chunks if i < len(src.crcs)))
+            for first, last in self._touched(key, src):
+                add(key, src, first, last)
+        for key in self.strided.keys() - self.reads.keys():
+            src = self.sources[key]
+            for first, last in self._touched(key, src):
+                add(key, src, first, last)
         threads = self.threads or knobs.copy_threads()
-        for C, todo in runs.items():
-            items = []
-            for key, first, last in todo:
-                src = self.sources[key]
-                items.append((src.address + first * C, min((last + 1) * C, src.nbytes) - first * C))
-            for (key, first, _), got in zip(todo, native.crc32c_batch(items, C, threads)):
+        for C, (todo, items) in runs.items():
+            for (key, first), got in zip(todo, native.crc32c_batch(items, C, threads)):
                 self._check(key, first, got)
         self.verified = True
+
+    def _touched(self, key: Hashable, src: CheckedSource) -> list[tuple[int, int]]:
+        """Runs of the chunks of ``src`` that the added copies read."""
+        chunks = set(touched_chunks(self.reads.get(key, ()), src.chunk, src.nbytes))
+        for _, c in self.strided.get(key, ()):
+            chunks |= view_chunks(c.src_view, src.array.itemsize, src.chunk)
+        return _runs(i for i in chunks if i < len(src.crcs))
 
     def run(self) -> None:
         threads = self.threads or knobs.copy_threads()

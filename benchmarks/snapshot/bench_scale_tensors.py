@@ -32,6 +32,8 @@ to this script unless ``--png`` says where.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import os
 import shutil
@@ -159,10 +161,22 @@ def measure_daemon(count: int, nbytes: int, reps: int, warmup: int = 4) -> dict[
     return out
 
 
+@contextlib.contextmanager
+def daemon_gc():
+    """The collector's thresholds ``ucpd serve`` sets (ucpd/daemon/cli.py), for the in-process
+    measures of the daemon's work."""
+    was = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 10)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*was)
+
+
 def measure_validate(count: int, nbytes: int, reps: int) -> dict[str, list[float]]:
     """The daemon's handling of a commit, in this process (no socket): decode and validate the
     request, validate and seal the part, commit (coverage checks, index on shm, restore sources),
-    as ``Daemon._handle`` does for a one-rank job. ``keep`` 2: from the third on, each commit also
+    as ``Daemon._handle`` does for a one-rank job (the collector set as the daemon sets it). ``keep`` 2: from the third on, each commit also
     evicts the oldest version, as in a training run."""
     from ucpd import protocol
     from ucpd.daemon import restore
@@ -288,8 +302,9 @@ def main(argv=None) -> int:
     for count in counts:
         cpu = cpu_floor()
         runs = {} if args.no_daemon else measure_daemon(count, nbytes, args.reps)
-        runs.update(measure_validate(count, nbytes, args.reps))
-        runs.update(measure_plan(count, nbytes, args.reps))
+        with daemon_gc():
+            runs.update(measure_validate(count, nbytes, args.reps))
+            runs.update(measure_plan(count, nbytes, args.reps))
         row = {"cpu_floor_s": cpu}
         for k, v in runs.items():
             base = median(floor[k]) if floor is not None and k in floor else 0.0  # in-process ones: no bytes
