@@ -55,6 +55,9 @@ MAX_RUNS = 4096  # above this many runs per window, its whole span counts as tou
 MIN_RUN_BYTES = 512  # ConsolidatingCopier: windows of many shorter runs go through CheckedCopier
 
 
+_REMEDY = "the copy is damaged: restore another step, or from the flush directory"
+
+
 class CheckedSource:
     """One tensor's bytes and their chunk CRCs, and how an error names it.
 
@@ -68,8 +71,7 @@ class CheckedSource:
 
     def __init__(
         self, array: np.ndarray, crcs: Sequence[int], chunk: int, where: str, recorded: str = "the snapshot",
-        remedy: str = "the copy is damaged: restore another step, or from the flush directory",
-        file_offset: int | None = None,
+        remedy: str = _REMEDY, file_offset: int | None = None,
     ):
         self._array, self._within, self._address = array, None, None
         self.crcs, self.chunk, self.where = crcs, chunk, where
@@ -90,7 +92,7 @@ class CheckedSource:
         self._array, self._within = None, (buffer, offset, dtype)
         self._address = None if buffer_address is None else buffer_address + offset
         self.crcs, self.chunk, self.where = crcs, chunk, where
-        self.recorded, self.remedy, self.file_offset = recorded, "the copy is damaged: restore another step, or from the flush directory", None
+        self.recorded, self.remedy, self.file_offset = recorded, _REMEDY, None
         self.nbytes = nbytes
         return self
 
@@ -367,29 +369,40 @@ class CheckedCopier:
         it costs one more read of the sources (``run`` still checks what it copies, in the same
         pass: bytes that change in between are reported too). The chunks of every source are
         checksummed in one native batch per chunk size (a restore reads 10^5 sources)."""
-        runs: dict[int, list[tuple[Hashable, int, int]]] = {}  # chunk size -> (source, first, last chunk)
-        for key in self.reads.keys() | self.strided.keys():
+        runs: dict[int, tuple[list, list]] = {}  # chunk size -> ([(source, first chunk)], [(address, bytes)])
+
+        def add(key: Hashable, src: CheckedSource, first: int, last: int) -> None:
+            C = src.chunk
+            todo, items = runs.get(C) or runs.setdefault(C, ([], []))
+            todo.append((key, first))
+            items.append((src.address + first * C, min((last + 1) * C, src.nbytes) - first * C))
+
+        for key, reads in self.reads.items():
             src = self.sources[key]
-            C, reads = src.chunk, self.reads.get(key, ())
             if len(reads) == 1 and key not in self.strided:  # most sources: one range read
                 lo, hi = reads[0]
-                hi = min(hi, src.nbytes, len(src.crcs) * C)
+                hi = min(hi, src.nbytes, len(src.crcs) * src.chunk)
                 if lo < hi:
-                    runs.setdefault(C, []).append((key, lo // C, (hi - 1) // C))
+                    add(key, src, lo // src.chunk, (hi - 1) // src.chunk)
                 continue
-            chunks = set(touched_chunks(reads, C, src.nbytes))
-            for _, c in self.strided.get(key, ()):
-                chunks |= view_chunks(c.src_view, src.array.itemsize, C)
-            runs.setdefault(C, []).extend((key, a, b) for a, b in _runs(i for i in chunks if i < len(src.crcs)))
+            for first, last in self._touched(key, src):
+                add(key, src, first, last)
+        for key in self.strided.keys() - self.reads.keys():
+            src = self.sources[key]
+            for first, last in self._touched(key, src):
+                add(key, src, first, last)
         threads = self.threads or knobs.copy_threads()
-        for C, todo in runs.items():
-            items = []
-            for key, first, last in todo:
-                src = self.sources[key]
-                items.append((src.address + first * C, min((last + 1) * C, src.nbytes) - first * C))
-            for (key, first, _), got in zip(todo, native.crc32c_batch(items, C, threads)):
+        for C, (todo, items) in runs.items():
+            for (key, first), got in zip(todo, native.crc32c_batch(items, C, threads)):
                 self._check(key, first, got)
         self.verified = True
+
+    def _touched(self, key: Hashable, src: CheckedSource) -> list[tuple[int, int]]:
+        """Runs of the chunks of ``src`` that the added copies read."""
+        chunks = set(touched_chunks(self.reads.get(key, ()), src.chunk, src.nbytes))
+        for _, c in self.strided.get(key, ()):
+            chunks |= view_chunks(c.src_view, src.array.itemsize, src.chunk)
+        return _runs(i for i in chunks if i < len(src.crcs))
 
     def run(self) -> None:
         threads = self.threads or knobs.copy_threads()

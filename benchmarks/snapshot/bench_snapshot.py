@@ -374,10 +374,10 @@ class RestoreProbe:
 
     # (module attribute path, phase name); a missing attribute is skipped
     FUNCS = (
-        ("verify_sources", "verify CRC (separate pass)"),
-        ("_Fused.run", "fused copy+CRC (native copy_batch)"),
-        ("execute", "general copies (ucl execute)"),
-        ("_fill_target", "copy into targets"),
+        ("_sources", "plan's sources to the copier"),
+        ("_add_copies", "plan's copies to the copier"),
+        ("CheckedCopier.verify", "verify CRC (separate pass)"),
+        ("CheckedCopier.run", "copy + CRC (fused, partial, scatter, strided)"),
     )
 
     def __init__(self):

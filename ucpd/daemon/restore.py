@@ -38,6 +38,9 @@ def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
     return (name, dtype, tuple(shape), placement if isinstance(placement, str) else placement_key(placement))
 
 
+_tuple_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (10^5 per restore)
+
+
 class RamTensors(Mapping):
     """The source tensors of a version in RAM, ``(rank, tensor index) -> PlanSource``, each
     made when a plan reads it: a version is indexed at every commit, restored rarely."""
@@ -55,7 +58,7 @@ class RamTensors(Mapping):
         if t.skipped:
             raise KeyError(key)
         path = self._paths[rank] if t.holder is None else self._slot_path(t.holder)
-        return PlanSource(path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+        return _tuple_new(PlanSource, (path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES))
 
     def __iter__(self):
         for rank, part in self._parts.items():
@@ -78,6 +81,10 @@ class RamGlobals(Mapping):
         g = self._index[name]
         return (g.dtype, g.shape, g.sources)
 
+    def get(self, name: str, default=None):
+        g = self._index.get(name)
+        return default if g is None else (g.dtype, g.shape, g.sources)
+
     def __iter__(self):
         return iter(self._index)
 
@@ -86,32 +93,54 @@ class RamGlobals(Mapping):
 
 
 class RamSame(Mapping):
-    """``SourceSet.same`` of a version in RAM, worked out at the first restore that asks."""
+    """``SourceSet.same`` of a version in RAM: ``(name, dtype, shape, placement key)`` -> the
+    first source tensor laid out so. Its tensors are indexed by name at the first restore that
+    asks (one dictionary entry each); a lookup compares the few tensors of that name."""
 
     def __init__(self, parts: dict):
-        self._parts, self._same = parts, None
+        self._parts, self._names = parts, None
 
-    def _table(self) -> dict:
-        if self._same is None:
-            same: dict[tuple, Any] = {}
+    def _by_name(self) -> dict:
+        if self._names is None:
+            names: dict[str, Any] = {}  # name -> (rank, idx), or a list of them
             for rank, part in self._parts.items():
                 for idx, t in enumerate(part.tensors):
-                    if not t.skipped:
-                        same.setdefault((t.name, t.dtype, t.shape, t.key()), (rank, idx))
-            self._same = same
-        return self._same
-
-    def __getitem__(self, key):
-        return self._table()[key]
+                    if t.skipped:
+                        continue
+                    got = names.get(t.name)
+                    if got is None:
+                        names[t.name] = (rank, idx)
+                    elif type(got) is list:
+                        got.append((rank, idx))
+                    else:
+                        names[t.name] = [got, (rank, idx)]
+            self._names = names
+        return self._names
 
     def get(self, key, default=None):
-        return self._table().get(key, default)
+        name, dtype, shape, pkey = key
+        got = self._by_name().get(name)
+        for rank, idx in (() if got is None else [got] if type(got) is tuple else got):
+            t = self._parts[rank].tensors[idx]
+            if t.dtype == dtype and t.shape == shape and t.key() == pkey:
+                return (rank, idx)
+        return default
+
+    def __getitem__(self, key):
+        got = self.get(key)
+        if got is None:
+            raise KeyError(key)
+        return got
 
     def __iter__(self):
-        return iter(self._table())
+        for rank, part in self._parts.items():
+            for idx, t in enumerate(part.tensors):
+                key = (t.name, t.dtype, t.shape, t.key())
+                if not t.skipped and self.get(key) == (rank, idx):
+                    yield key
 
     def __len__(self) -> int:
-        return len(self._table())
+        return sum(1 for _ in self)
 
 
 def from_ram(version, slot_path) -> SourceSet:
@@ -126,9 +155,13 @@ def from_ram(version, slot_path) -> SourceSet:
 def from_disk(reader) -> SourceSet:
     """Sources of a flushed version: each consolidated tensor, whole, in its safetensors file."""
     globals_, tensors, same = {}, {}, {}
+    geometry: dict[tuple, tuple] = {}  # shape -> (view, box), shared by tensors of a shape (see Planner)
     for name, info in reader.tensors.items():
         shape = tuple(info.shape)
-        pieces = [SourcePiece(name, contiguous_view(shape), full_box(shape))] if math.prod(shape) else []
+        vb = geometry.get(shape)
+        if vb is None:
+            vb = geometry[shape] = (contiguous_view(shape), full_box(shape))
+        pieces = [SourcePiece(name, *vb)] if math.prod(shape) else []
         globals_[name] = (info.dtype, shape, pieces)
         path = str(reader.path / info.file)
         tensors[name] = PlanSource(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
@@ -182,7 +215,9 @@ class Planner:
         pieces = by_name[t["name"]]
         first: dict[Any, int] = {}
         at = [first.setdefault(s.key, i) for i, s in enumerate(pieces)]  # each piece's source, by first position
-        sig = (pkey, shape, tuple((i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)))
+        # the pieces' geometry by identity: the pieces of a kind of source tensor share their
+        # windows (resolved once per kind), all alive while this planner is
+        sig = (pkey, shape, tuple((i, id(s.view), id(s.box), id(s.global_shape)) for i, s in zip(at, pieces)))
         cp = self._plans.get(sig)
         if cp is None:
             try:
