@@ -37,8 +37,10 @@ def version(ranks: int, names: list[str], shape=(8, 6), placement=lambda r: {**S
 
 def test_the_fast_entry_is_the_dataclass():
     fields = [f.name for f in dataclasses.fields(TensorEntry)]
-    args = ("w", "float32", (4,), {"kind": "replicated"}, 0, 16, (1,), False, "k", None, False)
-    fast, slow = _entry(*args), TensorEntry(*args)
+    args = dict(name="w", dtype="float32", shape=(4,), placement={"kind": "replicated"}, offset=0, nbytes=16,
+                crcs=(1,), skipped=False, holder=None, pkey="k", frags=None, shared=False)
+    assert set(args) == set(fields)
+    fast, slow = _entry(**args), TensorEntry(**args)
     assert fast == slow and list(vars(fast)) == fields and repr(fast) == repr(slow)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.name = "x"
@@ -118,8 +120,8 @@ def test_a_plan_reused_across_a_kind_is_each_targets_own_plan(target):
             continue
         assert ([tuple(c) for c in copies], list(fills)) == reference(sources, t)
     wire = restore.plan(sources, targets)
-    assert [len(t["copies"]) for t in wire["tensors"]] == [len(planner.target(t)[0]) for t in targets]
-    assert {s["path"] for s in wire["sources"]} <= {"/slot-0", "/slot-1"}
+    assert [len(t.copies) for t in wire.tensors] == [len(planner.target(t)[0]) for t in targets]
+    assert {s.path for s in wire.sources} <= {"/slot-0", "/slot-1"}
 
 
 def test_a_target_no_source_covers_names_its_sources():
