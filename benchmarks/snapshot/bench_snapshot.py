@@ -508,7 +508,7 @@ def tp2_snapshot(st: State, run_dir: str, step: int) -> float:
     rows, proj/fc2 on columns, the rest replicated). Returns the seconds until both committed."""
     from ucpd_client import Checkpointer, placement as P
 
-    cks = [Checkpointer(run_dir, rank=r, world_size=2, embedded=False, incremental=False) for r in range(2)]
+    cks = [Checkpointer(run_dir, rank=r, world_size=2, embedded=False, incremental=False) for r in (1, 0)][::-1]  # rank 1 connects first
     try:
         shard_states, pls = [], []
         for r in range(2):
@@ -610,7 +610,7 @@ def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
 
 
 def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) -> None:
-    from ucpd_client import Checkpointer, placement as P
+    from ucpd_client import Checkpointer
 
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
     # keep 1: one slot holds the committed version, one is written: 2 slots; plus a half-size
@@ -657,19 +657,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
         targets = st.zeros_like()
         flat_t, flat_s = flat_tensors(targets), st.flat_dict()
         # (a): this rank is rank 0 of TP=2: half the rows of every 2-D tensor, Shard(0, 0, 2)
-        half_targets = {"model": {}, "optim": {}, "step": -1}
-        pl_a = {}
-        half_bytes = 0
-        for name, shape, _ in st.params:
-            two_d = len(shape) == 2
-            shp = (shape[0] // 2, shape[1]) if two_d else shape
-            half_targets["model"][name] = torch.zeros(shp)
-            half_targets["optim"][name] = {"exp_avg": torch.zeros(shp), "exp_avg_sq": torch.zeros(shp)}
-            p = P.Shard(0, 0, 2) if two_d else P.Replicated()
-            pl_a[f"model.{name}"] = p
-            pl_a[f"optim.{name}.exp_avg"] = p
-            pl_a[f"optim.{name}.exp_avg_sq"] = p
-            half_bytes += 3 * 4 * math.prod(shp)
+        half_targets, pl_a, half_bytes = half_rows_targets(st)
         pt = os.path.join(shm_dir("torchfile"), "state.pt")
         torch.save(state, pt)
         probe = RestoreProbe().__enter__()  # exited after (b)
@@ -679,12 +667,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
         if bad or targets["step"] != last_full_step:
             raise SystemExit(f"restore returned wrong data: {bad[:3]} step {targets['step']}")
         first_a, _ = timed_restore(ck, probe, half_targets, pl_a, step=last_full_step)
-        ft = flat_tensors(half_targets)
-        for n, t in list(flat_s.items())[::7]:
-            want = t[: t.shape[0] // 2] if t.dim() == 2 else t
-            if not torch.equal(ft[n], want):
-                raise SystemExit(f"resharded restore (a) returned wrong data for {n}")
-        del ft
+        check_half_rows(st, half_targets)
         torch.load(pt)  # warm-up
         ts, splits, ts_a, splits_a, ts_load = [], [], [], [], []
         for _ in range(reps):
@@ -711,32 +694,9 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
             f"median {fmt_seconds(median(ts_a))} for {half_bytes / GiB:.2f} GiB; torch.load {fmt_seconds(median(ts_load))}")
 
         # --- resharded (b): a version snapshotted by 2 TP ranks, restored whole by 1 rank
-        ck1 = Checkpointer(daemon.run_dir, rank=1, world_size=2, embedded=False, incremental=False)
-        ck0 = Checkpointer(daemon.run_dir, rank=0, world_size=2, embedded=False, incremental=False)
         try:
             step += 1
-            shard_states, pls = [], []
-            for r in range(2):
-                s_r = {"model": {}, "optim": {}, "step": step}
-                pl = {}
-                for name, shape, dim in st.params:
-                    if dim is None:
-                        p, sl = P.Replicated(), (lambda t: t)
-                    else:
-                        p, sl = P.Shard(dim, r, 2), (lambda t, d=dim, r=r: t.chunk(2, d)[r])
-                    s_r["model"][name] = sl(st.model[name])
-                    s_r["optim"][name] = {k: sl(v) for k, v in st.optim[name].items()}
-                    pl[f"model.{name}"] = p
-                    pl[f"optim.{name}.exp_avg"] = p
-                    pl[f"optim.{name}.exp_avg_sq"] = p
-                shard_states.append(s_r)
-                pls.append(pl)
-            t0 = time.perf_counter()
-            hs = [c.snapshot(step, s, placements=pl) for c, s, pl in zip((ck0, ck1), shard_states, pls)]
-            for h in hs:
-                h.wait()
-            tp_snap = time.perf_counter() - t0
-            del shard_states
+            tp_snap = tp2_snapshot(st, daemon.run_dir, step)
             extra["tp2_snapshot_seconds_incl_slot_alloc"] = tp_snap
             log(f"TP=2 snapshot by 2 ranks (allocates rank 1's slot): {fmt_seconds(tp_snap)}")
             for d in flat_t.values():
@@ -755,8 +715,6 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
             extra["restore_b_first"] = first_b
             log(f"restore resharded (b): first {fmt_seconds(first_b)}, median {fmt_seconds(median(ts_b))}")
         finally:
-            ck0.close()
-            ck1.close()
             del ck._maps.get  # back to the class method
             probe.__exit__(None, None, None)
         del targets, flat_t
