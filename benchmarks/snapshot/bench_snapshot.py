@@ -2,7 +2,7 @@
 """ucpd snapshot / restore / flush against the memcpy floor and the peers, in one run.
 
     .venv/bin/python benchmarks/snapshot/bench_snapshot.py [--size-gib 2] [--reps 5]
-                     [--peer-reps 3] [--json OUT] [--skip-peers] [--skip-flush]
+                     [--peer-reps 3] [--json OUT] [--skip-peers] [--skip-flush] [--restore-only]
 
 A GPT-like fp32 training state (weights + Adam exp_avg + exp_avg_sq; 18 layers x (ln1, qkv w+b,
 proj w+b, ln2, fc1 w+b, fc2 w+b) + wte, wpe, ln_f = 183 parameters, 549 tensors, random data)
@@ -474,8 +474,143 @@ def median_split(splits: list[dict]) -> dict:
     return {k: median([s[k] for s in splits]) for k in splits[0]} if splits else {}
 
 
-def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) -> None:
+def half_rows_targets(st: State):
+    """Resharded (a): the targets and placements of rank 0 of TP=2 (``Shard(0, 0, 2)`` of every
+    2-D tensor, the rest replicated), and the bytes they hold."""
+    from ucpd_client import placement as P
+
+    half_targets = {"model": {}, "optim": {}, "step": -1}
+    pl_a = {}
+    half_bytes = 0
+    for name, shape, _ in st.params:
+        two_d = len(shape) == 2
+        shp = (shape[0] // 2, shape[1]) if two_d else shape
+        half_targets["model"][name] = torch.zeros(shp)
+        half_targets["optim"][name] = {"exp_avg": torch.zeros(shp), "exp_avg_sq": torch.zeros(shp)}
+        p = P.Shard(0, 0, 2) if two_d else P.Replicated()
+        pl_a[f"model.{name}"] = p
+        pl_a[f"optim.{name}.exp_avg"] = p
+        pl_a[f"optim.{name}.exp_avg_sq"] = p
+        half_bytes += 3 * 4 * math.prod(shp)
+    return half_targets, pl_a, half_bytes
+
+
+def check_half_rows(st: State, half_targets: dict, every: int = 7) -> None:
+    ft = flat_tensors(half_targets)
+    for n, t in list(st.flat_dict().items())[::every]:
+        want = t[: t.shape[0] // 2] if t.dim() == 2 else t
+        if not torch.equal(ft[n], want):
+            raise SystemExit(f"resharded restore (a) returned wrong data for {n}")
+
+
+def tp2_snapshot(st: State, run_dir: str, step: int) -> float:
+    """Resharded (b)'s source: ``step`` snapshotted by 2 Megatron TP ranks (qkv/fc1/wte split on
+    rows, proj/fc2 on columns, the rest replicated). Returns the seconds until both committed."""
     from ucpd_client import Checkpointer, placement as P
+
+    cks = [Checkpointer(run_dir, rank=r, world_size=2, embedded=False, incremental=False) for r in (1, 0)][::-1]  # rank 1 connects first
+    try:
+        shard_states, pls = [], []
+        for r in range(2):
+            s_r = {"model": {}, "optim": {}, "step": step}
+            pl = {}
+            for name, shape, dim in st.params:
+                if dim is None:
+                    p, sl = P.Replicated(), (lambda t: t)
+                else:
+                    p, sl = P.Shard(dim, r, 2), (lambda t, d=dim, r=r: t.chunk(2, d)[r])
+                s_r["model"][name] = sl(st.model[name])
+                s_r["optim"][name] = {k: sl(v) for k, v in st.optim[name].items()}
+                pl[f"model.{name}"] = p
+                pl[f"optim.{name}.exp_avg"] = p
+                pl[f"optim.{name}.exp_avg_sq"] = p
+            shard_states.append(s_r)
+            pls.append(pl)
+        t0 = time.perf_counter()
+        hs = [c.snapshot(step, s, placements=pl) for c, s, pl in zip(cks, shard_states, pls)]
+        for h in hs:
+            h.wait()
+        return time.perf_counter() - t0
+    finally:
+        for c in cks:
+            c.close()
+
+
+def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
+    """--restore-only: the three restores, each rep running same layout, (a) and (b) back to
+    back (so their ratios compare runs under the same load); no floor, snapshot reps, torch.load,
+    flush or peers. The daemon keeps 2 versions: the full one (same layout, (a)) and the TP=2
+    one ((b))."""
+    from ucpd_client import Checkpointer
+
+    slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
+    # keep 2: the full version, the TP=2 version (2 slots), and the slot the next snapshot takes
+    daemon = Daemon("ram", mem_limit=3 * slot + slot // 2 + (64 << 20), keep=2)
+    ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)
+    state = st.nested
+    probe = None
+    try:
+        full_step, tp_step = 1, 2
+        state["step"] = full_step
+        snapshot_once(ck, full_step, state)
+        extra["tp2_snapshot_seconds_incl_slot_alloc"] = tp2_snapshot(st, daemon.run_dir, tp_step)
+        targets = st.zeros_like()
+        flat_t, flat_s = flat_tensors(targets), st.flat_dict()
+        half_targets, pl_a, half_bytes = half_rows_targets(st)
+        probe = RestoreProbe().__enter__()
+        probe.wrap_maps(ck)
+        first, _ = timed_restore(ck, probe, targets, step=full_step)
+        bad = [n for n, t in flat_s.items() if not torch.equal(flat_t[n], t)]
+        if bad or targets["step"] != full_step:
+            raise SystemExit(f"restore returned wrong data: {bad[:3]} step {targets['step']}")
+        first_a, _ = timed_restore(ck, probe, half_targets, pl_a, step=full_step)
+        check_half_rows(st, half_targets)
+        for d in flat_t.values():
+            d.zero_()
+        first_b, _ = timed_restore(ck, probe, targets, step=tp_step)
+        bad = [n for n, t in flat_s.items() if not torch.equal(flat_t[n], t)]
+        if bad:
+            raise SystemExit(f"resharded restore (b) returned wrong data: {bad[:3]}")
+        runs = {"restore": ([], []), "restore_a": ([], []), "restore_b": ([], [])}
+        for _ in range(reps):
+            for key, tg, pl, stp in (("restore", targets, None, full_step), ("restore_a", half_targets, pl_a, full_step),
+                                     ("restore_b", targets, None, tp_step)):
+                dt, sp = timed_restore(ck, probe, tg, pl, step=stp)
+                runs[key][0].append(dt)
+                runs[key][1].append(sp)
+        check_half_rows(st, half_targets)
+        bad = [n for n, t in flat_s.items() if not torch.equal(flat_t[n], t)]
+        if bad:
+            raise SystemExit(f"restores returned wrong data: {bad[:3]}")
+        res.add("restore_first", "ucpd restore from RAM #1 (maps the slot read-only, MAP_POPULATE)", [first], st.nbytes, "ucpd-first")
+        res.add("restore", "ucpd restore from RAM, same layout", runs["restore"][0], st.nbytes, "ucpd")
+        res.add("restore_a", "ucpd restore resharded (a): rank 0 of TP=2, Shard(0,0,2) of every 2-D tensor", runs["restore_a"][0], half_bytes, "ucpd")
+        res.add("restore_b", "ucpd restore resharded (b): TP=2 snapshot -> 1 rank, full state", runs["restore_b"][0], st.nbytes, "ucpd")
+        extra["restore_split_median"] = median_split(runs["restore"][1])
+        extra["restore_a_split_median"] = median_split(runs["restore_a"][1])
+        extra["restore_b_split_median"] = median_split(runs["restore_b"][1])
+        extra["restore_a_first"], extra["restore_b_first"] = first_a, first_b
+        same = runs["restore"][0]
+        extra["restore_ratios_per_rep"] = {
+            "(a) per byte / same layout": [a / half_bytes / (s / st.nbytes) for a, s in zip(runs["restore_a"][0], same)],
+            "(b) / same layout": [b / s for b, s in zip(runs["restore_b"][0], same)],
+        }
+        for k, v in extra["restore_ratios_per_rep"].items():
+            log(f"{k}, per rep: {', '.join(f'{x:.2f}x' for x in v)}")
+        log(f"restore same layout {fmt_seconds(median(runs['restore'][0]))}, (a) {fmt_seconds(median(runs['restore_a'][0]))} "
+            f"for {half_bytes / GiB:.2f} GiB, (b) {fmt_seconds(median(runs['restore_b'][0]))} (first: {fmt_seconds(first)}, "
+            f"{fmt_seconds(first_a)}, {fmt_seconds(first_b)})")
+    finally:
+        if probe is not None:
+            del ck._maps.get
+            probe.__exit__(None, None, None)
+        ck.close()
+        daemon.stop()
+        gc.collect()
+
+
+def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) -> None:
+    from ucpd_client import Checkpointer
 
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
     # keep 1: one slot holds the committed version, one is written: 2 slots; plus a half-size
@@ -522,19 +657,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
         targets = st.zeros_like()
         flat_t, flat_s = flat_tensors(targets), st.flat_dict()
         # (a): this rank is rank 0 of TP=2: half the rows of every 2-D tensor, Shard(0, 0, 2)
-        half_targets = {"model": {}, "optim": {}, "step": -1}
-        pl_a = {}
-        half_bytes = 0
-        for name, shape, _ in st.params:
-            two_d = len(shape) == 2
-            shp = (shape[0] // 2, shape[1]) if two_d else shape
-            half_targets["model"][name] = torch.zeros(shp)
-            half_targets["optim"][name] = {"exp_avg": torch.zeros(shp), "exp_avg_sq": torch.zeros(shp)}
-            p = P.Shard(0, 0, 2) if two_d else P.Replicated()
-            pl_a[f"model.{name}"] = p
-            pl_a[f"optim.{name}.exp_avg"] = p
-            pl_a[f"optim.{name}.exp_avg_sq"] = p
-            half_bytes += 3 * 4 * math.prod(shp)
+        half_targets, pl_a, half_bytes = half_rows_targets(st)
         pt = os.path.join(shm_dir("torchfile"), "state.pt")
         torch.save(state, pt)
         probe = RestoreProbe().__enter__()  # exited after (b)
@@ -544,12 +667,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
         if bad or targets["step"] != last_full_step:
             raise SystemExit(f"restore returned wrong data: {bad[:3]} step {targets['step']}")
         first_a, _ = timed_restore(ck, probe, half_targets, pl_a, step=last_full_step)
-        ft = flat_tensors(half_targets)
-        for n, t in list(flat_s.items())[::7]:
-            want = t[: t.shape[0] // 2] if t.dim() == 2 else t
-            if not torch.equal(ft[n], want):
-                raise SystemExit(f"resharded restore (a) returned wrong data for {n}")
-        del ft
+        check_half_rows(st, half_targets)
         torch.load(pt)  # warm-up
         ts, splits, ts_a, splits_a, ts_load = [], [], [], [], []
         for _ in range(reps):
@@ -576,32 +694,9 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
             f"median {fmt_seconds(median(ts_a))} for {half_bytes / GiB:.2f} GiB; torch.load {fmt_seconds(median(ts_load))}")
 
         # --- resharded (b): a version snapshotted by 2 TP ranks, restored whole by 1 rank
-        ck1 = Checkpointer(daemon.run_dir, rank=1, world_size=2, embedded=False, incremental=False)
-        ck0 = Checkpointer(daemon.run_dir, rank=0, world_size=2, embedded=False, incremental=False)
         try:
             step += 1
-            shard_states, pls = [], []
-            for r in range(2):
-                s_r = {"model": {}, "optim": {}, "step": step}
-                pl = {}
-                for name, shape, dim in st.params:
-                    if dim is None:
-                        p, sl = P.Replicated(), (lambda t: t)
-                    else:
-                        p, sl = P.Shard(dim, r, 2), (lambda t, d=dim, r=r: t.chunk(2, d)[r])
-                    s_r["model"][name] = sl(st.model[name])
-                    s_r["optim"][name] = {k: sl(v) for k, v in st.optim[name].items()}
-                    pl[f"model.{name}"] = p
-                    pl[f"optim.{name}.exp_avg"] = p
-                    pl[f"optim.{name}.exp_avg_sq"] = p
-                shard_states.append(s_r)
-                pls.append(pl)
-            t0 = time.perf_counter()
-            hs = [c.snapshot(step, s, placements=pl) for c, s, pl in zip((ck0, ck1), shard_states, pls)]
-            for h in hs:
-                h.wait()
-            tp_snap = time.perf_counter() - t0
-            del shard_states
+            tp_snap = tp2_snapshot(st, daemon.run_dir, step)
             extra["tp2_snapshot_seconds_incl_slot_alloc"] = tp_snap
             log(f"TP=2 snapshot by 2 ranks (allocates rank 1's slot): {fmt_seconds(tp_snap)}")
             for d in flat_t.values():
@@ -620,8 +715,6 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
             extra["restore_b_first"] = first_b
             log(f"restore resharded (b): first {fmt_seconds(first_b)}, median {fmt_seconds(median(ts_b))}")
         finally:
-            ck0.close()
-            ck1.close()
             del ck._maps.get  # back to the class method
             probe.__exit__(None, None, None)
         del targets, flat_t
@@ -874,6 +967,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None, help="write the results here as JSON")
     ap.add_argument("--skip-peers", action="store_true")
     ap.add_argument("--skip-flush", action="store_true")
+    ap.add_argument("--restore-only", action="store_true",
+                    help="only the restores (same layout, resharded (a) and (b), interleaved per rep): no floor, "
+                         "snapshot reps, torch.load, flush or peers")
     args = ap.parse_args(argv)
 
     atexit.register(_cleanup)
@@ -889,6 +985,16 @@ def main(argv=None) -> int:
     st = State(int(args.size_gib * GiB), args.layers)
     log(f"state: {st.nbytes / GiB:.2f} GiB, {len(st.flat)} tensors, hidden {st.hidden}, vocab {st.vocab}")
     res, extra = Results(), {}
+    if args.restore_only:
+        try:
+            bench_restore_only(st, args.reps, res, extra)
+        finally:
+            _cleanup()
+        out = report(st, res, extra, args)
+        out["wall_seconds"] = time.perf_counter() - t_start
+        write_json(args.json, out)
+        log(f"done in {out['wall_seconds']:.0f} s" + (f"; JSON in {args.json}" if args.json else ""))
+        return 0
     try:
         floor = Floor(st)
         try:

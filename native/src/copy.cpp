@@ -479,4 +479,21 @@ void copy_strided(void* dst, const std::vector<std::int64_t>& dst_strides, const
   });
 }
 
+
+bool copy_run_streaming(void* dst, const void* src, std::size_t n) {
+  const CopyFn fn = n >= kStridedStreamRun ? strided_stream_fn() : nullptr;
+  if (!fn) {
+    std::memcpy(dst, src, n);
+    return false;
+  }
+  fn(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), n);
+  return true;
+}
+
+void stream_fence() {
+#ifdef UCPD_X86
+  _mm_sfence();
+#endif
+}
+
 }  // namespace ucpd

@@ -56,4 +56,11 @@ void copy_strided(void* dst, const std::vector<std::int64_t>& dst_strides, const
                   const std::vector<std::int64_t>& src_strides,
                   const std::vector<std::int64_t>& shape, std::size_t itemsize, int threads);
 
+// One run of a strided window: with streaming stores (no read-for-ownership of the destination,
+// no cache pollution) when the run is long enough and the CPU has them (returns true), else
+// memcpy (returns false). Issues no fence: call stream_fence() after the last streamed run,
+// before the copied bytes are handed to another thread.
+bool copy_run_streaming(void* dst, const void* src, std::size_t n);
+void stream_fence();
+
 }  // namespace ucpd

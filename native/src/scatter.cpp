@@ -5,17 +5,22 @@
 #include <cstring>
 #include <stdexcept>
 
+#include "copy.h"
 #include "crc32c.h"
 #include "thread_pool.h"
 
 namespace ucpd {
 namespace {
 
+constexpr std::size_t kStreamRunBytes = 1024;           // copy.cpp's kStridedStreamRun
+constexpr std::size_t kStreamWindowBytes = 256 * 1024;  // copy.cpp's kMinTask
+
 struct Window {
   int ndim;
   std::int64_t shape[16];
   std::int64_t dstride[16];
   std::size_t itemsize;
+  bool stream;  // innermost runs long enough to write with streaming stores (see prepare)
 };
 
 // Copies source elements [e0, e1) (row-major order of the window) to their places in dst,
@@ -30,13 +35,20 @@ uint32_t copy_range(const Window& w, unsigned char* dst, const unsigned char* sr
   }
   const int last = w.ndim - 1;
   const std::size_t isz = w.itemsize;
+  bool streamed = false;
   std::int64_t e = e0;
   while (e < e1) {
     const std::int64_t run = std::min(w.shape[last] - idx[last], e1 - e);
     std::int64_t off = 0;
     for (int k = 0; k < w.ndim; ++k) off += idx[k] * w.dstride[k];
     const unsigned char* s = src + e * isz;
-    if (w.dstride[last] == 1) {
+    if (w.dstride[last] == 1 && w.stream) {
+      // checksum the run (which pulls it into cache), then stream it out: the destination rows
+      // are strided, and ordinary stores would read each destination line before writing it
+      const std::size_t n = static_cast<std::size_t>(run) * isz;
+      crc = crc32c_update(crc, s, n);
+      streamed |= copy_run_streaming(dst + off * isz, s, n);
+    } else if (w.dstride[last] == 1) {
       crc = crc32c_copy(dst + off * isz, s, static_cast<std::size_t>(run) * isz, crc);
     } else {
       crc = crc32c_update(crc, s, static_cast<std::size_t>(run) * isz);
@@ -49,6 +61,7 @@ uint32_t copy_range(const Window& w, unsigned char* dst, const unsigned char* sr
       ++idx[k - 1];
     }
   }
+  if (streamed) stream_fence();  // streaming stores are weakly ordered: drain before reporting done
   return crc;
 }
 
@@ -83,6 +96,11 @@ Prepared prepare(const ScatterItem& it) {
     p.w.shape[0] = 1;
     p.w.dstride[0] = 1;
   }
+  // as copy_strided: stream runs of >= 1 KiB of a window of >= 256 KiB (measured 1.2-1.6x faster
+  // into strided rows); where crc32c_copy is the one-pass kernel it streams already
+  p.w.stream = !crc32c_copy_fused() && p.w.dstride[p.w.ndim - 1] == 1 &&
+               static_cast<std::size_t>(p.w.shape[p.w.ndim - 1]) * it.itemsize >= kStreamRunBytes &&
+               static_cast<std::size_t>(n) * it.itemsize >= kStreamWindowBytes;
   p.dst = static_cast<unsigned char*>(it.dst);
   p.src = static_cast<const unsigned char*>(it.src);
   p.lo = it.src_offset;

@@ -65,3 +65,27 @@ def test_batch_equals_one_call_per_item():
     for (dst, window, src), (first, crcs), item in zip(dsts, got, items):
         assert np.array_equal(window, src.reshape(window.shape))
         assert (first, crcs) == native.scatter_crc(*item, 1)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_long_strided_rows_streamed(threads):
+    """Windows of >= 256 KiB with rows of >= 1 KiB are written with streaming stores: rows of
+    any length and alignment (a head before the first 64-byte line, a tail), chunk cuts inside
+    rows, the neighbouring columns untouched."""
+    rng = np.random.default_rng(threads)
+    for rows, cols, lead, start in ((300, 1664 // 4, 0, 0), (97, 6656 // 4 + 3, 5, 13), (1200, 257, 1, 7)):
+        dst = np.full((rows, 2 * cols + lead), 7, np.uint32)
+        window = dst[:, lead : lead + cols]
+        src_tensor = rng.integers(0, 1 << 30, size=start + rows * cols + 11, dtype=np.uint32)
+        src = src_tensor[start : start + window.size]
+        chunk = 64 << 10
+        first, crcs = native.scatter_crc(
+            window.ctypes.data, [s // 4 for s in dst.strides], src.ctypes.data, window.shape, 4, chunk, start * 4, threads,
+        )
+        assert np.array_equal(window, src.reshape(window.shape))
+        assert (dst[:, :lead] == 7).all() and (dst[:, lead + cols :] == 7).all()
+        raw = src_tensor.view(np.uint8)
+        lo, hi = start * 4, (start + window.size) * 4
+        want_first = -(-lo // chunk)
+        want = [ref_crc.crc32c(raw[c * chunk : (c + 1) * chunk].tobytes()) for c in range(want_first, hi // chunk)]
+        assert first == want_first and crcs == want
