@@ -7,7 +7,9 @@ slot the rank will rotate through: ``--keep`` committed versions, the one being 
 more when a flusher may pin an old version past ``--keep``.
 
 - An **urgent** slot (a begin is parked on it: the rank's first snapshot, or one that outgrew
-  its slots) is prepared at once, on its own thread, at full speed.
+  its slots) is prepared at once, on its own thread: space reserved (``posix_fallocate``), pages
+  not touched. The trainer faults them in when it maps the slot, on its copy threads: touching
+  them here first and mapping them there would pay the page-table work twice.
 - A **spare** is prepared by one background thread, one at a time, in pieces; between pieces
   it steps aside while a trainer is copying into a slot (``yield_to_snapshots``), so warming
   never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
@@ -91,11 +93,12 @@ class SlotPreparer:
     # --- urgent ---------------------------------------------------------------------------------
 
     def allocate_now(self, sid: int, path: str, size: int) -> None:
-        """Prepare a slot a begin is parked on, on a thread of its own, at full speed."""
+        """Prepare a slot a begin is parked on, on a thread of its own, at full speed: its space
+        is reserved, its pages are left for the trainer to fault in as it maps the slot."""
 
         def work():
             try:
-                prepare_slot_file(path, size)
+                prepare_slot_file(path, size, touch=False)
                 faults.point("slot.allocated")
                 self.done.put(("slot", sid, None))
             except Exception as exc:

@@ -84,18 +84,24 @@ def shm_free_bytes(path: str) -> int:
 TOUCH_PIECE = 64 << 20
 
 
-def allocate_file(path: str, size: int, pause=None) -> None:
-    """Create a 0600 segment of ``size`` bytes with every page allocated and touched now.
+def allocate_file(path: str, size: int, pause=None, touch: bool = True) -> None:
+    """Create a 0600 segment of ``size`` bytes with every page allocated, and touched now unless
+    ``touch`` is False.
 
-    ``posix_fallocate`` reserves tmpfs pages but leaves zeroing (and, in a VM, the host's
-    fault-in) to the first write: measured ~1 s/GiB, paid here on a background thread instead
-    of in the trainer's first snapshot. One written byte per page is enough. ``pause()`` is
-    called between pieces of ``TOUCH_PIECE`` bytes (background warm-up steps aside there).
+    ``posix_fallocate`` reserves tmpfs pages (a full tmpfs is an error here, never a SIGBUS
+    later) but leaves zeroing and mapping them to the first write: measured ~2/3 of a first
+    touch, paid here on a background thread instead of in the trainer's first snapshot. One
+    written byte per page is enough. ``pause()`` is called between pieces of ``TOUCH_PIECE``
+    bytes (background warm-up steps aside there). A slot a trainer is already waiting for is
+    not touched (``touch=False``): the trainer faults its pages in as it maps them, on its copy
+    threads (``ucpd_client.mapping``), which touching here first would only double.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
+            if not touch:
+                return
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 pages = np.frombuffer(mm, dtype=np.uint8)
                 for lo in range(0, size, TOUCH_PIECE):
