@@ -71,6 +71,7 @@ class _Spare:
     size: int
     rank: int
     urgent: bool = False
+    reserved: bool = False  # its space is reserved: the trainer may map it while it is warmed
 
 
 class SlotPreparer:
@@ -153,9 +154,14 @@ class SlotPreparer:
         return (s for s in self.store.slots.slots.values() if s.rank == rank and size <= s.size <= 2 * size and s.id not in orphans)
 
     def ready_spares(self, rank: int) -> list[str]:
-        """Paths of the rank's free, warm slots: the trainer maps them ahead of use, between
-        snapshots (a first mapping of a slot costs page-table work in the trainer too)."""
-        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE]
+        """Paths of the rank's free slots and of its spares whose space is reserved (being
+        warmed): the trainer maps them ahead of use, between snapshots (a first mapping of a
+        slot costs page-table work in the trainer too, and faults in what is not warm yet), so
+        the second snapshot of a job finds its slot mapped even when it comes before the warm-up
+        is done."""
+        with self._cv:
+            warming = [p.path for p in self._spares if p.rank == rank and p.reserved]
+        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE] + warming
 
     def claim(self, rank: int, nbytes: int) -> int | None:
         """A spare on its way for ``rank`` that holds ``nbytes``: its id (a begin parks on it and
@@ -197,7 +203,7 @@ class SlotPreparer:
                 spare = self._spares[0]
             exc = None
             try:
-                prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+                prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare), reserved=lambda: self._reserved(spare))
                 faults.point("slot.allocated")
             except Exception as e:
                 exc = e
@@ -205,6 +211,10 @@ class SlotPreparer:
                 if spare in self._spares:
                     self._spares.remove(spare)
             self.done.put(("slot", spare.sid, exc))
+
+    def _reserved(self, spare: _Spare) -> None:
+        with self._cv:
+            spare.reserved = True
 
     def _pause(self, spare: _Spare) -> None:
         if not spare.urgent and not self._stopping:

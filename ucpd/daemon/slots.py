@@ -84,7 +84,7 @@ def shm_free_bytes(path: str) -> int:
 TOUCH_PIECE = 64 << 20
 
 
-def allocate_file(path: str, size: int, pause=None, touch: bool = True) -> None:
+def allocate_file(path: str, size: int, pause=None, touch: bool = True, reserved=None) -> None:
     """Create a 0600 segment of ``size`` bytes with every page allocated, and touched now unless
     ``touch`` is False.
 
@@ -95,11 +95,14 @@ def allocate_file(path: str, size: int, pause=None, touch: bool = True) -> None:
     bytes (background warm-up steps aside there). A slot a trainer is already waiting for is
     not touched (``touch=False``): the trainer faults its pages in as it maps them, on its copy
     threads (``ucpd_client.mapping``), which touching here first would only double.
+    ``reserved()`` is called once the space is reserved, before the touching.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
+            if reserved is not None:
+                reserved()
             if not touch:
                 return
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
