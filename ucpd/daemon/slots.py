@@ -107,11 +107,13 @@ def allocate_file(path: str, size: int, pause=None, touch: bool = True, reserved
                 return
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 pages = np.frombuffer(mm, dtype=np.uint8)
-                for lo in range(0, size, TOUCH_PIECE):
-                    if pause is not None and lo:
-                        pause()
-                    pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
-                del pages
+                try:  # pause() may raise to stop the touching: the mapping must close all the same
+                    for lo in range(0, size, TOUCH_PIECE):
+                        if pause is not None and lo:
+                            pause()
+                        pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
+                finally:
+                    del pages
         except OSError as exc:
             os.unlink(path)
             raise SnapshotRejected(
