@@ -1,7 +1,7 @@
 """Shared-memory slots: the large, reusable segments that trainers write snapshots into.
 
 A slot is one file in the daemon's ``--shm-dir`` (a tmpfs folder, mode 0700; files 0600).
-Slots are allocated once, their pages faulted in by the daemon (``posix_fallocate``) before a
+Slots are allocated once, their space reserved (``posix_fallocate``) and their pages faulted in before a
 trainer needs them, and then reused: on this class of machine a fresh segment costs ~20x a
 copy into a warm one. A slot is ``free``, ``writing`` (lent to a rank for one step) or ``held``
 (its bytes belong to a sealed version). Every byte of every slot counts against the memory
