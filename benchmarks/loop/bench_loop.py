@@ -301,7 +301,9 @@ class Daemon:
 
 class MapTimer:
     """Times the client's slot mapping (``Checkpointer._maps.get``) by wrapping it in this process:
-    a new or replaced slot file is mapped with MAP_POPULATE inside the copy phase."""
+    a slot file not mapped ahead (between snapshots, ``_map_ahead``) is mapped and populated
+    inside the copy phase. A mapping ahead still running when the next snapshot is called delays
+    its begin (one worker thread), and its time counts in that snapshot's "map" too."""
 
     def __init__(self, ck):
         self.acc = 0.0

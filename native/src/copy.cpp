@@ -145,21 +145,27 @@ void copy_and_crc(Segment& s, const CopyOptions& o) {
     return;
   }
   if (o.mode == CrcMode::kFused) {
-    if (s.n >= kStreamMin)
-      s.crc = crc32c_copy(s.dst, s.src, s.n, 0);
-    else {  // small: ordinary stores keep it cached, and a CRC of cached bytes is cheap
+    if (s.n < kStreamMin) {  // small: ordinary stores keep it cached, and a CRC of cached bytes is cheap
       s.crc = crc32c_update(0, s.src, s.n);
       std::memcpy(s.dst, s.src, s.n);
+      return;
     }
-    return;
+    if (crc32c_copy_fused()) {
+      s.crc = crc32c_copy(s.dst, s.src, s.n, 0);
+      return;
+    }
+    // No one-pass kernel (no AVX-512): checksum each 64 KiB block, then stream it out while it
+    // is cached, as kCrcThenCopy does. crc32c_copy's own fallback copies with memcpy, whose
+    // ordinary stores read every destination line first: measured 1.1x vs 0.8x of a 1-thread
+    // streaming memcpy (2 threads, 1 GiB into a warm slot, EPYC with AVX2).
   }
   uint32_t c = 0;
-  const std::size_t block = o.block ? o.block : s.n;
+  const std::size_t block = o.mode == CrcMode::kFused ? 64 * 1024 : o.block ? o.block : s.n;
   // Stream every block of a long segment, even blocks shorter than kStreamMin.
   const CopyFn copy = s.n >= kStreamMin ? stream_copy_fn() : copy_plain;
   for (std::size_t off = 0; off < s.n; off += block) {
     const std::size_t len = std::min(block, s.n - off);
-    if (o.mode == CrcMode::kCrcThenCopy) {
+    if (o.mode != CrcMode::kCopyThenCrc) {
       c = crc32c_update(c, s.src + off, len);
       copy(s.dst + off, s.src + off, len);
     } else {

@@ -174,3 +174,34 @@ def test_the_trainer_maps_its_warm_spares_between_snapshots(make_daemon, dirs):
         paths = {os.path.join(dirs["shm"], name) for name in files}
         # the worker maps them after the commit, while wait() returns: give it a moment
         wait_for(lambda: all(ck._maps.has(p, True) for p in paths), timeout=10)
+
+
+def test_a_slot_a_trainer_waits_for_is_reserved_but_left_untouched(tmp_path):
+    path = str(tmp_path / "seg")
+    reserved = []
+    try:
+        allocate_file(path, 8 * MiB, touch=False, reserved=lambda: reserved.append(1))
+    except Exception as exc:  # pragma: no cover - a tiny /tmp
+        pytest.skip(f"cannot allocate here: {exc}")
+    assert reserved == [1]
+    assert os.stat(path).st_size == 8 * MiB
+    assert os.stat(path).st_blocks * 512 >= 8 * MiB  # the space is the tmpfs's now: no SIGBUS later
+
+
+def test_a_full_shm_is_a_typed_error_whether_the_slot_is_touched_or_not(tmp_path):
+    import subprocess
+
+    from ucpd.errors import SnapshotRejected
+
+    shm = tmp_path / "tiny"
+    shm.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(shm)], capture_output=True).returncode:
+        pytest.skip("cannot mount a 1 MiB tmpfs here")
+    try:
+        for touch in (True, False):
+            path = str(shm / f"seg-{touch}")
+            with pytest.raises(SnapshotRejected, match="file system is full"):
+                allocate_file(path, 4 * MiB, touch=touch)
+            assert not os.path.exists(path)
+    finally:
+        subprocess.run(["umount", str(shm)], capture_output=True)

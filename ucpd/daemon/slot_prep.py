@@ -7,12 +7,18 @@ slot the rank will rotate through: ``--keep`` committed versions, the one being 
 more when a flusher may pin an old version past ``--keep``.
 
 - An **urgent** slot (a begin is parked on it: the rank's first snapshot, or one that outgrew
-  its slots) is prepared at once, on its own thread, at full speed.
-- A **spare** is prepared by one background thread, one at a time, in pieces; between pieces
+  its slots) is prepared at once, on its own thread: space reserved (``posix_fallocate``), pages
+  not touched. The trainer faults them in when it maps the slot, on its copy threads: touching
+  them here first and mapping them there would pay the page-table work twice.
+- A **spare** is prepared by one background thread, one at a time, in pieces, never while an
+  urgent slot is being reserved (both would allocate pages at once); between pieces
   it steps aside while a trainer is copying into a slot (``yield_to_snapshots``), so warming
   never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
-  rank's first slot, so the second snapshot finds it warm. A begin that needs a spare still
-  being warmed makes it urgent: no more stepping aside.
+  rank's first slot. As soon as a spare's space is reserved its path goes to the trainer
+  (``ready_spares``), which maps it between snapshots: mapping populates it, on the trainer's
+  copy threads, so the second snapshot finds its slot mapped and faulted in even when the
+  touching here is not done. A begin that needs a spare still being warmed makes it urgent: it
+  is lent once its space is reserved, the touching stops (the trainer faults in the rest).
 - The rotation follows the size a rank asks for: slots more than twice that size do not count
   in it, and once it is ready the rank's free ones are deleted (an incremental snapshot copies
   a fraction of what the first, full one did: its slots shrink).
@@ -69,6 +75,11 @@ class _Spare:
     size: int
     rank: int
     urgent: bool = False
+    reserved: bool = False  # its space is reserved: the trainer may map it while it is warmed
+
+
+class _Lent(Exception):
+    """Stops the touching of a spare a begin is waiting for (its space is reserved)."""
 
 
 class SlotPreparer:
@@ -87,19 +98,28 @@ class SlotPreparer:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.yielded_s = 0.0  # seconds the warm-up stepped aside for snapshots (status)
+        self._urgent = 0  # urgent allocations running: a spare waits for them (the page allocator is shared)
 
     # --- urgent ---------------------------------------------------------------------------------
 
     def allocate_now(self, sid: int, path: str, size: int) -> None:
-        """Prepare a slot a begin is parked on, on a thread of its own, at full speed."""
+        """Prepare a slot a begin is parked on, on a thread of its own, at full speed: its space
+        is reserved, its pages are left for the trainer to fault in as it maps the slot."""
 
         def work():
             try:
-                prepare_slot_file(path, size)
+                prepare_slot_file(path, size, touch=False)
                 faults.point("slot.allocated")
                 self.done.put(("slot", sid, None))
             except Exception as exc:
                 self.done.put(("slot", sid, exc))
+            finally:
+                with self._cv:
+                    self._urgent -= 1
+                    self._cv.notify_all()
+
+        with self._cv:
+            self._urgent += 1
 
         threading.Thread(target=work, name=f"ucpd-alloc-{sid}", daemon=True).start()
 
@@ -150,9 +170,14 @@ class SlotPreparer:
         return (s for s in self.store.slots.slots.values() if s.rank == rank and size <= s.size <= 2 * size and s.id not in orphans)
 
     def ready_spares(self, rank: int) -> list[str]:
-        """Paths of the rank's free, warm slots: the trainer maps them ahead of use, between
-        snapshots (a first mapping of a slot costs page-table work in the trainer too)."""
-        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE]
+        """Paths of the rank's free slots and of its spares whose space is reserved (being
+        warmed): the trainer maps them ahead of use, between snapshots (a first mapping of a
+        slot costs page-table work in the trainer too, and faults in what is not warm yet), so
+        the second snapshot of a job finds its slot mapped even when it comes before the warm-up
+        is done."""
+        with self._cv:
+            warming = [p.path for p in self._spares if p.rank == rank and p.reserved]
+        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE] + warming
 
     def claim(self, rank: int, nbytes: int) -> int | None:
         """A spare on its way for ``rank`` that holds ``nbytes``: its id (a begin parks on it and
@@ -187,14 +212,17 @@ class SlotPreparer:
         # raise its priority back. It steps aside for snapshot copies instead (``_pause``).
         while True:
             with self._cv:
-                while not self._spares and not self._stopping:
-                    self._cv.wait()
+                while (not self._spares or self._urgent) and not self._stopping:
+                    self._cv.wait(0.5 if self._urgent else None)
                 if self._stopping:
                     return
                 spare = self._spares[0]
             exc = None
             try:
-                prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+                try:
+                    prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare), reserved=lambda: self._reserved(spare))
+                except _Lent:
+                    pass
                 faults.point("slot.allocated")
             except Exception as e:
                 exc = e
@@ -203,6 +231,14 @@ class SlotPreparer:
                     self._spares.remove(spare)
             self.done.put(("slot", spare.sid, exc))
 
+    def _reserved(self, spare: _Spare) -> None:
+        with self._cv:
+            spare.reserved = True
+            if spare.urgent:
+                raise _Lent
+
     def _pause(self, spare: _Spare) -> None:
-        if not spare.urgent and not self._stopping:
+        if spare.urgent:
+            raise _Lent
+        if not self._stopping:
             self.yielded_s += yield_to_snapshots(self.store)

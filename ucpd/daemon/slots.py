@@ -1,7 +1,7 @@
 """Shared-memory slots: the large, reusable segments that trainers write snapshots into.
 
 A slot is one file in the daemon's ``--shm-dir`` (a tmpfs folder, mode 0700; files 0600).
-Slots are allocated once, their pages faulted in by the daemon (``posix_fallocate``) before a
+Slots are allocated once, their space reserved (``posix_fallocate``) and their pages faulted in before a
 trainer needs them, and then reused: on this class of machine a fresh segment costs ~20x a
 copy into a warm one. A slot is ``free``, ``writing`` (lent to a rank for one step) or ``held``
 (its bytes belong to a sealed version). Every byte of every slot counts against the memory
@@ -84,25 +84,36 @@ def shm_free_bytes(path: str) -> int:
 TOUCH_PIECE = 64 << 20
 
 
-def allocate_file(path: str, size: int, pause=None) -> None:
-    """Create a 0600 segment of ``size`` bytes with every page allocated and touched now.
+def allocate_file(path: str, size: int, pause=None, touch: bool = True, reserved=None) -> None:
+    """Create a 0600 segment of ``size`` bytes with every page allocated, and touched now unless
+    ``touch`` is False.
 
-    ``posix_fallocate`` reserves tmpfs pages but leaves zeroing (and, in a VM, the host's
-    fault-in) to the first write: measured ~1 s/GiB, paid here on a background thread instead
-    of in the trainer's first snapshot. One written byte per page is enough. ``pause()`` is
-    called between pieces of ``TOUCH_PIECE`` bytes (background warm-up steps aside there).
+    ``posix_fallocate`` reserves tmpfs pages (a full tmpfs is an error here, never a SIGBUS
+    later) but leaves zeroing and mapping them to the first write: measured ~2/3 of a first
+    touch, paid here on a background thread instead of in the trainer's first snapshot. One
+    written byte per page is enough. ``pause()`` is called between pieces of ``TOUCH_PIECE``
+    bytes (background warm-up steps aside there). A slot a trainer is already waiting for is
+    not touched (``touch=False``): the trainer faults its pages in as it maps them, on its copy
+    threads (``ucpd_client.mapping``), which touching here first would only double.
+    ``reserved()`` is called once the space is reserved, before the touching.
     """
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         try:
             os.posix_fallocate(fd, 0, size)
+            if reserved is not None:
+                reserved()
+            if not touch:
+                return
             with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
                 pages = np.frombuffer(mm, dtype=np.uint8)
-                for lo in range(0, size, TOUCH_PIECE):
-                    if pause is not None and lo:
-                        pause()
-                    pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
-                del pages
+                try:  # pause() may raise to stop the touching: the mapping must close all the same
+                    for lo in range(0, size, TOUCH_PIECE):
+                        if pause is not None and lo:
+                            pause()
+                        pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
+                finally:
+                    del pages
         except OSError as exc:
             os.unlink(path)
             raise SnapshotRejected(

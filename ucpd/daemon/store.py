@@ -593,7 +593,7 @@ def _holders(part: RankPart) -> set[int]:
     return {t.holder for t in part.tensors if t.holder is not None}
 
 
-def prepare_slot_file(path: str, size: int, pause=None) -> None:
-    """Allocate a slot's file (run on a thread; ``pause`` between pieces, see ``allocate_file``)."""
+def prepare_slot_file(path: str, size: int, pause=None, touch: bool = True, reserved=None) -> None:
+    """Allocate a slot's file (run on a thread; ``pause``, ``touch``, ``reserved``: see ``allocate_file``)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    allocate_file(path, size, pause)
+    allocate_file(path, size, pause, touch, reserved)
