@@ -14,6 +14,7 @@ from ucpd.daemon import slot_prep
 from ucpd.daemon.slot_prep import copies_in_flight, yield_to_snapshots
 from ucpd.daemon.slots import TOUCH_PIECE, Slot, SlotState, allocate_file
 from ucpd_client import Checkpointer
+from ucpd_client import placement as P
 
 MiB = 1 << 20
 
@@ -205,3 +206,27 @@ def test_a_full_shm_is_a_typed_error_whether_the_slot_is_touched_or_not(tmp_path
             assert not os.path.exists(path)
     finally:
         subprocess.run(["umount", str(shm)], capture_output=True)
+
+
+def test_a_begin_under_a_tight_limit_takes_the_room_another_ranks_spares_were_given(make_daemon, dirs):
+    # room for 4.5 slots of 8 MiB: rank 0's first begin reserves its whole rotation (keep 3 + 1
+    # being written = 4 slots); rank 1's begin must still get a slot
+    make_daemon("--keep", "3", "--mem-limit", "36M", flush=False)
+    cks = [Checkpointer(dirs["run"], rank=r, world_size=2, embedded=False, incremental=False) for r in range(2)]
+    try:
+        states = [state(), state()]  # each rank its own half of the tensors: nothing is skipped
+        halves = [{name: P.Shard(0, r, 2) for name in states[r]} for r in range(2)]
+        first = cks[0].snapshot(1, states[0], placements=halves[0])
+        first.staged()  # rank 0's begin was answered: its spares are reserved
+        second = cks[1].snapshot(1, states[1], placements=halves[1])
+        for h in (second, first):  # (refused, rank 1's would raise: rank 0's would then wait on)
+            h.wait()
+        assert cks[0].latest() == 1
+        for step in range(2, 6):  # and the two ranks go on (the limit costs versions, not snapshots)
+            for h in [ck.snapshot(step, sd, placements=p) for ck, sd, p in zip(cks, states, halves)]:
+                h.wait()
+        assert cks[1].latest() == 5
+        assert cks[0].status()["mem_used"] <= 36 * MiB
+    finally:
+        for ck in cks:
+            ck.close()

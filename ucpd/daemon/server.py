@@ -276,6 +276,8 @@ class Daemon:
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
             return begin_reply(slot, skip, self.prep.ready_spares(rank), base)
         sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
+        if sid is None and not self.store.room_for(nbytes):
+            sid = self._spares_make_room(rank, nbytes)
         if sid is not None:
             self.store.within_quota(job, self.store.slots.slots[sid].size)
         else:
@@ -285,6 +287,16 @@ class Daemon:
             self.prep.warm(rank, size)  # the rest of the rotation, alongside
         self.parking.park_begin(sid, Parked(ident, req_id, step, job, rank=rank, skip=skip, base=base))
         return None
+
+    def _spares_make_room(self, rank: int, nbytes: int) -> int | None:
+        """A begin that does not fit the memory limit while spares are being warmed: it takes
+        another rank's spare that holds it (its id), else the spares not begun yet are given up
+        (None: the begin then reserves its own slot, or is refused if it still does not fit)."""
+        sid = self.prep.claim_any(rank, nbytes)
+        if sid is None:
+            for dropped in self.prep.give_up_queued():
+                self.store.drop_new_slot(dropped)
+        return sid
 
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)

@@ -94,6 +94,7 @@ class SlotPreparer:
         self.rotation = rotation
         self.enabled = warm
         self._spares: list[_Spare] = []  # queued or being warmed, oldest first
+        self._current: _Spare | None = None  # the one the thread is warming
         self._cv = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -191,6 +192,29 @@ class SlotPreparer:
                     return p.sid
         return None
 
+    def claim_any(self, rank: int, nbytes: int) -> int | None:
+        """Under memory pressure, a spare of any rank that holds ``nbytes``, given to ``rank``
+        (its id; a begin parks on it), or None: a trainer waiting for a slot comes before
+        another rank's rotation, which is warmed again later while it fits."""
+        with self._cv:
+            for p in self._spares:
+                if p.size >= nbytes and not p.urgent:
+                    p.rank, p.urgent = rank, True
+                    self.store.slots.slots[p.sid].rank = rank
+                    self._spares.remove(p)
+                    self._spares.insert(0, p)
+                    return p.sid
+        return None
+
+    def give_up_queued(self) -> list[int]:
+        """Drop the spares not being warmed yet (no file made for them): their ids, whose
+        reserved bytes the caller gives back (``NodeStore.drop_new_slot``)."""
+        with self._cv:
+            gone = [p for p in self._spares if p is not self._current and not p.urgent]
+            for p in gone:
+                self._spares.remove(p)
+        return [p.sid for p in gone]
+
     def pending(self) -> int:
         with self._cv:
             return len(self._spares)
@@ -216,7 +240,7 @@ class SlotPreparer:
                     self._cv.wait(0.5 if self._urgent else None)
                 if self._stopping:
                     return
-                spare = self._spares[0]
+                spare = self._current = self._spares[0]
             exc = None
             try:
                 try:
@@ -227,6 +251,7 @@ class SlotPreparer:
             except Exception as e:
                 exc = e
             with self._cv:
+                self._current = None
                 if spare in self._spares:
                     self._spares.remove(spare)
             self.done.put(("slot", spare.sid, exc))

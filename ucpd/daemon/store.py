@@ -210,16 +210,22 @@ class NodeStore:
             "Raise --job-mem-limit, lower --keep, or snapshot less state; its last committed version is kept."
         )
 
+    def room_for(self, nbytes: int) -> bool:
+        """Would a new slot of ``nbytes`` fit the memory limit once free slots are deleted and
+        every version but the newest committed ones evicted? (Slots being reserved or warmed
+        count as in use.)"""
+        reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
+            self.slots.slots[sid].size for sid in self._reclaimable(self._evictable())
+        )
+        return self.slots.used_bytes - reclaimable + self.slots.round_size(nbytes) <= self.slots.mem_limit
+
     def reserve_new_slot(self, nbytes: int, job: str | None = None) -> tuple[int, str, int]:
         """Account for a new slot (id, path, size) that the caller then allocates; may evict.
         ``job``: the job whose rank waits for it (its quota is checked; None: a spare slot)."""
         size = self.slots.round_size(nbytes)
         if job is not None:
             self.within_quota(job, size)
-        reclaimable = sum(s.size for s in self.slots.free_slots()) + sum(
-            self.slots.slots[sid].size for sid in self._reclaimable(self._evictable())
-        )
-        if self.slots.used_bytes - reclaimable + size > self.slots.mem_limit:
+        if not self.room_for(size):
             self.counters.rejected += 1
             raise SnapshotRejected(
                 f"memory limit: a slot of {size >> 20} MiB cannot fit in --mem-limit {self.slots.mem_limit >> 20} MiB "
