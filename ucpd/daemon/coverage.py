@@ -54,10 +54,7 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                 frag = shared[0]
                 piece = frag.pieces[0]
                 pieces = [_source_piece(SourcePiece, (key, piece.local, piece.box, frag.global_shape))]
-                g = _new(GlobalTensor)
-                g.__dict__ = {"name": t.name, "dtype": t.dtype, "shape": frag.global_shape, "pattern": t.placement,
-                              "sources": [] if t.skipped else pieces[:]}  # GlobalTensor(...) without its __init__
-                out[t.name] = g
+                out[t.name] = GlobalTensor(t.name, t.dtype, frag.global_shape, t.placement, [] if t.skipped else pieces[:])
                 claims[t.name] = pieces
                 continue
             for frag in shared or t.fragments():
@@ -93,7 +90,6 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
 
 
 _source_piece = tuple.__new__  # SourcePiece(...) without its Python-level __new__
-_new = object.__new__
 
 
 _DUPLICATES: dict[int, tuple[object, dict[int, list[str]]]] = {}  # id(version) -> (its index, answer)

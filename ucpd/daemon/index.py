@@ -93,14 +93,19 @@ def pack_tensors(tensors) -> bytes:
     """A part's manifest (``TensorEntry`` list) as the index keeps it: msgpack of one list per
     ``TENSOR_ENTRY`` field, ``placement`` holding indices into ``placements`` (each distinct
     placement once)."""
-    keys = [t.pkey or t.key() for t in tensors]
-    by_key = dict(zip(keys, [t.placement for t in tensors]))  # placements of one key are equal
-    index = {k: i for i, k in enumerate(by_key)}
+    index: dict[str, int] = {}
+    placements, which = [], []
+    for t in tensors:
+        key = t.key()
+        i = index.get(key)
+        if i is None:
+            i = index[key] = len(placements)
+            placements.append(t.placement)
+        which.append(i)
     cols = {
         "name": [t.name for t in tensors], "dtype": [t.dtype for t in tensors], "shape": [t.shape for t in tensors],
-        "placement": list(map(index.__getitem__, keys)), "placements": list(by_key.values()),
-        "offset": [t.offset for t in tensors], "nbytes": [t.nbytes for t in tensors], "crcs": [t.crcs for t in tensors],
-        "skipped": [t.skipped for t in tensors],
+        "placement": which, "placements": placements, "offset": [t.offset for t in tensors],
+        "nbytes": [t.nbytes for t in tensors], "crcs": [t.crcs for t in tensors], "skipped": [t.skipped for t in tensors],
     }
     holders = [t.holder for t in tensors]
     if any(h is not None for h in holders):  # incremental snapshots' references: the slot of their bytes

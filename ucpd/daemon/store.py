@@ -16,8 +16,6 @@ import sys
 import threading
 from dataclasses import dataclass
 
-import numpy as np
-
 from .. import faults
 from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
@@ -29,24 +27,6 @@ from .versions import (
 )
 
 log = logging.getLogger("ucpd.store")
-
-
-def _laid_out(entries: list) -> bool:
-    """The part's tensors have distinct names and those in its own slot do not overlap: one
-    vectorised pass (a mixture-of-experts part has 10^5 entries); ``_refuse_layout`` says which
-    tensor is wrong when it is not so."""
-    names = [e.name for e in entries]
-    if len(set(names)) != len(names):
-        return False
-    own = [e for e in entries if e.holder is None] if any(e.holder is not None for e in entries) else entries
-    if len(own) < 2:
-        return True
-    off = np.array([e.offset for e in own], dtype=np.int64)
-    nb = np.array([e.nbytes for e in own], dtype=np.int64)
-    order = np.lexsort((nb, off))
-    off, nb = off[order], nb[order]
-    ends_before = np.maximum.accumulate(off + nb)[:-1]
-    return not np.any((nb[1:] > 0) & (off[1:] < ends_before))
 
 
 @dataclass
@@ -284,8 +264,20 @@ class NodeStore:
         has_refs = any(t.get("ref") for t in body["tensors"])
         if has_refs:
             entries = self._resolve_refs(job, rank, step, entries, body["tensors"])
-        if not _laid_out(entries):
-            self._refuse_layout(rank, entries)
+        names = set()
+        end = 0
+        for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+            if e.holder is not None:
+                if e.name in names:
+                    raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
+                names.add(e.name)
+                continue  # in its holder slot
+            if e.nbytes and e.offset < end:
+                raise ProtocolError(f"rank {rank}: tensor {e.name!r} overlaps the tensor before it in the slot")
+            end = max(end, e.offset + e.nbytes)
+            if e.name in names:
+                raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
+            names.add(e.name)
         incarnation = body.get("incarnation")
         table = self.table_of(job)
         version = self._current(job, step, incarnation, None, body["world_size"]) or table.get_or_create(
@@ -320,25 +312,6 @@ class NodeStore:
         if version.state is VersionState.COMPLETE:
             self.save_index()  # a team may commit it later; a restarted daemon re-adopts it
         return version, committed
-
-    @staticmethod
-    def _refuse_layout(rank: int, entries: list) -> None:
-        """Raise the ProtocolError that says which tensor of a part ``_laid_out`` refused."""
-        names = set()
-        end = 0
-        for e in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
-            if e.holder is not None:
-                if e.name in names:
-                    raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
-                names.add(e.name)
-                continue  # in its holder slot
-            if e.nbytes and e.offset < end:
-                raise ProtocolError(f"rank {rank}: tensor {e.name!r} overlaps the tensor before it in the slot")
-            end = max(end, e.offset + e.nbytes)
-            if e.name in names:
-                raise ProtocolError(f"rank {rank}: tensor {e.name!r} appears twice")
-            names.add(e.name)
-        raise AssertionError("_laid_out refused a part this loop accepts")  # never: the two agree
 
     def protect(self, step: int) -> bool:
         """This node's part of the team's ``step`` is held elsewhere too: COMPLETE -> PROTECTED

@@ -436,11 +436,11 @@ def _kind(dtype: str, shape: tuple[int, ...], placement: dict) -> tuple:
 
 def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     """Check a tensor entry of a commit against its slot: dtype, shape, bytes, offsets, crcs."""
-    name, dtype, placement = raw["name"], raw["dtype"], raw["placement"]
+    name, dtype = raw["name"], raw["dtype"]
     shape = tuple(raw["shape"])
-    got = _KINDS.get((dtype, shape, repr(placement)))
-    nbytes, chunks, key, shared = got if got is not None else _kind(dtype, shape, placement)
-    skipped, ref = raw.get("skipped"), raw.get("ref")
+    nbytes, chunks, key, shared = _kind(dtype, shape, raw["placement"])
+    skipped = bool(raw.get("skipped"))
+    ref = bool(raw.get("ref"))
     if raw.get("holder") is not None:
         raise ProtocolError(f"rank {rank}: tensor {name!r} names a holder slot; only the daemon records where a reference's bytes live")
     if ref and (skipped or raw["offset"]):
@@ -464,12 +464,7 @@ def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
     # shape must agree with the placement: a shared geometry says it does; else resolving under
     # the name says so, or raises naming the tensor
     frags = None if shared else fragments_of(name, key, shape)
-    e = _new(TensorEntry)  # _entry(...), inlined: 10^5 per commit
-    _set(e, "__dict__", {
-        "name": name, "dtype": dtype, "shape": shape, "placement": placement, "offset": offset, "nbytes": raw["nbytes"],
-        "crcs": tuple(raw["crcs"]), "skipped": bool(skipped), "holder": None, "pkey": key, "frags": frags, "shared": shared,
-    })
-    return e
+    return _entry(name, dtype, shape, raw["placement"], offset, raw["nbytes"], tuple(raw["crcs"]), skipped, key, frags, shared)
 
 
 def _entry(name, dtype, shape, placement, offset, nbytes, crcs, skipped, pkey, frags, shared, holder=None) -> TensorEntry:
