@@ -265,7 +265,7 @@ def measure_plan(count: int, nbytes: int, reps: int, ranks: int = 64) -> dict[st
                 sources = restore.from_ram(version, lambda sid: f"/dev/shm/slot-{sid}")
             with tick("plan64"):
                 plan = restore.plan(sources, targets)
-        assert len(plan["tensors"]) == count and all(len(t["copies"]) == 2 for t in plan["tensors"][:10])
+        assert len(plan.tensors) == count and all(len(t.copies) == 2 for t in plan.tensors[:10])
         del plan, sources
     return out
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import chain
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +41,8 @@ def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
 
 
 _tuple_new = tuple.__new__  # a NamedTuple without its Python-level __new__ (10^5 per restore)
+_chain = chain.from_iterable
+_geometry_of = itemgetter(1, 2, 3)  # a SourcePiece's view, box and global shape
 
 
 class RamTensors(Mapping):
@@ -98,7 +102,7 @@ class RamSame(Mapping):
     asks (one dictionary entry each); a lookup compares the few tensors of that name."""
 
     def __init__(self, parts: dict):
-        self._parts, self._names = parts, None
+        self._parts, self._names, self._kinds = parts, None, None
 
     def _by_name(self) -> dict:
         if self._names is None:
@@ -119,6 +123,13 @@ class RamSame(Mapping):
 
     def get(self, key, default=None):
         name, dtype, shape, pkey = key
+        kinds = self._kinds
+        if kinds is None:  # a resharded restore's targets are of kinds no source is: no name lookups
+            kinds = self._kinds = {
+                (t.dtype, t.shape, t.key()) for part in self._parts.values() for t in part.tensors if not t.skipped
+            }
+        if (dtype, shape, pkey) not in kinds:
+            return default
         got = self._by_name().get(name)
         for rank, idx in (() if got is None else [got] if type(got) is tuple else got):
             t = self._parts[rank].tensors[idx]
@@ -184,6 +195,7 @@ class Planner:
         self._kinds: dict[tuple, tuple] = {}  # (placement repr, shape) -> (placement key, shared geometry or None)
         self._plans: dict[tuple, CopyPlan] = {}  # (kind, source geometry) -> plan over source positions
         self._wholes: dict[int, View] = {}  # elements -> the window of all of them
+        self._globals_get = sources.globals.get
 
     def target(self, t: dict) -> tuple[list, tuple]:
         """``(copies, fills)`` of target ``t``: ``[(source key, source View, target View)]`` and
@@ -209,24 +221,34 @@ class Planner:
             frags = fragments_of(t["name"], pkey, shape)
             cp = plan_restore(frags, self._pieces(t, frags))
             return cp.copies, cp.fills
-        by_name = self._pieces(t, shared, t["name"])
-        if not by_name:
-            return [], plan_restore(shared, {}).fills  # padding only
-        pieces = by_name[t["name"]]
-        first: dict[Any, int] = {}
-        at = [first.setdefault(s.key, i) for i, s in enumerate(pieces)]  # each piece's source, by first position
+        name = t["name"]
+        known = self._globals_get(name) if len(shared) == 1 and shared[0].pieces else None
+        if known is not None and known[0] == t["dtype"] and known[1] == shared[0].global_shape:
+            pieces = known[2]  # the common case of _pieces: one fragment, saved as the target says
+        else:
+            by_name = self._pieces(t, shared, name)
+            if not by_name:
+                return [], plan_restore(shared, {}).fills  # padding only
+            pieces = by_name[name]
+        keys = [s[0] for s in pieces]
+        if len(set(keys)) == len(keys):
+            at = len(keys)  # each piece from its own source
+        else:
+            first: dict[Any, int] = {}
+            at = tuple([first.setdefault(k, i) for i, k in enumerate(keys)])  # each piece's source, by first position
         # the pieces' geometry by identity: the pieces of a kind of source tensor share their
         # windows (resolved once per kind), all alive while this planner is
-        sig = (pkey, shape, tuple((i, id(s.view), id(s.box), id(s.global_shape)) for i, s in zip(at, pieces)))
+        sig = (pkey, shape, at, *map(id, _chain(map(_geometry_of, pieces))))
         cp = self._plans.get(sig)
         if cp is None:
+            at = range(len(keys)) if type(at) is int else at
             try:
                 cp = plan_restore(shared, {_ANY: [SourcePiece(i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)]})
             except PlacementMismatch:
-                cp = plan_restore(fragments_of(t["name"], pkey, shape), by_name)  # raises, naming the sources
+                cp = plan_restore(fragments_of(t["name"], pkey, shape), {name: pieces})  # raises, naming the sources
                 return cp.copies, cp.fills
             self._plans[sig] = cp
-        return [(pieces[c[0]].key, c[1], c[2]) for c in cp.copies], cp.fills
+        return [(keys[c[0]], c[1], c[2]) for c in cp.copies], cp.fills
 
     def _pieces(self, t: dict, frags, name: str | None = None) -> dict[str, list[SourcePiece]]:
         """The saved pieces of each global tensor the fragments read (``name``: the name of every
@@ -266,20 +288,18 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
     table: list[PlanSource] = []
     out_tensors = []
     planner = Planner(sources)
-
-    def source_index(key) -> int:
-        idx = used.get(key)
-        if idx is None:
-            idx = used[key] = len(table)
-            table.append(sources.tensors[key])
-        return idx
+    source_of = sources.tensors.__getitem__
 
     with gcpause.paused():
         for t in targets:
             copies, fills = planner.target(t)
-            out_tensors.append(PlanTensor(
-                t["name"],
-                tuple(PlanCopy(source_index(key), sv, dv) for key, sv, dv in copies),
-                tuple(PlanFill(f.view, f.value) for f in fills),
-            ))
+            out = []
+            for key, sv, dv in copies:
+                idx = used.get(key)
+                if idx is None:
+                    idx = used[key] = len(table)
+                    table.append(source_of(key))
+                out.append(_tuple_new(PlanCopy, (idx, sv, dv)))
+            fills = tuple([_tuple_new(PlanFill, (f.view, f.value)) for f in fills]) if fills else ()
+            out_tensors.append(_tuple_new(PlanTensor, (t["name"], tuple(out), fills)))
     return RestorePlan(tuple(table), tuple(out_tensors))
