@@ -230,3 +230,25 @@ def test_a_begin_under_a_tight_limit_takes_the_room_another_ranks_spares_were_gi
     finally:
         for ck in cks:
             ck.close()
+
+
+def test_a_begin_no_spare_can_hold_gives_up_the_spares_not_begun(make_daemon, dirs):
+    # rank 0 (4 MiB) reserves its rotation of 4 small slots at its first begin; rank 1 (12 MiB)
+    # fits no spare of rank 0, and fits the limit only once the spares not begun are given up
+    # (or, when the warm-up was quicker than rank 1's begin, once they are free slots)
+    make_daemon("--keep", "3", "--mem-limit", "26M", flush=False)
+    cks = [Checkpointer(dirs["run"], rank=r, world_size=2, embedded=False, incremental=False) for r in range(2)]
+    try:
+        small, big = {"rank0.w": torch.randn(MiB)}, {"rank1.w": torch.randn(3 * MiB)}
+        first = cks[0].snapshot(1, small)
+        first.staged()
+        second = cks[1].snapshot(1, big)
+        for h in (second, first):
+            h.wait()
+        assert cks[0].latest() == 1 and cks[0].status()["mem_used"] <= 26 * MiB
+        back = {"rank1.w": torch.zeros(3 * MiB)}
+        cks[1].restore(back)
+        assert torch.equal(back["rank1.w"], big["rank1.w"])
+    finally:
+        for ck in cks:
+            ck.close()

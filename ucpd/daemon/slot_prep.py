@@ -250,11 +250,11 @@ class SlotPreparer:
                 faults.point("slot.allocated")
             except Exception as e:
                 exc = e
+            self.done.put(("slot", spare.sid, exc))  # first: until it is drained, a begin may still claim it
             with self._cv:
                 self._current = None
                 if spare in self._spares:
                     self._spares.remove(spare)
-            self.done.put(("slot", spare.sid, exc))
 
     def _reserved(self, spare: _Spare) -> None:
         with self._cv:
