@@ -14,19 +14,7 @@ from ucpd.daemon.runtime import ensure_private_dir
 from ucpd.daemon.server import Daemon, DaemonConfig, make_store
 from ucpd.daemon.versions import VersionState
 from ucpd_client import Checkpointer
-
-
-class HoldUntilTold:
-    """Commits nothing on its own: the test (standing in for a team's decision) does."""
-
-    local_parts = False
-
-    def __init__(self):
-        self.completed: list[int] = []
-
-    def on_complete(self, version):
-        self.completed.append(version.step)
-        return False
+from helpers.policies import HoldAll
 
 
 @pytest.fixture
@@ -50,7 +38,7 @@ def serve(dirs):
 
 
 def test_an_injected_policy_decides_when_a_complete_snapshot_commits(serve, dirs):
-    policy = HoldUntilTold()
+    policy = HoldAll()
     d = serve(policy=policy)
     state = {"w": torch.arange(1000, dtype=torch.float32)}
     with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False, job=TEST_JOB) as ck:

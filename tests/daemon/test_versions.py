@@ -13,21 +13,9 @@ from ucpd.daemon.versions import (
     InvalidTransition, RankPart, TensorEntry, Version, VersionState, VersionTable,
 )
 from ucpd.errors import PlacementMismatch, VersionNotFound
+from helpers.policies import HoldAll
 
 S = VersionState
-
-
-class HoldAll:
-    """A commit policy that never commits on its own (a team waiting for its peers)."""
-
-    local_parts = False
-
-    def __init__(self):
-        self.completed: list[int] = []
-
-    def on_complete(self, version):
-        self.completed.append(version.step)
-        return False
 
 
 def part(rank: int, world: int, slot: int | None = None, crc: int = 7) -> RankPart:
