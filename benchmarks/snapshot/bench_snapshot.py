@@ -985,26 +985,19 @@ def main(argv=None) -> int:
     st = State(int(args.size_gib * GiB), args.layers)
     log(f"state: {st.nbytes / GiB:.2f} GiB, {len(st.flat)} tensors, hidden {st.hidden}, vocab {st.vocab}")
     res, extra = Results(), {}
-    if args.restore_only:
-        try:
-            bench_restore_only(st, args.reps, res, extra)
-        finally:
-            _cleanup()
-        out = report(st, res, extra, args)
-        out["wall_seconds"] = time.perf_counter() - t_start
-        write_json(args.json, out)
-        log(f"done in {out['wall_seconds']:.0f} s" + (f"; JSON in {args.json}" if args.json else ""))
-        return 0
     try:
-        floor = Floor(st)
-        try:
-            bench_ucpd(st, args.reps, res, extra, floor)
-        finally:
-            floor.close()
-        if not args.skip_flush:
-            bench_flush(st, args.reps, res, extra)
-        if not args.skip_peers:
-            bench_peers(st, args.peer_reps, res, extra)
+        if args.restore_only:
+            bench_restore_only(st, args.reps, res, extra)
+        else:
+            floor = Floor(st)
+            try:
+                bench_ucpd(st, args.reps, res, extra, floor)
+            finally:
+                floor.close()
+            if not args.skip_flush:
+                bench_flush(st, args.reps, res, extra)
+            if not args.skip_peers:
+                bench_peers(st, args.peer_reps, res, extra)
     finally:
         _cleanup()
     out = report(st, res, extra, args)
