@@ -128,7 +128,7 @@ def measure_daemon(count: int, nbytes: int, reps: int, warmup: int = 4) -> dict[
     out: dict[str, list[float]] = {}
     tick = Clock(out, proc.pid)
     try:
-        with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job="bench") as ck:
+        with Checkpointer(run_dir, rank=0, world_size=1, embedded=False, job="bench", incremental=False) as ck:  # full copies: the state does not change
             for step in range(1, reps + warmup + 1):
                 first = {} if step <= warmup else out  # the first ones fault their slots in
                 tock = Clock(first, proc.pid)

@@ -219,7 +219,7 @@ def cmd_serve(args) -> int:
 
     # A daemon holds every kept version's manifest: 10^5-10^6 long-lived objects with MoE-sized
     # jobs. At the default thresholds the collector walks them all several times per commit
-    # (half its cost at 100k tensors, benchmarks/snapshot/bench_tensors.py); these keep that rare.
+    # (half its cost at 100k tensors, benchmarks/snapshot/bench_scale_tensors.py); these keep that rare.
     gc.set_threshold(50_000, 20, 10)
     daemon = Daemon(config_from_args(args))
     for note in daemon.store.adopted.dropped:
