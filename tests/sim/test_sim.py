@@ -25,6 +25,15 @@ def test_random_schedules_keep_the_safety_properties_and_settle(part):
         random_schedule(seed)
 
 
+@pytest.mark.parametrize("part", range(2))
+def test_random_schedules_with_job_restarts_commit_each_step_from_one_run(part):
+    """The job restarts (a new run, resuming after the newest committed step) while nodes crash
+    and messages are lost: every committed step is one run's (P1), and no step of a run is
+    decided once a later run could begin (P5)."""
+    runs = [random_schedule(seed, runs=True) for seed in range(part, 80, 2)]
+    assert sum(len(c.runs) for c in runs) > 120 and sum(len(c.ever_visible) for c in runs) > 80
+
+
 def test_random_schedules_with_heartbeat_membership():
     for seed in range(1000, 1030):
         random_schedule(seed, membership="heartbeat")
@@ -136,3 +145,34 @@ def test_a_rack_failure_is_survived_and_the_job_commits_on_the_survivors():
     c.check_settled()
     assert [c.nodes[i].latest() for i in c.live] == [2] * 48
     assert all(c.nodes[i].coordinator == 16 for i in c.live)
+
+
+def _with_runs_fails(seeds) -> list[str]:
+    caught = []
+    for seed in seeds:
+        try:
+            random_schedule(seed, runs=True)
+        except SafetyViolation as exc:
+            caught.append(str(exc))
+    return caught
+
+
+def test_deciding_from_the_reports_of_two_runs_is_caught_as_p1(monkeypatch):
+    """The defect of issue 21: a coordinator that unions one node's part of the dead run with
+    another's of the new run, and does not fence the dead run."""
+    def union(self, step, now):
+        if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
+            return []
+        by_world: dict[int, set[int]] = {}
+        for (world, _run), ranks in self._cover[step].items():
+            by_world.setdefault(world, set()).update(ranks)
+        return self._decide(step, now) if any(len(r) == w for w, r in by_world.items()) else []
+
+    monkeypatch.setattr(CommitNode, "_consider", union)
+    monkeypatch.setattr(CommitNode, "_current", lambda self, run: True)
+    assert any("P1" in e for e in _with_runs_fails(range(20)))
+
+
+def test_a_run_that_is_not_fenced_off_is_caught_as_p5(monkeypatch):
+    monkeypatch.setattr(CommitNode, "_current", lambda self, run: True)  # reports of any run count
+    assert any("P5" in e for e in _with_runs_fails(range(20)))

@@ -28,7 +28,7 @@ import msgpack
 import pytest
 
 from ucpd.errors import ProtocolError
-from ucpd.team.commit import WINDOW, Commit, CommitNode, Record, Send
+from ucpd.team.commit import WINDOW, Commit, CommitNode, Fence, Record, Send
 
 SCHEDULES = 2000
 
@@ -45,7 +45,8 @@ class Cluster:
         self.inc = dict.fromkeys(range(n), 0)
         self.net: list = []  # heap of (deliver at, seq, src, dst, msg)
         self.seq = self.sent = 0
-        self.reported: dict[int, dict[int, set[int]]] = {}  # step -> world -> ranks, ever
+        self.reported: dict[int, dict[tuple[int, str], set[int]]] = {}  # step -> (world, run) -> ranks, ever
+        self.fences: dict[int, list[Fence]] = {i: [] for i in range(n)}  # Fence outputs, per node
         self.reports_of: dict[int, dict[int, tuple[int, set[int]]]] = {i: {} for i in range(n)}  # live incarnations
         self.knows: dict[int, set[int]] = {i: set() for i in range(n)}  # recorded or committed
         self.visible: dict[int, set[int]] = {i: set() for i in range(n)}
@@ -60,7 +61,8 @@ class Cluster:
             raise AssertionError(f"{self.tag} at t={self.t:.2f}: {what}")
 
     def covered(self, step: int) -> bool:
-        return any(len(ranks) == world for world, ranks in self.reported.get(step, {}).items())
+        """P1: the reports of one run cover every rank (parts of two runs never make a version)."""
+        return any(len(ranks) == world for (world, _run), ranks in self.reported.get(step, {}).items())
 
     def apply(self, i: int, outs: list) -> None:
         if self.crash_at and self.crash_at[0] == i:
@@ -80,6 +82,8 @@ class Cluster:
             elif isinstance(o, Record):
                 self.check(o.step not in self.knows[i], f"node {i} recorded step {o.step} twice or after committing it")
                 self.knows[i].add(o.step)
+            elif isinstance(o, Fence):
+                self.fences[i].append(o)
             else:
                 assert isinstance(o, Commit), o
                 s = o.step
@@ -145,11 +149,14 @@ class Cluster:
 
     # --- events --------------------------------------------------------------------------------
 
-    def protect(self, i: int, step: int, ranks, world: int) -> None:
-        self.reported.setdefault(step, {}).setdefault(world, set()).update(ranks)
+    def protect(self, i: int, step: int, ranks, world: int, run: str = "") -> None:
+        self.reported.setdefault(step, {}).setdefault((world, run), set()).update(ranks)
         old = self.reports_of[i].get(step)
         self.reports_of[i][step] = (world, set(ranks) | (old[1] if old and old[0] == world else set()))
-        self.apply(i, self.nodes[i].on_protected(step, ranks, world, self.t))
+        self.apply(i, self.nodes[i].on_protected(step, ranks, world, self.t, run))
+
+    def begin_run(self, i: int, run: str) -> None:
+        self.apply(i, self.nodes[i].on_run(run, self.t))
 
     def view(self) -> None:
         live = frozenset(self.live)
@@ -558,3 +565,95 @@ def test_the_simulator_exercises_what_it_claims():
 def test_random_schedules_keep_the_safety_properties_and_settle(part):
     for seed in range(part, SCHEDULES, 4):
         run_schedule(seed)
+
+
+# --- runs of the job: a restarted job never commits a step stitched from two runs -----------------
+
+def test_parts_of_two_runs_never_make_one_version():
+    """Run "a" sealed rank 1 of step 3 on node 1 and died; run "b" snapshots step 3 on node 0 only:
+    the reports cover ranks {0, 1} together, but not within one run, so nothing commits."""
+    c = Cluster(2, wire=True)
+    c.protect(1, 3, [1], 2, run="a")
+    c.protect(0, 3, [0], 2, run="b")
+    c.run()
+    assert not c.ever_visible and c.latest() == [None, None]
+    c.protect(1, 3, [1], 2, run="b")  # run b's rank 1 snapshots step 3 too: now it is one run's
+    c.settle()
+    assert c.ever_visible == {3}
+    c.check_settled()
+
+
+def test_a_new_run_is_fenced_on_every_node_before_it_begins():
+    c = Cluster(3, wire=True)
+    c.tick()  # the coordinator learns the team's state (it may be a restarted one)
+    for i in range(3):
+        c.begin_run(i, "a")
+    c.settle()
+    assert all(c.nodes[i].run_ready("a") for i in range(3))
+    assert [f.run for f in c.fences[2]] == ["a"]
+    c.protect(1, 5, [1], 3, run="a")  # run a: ranks 1 and 2 of step 5 protected, rank 0 never
+    c.protect(2, 5, [2], 3, run="a")
+    c.run()
+    c.begin_run(2, "b")  # the job restarts: run b begins on node 2 first
+    assert c.nodes[2].run_ready("b") is False  # its trainers wait for the fence
+    c.settle()
+    assert c.nodes[2].run_ready("b") and c.nodes[0].run == c.nodes[1].run == "b"
+    assert c.nodes[2].run_ready("a") is None  # superseded: a straggler of run a is refused
+    assert c.fences[1][-1] == Fence("b", frozenset())  # node 1 abandons run a's undecided parts
+    c.protect(0, 5, [0], 3, run="a")  # a straggler's late report of run a changes nothing
+    c.settle()
+    assert not c.ever_visible and all(5 not in c.nodes[i].reports for i in range(3))
+    for i in range(3):  # run b resumes at latest() + 1 = step 5, whatever run a left of it
+        c.begin_run(i, "b")
+        c.protect(i, 5, [i], 3, run="b")
+    c.settle()
+    assert c.ever_visible == {5}
+    c.check_settled()
+
+
+def test_a_step_decided_before_the_fence_commits_and_the_new_run_waits_for_it():
+    c = Cluster(2, wire=True)
+    c.tick()
+    for i in range(2):
+        c.begin_run(i, "a")
+    c.settle()
+    c.protect(0, 7, [0], 2, run="a")
+    c.protect(1, 7, [1], 2, run="a")  # on its way to the coordinator
+    assert c.deliver(until=lambda: bool(c.nodes[0].deciding))  # decided: its phases are under way when run b begins
+    c.begin_run(1, "b")
+    c.settle()
+    assert c.ever_visible == {7} and c.nodes[1].run_ready("b")
+    assert all(7 in f.keep for f in c.fences[0] if f.run == "b")  # never abandoned: it was decided
+
+
+def test_a_new_coordinator_learns_the_fence_from_the_survivors():
+    c = Cluster(3, wire=True)
+    c.tick()
+    for i in range(3):
+        c.begin_run(i, "a")
+    c.settle()
+    c.begin_run(1, "b")
+    c.settle()
+    c.protect(2, 4, [2], 3, run="a")  # a report of the superseded run on its way
+    c.kill(0)  # the coordinator that handed out the fence dies; node 1 takes over
+    c.settle()
+    assert c.nodes[1].run == "b" and c.nodes[1].fence == c.nodes[2].fence
+    assert 4 not in c.nodes[1].reports
+    c.begin_run(2, "b")
+    c.settle()
+    assert c.nodes[2].run_ready("b")
+
+
+@pytest.mark.parametrize("msg", [
+    {"t": "fence", "run": 7, "f": 1, "old": [], "e": 1},
+    {"t": "fence", "run": "x" * 200, "f": 1, "old": [], "e": 1},
+    {"t": "fence", "run": "b", "f": 1, "old": ["a"] * 17, "e": 1},
+    {"t": "fence_req", "run": "b", "e": 1, "extra": 1},
+    {"t": "run_ok", "run": "b", "f": -1, "steps": [], "e": 1},
+    {"t": "protected", "step": 1, "world": 2, "ranks": [0], "e": 1},  # no run
+])
+def test_malformed_fence_messages_are_refused(msg):
+    node = CommitNode(0, 2)
+    with pytest.raises(ProtocolError):
+        node.on_message(1, msg, 0.0)
+    assert node.run is None and node.fence == 0

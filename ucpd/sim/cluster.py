@@ -34,13 +34,13 @@ from collections import defaultdict
 
 import msgpack
 
-from ..team.commit import Commit, CommitNode, Record, Send
+from ..team.commit import Commit, CommitNode, Fence, Record, Send
 from ..team.membership import Membership
 from .network import NetModel, Network, Topology
 
 __all__ = ["SafetyViolation", "SimCluster", "wire_bytes"]
 
-_ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL, _HB = range(8)
+_ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL, _HB, _RUN = range(9)
 _TIMERS = (_TICK, _HEARTBEAT, _HB)  # background: not counted when asking whether anything is in flight
 _HEADER_FIELDS = dict(v=1, id=None, re=None, inc="0123456789abcdef", seq=1 << 40, ts=1.8e9, p=[], e=None)
 MAC_BYTES = 32  # HMAC-SHA256 frame
@@ -103,8 +103,10 @@ class SimCluster:
         self._cpu_free = [0.0] * nodes
         self.stats = Stats(nodes)
         # --- the observer's ground truth ---
-        self.reported: dict[int, dict[int, set[int]]] = {}  # step -> world -> ranks ever reported
-        self.reports_of: list[dict[int, tuple[int, set[int]]]] = [{} for _ in range(nodes)]  # live incarnations
+        self.reported: dict[int, dict[tuple[int, str], set[int]]] = {}  # step -> (world, run) -> ranks ever reported
+        self.reports_of: list[dict[int, tuple[int, set[int], str]]] = [{} for _ in range(nodes)]  # live incarnations
+        self.runs: list[str] = []  # the job's runs, oldest first (begin_run)
+        self.ready_at: dict[str, float] = {}  # run -> when it could first begin on some node
         self.knows: list[set[int]] = [set() for _ in range(nodes)]  # recorded or committed
         self.visible: list[set[int]] = [set() for _ in range(nodes)]
         self.ever_visible: set[int] = set()
@@ -156,6 +158,8 @@ class SimCluster:
                 self._heartbeats()
             elif kind == _HB:
                 self._hb(*args)
+            elif kind == _RUN:
+                self._run_event(*args)
             else:
                 args[0]()
 
@@ -179,7 +183,11 @@ class SimCluster:
             raise SafetyViolation(f"seed {self.seed} at t={self.t:.6f}: {what() if callable(what) else what}")
 
     def covered(self, step: int) -> bool:
-        return any(len(ranks) == world for world, ranks in self.reported.get(step, {}).items())
+        """Whether the reports of one run cover every rank of ``step`` (P1: never two runs' parts)."""
+        return bool(self.covering_runs(step))
+
+    def covering_runs(self, step: int) -> set[str]:
+        return {run for (world, run), ranks in self.reported.get(step, {}).items() if len(ranks) == world}
 
     def _call(self, i: int, fn, *args) -> list:
         if not self.measure:
@@ -201,16 +209,34 @@ class SimCluster:
             elif isinstance(o, Record):
                 self.check(o.step not in self.knows[i], lambda: f"node {i} recorded step {o.step} twice or after committing it")
                 self.knows[i].add(o.step)
-                self.decided_at.setdefault(o.step, self.t)
+                if o.step not in self.decided_at:
+                    self.decided_at[o.step] = self.t
+                    self._check_fenced(o.step)
+            elif isinstance(o, Fence):
+                pass  # the driver abandons the parts of other runs: the sim holds no parts
             else:
                 assert isinstance(o, Commit), o
                 self._on_commit(i, o.step)
                 committed = True
         self._cpu_free[i] = start
+        if self.runs and self.runs[-1] not in self.ready_at and self.nodes[i] is not None \
+                and self.nodes[i].run_ready(self.runs[-1]):
+            self.ready_at[self.runs[-1]] = self.t
         if committed:
             node = self.nodes[i]
             self.check(node.latest() == max(self.visible[i], default=None),
                        lambda: f"P3: node {i}: latest() {node.latest()} but committed {sorted(self.visible[i])[-5:]}")
+
+    def _check_fenced(self, s: int) -> None:
+        """P5: a step is decided only from a run that no later run had superseded: once a run could
+        begin (``run_ready`` on some node), no step of an earlier run is decided any more."""
+        runs = self.covering_runs(s)
+        if not self.strict or not runs or "" in runs:
+            return
+        newest = max(self.runs.index(r) for r in runs if r in self.runs)
+        later = [r for r in self.runs[newest + 1:] if r in self.ready_at]
+        self.check(not later, lambda: f"P5: step {s} of run {self.runs[newest]} decided after run {later[0]} "
+                                      f"began (at t={self.ready_at[later[0]]:.6f})")
 
     def _on_commit(self, i: int, s: int) -> None:
         self.check(s not in self.visible[i], lambda: f"P3: node {i} committed step {s} twice")
@@ -314,19 +340,36 @@ class SimCluster:
 
     # --- what the test or benchmark does ---------------------------------------------------------
 
-    def protect(self, i: int, step: int, ranks, world: int, at: float | None = None) -> None:
-        """Node i reports ``ranks`` of ``step`` protected at ``at`` (now by default), if its
-        current incarnation is still alive then (a restarted node lost its RAM)."""
-        self._push(self.t if at is None else at, _PROTECT, i, self.inc[i], step, tuple(ranks), world)
+    def protect(self, i: int, step: int, ranks, world: int, at: float | None = None, run: str = "") -> None:
+        """Node i reports ``ranks`` of ``step`` (of the job's run ``run``) protected at ``at`` (now by
+        default), if its current incarnation is still alive then (a restarted node lost its RAM)
+        and, for a run begun with ``begin_run``, the run may snapshot there (its trainers' begin
+        waits for that)."""
+        self._push(self.t if at is None else at, _PROTECT, i, self.inc[i], step, tuple(ranks), world, run)
 
-    def _protect(self, i: int, inc: int, step: int, ranks: tuple, world: int) -> None:
+    def _protect(self, i: int, inc: int, step: int, ranks: tuple, world: int, run: str) -> None:
         if self.nodes[i] is None or self.inc[i] != inc:
             return
-        self.reported.setdefault(step, {}).setdefault(world, set()).update(ranks)
+        if run and self.nodes[i].run_ready(run) is False:
+            return  # its trainers still wait for the fence (a superseded run's part may be reported late)
+        self.reported.setdefault(step, {}).setdefault((world, run), set()).update(ranks)
         old = self.reports_of[i].get(step)
-        self.reports_of[i][step] = (world, set(ranks) | (old[1] if old and old[0] == world else set()))
+        same = old is not None and old[0] == world and old[2] == run
+        self.reports_of[i][step] = (world, set(ranks) | (old[1] if same else set()), run)
         self.protected_at[step] = max(self.protected_at.get(step, 0.0), self.t)
-        self._apply(i, self._call(i, self.nodes[i].on_protected, step, ranks, world, self.t))
+        self._apply(i, self._call(i, self.nodes[i].on_protected, step, ranks, world, self.t, run))
+
+    def begin_run(self, run: str, nodes=None, at: float | None = None, spread: float = 0.0) -> None:
+        """A new run of the job (a restart) begins on ``nodes`` (default: all live) within
+        ``spread`` seconds after ``at``: each asks for its fence (``CommitNode.on_run``)."""
+        self.runs.append(run)
+        t0 = self.t if at is None else at
+        for i in sorted(self.live if nodes is None else nodes):
+            self._push(t0 + (self.rng.uniform(0.0, spread) if spread else 0.0), _RUN, i, self.inc[i], run)
+
+    def _run_event(self, i: int, inc: int, run: str) -> None:
+        if self.nodes[i] is not None and self.inc[i] == inc:
+            self._apply(i, self._call(i, self.nodes[i].on_run, run, self.t))
 
     def snapshot(self, step: int, *, ranks_per_node: int = 8, nodes=None, at: float | None = None,
                  spread: float = 0.0) -> int:
@@ -420,13 +463,15 @@ class SimCluster:
                        f"node {i}: decisions left half done: recorded {p['recorded']}, forwarded {p['forwarded']}")
         known = set().union(*(self.knows[i] for i in live))
         self.check(known <= first, f"P3: steps {sorted(known - first)[:8]} recorded on a live node, never committed")
+        current = {self.nodes[i].run for i in live}
         for step in {s for i in live for s in self.reports_of[i]}:
-            got: dict[int, set[int]] = {}
+            got: dict[tuple[int, str], set[int]] = {}
             for i in live:
                 if step in self.reports_of[i]:
-                    world, ranks = self.reports_of[i][step]
-                    got.setdefault(world, set()).update(ranks)
-            if any(len(r) == w for w, r in got.items()):
+                    world, ranks, run = self.reports_of[i][step]
+                    if run in current or self.nodes[i].run is None:  # parts of a fenced-off run are abandoned
+                        got.setdefault((world, run), set()).update(ranks)
+            if any(len(r) == w for (w, _run), r in got.items()):
                 self.check(step in first, f"P4: step {step} is protected on the live nodes but not committed")
 
     def reset_stats(self) -> None:

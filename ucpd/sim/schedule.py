@@ -18,9 +18,13 @@ __all__ = ["random_schedule"]
 
 
 def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), membership: str = "oracle",
-                    rounds: tuple[int, int] = (15, 35), cluster=SimCluster) -> SimCluster:
-    """Run one schedule; returns the settled cluster (``check_settled`` passed)."""
+                    rounds: tuple[int, int] = (15, 35), cluster=SimCluster, runs: bool = False) -> SimCluster:
+    """Run one schedule; returns the settled cluster (``check_settled`` passed). ``runs``: the
+    job also restarts (a new run, fenced, that resumes after the newest committed step and
+    snapshots the step numbers an earlier run may have left half done)."""
     rng = random.Random(seed)
+    if runs:
+        rounds = (rounds[0] * 3, rounds[1] * 3)  # a run first waits for its fence: give each time to commit
     n = rng.choice(nodes)
     rack = rng.choice((1, 2, 3, 4))
     hb = membership == "heartbeat"  # heartbeats must outrun the timeout, or views flap for ever
@@ -28,11 +32,18 @@ def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), memb
     c = cluster(n, seed=seed, rack_size=rack, net=net, membership=membership,
                 detect_after=rng.uniform(0.8 if hb else 0.3, 1.5), rejoin_after=0.1, detect_spread=rng.uniform(0.0, 0.5),
                 strict=membership == "oracle")  # heartbeats lost in a row break the timeout assumption P2 needs
-    step = 0
+    step, run = 0, ""
+    if runs:
+        run = "r0"
+        c.begin_run(run)
     for _ in range(rng.randint(*rounds)):
         c.run_for(0.1)
         live, r = c.live, rng.random()
-        if r < 0.3 and live:  # a new version of a job on some of the live nodes
+        if runs and r > 0.95 and live:  # the job restarts: a new run resumes after the newest committed step
+            run = f"r{len(c.runs)}"
+            c.begin_run(run, spread=rng.uniform(0.0, 0.5))
+            step = max((max(c.visible[i], default=0) for i in live), default=0)
+        elif r < 0.3 and live:  # a new version of a job on some of the live nodes
             step += 1
             job = rng.sample(live, rng.randint(1, len(live)))
             world = rng.randint(len(job), 2 * len(job))
@@ -43,7 +54,7 @@ def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), memb
                 if rng.random() < 0.1:
                     parts.append(ranks)  # a report repeated
                 for part in parts:
-                    c.protect(node, step, part, world, at=c.t + rng.uniform(0, 0.8))
+                    c.protect(node, step, part, world, at=c.t + rng.uniform(0, 0.8), run=run)
         elif r < 0.36 and len(live) > 1:
             c.kill(rng.choice(live))
         elif r < 0.39 and len(live) > rack:

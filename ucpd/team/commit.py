@@ -25,7 +25,7 @@ from itertools import chain
 
 from ..errors import ProtocolError
 
-__all__ = ["Commit", "CommitNode", "Record", "Send", "WINDOW", "MAX_PENDING"]
+__all__ = ["Commit", "CommitNode", "Fence", "Record", "Send", "WINDOW", "MAX_PENDING", "MAX_RUN"]
 
 WINDOW = 64
 """Newest committed steps carried by a ``state`` or ``catch_up`` message (keeps them O(1))."""
@@ -33,6 +33,10 @@ MAX_PENDING = 1024
 """Protected-but-undecided steps kept per node; beyond it the oldest are dropped."""
 MAX_WORLD = 1 << 24
 MAX_STEP = (1 << 63) - 1
+MAX_RUN = 128
+"""The longest run id (the job's incarnation: ``Checkpointer(job_id=...)``) a message carries."""
+RETIRED = 16
+"""Superseded runs remembered (and carried by ``fence`` and ``state``): a straggler of one is refused."""
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,16 @@ class Record:
     """Output (action): this node recorded the decision to commit ``step``; not visible yet."""
 
     step: int
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Output (action): ``run`` is the job's current run on this node. Every part of another run
+    that is not decided (not committed, not in ``keep``) is abandoned: it never commits, and the
+    new run may snapshot its steps again."""
+
+    run: str
+    keep: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -80,26 +94,42 @@ def _steps(v, what: str, most: int) -> tuple[int, ...]:
     return tuple(_int(s, what, 0, MAX_STEP) for s in v)
 
 
-def _report(step, world, ranks) -> tuple[int, int, frozenset[int]]:
+def _run(v, what: str = "run") -> str:
+    if not isinstance(v, str) or len(v) > MAX_RUN:
+        raise ProtocolError(f"commit message: {what} must be a string of at most {MAX_RUN} characters, got {v!r:.80}")
+    return v
+
+
+def _runs(v, what: str) -> tuple[str, ...]:
+    if not isinstance(v, (list, tuple)) or len(v) > RETIRED:
+        raise ProtocolError(f"commit message: {what} must be a list of at most {RETIRED} runs")
+    return tuple(_run(r, what) for r in v)
+
+
+def _report(step, world, ranks, run="") -> tuple[int, int, frozenset[int], str]:
     step, world = _int(step, "step", 0, MAX_STEP), _int(world, "world", 1, MAX_WORLD)
     if not isinstance(ranks, (list, tuple)) or not 0 < len(ranks) <= world:
         raise ProtocolError(f"commit message: ranks must be a non-empty list of at most {world} ranks")
     got = frozenset(_int(r, "rank", 0, world - 1) for r in ranks)
     if len(got) != len(ranks):
         raise ProtocolError("commit message: ranks repeat a rank")
-    return step, world, got
+    return step, world, got, _run(run)
 
 
 _FIELDS = {
-    "protected": {"step", "world", "ranks", "e"},  # node -> coordinator: my part of step is protected
+    "protected": {"step", "world", "ranks", "run", "e"},  # node -> coordinator: my part of step (of run) is protected
     "protected_ack": {"step", "world", "n", "e"},  # coordinator -> node: report of n ranks stored
     "record": {"step", "e"},  # coordinator -> node: record the decision to commit step
     "recorded": {"step", "e"},
     "commit": {"step", "e"},  # coordinator -> node: make step visible
     "committed": {"step", "e"},
     "state_req": {"e"},  # new coordinator -> node: send me your state
-    "state": {"e", "committed", "recorded", "protected"},
+    "state": {"e", "committed", "recorded", "protected", "run", "fence", "old"},
     "catch_up": {"steps", "e"},  # coordinator -> node: steps committed that you lack
+    "fence_req": {"run", "e"},  # node -> coordinator: a run of the job begins here; fence the earlier ones
+    "fence": {"run", "f", "old", "e"},  # coordinator -> node: run is current from fence f on
+    "fenced": {"f", "e"},  # node -> coordinator: adopted fence f (ack of fence)
+    "run_ok": {"run", "f", "steps", "e"},  # coordinator -> node: every live node adopted it; begin after steps
 }
 
 
@@ -115,8 +145,10 @@ def parse(msg) -> dict:
         out["e"] = _int(msg["e"], "e", 0, MAX_STEP)
     if "step" in msg:
         out["step"] = _int(msg["step"], "step", 0, MAX_STEP)
+    if "run" in msg:
+        out["run"] = _run(msg["run"])
     if t == "protected":
-        out["step"], out["world"], out["ranks"] = _report(msg["step"], msg["world"], msg["ranks"])
+        out["step"], out["world"], out["ranks"], out["run"] = _report(msg["step"], msg["world"], msg["ranks"], msg["run"])
     elif t == "protected_ack":
         out["world"] = _int(msg["world"], "world", 1, MAX_WORLD)
         out["n"] = _int(msg["n"], "n", 1, out["world"])
@@ -126,9 +158,16 @@ def parse(msg) -> dict:
         prot = msg["protected"]
         if not isinstance(prot, (list, tuple)) or len(prot) > MAX_PENDING:
             raise ProtocolError(f"commit message: protected must be a list of at most {MAX_PENDING} reports")
-        if not all(isinstance(p, (list, tuple)) and len(p) == 3 for p in prot):
-            raise ProtocolError("commit message: each protected report must be [step, world, ranks]")
+        if not all(isinstance(p, (list, tuple)) and len(p) == 4 for p in prot):
+            raise ProtocolError("commit message: each protected report must be [step, world, ranks, run]")
         out["protected"] = tuple(_report(*p) for p in prot)
+    if t in ("state", "fence"):
+        out["old"] = _runs(msg["old"], "old")
+    if "f" in msg or "fence" in msg:
+        key = "f" if "f" in msg else "fence"
+        out[key] = _int(msg[key], "fence", 0, MAX_STEP)
+    if t == "run_ok":
+        out["steps"] = _steps(msg["steps"], "steps", MAX_PENDING)
     if t == "catch_up":
         out["steps"] = _steps(msg["steps"], "steps", WINDOW)
     return out
@@ -153,12 +192,21 @@ class CommitNode:
         self._archive = array("q")  # committed steps forgotten since, sorted
         self._latest = max(self._visible, default=None)
         self.recorded: set[int] = set()  # decided, not visible yet
-        self.mine: dict[int, tuple[int, frozenset[int]]] = {}  # own reports: step -> (world, ranks)
+        self.run: str | None = None  # the job's current run as this node knows it (None: none fenced yet)
+        self.fence = 0  # the number the coordinator gave ``run``; a later run gets a larger one
+        self.retired: list[str] = []  # runs superseded by a later one, newest last (at most RETIRED)
+        self.want: str | None = None  # the run this node's trainers begin (on_run), until it is current here
+        self._want_sent = float("-inf")
+        self._awaiting: frozenset[int] = frozenset()  # steps decided before ``want``'s fence: visible first
+        self._granted = 0  # the fence of the run_ok this node got (its run may begin once current)
+        self._granting: _Decision | None = None  # coordinator: the fence being acknowledged
+        self._requesters: set[int] = set()  # coordinator: nodes waiting for run_ok
+        self.mine: dict[int, tuple[int, frozenset[int], str]] = {}  # own reports: step -> (world, ranks, run)
         self._unacked: dict[int, float] = {}  # own reports the coordinator has not acked: step -> sent at
         self._forwarded: dict[int, float] = {}  # decisions passed on to the coordinator, not acked: step -> sent at
         self._coord_epoch: int | None = None  # the coordinator's epoch, from its state_req in this view
-        self.reports: dict[int, dict[int, tuple[int, frozenset[int]]]] = {}  # step -> node -> (world, ranks)
-        self._cover: dict[int, dict[int, set[int]]] = {}  # step -> world -> union of reports[step]'s ranks
+        self.reports: dict[int, dict[int, tuple[int, frozenset[int], str]]] = {}  # step -> node -> (world, ranks, run)
+        self._cover: dict[int, dict[tuple[int, str], set[int]]] = {}  # step -> (world, run) -> union of its ranks
         self.deciding: dict[int, _Decision] = {}  # coordinator only
         self.syncing: dict[int, float] = {}  # coordinator only: node -> state_req sent at
         if self.coordinator == rank:  # a restarted coordinator learns what the others know
@@ -198,14 +246,23 @@ class CommitNode:
             return sorted(chain(self._visible, self._archive))
         return sorted(nlargest(limit, chain(self._visible, self._archive[-limit:])))
 
+    def run_ready(self, run: str) -> bool | None:
+        """Whether ``run`` is the job's current run here, with every step decided before its fence
+        visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""
+        if run in self.retired:
+            return None
+        return self.run == run and self._granted == self.fence and all(self.is_committed(s) for s in self._awaiting)
+
     def pending(self) -> dict:
         """A JSON-able summary for ``ucpd status``."""
         return {
             "coordinator": self.coordinator,
             "epoch": self.epoch,
             "latest": self._latest,
-            "protected": [{"step": s, "world": w, "ranks": sorted(r), "acked": s not in self._unacked}
-                          for s, (w, r) in sorted(self.mine.items())],
+            "run": self.run,
+            "fence": self.fence,
+            "protected": [{"step": s, "world": w, "ranks": sorted(r), "run": run, "acked": s not in self._unacked}
+                          for s, (w, r, run) in sorted(self.mine.items())],
             "recorded": sorted(self.recorded),
             "forwarded": sorted(self._forwarded),
             "deciding": [{"step": s, "phase": "record" if d.phase == 1 else "commit",
@@ -215,28 +272,43 @@ class CommitNode:
 
     # --- events ----------------------------------------------------------------------------
 
-    def on_protected(self, step: int, ranks: Iterable[int], world_size: int, now: float) -> list:
+    def on_protected(self, step: int, ranks: Iterable[int], world_size: int, now: float, run: str | None = None) -> list:
         """This node holds the part of ``step`` written by trainer ranks ``ranks`` (of a job of
-        ``world_size`` ranks), protected at the configured level. Reports it to the coordinator.
-        Repeated reports of the same world size add ranks; a new world size replaces them."""
+        ``world_size`` ranks, in its run ``run``), protected at the configured level. Reports it to
+        the coordinator. Repeated reports of the same world size and run add ranks; another world
+        size or run replaces them. A part of a run that is not the current one is not reported."""
         try:
-            step, world, got = _report(step, world_size, list(ranks))
+            step, world, got, run = _report(step, world_size, list(ranks), run or "")
         except ProtocolError as exc:
             raise ValueError(str(exc)) from None
         self._clock(now)
-        if self.is_committed(step):
+        if self.is_committed(step) or not self._current(run):
             return []
         old = self.mine.get(step)
-        if old is not None and old[0] == world:
+        if old is not None and old[0] == world and old[2] == run:
             got |= old[1]
-        self.mine[step] = (world, got)
+        self.mine[step] = (world, got, run)
         for dropped in _cap(self.mine):
             self._unacked.pop(dropped, None)
-        out = self._store_report(self.rank, step, world, got, now)
+        out = self._store_report(self.rank, step, world, got, run, now)
         if self.coordinator != self.rank:
             self._unacked[step] = now
             out.append(self._protected_msg(step))
         return out
+
+    def on_run(self, run: str | None, now: float) -> list:
+        """Trainers of ``run`` (the job's incarnation) begin on this node. Unless it is already the
+        current run, ask the coordinator to fence the earlier runs: once the ``fence`` is here,
+        their undecided parts are abandoned everywhere and never commit (``run_ready``)."""
+        try:
+            run = _run(run or "")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        self._clock(now)
+        if self.run_ready(run) is not False:
+            return []
+        self.want = run
+        return self._ask_fence(now)
 
     def on_message(self, src: int, msg: dict, now: float) -> list:
         """A message from peer ``src``. A malformed one raises ProtocolError and changes nothing."""
@@ -263,9 +335,12 @@ class CommitNode:
         if self.coordinator != self.rank:
             self.deciding.clear()  # the coordinator adopts them from our state
             self.syncing.clear()
+            self._granting, self._requesters = None, set()  # their nodes ask the new coordinator
             for step in sorted(self.mine):
                 self._unacked[step] = now
                 out.append(self._protected_msg(step))
+            if self.want is not None:
+                out += self._ask_fence(now)
             for step in sorted(self.recorded):  # the state we send carries them too; this needs no timing
                 self._forwarded[step] = now
                 out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
@@ -273,6 +348,10 @@ class CommitNode:
         self._unacked.clear()
         self.syncing = {n: now for n in live if n != self.rank}
         out += [Send(n, {"t": "state_req", "e": self.epoch}) for n in sorted(self.syncing)]
+        if self._granting is not None:  # acks of the fence restart in the new view
+            self._granting.acked = {self.rank}
+            self._requesters &= live
+            out += self._advance_grant(now)
         for step, d in sorted(self.deciding.items()):
             d.acked = {self.rank}
             out += self._advance(step, d, now)
@@ -286,6 +365,11 @@ class CommitNode:
         """Re-send what is unacknowledged after ``resend_after`` seconds."""
         self._clock(now)
         out: list = []
+        if self.want is not None:
+            if self.run_ready(self.want) is not False:
+                self.want = None  # current here (or superseded): nothing more to ask
+            elif now - self._want_sent >= self.resend_after:
+                out += self._ask_fence(now)
         for step, sent in self._unacked.items():
             if now - sent >= self.resend_after:
                 self._unacked[step] = now
@@ -301,14 +385,17 @@ class CommitNode:
         for step, d in self.deciding.items():
             if now - d.sent_at >= self.resend_after:
                 out += self._send_phase(step, d, now)
+        if self._granting is not None and now - self._granting.sent_at >= self.resend_after:
+            out += self._advance_grant(now)
         return out
 
     def forget(self, step: int) -> None:
         """This node's RAM of ``step`` is gone: drop its reports; remember if it was committed."""
         self.mine.pop(step, None)
         self._unacked.pop(step, None)
-        self.reports.pop(step, None)
-        self._cover.pop(step, None)
+        if step not in self.deciding:
+            self.reports.pop(step, None)
+            self._cover.pop(step, None)
         if step in self._visible:
             self._visible.discard(step)
             bisect.insort(self._archive, step)
@@ -319,7 +406,9 @@ class CommitNode:
         step = m["step"]
         if self.is_committed(step):  # the sender missed the commit: tell it (again)
             return [Send(src, {"t": "commit", "step": step, "e": self.epoch})]
-        out = self._store_report(src, step, m["world"], m["ranks"], now)
+        if self.coordinator == self.rank and not self._current(m["run"]):
+            return [self._fence_msg(src)]  # a part of a run fenced off: the sender abandons it
+        out = self._store_report(src, step, m["world"], m["ranks"], m["run"], now)
         ack = {"t": "protected_ack", "step": step, "world": m["world"], "n": len(m["ranks"]), "e": m["e"]}
         return [Send(src, ack)] + out
 
@@ -347,7 +436,8 @@ class CommitNode:
             "t": "state", "e": m["e"],
             "committed": self.committed_steps(WINDOW),
             "recorded": sorted(self.recorded)[-MAX_PENDING:],
-            "protected": [[s, w, sorted(r)] for s, (w, r) in sorted(self.mine.items())],
+            "protected": [[s, w, sorted(r), run] for s, (w, r, run) in sorted(self.mine.items())],
+            "run": self.run or "", "fence": self.fence, "old": self.retired[-RETIRED:],
         })]
 
     # --- messages to the coordinator -----------------------------------------------------------
@@ -371,15 +461,19 @@ class CommitNode:
         if self.coordinator != self.rank or m["e"] != self.epoch or src not in self.live:
             return []
         out: list = []
+        if m["fence"] > self.fence:  # a fence we missed (handed out by an earlier coordinator)
+            out += self._adopt(m["run"], m["fence"], m["old"])
+        elif m["fence"] < self.fence:
+            out.append(self._fence_msg(src))
         for step in m["committed"]:
             out += self._learn(src, step, True, now)
         for step in m["recorded"]:
             out += self._learn(src, step, False, now)
-        for step, world, ranks in m["protected"]:
+        for step, world, ranks, run in m["protected"]:
             if self.is_committed(step):  # it missed the commit
                 out += self._spread(step, now, to=src)
             else:
-                out += self._store_report(src, step, world, ranks, now)
+                out += self._store_report(src, step, world, ranks, run, now)
         theirs = set(m["committed"])
         floor = min(theirs) if len(theirs) >= WINDOW else -1  # below it they may have more than they said
         missing = [s for s in self.committed_steps(WINDOW) if s > floor and s not in theirs]
@@ -418,23 +512,131 @@ class CommitNode:
         return out
 
     def _protected_msg(self, step: int) -> Send:
-        world, ranks = self.mine[step]
+        world, ranks, run = self.mine[step]
         return Send(self.coordinator, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
-                                       "e": self.epoch})
+                                       "run": run, "e": self.epoch})
 
-    def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], now: float) -> list:
-        if self.is_committed(step):
+    # --- runs of the job: fences ---------------------------------------------------------------
+
+    def _current(self, run: str) -> bool:
+        """Whether a part of ``run`` may still count: the current run, or any before the first fence."""
+        return run == self.run if self.run is not None else run not in self.retired
+
+    def _ask_fence(self, now: float) -> list:
+        """Ask the coordinator to make ``want`` the current run (we are it: grant it ourselves)."""
+        self._want_sent = now
+        if self.coordinator == self.rank:
+            return [] if self.syncing else self._grant(self.want, now, self.rank)
+        return [Send(self.coordinator, {"t": "fence_req", "run": self.want, "e": self.epoch})]
+
+    def _grant(self, run: str, now: float, src: int) -> list:
+        """Coordinator: ``run`` begins at node ``src``. A run we know as superseded is told so (the
+        current fence); a new run gets the next fence, which every live node must acknowledge
+        before ``src`` hears ``run_ok``; the current run, once acknowledged, gets ``run_ok`` now."""
+        if run in self.retired:
+            return [] if src == self.rank else [self._fence_msg(src)]
+        out: list = []
+        if run != self.run:
+            out += self._adopt(run, self.fence + 1, ())
+            self._granting = _Decision(1, {self.rank})
+            self._requesters = set()
+        self._requesters.add(src)
+        if self._granting is None:
+            return out + self._run_ok()
+        return out + self._advance_grant(now, send=run != self.run or src == self.rank)
+
+    def _advance_grant(self, now: float, send: bool = True) -> list:
+        """Coordinator: once every live node adopted the fence, the nodes that asked hear ``run_ok``."""
+        g = self._granting
+        if g.acked >= self.live:
+            self._granting = None
+            return self._run_ok()
+        if not send:
+            return []
+        g.sent_at = now
+        return [self._fence_msg(n) for n in sorted(self.live - g.acked)]
+
+    def _run_ok(self) -> list:
+        """Coordinator: tell the nodes that asked that the current run may begin, after the steps
+        decided before its fence (they become visible: the new run's ``latest()`` includes them)."""
+        decided = sorted(self.recorded | self.deciding.keys())[-MAX_PENDING:]
+        out = []
+        for n in sorted(self._requesters):
+            if n == self.rank:
+                self._granted, self._awaiting = self.fence, frozenset(decided)
+            else:
+                out.append(Send(n, {"t": "run_ok", "run": self.run, "f": self.fence, "steps": decided, "e": self.epoch}))
+        self._requesters = set()
+        return out
+
+    def _fence_msg(self, dest: int) -> Send:
+        return Send(dest, {"t": "fence", "run": self.run or "", "f": self.fence, "old": self.retired[-RETIRED:],
+                           "e": self.epoch})
+
+    def _on_fence_req(self, src: int, m: dict, now: float) -> list:
+        if self.coordinator != self.rank or self.syncing:
+            return []  # not ours to grant, or we first learn the team's fence: the node asks again
+        return self._grant(m["run"], now, src)
+
+    def _on_fence(self, src: int, m: dict, now: float) -> list:
+        if m["f"] < self.fence:
+            return [self._fence_msg(src)]  # the sender missed a later fence: pass it on
+        return self._adopt(m["run"], m["f"], m["old"]) + [Send(src, {"t": "fenced", "f": m["f"], "e": m["e"]})]
+
+    def _on_fenced(self, src: int, m: dict, now: float) -> list:
+        g = self._granting
+        if g is None or m["f"] != self.fence or m["e"] != self.epoch or src not in self.live:
+            return []  # stale, duplicated, or from before the current view
+        g.acked.add(src)
+        return self._advance_grant(now, send=False)
+
+    def _on_run_ok(self, src: int, m: dict, now: float) -> list:
+        out = self._adopt(m["run"], m["f"], ()) if m["f"] > self.fence else []
+        if m["run"] == self.want and m["run"] == self.run:  # (a fence we hold for it may be numbered apart)
+            self._granted, self._awaiting = self.fence, frozenset(m["steps"])
+        return out
+
+    def _adopt(self, run: str, f: int, old: Iterable[str]) -> list:
+        """Fence ``f`` makes ``run`` current: earlier runs retire, their undecided reports go (here
+        and, on the coordinator, from every node), and the driver abandons their parts (``Fence``)."""
+        if f < self.fence or (f == self.fence and (run != self.run or f == 0)):
+            return []  # an older fence, or the same number given to another run by a dead coordinator
+        for r in old:
+            if r != run and r not in self.retired:
+                self.retired.append(r)
+        if f == self.fence:
+            return []
+        if self.run is not None and self.run != run and self.run not in self.retired:
+            self.retired.append(self.run)
+        del self.retired[:-RETIRED]
+        self.run, self.fence = run, f
+        self._granting = None  # a grant of ours in progress was for an earlier run
+        for step in [s for s, rep in self.mine.items() if rep[2] != run]:
+            del self.mine[step]
+            self._unacked.pop(step, None)
+        for step in [s for s in self.reports if s not in self.deciding]:
+            per = self.reports[step]
+            for node in [n for n, rep in per.items() if rep[2] != run]:
+                del per[node]
+            self._cover.pop(step, None)
+            if per:
+                self._cover[step] = _union(per.values())
+            else:
+                del self.reports[step]
+        return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
+
+    def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], run: str, now: float) -> list:
+        if self.is_committed(step) or not self._current(run):
             return []
         per = self.reports.setdefault(step, {})
         old = per.get(node)
-        per[node] = (world, ranks | old[1]) if old is not None and old[0] == world else (world, ranks)
+        same = old is not None and old[0] == world and old[2] == run
+        per[node] = (world, ranks | old[1], run) if same else (world, ranks, run)
         cover = self._cover.get(step)
-        if cover is None or (old is not None and old[0] != world):  # new step, or a report replaced
-            cover = self._cover[step] = {}
-            for w, r in per.values():
-                cover.setdefault(w, set()).update(r)
+        if cover is None or (old is not None and not same):  # new step, or a report replaced
+            cover = self._cover[step] = _union(per.values())
         else:  # the usual case: ranks added, O(ranks of this report) whatever the team's size
-            cover.setdefault(world, set()).update(ranks)
+            cover.setdefault((world, run), set()).update(ranks)
         for dropped in _cap(self.reports, keep=self.deciding.keys()):
             self._cover.pop(dropped, None)
         return self._consider(step, now)
@@ -444,7 +646,8 @@ class CommitNode:
         if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
             return []
         covered = self._cover[step]  # kept up to date by _store_report: no pass over the reports
-        if any(len(ranks) == world for world, ranks in covered.items()):  # ranks lie in range(world)
+        # one run's reports must cover every rank: parts of two runs never make one version
+        if any(len(ranks) == world for (world, _run), ranks in covered.items()):  # ranks lie in range(world)
             return self._decide(step, now)
         return []
 
@@ -509,6 +712,14 @@ class CommitNode:
         self.reports.pop(step, None)
         self._cover.pop(step, None)
         return [Commit(step)]
+
+
+def _union(reports) -> dict[tuple[int, str], set[int]]:
+    """(world, run) -> the ranks the reports cover together."""
+    cover: dict[tuple[int, str], set[int]] = {}
+    for world, ranks, run in reports:
+        cover.setdefault((world, run), set()).update(ranks)
+    return cover
 
 
 def _micros(now: float) -> int:
