@@ -31,7 +31,7 @@ def test_random_schedules_with_job_restarts_commit_each_step_from_one_run(part):
     and messages are lost: every committed step is one run's (P1), and no step of a run is
     decided once a later run could begin (P5)."""
     runs = [random_schedule(seed, runs=True) for seed in range(part, 80, 2)]
-    assert sum(len(c.runs) for c in runs) > 120 and sum(len(c.ever_visible) for c in runs) > 80
+    assert sum(len(c.runs) for c in runs) > 120 and sum(len(c.ever_visible) for c in runs) > 50
 
 
 def test_random_schedules_with_heartbeat_membership():
