@@ -244,7 +244,7 @@ class Checkpointer:
         if conn is None:
             conn = self._local.conn = Connection(self.run_dir, timeout=knobs.rpc_timeout())
             self._conns.append(conn)
-        return _Conn(conn, self.job)
+        return _Conn(conn, self.job, self.job_id)
 
     # --- snapshot ------------------------------------------------------------------------------
 
@@ -451,14 +451,18 @@ class _Conn:
     """A connection with the calls the client makes, typed; each call about versions names the job."""
 
     JOB_SCOPED = frozenset({"begin", "commit", "abort", "wait", "latest", "restore", "describe"})
+    RUN_SCOPED = frozenset({"latest", "restore", "describe"})  # a team fences earlier runs before answering
 
-    def __init__(self, conn: Connection, job: str):
+    def __init__(self, conn: Connection, job: str, run: str | None = None):
         self._c = conn
         self._jobname = job
+        self._run = run
 
     def call(self, msg_type: str, **body):
         if msg_type in self.JOB_SCOPED:
             body.setdefault("job", self._jobname)
+        if self._run and msg_type in self.RUN_SCOPED:
+            body.setdefault("incarnation", self._run)
         return self._c.call(msg_type, **body)
 
     def call_wait(self, step: int, timeout: float) -> dict:

@@ -646,7 +646,7 @@ def test_a_new_coordinator_learns_the_fence_from_the_survivors():
 
 @pytest.mark.parametrize("msg", [
     {"t": "fence", "run": 7, "f": 1, "old": [], "e": 1},
-    {"t": "fence", "run": "x" * 200, "f": 1, "old": [], "e": 1},
+    {"t": "fence", "run": "x" * 2000, "f": 1, "old": [], "e": 1},
     {"t": "fence", "run": "b", "f": 1, "old": ["a"] * 17, "e": 1},
     {"t": "fence_req", "run": "b", "e": 1, "extra": 1},
     {"t": "run_ok", "run": "b", "f": -1, "steps": [], "e": 1},

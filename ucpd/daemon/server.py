@@ -220,11 +220,23 @@ class Daemon:
         try:
             msg_type, req_id, raw = protocol.unpack_envelope(frame)
             msg_type, req_id, body = protocol.validate_request(msg_type, req_id, raw)
-            handler = getattr(self, f"_on_{msg_type}")
+        except Exception as exc:
+            self.store.counters.bad_messages += 1
+            log.warning("bad message: %s", exc)
+            err = exc if isinstance(exc, UcpdError) else ProtocolError(f"a request that cannot be read: {exc!r}")
+            self._reply(ident, protocol.error(req_id, err))
+            return
+        handler = getattr(self, f"_on_{msg_type}")
+        self._run_handler(ident, req_id, msg_type, lambda: handler(ident, req_id, body))
+
+    def _run_handler(self, ident: bytes, req_id: int, msg_type: str, handler) -> None:
+        """Run a handler holding the store lock; reply with what it returns (None: parked or
+        deferred), or with its error."""
+        try:
             t0 = time.perf_counter()
             with self.store.lock:
                 t1 = time.perf_counter()
-                reply = handler(ident, req_id, body)
+                reply = handler()
             t2 = time.perf_counter()
             if t2 - t0 > SLOW_REQUEST_S:
                 log.info("slow %s: %.0f ms (%.0f ms waiting for the store lock)", msg_type, (t2 - t0) * 1e3, (t1 - t0) * 1e3)
@@ -256,6 +268,29 @@ class Daemon:
         }
 
     def _on_begin(self, ident, req_id, body):
+        if self._team_run(body) and not self.team.run_ready(body.get("incarnation")):
+            # a new run of the team's job: the team fences the earlier runs first (a worker waits
+            # for it), then the begin goes on here, on the loop
+            return self._defer(ident, req_id, "begin", lambda: self.team.join_run(body.get("incarnation")),
+                               then=lambda: self._begin(ident, req_id, body))
+        return self._begin(ident, req_id, body)
+
+    def _team_run(self, body: dict) -> bool:
+        """Whether the request comes from a run of the job this team serves (it must be fenced)."""
+        return self.team is not None and self.store.team_job in (None, _job(body))
+
+    def _joined(self, body: dict, work):
+        """``work`` for a worker thread, after the requester's run joined the team."""
+        if not self._team_run(body):
+            return work
+
+        def joined():
+            self.team.join_run(body.get("incarnation"))
+            return work()
+
+        return joined
+
+    def _begin(self, ident, req_id, body):
         rank, step, job = body["rank"], body["step"], _job(body)
         self.store.check_begin(rank, step, body.get("incarnation"), body["world_size"], job)
         if self.flusher is not None:
@@ -323,7 +358,7 @@ class Daemon:
         if self.team is not None:
             if self.store.team_job is not None and job != self.store.team_job:
                 return {"step": self.locate.disk_latest(job)}  # another job's versions are not this team's
-            return self._defer(ident, req_id, "latest", lambda: self._team_latest(job))
+            return self._defer(ident, req_id, "latest", self._joined(body, lambda: self._team_latest(job)))
         v = self.store.version_for_restore(None, job)
         step = v.step if v is not None else None
         disk = self.locate.disk_latest(job)
@@ -338,9 +373,10 @@ class Daemon:
             step = disk
         return {"step": step}
 
-    def _defer(self, ident: bytes, req_id: int, msg_type: str, work) -> None:
+    def _defer(self, ident: bytes, req_id: int, msg_type: str, work, then=None) -> None:
         """Answer a request from a worker thread: ``work`` asks other daemons, which the loop
-        must never wait for. The reply goes out through the loop (``_drain_done``)."""
+        must never wait for. The reply goes out through the loop (``_drain_done``); with
+        ``then``, the loop calls it once ``work`` is done and answers with what it returns."""
         if self._workers is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -348,7 +384,9 @@ class Daemon:
 
         def run():
             try:
-                self._done.put(("reply", ident, req_id, msg_type, work(), None))
+                result = work()
+                self._done.put(("reply", ident, req_id, msg_type, result, None) if then is None
+                               else ("then", ident, req_id, msg_type, then, None))
             except Exception as exc:
                 self._done.put(("reply", ident, req_id, msg_type, None, exc))
 
@@ -386,7 +424,7 @@ class Daemon:
 
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, "restore", lambda: self._restore(body))
+            return self._defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
         return self._restore(body)
 
     def _restore(self, body):
@@ -416,7 +454,7 @@ class Daemon:
 
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, "describe", lambda: self._describe(body))
+            return self._defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
         return self._describe(body)
 
     def _describe(self, body):
@@ -472,6 +510,10 @@ class Daemon:
                 return
             if item[0] == "reply":
                 self._deferred_reply(*item[1:])
+                continue
+            if item[0] == "then":
+                _, ident, req_id, msg_type, then, _ = item
+                self._run_handler(ident, req_id, msg_type, then)
                 continue
             kind, sid, exc = item
             parked = self.parking.take_begin(sid)

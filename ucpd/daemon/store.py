@@ -173,15 +173,50 @@ class NodeStore:
     ):
         """The version of ``step``. One still being written by another run of the job (it died
         mid-snapshot) is abandoned, so a restarted job never completes it with its own parts:
-        another job id, another world size, or a rank starting a step it already sealed."""
+        another job id, another world size, or a rank starting a step it already sealed. In a
+        team, a part of another run that is complete or protected here but was never decided by
+        the team goes too (the run that wrote it is over: the team fenced it); one the team
+        decided is committing, and the snapshot is refused."""
         v = self.table_of(job).versions.get(step)
-        if v is not None and v.state is VersionState.WRITING and (
-            v.incarnation != incarnation or (world_size is not None and v.world_size != world_size) or rank in v.parts
+        if v is None:
+            return None
+        other_run = (v.incarnation or "") != (incarnation or "")
+        if v.state is VersionState.WRITING and (
+            other_run or (world_size is not None and v.world_size != world_size) or rank in v.parts
         ):
             log.warning("step %d: abandoning the unfinished parts of an earlier run of the job", step)
             self._evict(v)
             return None
+        if other_run and v.state in (VersionState.COMPLETE, VersionState.PROTECTED):
+            decided = getattr(self._policy, "decided", None)
+            if decided is not None and decided(step):
+                raise SnapshotRejected(
+                    f"step {step} of an earlier run of job {job!r} was decided by the team and is committing: "
+                    f"continue from latest() + 1 (ask latest() again)"
+                )
+            log.warning("step %d: abandoning the undecided part of an earlier run of the job", step)
+            self._evict(v)
+            return None
         return v
+
+    def abandon_runs(self, job: str, run: str, keep) -> tuple[list[int], bool]:
+        """A team fenced every run of ``job`` but ``run``: abandon the parts of other runs that were
+        never decided (``keep(step)`` is True for a decided one). Returns the steps abandoned and
+        whether a pinned one (being copied or read) is left for a later call."""
+        table = self.tables.get(job)
+        gone, left = [], False
+        for v in list(table.versions.values()) if table is not None else ():
+            if (v.incarnation or "") == run or v.state in RESTORABLE or not v.parts or keep(v.step):
+                continue
+            if v.pins:
+                left = True
+                continue
+            self._evict(v)
+            gone.append(v.step)
+        if gone:
+            log.warning("job %r: run %r begins; abandoned the undecided steps %s of its earlier runs", job, run, gone)
+            self.save_index()
+        return gone, left
 
     def take_free_slot(self, rank: int, step: int, nbytes: int, job: str = DEFAULT_JOB) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""

@@ -28,8 +28,9 @@ PART = Record(
 # What a node holds of one version: its own ranks' parts (origin = itself) or a replica.
 HOLDING = Record(
     {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "ranks": _list_of(_int(0, MAX_RANKS))},
-    # via: "parity" when the parts are not held but can be rebuilt from the group's parity
-    {"parts": _list_of(PART), "via": _str},
+    # via: "parity" when the parts are not held but can be rebuilt from the group's parity;
+    # run: the run of the job that wrote them (a version is read from one run only)
+    {"parts": _list_of(PART), "via": _str, "run": _str},
 )
 
 PEER_REQUESTS: dict[str, MessageType] = {
@@ -38,8 +39,8 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "replica_begin",
             {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "parts": _list_of(PART)},
-            {},
-            "hold a copy of origin's part of step: make room for its parts (laid out one after another); reply: {}",
+            {"run": _str},
+            "hold a copy of origin's part of step (of the job's run `run`): make room for its parts (laid out one after another); reply: {}",
             EMPTY,
         ),
         MessageType(

@@ -417,7 +417,8 @@ REQUESTS: dict[str, MessageType] = {
             Record({"state": _one_of("committed", "flushed", "evicted", "pending"), "step": _int()}),
         ),
         MessageType(
-            "latest", {}, {"job": job_name}, "reply: {step} of the job's newest committed version, or None",
+            # incarnation: the run of the job asking (a team fences the earlier runs before it answers)
+            "latest", {}, {"job": job_name, "incarnation": _str}, "reply: {step} of the job's newest committed version, or None",
             Record({"step": _nullable(_int())}),
         ),
         MessageType(
@@ -425,7 +426,8 @@ REQUESTS: dict[str, MessageType] = {
             {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
             # avoid: [[step, "ram" | "disk"], ...] copies that failed their checksums at this client
             # (a retry): the daemon plans from the next source, or the previous version
-            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str, "avoid": _list_of(_avoid_entry, 16)},
+            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str, "avoid": _list_of(_avoid_entry, 16),
+             "incarnation": _str},
             "plan the copies that fill these targets; reply: the lease to release, the step and where it is read, "
             "the plain values by rank, and the RestorePlan (its fields inline); "
             "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died",
@@ -435,7 +437,7 @@ REQUESTS: dict[str, MessageType] = {
         MessageType(
             "describe",
             {},
-            {"step": _int(), "job": job_name},
+            {"step": _int(), "job": job_name, "incarnation": _str},
             "what a version holds: {step, where, tensors: {name: {dtype, shape}}, objects by rank}",
             Record({"step": _int(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS,
                     "tensors": _map_of(_str, Record({"dtype": _str, "shape": _list_of(_int(), 16)}))}),

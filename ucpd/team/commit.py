@@ -33,7 +33,7 @@ MAX_PENDING = 1024
 """Protected-but-undecided steps kept per node; beyond it the oldest are dropped."""
 MAX_WORLD = 1 << 24
 MAX_STEP = (1 << 63) - 1
-MAX_RUN = 128
+MAX_RUN = 1024  # as the trainer protocol bounds a job id (wire.MAX_NAME_LEN)
 """The longest run id (the job's incarnation: ``Checkpointer(job_id=...)``) a message carries."""
 RETIRED = 16
 """Superseded runs remembered (and carried by ``fence`` and ``state``): a straggler of one is refused."""

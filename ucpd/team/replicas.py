@@ -39,6 +39,7 @@ class Replica:
     parts: dict[int, RankPart]  # rank -> manifest (offsets inside the origin's slot)
     bases: dict[int, int]  # rank -> where that slot's bytes start in our file
     used: dict[int, int]  # rank -> bytes of its slot we hold
+    run: str = ""  # the run of the job that wrote it (a version is read from one run only)
     whole: bool = False
     verified: bool = False  # checked again before the first restore served from it
     pins: int = 0  # restores and pushes reading it
@@ -99,8 +100,9 @@ class ReplicaStore:
     def nbytes(self) -> int:
         return sum(r.size for r in self.held.values()) + sum(size for _, size in self.spares)
 
-    def begin(self, origin: int, step: int, world_size: int, parts: list[dict]) -> Replica:
-        """Make room for origin's parts of step (a previous unfinished copy is replaced)."""
+    def begin(self, origin: int, step: int, world_size: int, parts: list[dict], run: str = "") -> Replica:
+        """Make room for origin's parts of step, written by the job's ``run`` (a previous copy of
+        that step, unfinished or of another run, is replaced)."""
         with self.lock:
             old = self.held.pop((origin, step), None)
             if old is not None:
@@ -118,7 +120,7 @@ class ReplicaStore:
                 size += _aligned(p["used"])
             self._drop_old(origin, step)
             path, size = self._file(max(size, ALIGN))
-            rep = Replica(origin, step, world_size, path, size, manifests, bases, used)
+            rep = Replica(origin, step, world_size, path, size, manifests, bases, used, run)
             self.held[(origin, step)] = rep
             return rep
 

@@ -28,10 +28,10 @@ from dataclasses import dataclass, field, replace
 from .. import faults, knobs, native, protocol
 from ..daemon.restore import SourceSet, _signature
 from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version, VersionState
-from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
+from ..errors import ChecksumMismatch, DaemonUnreachable, SnapshotRejected, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from . import placement
-from .commit import Commit, CommitNode, Record, Send
+from .commit import Commit, CommitNode, Fence, Record, Send
 from .config import TeamConfig
 from .membership import Membership
 from .replicas import ReplicaStore, verify_part_crcs
@@ -43,6 +43,19 @@ PUSH_IN_FLIGHT = 4  # replica_data batches a push keeps unacknowledged
 FETCH_PREFIX = "fetch-"
 HEAL_RETRY = 2.0  # seconds between retries of a version left with fewer copies than wanted
 PIN_LEASE = 600.0  # seconds a peer's pin (a flush or restore reading our RAM) lasts at most
+JOIN_TIMEOUT = 120.0  # seconds a new run's first request waits for the team to fence the earlier runs
+
+
+def run_of(v) -> str:
+    """The run (the job's incarnation) that wrote a version or replica; "" when unnamed."""
+    return getattr(v, "incarnation", None) or getattr(v, "run", None) or ""
+
+
+def _with_run(body: dict, run: str) -> dict:
+    """``body`` naming the run of the job that wrote its parts (an unnamed run: no field)."""
+    if run:
+        body["run"] = run
+    return body
 
 
 def used_bytes(part: RankPart) -> int:
@@ -85,6 +98,7 @@ class Team:
         self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
         self._leases: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
         self._heal_queued = False
+        self._fence: Fence | None = None  # the last fence whose pinned parts of other runs are still to go
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
                          "parity_checksum_errors": 0}
         self.store = None
@@ -165,6 +179,8 @@ class Team:
             out += self.commit.on_tick(now)
         self._apply(out)
         self._expire_leases(now)
+        if self._fence is not None:
+            self._drop_fenced(self._fence)  # parts that were pinned when the fence came
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in set(range(self.config.nodes)) - set(view.live):
@@ -209,6 +225,67 @@ class Team:
                 log.debug("team: step %d committed", out.step)
             elif isinstance(out, Record):
                 log.debug("team: step %d decided, recorded", out.step)
+            elif isinstance(out, Fence):
+                log.info("team: run %r of the job is the current one; earlier runs are fenced off", out.run)
+                self._drop_fenced(out)
+
+    # --- runs of the job ------------------------------------------------------------------------
+
+    def join_run(self, run: str | None, timeout: float = JOIN_TIMEOUT) -> None:
+        """Block until ``run`` (a run of the team's job) may read ``latest()`` and snapshot: every
+        live node fenced the earlier runs (their undecided parts never commit) and the steps
+        decided before are visible here. Raises SnapshotRejected for a run a later one superseded,
+        or when the team cannot fence it in ``timeout`` seconds."""
+        run = run or ""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                ready = self.commit.run_ready(run)
+                out = self.commit.on_run(run, time.monotonic()) if ready is False else []
+            self._apply(out)
+            if ready:
+                return
+            if ready is None:
+                raise SnapshotRejected(
+                    f"run {run!r} of this job was superseded by a later run ({self.commit.run!r}) that the team "
+                    "fenced: a restarted job's processes replace the old ones; stop this process"
+                )
+            if time.monotonic() > deadline:
+                raise SnapshotRejected(
+                    f"the team did not admit run {run!r} in {timeout:.0f} s (coordinator: node "
+                    f"{self.commit.coordinator}, live: {sorted(self.live())}): check that every daemon of the team "
+                    "is up and reachable, then retry"
+                )
+            time.sleep(0.005)
+
+    def run_ready(self, run: str | None) -> bool:
+        with self._lock:
+            return self.commit.run_ready(run or "") is True
+
+    def decided(self, step: int) -> bool:
+        """Whether the team decided ``step`` (committed, or recorded or being decided here): its
+        parts must stay (the store asks, holding its lock)."""
+        with self._lock:
+            c = self.commit
+            return c.is_committed(step) or step in c.recorded or step in c.deciding
+
+    def _drop_fenced(self, fence: Fence) -> None:
+        """Abandon this node's parts and replicas of runs other than ``fence.run`` that the team
+        never decided; what is pinned now goes at a later tick."""
+        keep = lambda step: step in fence.keep or self.decided(step)  # noqa: E731
+        job = self.store.team_job
+        with self.store.lock:
+            gone, left = self.store.abandon_runs(job, fence.run, keep) if job is not None else ([], False)
+            for (origin, step), rep in list(self.replicas.held.items()):
+                if run_of(rep) != fence.run and not keep(step):
+                    if rep.pins:
+                        left = True
+                    else:
+                        self.replicas.drop(origin, step)
+        with self._lock:
+            for step in gone:
+                self.commit.forget(step)
+        self._fence = fence if left else None
 
     def _fault_points(self, outputs: list, before: bool) -> None:
         """Test-only crash points of the coordinator (``ucpd.faults``; inert in production)."""
@@ -244,6 +321,7 @@ class Team:
             if v is None or v.state not in SEALED or not v.parts:
                 return
             ranks = tuple(sorted(v.parts))
+            run = run_of(v)
             rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
         wanted = self.config.replicas
         tried: set[int] = set()
@@ -268,7 +346,7 @@ class Team:
         with self.store.lock:
             self.store.protect(step)
         with self._lock:
-            out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic())
+            out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic(), run)
         self._apply(out)
         self._forget_old_pushes()
 
@@ -280,23 +358,24 @@ class Team:
             self.store.pin(v)
             parts = list(v.parts.values())
             views = {p.rank: memoryview(self.store.slots.slots[p.slot].mapping()) for p in parts}
-            world = v.world_size
+            world, run = v.world_size, run_of(v)
         try:
-            return self._push(holder, self.rank, step, world, parts, lambda r, off, n: views[r][off : off + n])
+            return self._push(holder, self.rank, step, world, parts, lambda r, off, n: views[r][off : off + n], run)
         finally:
             del views
             with self.store.lock:
                 self.store.unpin(v)
                 self.store.enforce_keep()
 
-    def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read) -> bool:
-        """Send origin's parts of step to ``holder``; True once it verified and kept them."""
+    def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read, run: str) -> bool:
+        """Send origin's parts of step (written by the job's run ``run``) to ``holder``; True once
+        it verified and kept them."""
         t0 = time.monotonic()
         try:
             self.transport.request(
                 holder, "replica_begin",
-                {"origin": origin, "step": step, "world_size": world,
-                 "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts]},
+                _with_run({"origin": origin, "step": step, "world_size": world,
+                           "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts]}, run),
             )
             batches = [(p, off, min(DATA_BATCH, used_bytes(p) - off)) for p in parts for off in range(0, used_bytes(p), DATA_BATCH)]
             total = sum(n for _, _, n in batches)
@@ -387,7 +466,7 @@ class Team:
                 return False
             self.replicas.pin(rep)
         try:
-            return self._push(holder, origin, step, rep.world_size, list(rep.parts.values()), rep.view)
+            return self._push(holder, origin, step, rep.world_size, list(rep.parts.values()), rep.view, run_of(rep))
         finally:
             self.replicas.unpin(rep)
 
@@ -423,7 +502,7 @@ class Team:
         if msg_type == "replica_begin":
             if faults.once("replica.refuse", b["step"]):
                 raise UcpdError(f"node {self.rank} refuses the copy of step {b['step']} (fault injected)")
-            self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"])
+            self.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"], b.get("run", ""))
             return {}, []
         # the copy into the replica file and the final check of every chunk run on the holder's
         # workers, so that the I/O thread goes on receiving the next batches meanwhile
@@ -505,18 +584,22 @@ class Team:
         with self.store.lock:
             for v in self.store.table.versions.values():
                 if (step is None or v.step == step) and v.parts and v.state in SEALED:
-                    item = {"origin": self.rank, "step": v.step, "world_size": v.world_size, "ranks": sorted(v.parts)}
+                    item = _with_run({"origin": self.rank, "step": v.step, "world_size": v.world_size,
+                                      "ranks": sorted(v.parts)}, run_of(v))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
                     items.append(item)
             for (origin, s), rep in self.replicas.held.items():
                 if rep.whole and (step is None or s == step):
-                    item = {"origin": origin, "step": s, "world_size": rep.world_size, "ranks": sorted(rep.parts)}
+                    item = _with_run({"origin": origin, "step": s, "world_size": rep.world_size,
+                                      "ranks": sorted(rep.parts)}, run_of(rep))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
                     items.append(item)
         if self.parity is not None:
-            items += self.parity.holdings(step)
+            for item in self.parity.holdings(step):
+                man = self.parity.manifests.get((item["origin"], item["step"]), {})
+                items.append(_with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
         return items
 
     def _serve_fetch(self, origin: int, step: int, rank: int, ranges: list) -> list:
@@ -567,15 +650,13 @@ class Team:
         """The newest committed step that the live nodes still hold whole (None: none)."""
         live = sorted(self.live())
         summary = self._gather_summary(live)
-        ranks: dict[int, set[int]] = {}
-        world: dict[int, int] = {}
+        ranks: dict[tuple[int, int, str], set[int]] = {}  # (step, world, run) -> ranks held
         for items in summary.values():
             for i in items:
-                ranks.setdefault(i["step"], set()).update(i["ranks"])
-                world[i["step"]] = i["world_size"]
-        with self._lock:
-            for step in sorted(ranks, reverse=True):
-                if self.commit.is_committed(step) and ranks[step] >= set(range(world[step])):
+                ranks.setdefault((i["step"], i["world_size"], i.get("run", "")), set()).update(i["ranks"])
+        with self._lock:  # one run's parts must hold every rank: a version is never read from two runs
+            for step, world, _run in sorted(ranks, reverse=True):
+                if self.commit.is_committed(step) and ranks[(step, world, _run)] >= set(range(world)):
                     return step
         return None
 
@@ -623,8 +704,12 @@ class Team:
         mine = self._holdings(step)
         replies = self._ask_all(live, "holdings", {"step": step})
         mine = [protocol.HOLDING("holding", item) for item in mine]  # the peers' were checked on receipt
-        for node, items in [(self.rank, mine)] + sorted((n, r["items"]) for n, r in replies.items()):
+        held = [(self.rank, mine)] + sorted((n, r["items"]) for n, r in replies.items())
+        run = self._run_of_step(held)
+        for node, items in held:
             for item in items:
+                if item.get("run", "") != run:
+                    continue  # a part of another run of the job: a version is read from one run only
                 world = item["world_size"]
                 # cheapest first: our RAM, then a peer's own RAM, then a peer's replica
                 cost = 0 if node == self.rank else 1 if node == item["origin"] else 2
@@ -664,6 +749,22 @@ class Team:
             raise
         out.files += files
         return out
+
+    def _run_of_step(self, held: list) -> str:
+        """The run whose parts a restore reads, from every node's holdings of one step: one whose
+        parts hold every rank, the job's current run first (a node that rejoined may still hold
+        another run's parts of the step until it hears the fence)."""
+        ranks: dict[tuple[str, int], set[int]] = {}
+        for _node, items in held:
+            for item in items:
+                ranks.setdefault((item.get("run", ""), item["world_size"]), set()).update(
+                    p["rank"] for p in item.get("parts") or ())
+        whole = sorted(run for (run, world), got in ranks.items() if got >= set(range(world)))
+        with self._lock:
+            current = self.commit.run
+        if current in whole:
+            return current
+        return whole[0] if whole else (current if current is not None else next(iter(sorted(r for r, _ in ranks)), ""))
 
     def _rebuild(self, origin: int, step: int, files: list) -> tuple[str, dict[int, int]]:
         """Rebuild a lost node's part of ``step`` from parity into a local file: (path, bases)."""
