@@ -48,6 +48,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
             {
                 "step": v.step,
                 "job": v.job,
+                "run": v.incarnation,  # a team keeps the parts of one run of the job apart from another's
                 "world_size": v.world_size,
                 # a restarted daemon protects a complete version again (its copies may be gone)
                 "state": (VersionState.COMPLETE if v.state is VersionState.PROTECTED else v.state).value,
@@ -215,9 +216,12 @@ def _decode(data: bytes) -> dict:
             "step": _int(raw.get("step"), "step"),
             "job": protocol.job_name("job", raw.get("job", DEFAULT_JOB)),
             "world_size": _int(raw.get("world_size"), "world_size"),
+            "run": raw.get("run"),
             "state": VersionState(raw.get("state")),
             "on_disk": bool(raw.get("on_disk", False)),
         }
+        _need(v["run"] is None or (isinstance(v["run"], str) and 0 < len(v["run"]) <= protocol.MAX_NAME_LEN),
+              "run is not a job id")
         _need(v["state"] in (VersionState.COMMITTED, VersionState.FLUSHED, VersionState.COMPLETE), "a version in a state never indexed")
         for key in ("created", "committed_at"):
             t = raw.get(key)
@@ -306,6 +310,7 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                 if state is VersionState.COMMITTED and raw["on_disk"]:
                     state = VersionState.FLUSHED  # an index of an older daemon kept the two apart
                 v = Version(raw["step"], raw["world_size"], state, parts, raw["created"], raw["committed_at"], job=job)
+                v.incarnation = raw["run"]
                 store.table_of(job).adopt(v)
                 for p in parts.values():
                     slot = slots.slots[p.slot]
