@@ -305,8 +305,8 @@ class CommitNode:
         except ProtocolError as exc:
             raise ValueError(str(exc)) from None
         self._clock(now)
-        if self.run_ready(run) is not False:
-            return []
+        if self.run_ready(run) is not False or (self.want == run and now - self._want_sent < self.resend_after):
+            return []  # (asked already: on_tick asks again)
         self.want = run
         return self._ask_fence(now)
 

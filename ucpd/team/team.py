@@ -238,11 +238,12 @@ class Team:
         or when the team cannot fence it in ``timeout`` seconds."""
         run = run or ""
         deadline = time.monotonic() + timeout
+        with self._lock:
+            out = self.commit.on_run(run, time.monotonic())  # asks once: the protocol's ticks ask again
+        self._apply(out)
         while True:
             with self._lock:
                 ready = self.commit.run_ready(run)
-                out = self.commit.on_run(run, time.monotonic()) if ready is False else []
-            self._apply(out)
             if ready:
                 return
             if ready is None:
