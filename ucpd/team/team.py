@@ -760,12 +760,13 @@ class Team:
             for item in items:
                 ranks.setdefault((item.get("run", ""), item["world_size"]), set()).update(
                     p["rank"] for p in item.get("parts") or ())
-        whole = sorted(run for (run, world), got in ranks.items() if got >= set(range(world)))
         with self._lock:
             current = self.commit.run
-        if current in whole:
-            return current
-        return whole[0] if whole else (current if current is not None else next(iter(sorted(r for r, _ in ranks)), ""))
+        # the current run if it holds every rank, else the run that holds most (a lost step's error
+        # then names the ranks that run lacks)
+        best = max(ranks.items(), key=lambda kv: (kv[1] >= set(range(kv[0][1])), kv[0][0] == current, len(kv[1]), kv[0][0]),
+                   default=(("", 0), set()))
+        return best[0][0]
 
     def _rebuild(self, origin: int, step: int, files: list) -> tuple[str, dict[int, int]]:
         """Rebuild a lost node's part of ``step`` from parity into a local file: (path, bases)."""
