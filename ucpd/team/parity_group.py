@@ -25,22 +25,35 @@ log = logging.getLogger("ucpd.team.parity")
 ALIGN = 64
 
 
-def blob_layout(parts) -> tuple[dict[int, int], int]:
-    """Where each rank's slot bytes start in the node's blob (by rank, 64-byte aligned), and its size."""
+def blob_layout(parts) -> tuple[list, dict[int, int], int]:
+    """A node's blob of one version: its ranks' parts in blob order (by rank, whatever order they
+    sealed in), where each one's slot bytes start (64-byte aligned), and the blob's size.
+
+    Everything that lays a blob out or reads it takes this order: the units sent into the
+    parity, the units served to a rebuild (``on_blob_unit``) and the manifest's parts and bases."""
     from .team import used_bytes
 
+    ordered = sorted(parts, key=lambda p: p.rank)
     bases, size = {}, 0
-    for p in sorted(parts, key=lambda p: p.rank):
+    for p in ordered:
         bases[p.rank] = size
         size += (used_bytes(p) + ALIGN - 1) // ALIGN * ALIGN
-    return bases, size
+    return ordered, bases, size
+
+
+def blob_spans(store, v) -> tuple[list, dict[int, int], int, list]:
+    """``v``'s blob on this node (store lock held): ``blob_layout``, and the (start, length,
+    memoryview) span of each part's slot bytes, in blob order (what ``blob_segments`` reads)."""
+    parts, bases, size = blob_layout(v.parts.values())
+    spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+    return parts, bases, size, spans
 
 
 def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> list:
-    """Buffers covering blob bytes [lo, hi): ``spans`` are (start, length, memoryview) pieces;
-    the gaps between them (alignment) are zeros."""
+    """Buffers covering blob bytes [lo, hi): ``spans`` are (start, length, memoryview) pieces
+    that do not overlap; the gaps between them (alignment) are zeros."""
     out, at = [], lo
-    for start, length, view in spans:
+    for start, length, view in sorted(spans, key=lambda sp: sp[0]):  # blob order, whatever the caller's
         a, b = max(lo, start), min(hi, start + length)
         if a >= b:
             continue
@@ -78,9 +91,7 @@ class ParityGroup:
             if v is None or not v.parts or v.state not in SEALED:
                 return False
             store.pin(v)
-            parts = list(v.parts.values())
-            bases, size = blob_layout(parts)
-            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+            parts, bases, size, spans = blob_spans(store, v)
             manifest = {
                 "origin": team.rank, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
                 "size": size, "bases": [bases[p.rank] for p in parts],
@@ -161,9 +172,7 @@ class ParityGroup:
             v = store.table.versions.get(body["step"])
             if v is None or not v.parts or v.state not in SEALED:
                 raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
-            parts = list(v.parts.values())
-            bases, size = blob_layout(parts)
-            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+            _, _, size, spans = blob_spans(store, v)
         u = body["u"]
         return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
@@ -198,14 +207,21 @@ class ParityGroup:
             sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
             raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
+        bases = {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
+        want = _wire_layout(m["parts"])
+        if bases != want[0] or m["size"] != want[1]:
+            raise VersionNotFound(
+                f"step {step}: node {origin}'s parity manifest lays its blob out as {bases} ({m['size']} bytes), "
+                f"not in rank order {want[0]} ({want[1]} bytes): its parity cannot be read back"
+            )
         live = team.live() - distrust
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(origin, u)
             shards: list = []
             for d in s.data_members(row):
                 ud = s.unit_in_row(d, row)
-                if d == origin or (d not in live and ud < s.units(sizes.get(d, 0))):
-                    shards.append(None)
+                if d == origin or (d not in live and (d not in sizes or ud < s.units(sizes[d]))):
+                    shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
                 elif d not in live:
                     shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
                 else:
@@ -222,7 +238,7 @@ class ParityGroup:
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
         team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
-        return {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
+        return bases
 
     def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
         if node == self.team.rank:
@@ -245,6 +261,15 @@ def _flipped(block, step: int):
     block = bytearray(block)
     block[0] ^= 0x01
     return block
+
+
+def _wire_layout(parts: list[dict]) -> tuple[dict[int, int], int]:
+    """``blob_layout`` of a manifest's parts (as on the wire): bases by rank, size."""
+    bases, size = {}, 0
+    for p in sorted(parts, key=lambda p: p["rank"]):
+        bases[p["rank"]] = size
+        size += (p["used"] + ALIGN - 1) // ALIGN * ALIGN
+    return bases, size
 
 
 def _used(part) -> int:
