@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
+import time
 import uuid
 
 import numpy as np
@@ -15,6 +17,7 @@ from helpers.fake_link import FakeNetwork, wait_until
 from ucpd import native
 from ucpd.daemon.store import NodeStore, prepare_slot_file
 from ucpd.daemon.versions import VersionState
+from ucpd.errors import VersionNotFound
 from ucpd.native import CHUNK_BYTES
 from ucpd.team.config import TeamConfig
 from ucpd.team.team import Team
@@ -34,10 +37,11 @@ def rank_data(rank: int, step: int, run: int = 1) -> np.ndarray:
 
 
 class Node:
-    def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str, parity: tuple[int, int], per_node: int):
+    def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str, parity: tuple[int, int] | None, per_node: int,
+                 replicas: int = 0):
         os.makedirs(shm, mode=0o700)
         cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], parity=parity,
-                         heartbeat=net.heartbeat, dead_after=0.6, keep=2)
+                         replicas=replicas, heartbeat=net.heartbeat, dead_after=0.6, keep=2)
         self.rank, self.per_node = rank, per_node
         self.team = Team(cfg, shm, link=net.link)
         self.store = NodeStore(shm, 256 << 20, keep=2, policy=self.team, single_job=True, job=JOB)
@@ -70,9 +74,14 @@ class Node:
             return self.team.status()
 
     def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
         self.team.close()
         with self.store.lock:
             self.store.close()
+
+    closed = False
 
 
 @pytest.fixture
@@ -81,19 +90,29 @@ def parity_team(monkeypatch):
     net = FakeNetwork()
     nodes: list[Node] = []
 
-    def make(n: int, parity: tuple[int, int], per_node: int) -> list[Node]:
+    def make(n: int, parity: tuple[int, int] | None, per_node: int, replicas: int = 0) -> list[Node]:
         tag = uuid.uuid4().hex[:8]
-        nodes.extend(Node(net, i, n, f"/dev/shm/ucpd-test-parity-{tag}-{i}", parity, per_node) for i in range(n))
+        nodes.extend(Node(net, i, n, f"/dev/shm/ucpd-test-parity-{tag}-{i}", parity, per_node, replicas) for i in range(n))
         return nodes
 
+    def replace(team: list[Node], i: int) -> Node:
+        """Node i was lost (``net.lose``): a replacement joins with the same rank and empty RAM."""
+        old = team[i]
+        old.close()
+        net.cut.discard(i)
+        new = Node(net, i, len(team), f"/dev/shm/ucpd-test-parity-{uuid.uuid4().hex[:8]}-{i}", old.team.config.parity,
+                   old.per_node, old.team.config.replicas)
+        nodes.append(new)
+        team[i] = new
+        return new
+
+    make.replace = replace
     yield net, make
     for node in nodes:
         node.close()
     net.close()
     for node in nodes:
-        for name in os.listdir(node.store.shm_dir):
-            os.unlink(os.path.join(node.store.shm_dir, name))
-        os.rmdir(node.store.shm_dir)
+        shutil.rmtree(node.store.shm_dir, ignore_errors=True)
 
 
 def ticking(nodes):
@@ -161,6 +180,9 @@ def test_ranks_sealed_in_any_order_are_rebuilt_bit_for_bit_after_losing_nodes(pa
     for rank in range(world):
         assert got[rank] == data[rank].tobytes(), f"rank {rank} (node {rank // per_node}) differs after the rebuild"
     assert reader.team.counters.get("parity_rebuilt_bytes", 0) > 0
+    for node in survivors:  # the parity of step 1 survives len(lost) fewer losses now
+        (v,) = node.status()["versions"]
+        assert (v["health"], v["parity_survives"]) == ("degraded", parity[1] - len(lost))
 
 
 def test_a_blob_reads_the_same_whatever_order_its_parts_and_spans_come_in():
@@ -180,3 +202,104 @@ def test_a_blob_reads_the_same_whatever_order_its_parts_and_spans_come_in():
         want = want or got
         assert got == want and len(got) == size == 512
     assert want[128:192] == blobs[1] and want[192:199] == blobs[2] and want[199:256] == bytes(57)
+
+
+def committed_anywhere(team: list[Node], step: int) -> bool:
+    return any(n.state(step) is VersionState.COMMITTED for n in team)
+
+
+def test_a_parity_unit_a_live_member_refuses_keeps_the_step_unprotected_until_it_is_held(parity_team):
+    net, make = parity_team
+    team = make(3, (2, 1), 2)
+    net.fail(dest=2, msg_type="parity_unit", nth=1, times=10**9)  # node 2 is live but takes no unit
+    data = {}
+    for node in team:
+        for local in (1, 0):
+            rank = node.rank * 2 + local
+            data[rank] = node.seal(rank, 6, step=1)
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline:  # node 2 stays live; nodes 0 and 1 cannot put their units in
+        ticking(team)()
+        assert not committed_anywhere(team, 1), "committed while the parity lacked units a live member refused"
+        time.sleep(0.02)
+    assert {team[0].state(1), team[1].state(1)} == {VersionState.COMPLETE}  # never reported protected
+    assert [(v["step"], v["health"]) for v in team[0].status()["versions"]] == [(1, "protecting")]
+    assert team[0].team.latest() is None
+    net.failures.clear()  # node 2 takes units again: the retry puts them in, then the step commits
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
+    assert all([v["health"] for v in n.status()["versions"]] == ["healthy"] for n in team)
+    net.lose(0)
+    wait_until(lambda: all(n.team.live() == frozenset({1, 2}) for n in team[1:]), tick=ticking(team[1:]))
+    got, whence = read_rebuilt(team[1], team, 1, 6)
+    assert whence[0] == whence[1] == "rebuilt"
+    assert all(got[r] == data[r].tobytes() for r in range(6))
+
+
+def test_a_step_protected_without_a_dead_member_commits_degraded_and_is_offered_only_while_rebuildable(parity_team):
+    net, make = parity_team
+    team = make(4, (3, 1), 1)
+    net.lose(3)  # before the step: the job runs on nodes 0-2 only
+    wait_until(lambda: all(n.team.live() == frozenset({0, 1, 2}) for n in team[:3]), tick=ticking(team[:3]))
+    for node in team[:3]:
+        node.seal(node.rank, 3, step=1)
+    # the live team cannot do better: reported protected, committed, and known degraded
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team[:3]), tick=ticking(team[:3]))
+    for node in team[:3]:
+        (v,) = node.status()["versions"]
+        assert (v["health"], v["parity_survives"]) == ("degraded", 0)
+    assert team[1].team.latest() == 1
+    net.lose(0)  # a second loss in a 3+1 group: node 0's part is gone, node 3 never got its units
+    wait_until(lambda: all(n.team.live() == frozenset({1, 2}) for n in team[1:3]), tick=ticking(team[1:3]))
+    assert team[1].team.latest() is None  # not offered: it cannot be rebuilt
+    with pytest.raises(VersionNotFound):
+        team[1].team.restore_sources(1)
+
+
+def test_a_replaced_member_holds_no_parity_and_the_steps_it_held_are_degraded_then_not_offered(parity_team):
+    net, make = parity_team
+    team = make(3, (2, 1), 1)
+    # every member heard from every other (a member's incarnation is known from its heartbeats)
+    wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank))
+    for node in team:
+        node.seal(node.rank, 3, step=1)
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
+    net.lose(2)
+    wait_until(lambda: all(n.team.live() == frozenset({0, 1}) for n in team[:2]), tick=ticking(team[:2]))
+    make.replace(team, 2)  # same rank, empty RAM: the parity blocks it held are gone
+    wait_until(lambda: all(n.team.live() == frozenset({0, 1, 2}) for n in team), tick=ticking(team))
+    wait_until(lambda: team[0].status()["versions"][0]["parity_survives"] == 0, tick=ticking(team))
+    assert team[0].status()["versions"][0]["health"] == "degraded"
+    assert team[0].team.latest() == 1  # node 2's part can still be rebuilt from nodes 0 and 1
+    net.lose(1)
+    wait_until(lambda: all(n.team.live() == frozenset({0, 2}) for n in (team[0], team[2])),
+               tick=ticking([team[0], team[2]]))
+    assert team[0].team.latest() is None  # node 1's part would need node 2's lost blocks
+
+
+def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_nor_counted(parity_team):
+    net, make = parity_team
+    team = make(3, None, 1, replicas=1)
+    for node in team:
+        node.seal(node.rank, 3, step=1)
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
+    for node in team[:2]:  # step 2: rank 2's trainer died before snapshotting it; the run is dead
+        node.seal(node.rank, 3, step=2)
+    wait_until(lambda: all(n.state(2) is VersionState.PROTECTED for n in team[:2]), tick=ticking(team))
+    holder = next(iter(team[0].team.pushed[2].holders))
+    net.lose(holder)
+    wait_until(lambda: team[0].team.live() == frozenset({0, 1, 2}) - {holder}, tick=ticking(team))
+    make.replace(team, holder)  # its copies are gone
+    wait_until(lambda: team[0].team.live() == frozenset({0, 1, 2}), tick=ticking(team))
+
+    def health():
+        t = team[0].status()
+        return t["health"], {v["step"]: v["health"] for v in t["versions"]}
+
+    # step 1 (committed) is healed; step 2 (never committed) is neither healed nor counted
+    wait_until(lambda: health() == ("healthy", {1: "healthy", 2: "uncommitted"}), tick=ticking(team))
+    assert holder not in team[0].team.pushed[2].holders
+    healed_before = team[0].team.healing["done"]
+    for _ in range(3):
+        ticking(team)()
+        time.sleep(0.1)
+    assert team[0].team.healing["done"] == healed_before and health()[0] == "healthy"
