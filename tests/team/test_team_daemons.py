@@ -275,6 +275,24 @@ def test_parity_groups_rebuild_lost_nodes_and_a_job_on_the_survivors_restores(ma
     assert status(team.nodes[survivors[0]].run_dir)["team"]["counters"].get("parity_rebuilt_bytes", 0) > 0
 
 
+def test_parity_with_two_ranks_per_node_rebuilds_a_lost_node_whatever_order_its_ranks_sealed_in(make_team, monkeypatch):
+    """Real daemons and trainers, 2 ranks a node (TP2): the ranks of a node seal in whatever order
+    they finish (tests/team/test_parity_team.py forces every order in one process)."""
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")  # units straddle the ranks' bases
+    team = make_team(3, "--parity", "2")
+    procs, done = ranks.spawn(snapshot_ranks, 6, team.run_dirs(), 2, 2, (1, 2, 3), True, timeout=240)
+    assert sorted(m[2] for m in done) == [3] * 6, team.logs()
+    for i in range(3):
+        t = status(team.nodes[i].run_dir)["team"]
+        assert t["health"] == "healthy" and all(v["health"] == "healthy" for v in t["versions"]), t["versions"]
+    ranks.kill(procs)
+    team.lose(2)
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    assert [v["health"] for v in status(team.nodes[0].run_dir)["team"]["versions"]] == ["degraded"] * 2
+    restore_on(team.run_dirs()[:2], 4, 2, 2, 3)  # bit for bit, node 2's ranks rebuilt from parity
+    assert status(team.nodes[0].run_dir)["team"]["counters"].get("parity_rebuilt_bytes", 0) > 0
+
+
 def test_a_flipped_bit_in_a_parity_block_is_detected_and_the_rebuild_goes_around_it(make_team, monkeypatch):
     monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
     team = make_team(6, "--parity", "4+2", start=False)

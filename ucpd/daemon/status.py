@@ -106,7 +106,7 @@ def collect(daemon) -> dict:
 def degraded(daemon, flush: dict | None, team: dict | None) -> list[str]:
     """What works less well than configured, one line each ([]: nothing): a flush that is
     stalled or failing (snapshots go on in RAM), a flush dir that does not answer, dead peers
-    and versions with fewer copies than ``--replicas``."""
+    and committed versions that survive fewer losses than ``--replicas`` / ``--parity`` give."""
     out = []
     if flush is not None and flush["state"] == "stalled":
         out.append(f"flush stalled: step {flush['current_step']} has written nothing for "
@@ -123,7 +123,7 @@ def degraded(daemon, flush: dict | None, team: dict | None) -> list[str]:
             out.append(f"team: nodes {dead} not answering (dead or stuck)")
         few = [v["step"] for v in team["versions"] if v["health"] == "degraded"]
         if few:
-            out.append(f"team: steps {few} have fewer copies than --replicas")
+            out.append(f"team: committed steps {few} survive fewer node losses than configured (--replicas / --parity)")
     return out
 
 

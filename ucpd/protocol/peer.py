@@ -87,8 +87,9 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "parity_manifest",
             {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
              "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)},
-            {},
-            "keep a group member's manifest and blob layout, to rebuild it from parity if it is lost; reply: {}",
+            {"held": _list_of(_int(0, MAX_RANKS))},
+            "keep a group member's manifest and blob layout, to rebuild it from parity if it is lost (sent once "
+            "every unit reached its holders; `held`: the members that were sent their share); reply: {}",
             EMPTY,
         ),
         MessageType(

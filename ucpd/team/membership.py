@@ -53,6 +53,10 @@ class Membership:
         """The current view (as of the last :meth:`on_tick`)."""
         return self._view
 
+    def incarnation(self, peer: int) -> str | None:
+        """The incarnation ``peer``'s heartbeats carry now (None: none heard yet)."""
+        return self._incarnation.get(peer)
+
     def on_heartbeat(self, src: int, incarnation: str, now: float) -> None:
         """A heartbeat from ``src`` carrying its incarnation id.
 

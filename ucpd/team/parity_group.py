@@ -24,23 +24,41 @@ log = logging.getLogger("ucpd.team.parity")
 
 ALIGN = 64
 
+# what ``ParityGroup.protect`` achieved
+PROTECTED = "protected"  # every member of the group holds its share of our part
+DEGRADED = "degraded"  # every live member does; some members are dead (the live team can do no better)
+FAILED = "failed"  # a live member refused or failed its share: the parity does not hold our part
 
-def blob_layout(parts) -> tuple[dict[int, int], int]:
-    """Where each rank's slot bytes start in the node's blob (by rank, 64-byte aligned), and its size."""
+
+def blob_layout(parts) -> tuple[list, dict[int, int], int]:
+    """A node's blob of one version: its ranks' parts in blob order (by rank, whatever order they
+    sealed in), where each one's slot bytes start (64-byte aligned), and the blob's size.
+
+    Everything that lays a blob out or reads it takes this order: the units sent into the
+    parity, the units served to a rebuild (``on_blob_unit``) and the manifest's parts and bases."""
     from .team import used_bytes
 
+    ordered = sorted(parts, key=lambda p: p.rank)
     bases, size = {}, 0
-    for p in sorted(parts, key=lambda p: p.rank):
+    for p in ordered:
         bases[p.rank] = size
         size += (used_bytes(p) + ALIGN - 1) // ALIGN * ALIGN
-    return bases, size
+    return ordered, bases, size
+
+
+def blob_spans(store, v) -> tuple[list, dict[int, int], int, list]:
+    """``v``'s blob on this node (store lock held): ``blob_layout``, and the (start, length,
+    memoryview) span of each part's slot bytes, in blob order (what ``blob_segments`` reads)."""
+    parts, bases, size = blob_layout(v.parts.values())
+    spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+    return parts, bases, size, spans
 
 
 def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> list:
-    """Buffers covering blob bytes [lo, hi): ``spans`` are (start, length, memoryview) pieces;
-    the gaps between them (alignment) are zeros."""
+    """Buffers covering blob bytes [lo, hi): ``spans`` are (start, length, memoryview) pieces
+    that do not overlap; the gaps between them (alignment) are zeros."""
     out, at = [], lo
-    for start, length, view in spans:
+    for start, length, view in sorted(spans, key=lambda sp: sp[0]):  # blob order, whatever the caller's
         a, b = max(lo, start), min(hi, start + length)
         if a >= b:
             continue
@@ -61,6 +79,8 @@ class ParityGroup:
         self.stripes = Stripes(g.members, g.k, g.m, unit)
         self.blocks: dict[tuple[int, str], ParityBlocks] = {}  # (step, job run) -> our blocks
         self.manifests: dict[tuple[int, int], dict] = {}  # (member, step) -> its manifest
+        self.seen: dict[tuple[int, int], dict] = {}  # (member, step) -> {member holding it: incarnation}
+        self.acked: dict[int, dict] = {}  # our step -> {member holding our part: its incarnation then}
         self.keep = team.config.keep + 1
 
     @property
@@ -69,35 +89,29 @@ class ParityGroup:
 
     # --- protecting our part (the replication thread) -------------------------------------------
 
-    def protect(self, step: int) -> bool:
-        """Send our part of ``step`` into the group's parity; True when every parity holder and
-        member that should have it acknowledged (False: degraded, some are dead)."""
+    def protect(self, step: int) -> str:
+        """Send our part of ``step`` into the group's parity: each unit to its row's parity
+        holders, then (only once every unit is acknowledged) our manifest to every member — a
+        member holding our manifest knows the live holders have our units. Returns PROTECTED
+        (every member holds what it should of our part), DEGRADED (every live member does; some
+        are dead: the live team cannot do better) or FAILED (a live member refused or failed a
+        unit or the manifest, or the version is gone: the parity does not hold our part)."""
         team, store, s = self.team, self.team.store, self.stripes
         with store.lock:
             v = store.table.versions.get(step)
             if v is None or not v.parts or v.state not in SEALED:
-                return False
+                return FAILED
             store.pin(v)
-            parts = list(v.parts.values())
-            bases, size = blob_layout(parts)
-            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+            parts, bases, size, spans = blob_spans(store, v)
             manifest = {
                 "origin": team.rank, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
                 "size": size, "bases": [bases[p.rank] for p in parts],
                 "parts": [protocol.part_to_wire(p, _used(p)) for p in parts],
             }
-        complete = True
+        now = self._members_now()  # the live members of the group, and their incarnations
+        manifest["held"] = sorted(now)
+        outcome = PROTECTED if len(now) == len(s.members) else DEGRADED
         try:
-            live = team.live()
-            self.on_manifest(team.rank, manifest)
-            for member in s.members:
-                if member == team.rank:
-                    continue
-                if member not in live:
-                    complete = False
-                    continue
-                team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
-
             half = s.units(size) // 2
 
             def send(u):
@@ -105,36 +119,67 @@ class ParityGroup:
                     faults.point("parity.encode", step)  # test-only (ucpd.faults; inert in production)
                 row, pos = s.row_of(team.rank, u)
                 payload = blob_segments(u * s.unit, min((u + 1) * s.unit, size), spans)
-                ok = True
                 for i, holder in enumerate(s.parity_holders(row)):
-                    if holder not in live:
-                        ok = False
-                        continue
-                    body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
-                    team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
-                return ok
+                    if holder in now:
+                        body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
+                        team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
 
-            for ok in team._pushers.map(send, range(s.units(size))):
-                complete &= ok
+            for _ in team._pushers.map(send, range(s.units(size))):
+                pass
             team.counters["parity_bytes_sent"] = team.counters.get("parity_bytes_sent", 0) + size * s.m
+            for member in s.members:
+                if member != team.rank and member in now:
+                    team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
+            self.on_manifest(team.rank, manifest)
         except UcpdError as exc:
             log.warning("team: parity of step %d failed: %s", step, exc)
-            complete = False
+            outcome = FAILED
         finally:
             del spans
             with store.lock:
                 store.unpin(v)
                 store.enforce_keep()  # what waited for this copy may go now
-        return complete
+        if outcome != FAILED:
+            with store.lock:
+                self.acked[step] = now
+                for old in [st for st in self.acked if st not in store.table.versions]:
+                    del self.acked[old]
+        return outcome
+
+    def survives(self, step: int) -> int | None:
+        """How many more node losses our part of ``step`` survives in the group's parity: ``m``
+        less the members that do not hold what they should of it (dead, never sent it, or
+        restarted since — a new incarnation's RAM is empty). None: not in the parity (yet).
+        Caller holds the store lock."""
+        acked = self.acked.get(step)
+        if acked is None:
+            return None
+        now = self._members_now()
+        return self.stripes.m - sum(not _holds(g, acked, now) for g in self.stripes.members if g != self.team.rank)
+
+    def _members_now(self) -> dict[int, str | None]:
+        """The live members of our group and their incarnations (None: not heard yet)."""
+        team = self.team
+        with team._lock:
+            live = team.membership.view.live
+            return {g: team.incarnation if g == team.rank else team.membership.incarnation(g)
+                    for g in self.stripes.members if g in live}
 
     # --- holding (I/O thread) ---------------------------------------------------------------------
 
     def on_manifest(self, src: int, body: dict) -> None:
+        """A member's manifest: its units of the step reached every holder it names (``held``);
+        kept with the incarnations of the members as we see them now."""
+        now = self._members_now()
+        held = body.get("held")
+        seen = {g: now.get(g) for g in (held if held is not None else now) if g in now}
         with self.team.store.lock:
             self.manifests[(body["origin"], body["step"])] = body
+            self.seen[(body["origin"], body["step"])] = seen
             mine = sorted(st for (o, st) in self.manifests if o == body["origin"])
             for old in mine[: -self.keep]:
                 self.manifests.pop((body["origin"], old), None)
+                self.seen.pop((body["origin"], old), None)
 
     def on_unit(self, body: dict, frames: list) -> None:
         data = b"".join(bytes(f) for f in frames)
@@ -161,21 +206,22 @@ class ParityGroup:
             v = store.table.versions.get(body["step"])
             if v is None or not v.parts or v.state not in SEALED:
                 raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
-            parts = list(v.parts.values())
-            bases, size = blob_layout(parts)
-            spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+            _, _, size, spans = blob_spans(store, v)
         u = body["u"]
         return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
     def holdings(self, step: int | None) -> list[dict]:
         """The manifests we hold of other members (their parts can be rebuilt from parity)."""
         items = []
-        live = self.team.live()
+        now = self._members_now()
         with self.team.store.lock:
             for (origin, st), m in self.manifests.items():
                 if origin == self.team.rank or (step is not None and st != step):
                     continue
-                gone = [o for (o, s2) in self.manifests if s2 == st and o not in live]
+                # lost to this rebuild: the origin if dead, and every member that does not hold
+                # its blocks and units of the step (dead, skipped by the origin, or restarted since)
+                seen = self.seen.get((origin, st), {})
+                gone = [g for g in self.stripes.members if not _holds(g, seen, now)]
                 if len(gone) > self.stripes.m:
                     continue  # more members of the group lost than the code survives
                 item = {"origin": origin, "step": st, "world_size": m["world_size"],
@@ -198,14 +244,21 @@ class ParityGroup:
             sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
             raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
+        bases = {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
+        want = _wire_layout(m["parts"])
+        if bases != want[0] or m["size"] != want[1]:
+            raise VersionNotFound(
+                f"step {step}: node {origin}'s parity manifest lays its blob out as {bases} ({m['size']} bytes), "
+                f"not in rank order {want[0]} ({want[1]} bytes): its parity cannot be read back"
+            )
         live = team.live() - distrust
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(origin, u)
             shards: list = []
             for d in s.data_members(row):
                 ud = s.unit_in_row(d, row)
-                if d == origin or (d not in live and ud < s.units(sizes.get(d, 0))):
-                    shards.append(None)
+                if d == origin or (d not in live and (d not in sizes or ud < s.units(sizes[d]))):
+                    shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
                 elif d not in live:
                     shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
                 else:
@@ -222,7 +275,7 @@ class ParityGroup:
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
         team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
-        return {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
+        return bases
 
     def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
         if node == self.team.rank:
@@ -245,6 +298,24 @@ def _flipped(block, step: int):
     block = bytearray(block)
     block[0] ^= 0x01
     return block
+
+
+def _holds(member: int, then: dict, now: dict) -> bool:
+    """Whether ``member`` still holds what it held when ``then`` ({member: incarnation}) was
+    taken: it is live, it was then, and it has not restarted since (None: not heard yet)."""
+    if member not in now or member not in then:
+        return False
+    a, b = then[member], now[member]
+    return a is None or b is None or a == b
+
+
+def _wire_layout(parts: list[dict]) -> tuple[dict[int, int], int]:
+    """``blob_layout`` of a manifest's parts (as on the wire): bases by rank, size."""
+    bases, size = {}, 0
+    for p in sorted(parts, key=lambda p: p["rank"]):
+        bases[p["rank"]] = size
+        size += (p["used"] + ALIGN - 1) // ALIGN * ALIGN
+    return bases, size
 
 
 def _used(part) -> int:

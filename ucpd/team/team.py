@@ -203,7 +203,10 @@ class Team:
     def _under_protected(self, live: frozenset[int]) -> bool:
         """Whether one of our protected versions has fewer live copies than the view allows."""
         can = min(self.config.replicas, len(live) - 1)
-        return any(rec.protected and len(rec.holders & live) < can for rec in list(self.pushed.values()))
+        with self.store.lock:  # committed ones only: healing copies nothing else
+            committed = {s for s, v in self.store.table.versions.items() if v.state in RESTORABLE}
+        return any(rec.protected and len(rec.holders & live) < can
+                   for step, rec in list(self.pushed.items()) if step in committed)
 
     def _apply(self, outputs: list) -> None:
         if faults.armed():
@@ -326,8 +329,20 @@ class Team:
             rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
         wanted = self.config.replicas
         tried: set[int] = set()
-        if self.parity is not None and not self.parity.protect(step):
-            log.warning("team: step %d is in its group's parity without every member: degraded", step)
+        if self.parity is not None:
+            from .parity_group import DEGRADED, FAILED
+
+            got = self.parity.protect(step)
+            if got == FAILED:
+                # an error, not a dead member: the parity does not hold our part, so it is not
+                # reported protected; tried again (by then a member that died is known dead)
+                log.warning("team: step %d is not in its group's parity yet; trying again in %.0f s", step, HEAL_RETRY)
+                retry = threading.Timer(HEAL_RETRY, self._work.put, (("protect", step),))
+                retry.daemon = True
+                retry.start()
+                return
+            if got == DEGRADED:
+                log.warning("team: step %d is in its group's parity without its dead members: degraded", step)
         while len(rec.holders) < wanted:
             live = sorted(self.live())
             candidates = [h for h in placement.replica_holders(self.rank, live, wanted + len(tried), self.domains)
@@ -434,7 +449,9 @@ class Team:
             targets = [h for h in placement.replica_holders(self.rank, live, wanted, self.domains) if h not in rec.holders]
             for h in targets[: max(0, wanted - len(rec.holders))]:
                 self._heal_push(h, step, lambda: self._push_own(h, step), rec.holders)
-        orphans = [(o, s) for (o, s), r in list(self.replicas.held.items()) if r.whole and o not in live]
+        with self._lock:  # a dead origin's committed steps only (a dead run's undecided ones are not healed)
+            orphans = [(o, s) for (o, s), r in list(self.replicas.held.items())
+                       if r.whole and o not in live and self.commit.is_committed(s)]
         if not orphans:
             return
         holdings = self._gather_summary(live)
@@ -1004,18 +1021,31 @@ class Team:
         own_bytes = sum(v.nbytes for v in self.store.table.versions.values() if v.parts)
         rep_bytes = sum(r.size for r in self.replicas.held.values()) if self.replicas else 0
         par_bytes = self.parity.nbytes if self.parity is not None else 0
+        # health is about committed versions only (one protected but never committed — a dead
+        # run's — is neither healed nor counted), replicas and parity alike: healthy while each
+        # level configured survives as many more losses as configured (R live replica holders;
+        # the group's parity held by all its members), degraded otherwise
         versions = []
         for step, rec in sorted(self.pushed.items()):
-            if step not in self.store.table.versions:
+            v = self.store.table.versions.get(step)
+            if v is None:
                 continue  # evicted here
             live_holders = rec.holders & set(view.live)
+            row = {"step": step, "holders": sorted(live_holders)}
+            survives = self.parity.survives(step) if self.parity is not None else None
+            if self.parity is not None:
+                row["parity_survives"] = survives
             if not rec.protected:
                 health = "protecting"
-            elif len(live_holders) >= self.config.replicas:
+            elif v.state not in RESTORABLE:
+                health = "uncommitted"
+            elif len(live_holders) >= self.config.replicas and (
+                self.parity is None or (survives is not None and survives >= self.parity.stripes.m)
+            ):
                 health = "healthy"
             else:
                 health = "degraded"
-            versions.append({"step": step, "holders": sorted(live_holders), "health": health})
+            versions.append(dict(row, health=health))
         held = sorted([o, s] for (o, s), r in self.replicas.held.items() if r.whole) if self.replicas else []
         degraded = any(v["health"] == "degraded" for v in versions) or len(view.live) < self.config.nodes
         return {
