@@ -69,6 +69,7 @@ class _Pushed:
 
     ranks: tuple[int, ...]
     world_size: int
+    run: str = ""  # the run of the job that wrote it: another run's step of that number is another version
     holders: set[int] = field(default_factory=set)
     protected: bool = False
 
@@ -289,6 +290,8 @@ class Team:
         with self._lock:
             for step in gone:
                 self.commit.forget(step)
+        for step in gone:
+            self.pushed.pop(step, None)
         self._fence = fence if left else None
 
     def _fault_points(self, outputs: list, before: bool) -> None:
@@ -326,7 +329,9 @@ class Team:
                 return
             ranks = tuple(sorted(v.parts))
             run = run_of(v)
-            rec = self.pushed.setdefault(step, _Pushed(ranks, v.world_size))
+            rec = self.pushed.get(step)
+            if rec is None or rec.run != run:  # (the copies of another run's part of the step hold other bytes)
+                rec = self.pushed[step] = _Pushed(ranks, v.world_size, run)
         wanted = self.config.replicas
         tried: set[int] = set()
         if self.parity is not None:
