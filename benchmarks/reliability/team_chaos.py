@@ -31,11 +31,13 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 
 def campaign(seed: int, seconds: float, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
-             dead_after: float = 1.5, log=print, min_trials: int = 0, max_trials: int | None = None):
+             dead_after: float = 1.5, log=print, min_trials: int = 0, max_trials: int | None = None,
+             fresh_after_failure: bool = True):
     """Trials drawn from ``seed`` for ``seconds`` (and on until ``min_trials``); returns them."""
     from helpers import team_chaos
 
-    c = team_chaos.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log)
+    c = team_chaos.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log,
+                               fresh_after_failure=fresh_after_failure)
     return c.go(seconds, min_trials=min_trials, max_trials=max_trials)
 
 
@@ -54,12 +56,14 @@ def main() -> int:
     ap.add_argument("--redundancy", default="replicas",
                     help="replicas | xor | rs, or serve flags such as '--parity 2+1' (default replicas)")
     ap.add_argument("--dead-after", type=float, default=1.5, help="the daemons' --dead-after, seconds (default 1.5)")
+    ap.add_argument("--keep-team", action="store_true",
+                    help="keep the team after a failed trial (default: a fresh team, so each trial's failures are its own)")
     ap.add_argument("--min-trials", type=int, default=0, help="go on past --minutes until this many trials ran")
     ap.add_argument("--out", default="team_chaos.json")
     args = ap.parse_args()
     t0 = time.time()
     trials = campaign(args.seed, args.minutes * 60, args.nodes, args.ranks_per_node, args.redundancy, args.dead_after,
-                      log=lambda s: print(s, flush=True), min_trials=args.min_trials)
+                      log=lambda s: print(s, flush=True), min_trials=args.min_trials, fresh_after_failure=not args.keep_team)
     text, per = table(trials)
     print(text)
     failed = [t for t in trials if t.injected and not t.passed]

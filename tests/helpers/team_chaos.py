@@ -66,7 +66,7 @@ SCALE = 10 ** 8  # an element = code * SCALE + its global index
 TP_ROWS, TP_COLS = 128, 512  # each rank's shard of the TP-split weight (float64): 512 KiB
 ZERO_N = 128 * 1024  # each rank's ZeRO partition of a flat optimizer buffer (int64): 1 MiB
 REP_N = 128 * 1024  # a replicated tensor (float32): 512 KiB
-STEPS_A, STEPS_B = 4, 3  # steps of the faulted run, of the run after it
+STEPS_A, STEPS_B = 4, 2  # steps of the faulted run, of the run after it
 
 
 # --- the job's state --------------------------------------------------------------------------------
@@ -356,6 +356,7 @@ class Trial:
     latest: int | None = None
     reported: int | None = None
     checked_steps: list = field(default_factory=list)
+    phases: dict = field(default_factory=dict)  # seconds each part of the trial took
     seconds: float = 0.0
 
     @property
@@ -394,7 +395,8 @@ CATEGORIES = [
     ("ChecksumMismatch", r"ChecksumMismatch"),
     ("VersionNotFound", r"VersionNotFound"),
     ("latest backwards", r"saw step \d+ committed"),
-    ("wrong values", r"decode|holds step|zeros|never snapshotted|plain values"),
+    ("parity rebuild", r"rs_decode|parity unit|rebuild"),
+    ("wrong values", r"decode to no|holds step|zeros|never snapshotted|plain values"),
     ("status degraded", r"status"),
     ("ranks disagree", r"disagree"),
     ("did not commit", r"did not commit|Timeout|timed out"),
@@ -410,11 +412,12 @@ def category(msg: str) -> str:
 
 class Campaign:
     def __init__(self, seed: int, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
-                 dead_after: float = 1.5, workdir: str | None = None, log=print):
+                 dead_after: float = 1.5, workdir: str | None = None, log=print, fresh_after_failure: bool = True):
         import tempfile
 
         self.seed, self.nodes, self.per_node, self.redundancy = seed, nodes, per_node, redundancy
         self.world = nodes * per_node
+        self.fresh_after_failure = fresh_after_failure
         self.dead_after = dead_after
         self.rng = random.Random(seed)
         self.order: list[str] = []
@@ -591,8 +594,8 @@ class Campaign:
                 self.note(text)
         for step, reads in sorted(restored.items()):
             self.check_read(step, reads, fail, newest=True, what=f"run {run}'s restore of the newest committed step,")
-        if unfinished:
-            fail(f"run {run}: {self.ranks_text(unfinished)} did not commit every step (the job was torn down)")
+        if unfinished:  # torn down after another rank failed: that failure is the one to tell
+            (self.note if errors else fail)(f"run {run}: {self.ranks_text(unfinished)} did not commit every step")
         if len(set(starts.values())) > 1:
             fail(f"run {run}: ranks disagree on latest() at start: {starts}")
 
@@ -632,6 +635,13 @@ class Campaign:
                 fails.append(msg)
 
         work = os.path.join(self.base, f"trial{index:04d}")
+        mark = [time.monotonic()]
+
+        def lap(name: str) -> None:
+            now = time.monotonic()
+            t.phases[name] = round(now - mark[0], 2)
+            mark[0] = now
+
         try:
             if not self.team.daemons or not self.team.formed():
                 if not wait_until(self.team.formed, 30):
@@ -645,6 +655,7 @@ class Campaign:
             run_a = self.run
             t.runs.append(run_a)
             wa = os.path.join(work, f"run{run_a}")
+            lap("form")
             procs = self.start_job("train", wa, run_a, steps=STEPS_A)
             trig_path = os.path.join(wa, f"rank{params['trigger_rank'] if kind != 'trainer_killed' else params['rank']}.jsonl")
 
@@ -654,10 +665,12 @@ class Campaign:
                         or any(rec["e"] == "error" for recs in self.journals(wa).values() for rec in recs))
 
             wait_until(reached, 60, poll=0.01)
+            lap("run_a")
             time.sleep(params["delay_ms"] / 1000)  # a seeded offset from the trigger, not a wait for anything
             injected_at = time.time()
             self.inject(kind, params, procs, fail)
             t.injected = True
+            lap("inject")
             ja = self.journals(wa)
             before = self.reported
             self.absorb(run_a, ja)
@@ -665,6 +678,7 @@ class Campaign:
             t.reported = self.reported
             if not wait_until(self.team.formed, 30):
                 fail(f"the team did not form again within 30 s of the {kind} (nodes up {self.team.up()})")
+            lap("reform")
             # run B: a new run resumes where the team says
             self.run += 1
             run_b = self.run
@@ -677,6 +691,7 @@ class Campaign:
             before = self.reported
             self.absorb(run_b, jb)
             self.check_run(run_b, jb, fail, clean=True, injected_at=None, reported=before)
+            lap("run_b")
             # every committed step still held, read back by every rank
             held = self.held_steps()
             t.checked_steps = held
@@ -686,6 +701,7 @@ class Campaign:
             if not self.join(procs, 90):
                 fail(f"the read-back of steps {held} did not finish in 90 s")
             jv = self.journals(wv)
+            lap("verify")
             latests = {r: next((x["step"] for x in recs if x["e"] == "latest"), "?") for r, recs in jv.items()}
             t.latest = max((v for v in latests.values() if isinstance(v, int)), default=None)
             if len(set(latests.values())) > 1:
@@ -711,6 +727,7 @@ class Campaign:
 
             if not wait_until(healthy, 10, poll=0.25):
                 fail(f"ucpd status is not healthy 10 s after the trial: {bad}")
+            lap("health")
         except Exception as exc:  # the harness itself: a daemon that would not start, ...
             fail(f"harness: {type(exc).__name__}: {str(exc)[:600]}")
             t.notes.append(self.team.logs())
@@ -721,6 +738,15 @@ class Campaign:
                 t.notes.append(f"restarting the team failed: {exc2}")
         finally:
             self.kill(self.procs)
+            if fails and not any(f.startswith("harness:") for f in fails) and self.fresh_after_failure:
+                # what a failed trial left (a stitched or unrebuildable step) would fail the next
+                # trials too: each trial's failures are its own
+                try:
+                    self.team.start()
+                    self.forget()
+                    t.notes.append("a fresh team for the next trial")
+                except Exception as exc:
+                    t.notes.append(f"restarting the team failed: {exc}")
             t.failures = fails
             t.seconds = round(time.monotonic() - t0, 2)
             self.current = None
@@ -773,7 +799,7 @@ class Campaign:
                 t = self.trial(i)
                 self.trials.append(t)
                 self.log(f"[{i:3d}] {t.kind:15s} {'passed' if t.passed else 'FAILED' if t.injected else 'not injected'}"
-                         f" ({t.seconds:.1f} s, runs {t.runs}, latest {t.latest}, checked {t.checked_steps})"
+                         f" ({t.seconds:.1f} s {t.phases}, runs {t.runs}, latest {t.latest}, checked {t.checked_steps})"
                          + "".join(f"\n        - {m[:400]}" for m in t.failures))
                 i += 1
         finally:
