@@ -1,0 +1,43 @@
+"""A short seeded team chaos campaign, one per redundancy kind: 4 daemons on loopback, 2 trainer
+ranks each, one trial of every fault kind (a node lost and replaced, a daemon killed and
+restarted on its shm, a daemon paused past --dead-after, a trainer killed), the job restarted
+as a new run after each, every committed step read back whole by every rank.
+
+The long one is ``benchmarks/reliability/team_chaos.py --seed S --minutes M --redundancy KIND``;
+what each trial checks is in ``tests/helpers/team_chaos.py``. A failure prints the seed and the
+table; replay it with the script (same seed, same draws).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+SEED = 20261201
+
+
+def _campaign_module():
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                        "benchmarks", "reliability", "team_chaos.py")
+    spec = importlib.util.spec_from_file_location("ucpd_team_chaos", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("redundancy", ["replicas", "xor", "rs"],
+                         ids=["replicas-1", "xor-parity-3", "rs-parity-2+2"])
+def test_a_short_seeded_team_chaos_campaign_finds_no_failure(redundancy, monkeypatch):
+    mod = _campaign_module()
+    lines = []
+    trials = mod.campaign(SEED, 0, nodes=4, per_node=2, redundancy=redundancy, dead_after=1.0,
+                          log=lines.append, min_trials=4, max_trials=4)
+    text, per = mod.table(trials)
+    print("\n".join(lines) + "\n" + text)
+    assert {t.kind for t in trials if t.injected} == {"node_lost", "daemon_restart", "daemon_pause", "trainer_killed"}, text
+    failed = [(t.index, t.kind, t.failures) for t in trials if not t.passed]
+    assert not failed, f"seed {SEED}, {redundancy}:\n" + "\n".join(lines) + "\n" + text
