@@ -713,16 +713,26 @@ class Campaign:
                 self.check_read(s, reads, fail, newest=(s == t.latest))
             if t.latest is not None and t.latest not in held:
                 fail(f"latest() is {t.latest}, which no node lists as a committed version")
-            # status comes back to healthy
+            # status comes back to healthy: every version run B committed after the fault, and the
+            # older ones too with replicas (healing copies them again). With parity a loss leaves the
+            # older steps degraded until they leave RAM (their parity is not sent again): that is
+            # what status must say, not healthy
             bad: dict = {}
+            since = {rec["step"] for recs in jb.values() for rec in recs if rec["e"] == "committed"}
+            parity = "--parity" in self.team.extra
 
             def healthy() -> bool:
                 bad.clear()
                 for i in range(self.nodes):
                     st = self.team.status(i)
                     team = (st or {}).get("team") or {}
-                    if team.get("health") != "healthy":
-                        bad[i] = [v for v in team.get("versions", []) if v.get("health") != "healthy"] if st else "no answer"
+                    if st is None:
+                        bad[i] = "no answer"
+                        continue
+                    wrong = [v for v in team.get("versions", []) if v.get("health") not in ("healthy", "uncommitted")
+                             and (not parity or v["step"] in since)]
+                    if wrong or (not parity and team.get("health") != "healthy"):
+                        bad[i] = wrong or team.get("health")
                 return not bad
 
             if not wait_until(healthy, 10, poll=0.25):
@@ -738,6 +748,8 @@ class Campaign:
                 t.notes.append(f"restarting the team failed: {exc2}")
         finally:
             self.kill(self.procs)
+            if fails and not any(f.startswith("harness:") for f in fails):
+                t.notes.append(self.team.logs(8000))  # the daemons' logs of a failed trial, before they go
             if fails and not any(f.startswith("harness:") for f in fails) and self.fresh_after_failure:
                 # what a failed trial left (a stitched or unrebuildable step) would fail the next
                 # trials too: each trial's failures are its own

@@ -73,6 +73,7 @@ class NodeStore:
         for note in self.adopted.dropped:
             log.warning("re-adoption: %s", note)
         self._dedupe_ok = True  # off after a version failed its duplicate check, until a commit
+        self._detached: set[int] = set()  # ids of fenced-off versions abandoned once their last reader is done
         self._disk_readers: dict[tuple[str, int], int] = {}  # (job, flushed step) -> restores reading it (retain keeps it)
         # called (holding the lock) with each version that became committed: restore indexing,
         # the flusher (later: more). One commit path, whoever decides (this node alone, or the
@@ -195,28 +196,33 @@ class NodeStore:
                     f"continue from latest() + 1 (ask latest() again)"
                 )
             log.warning("step %d: abandoning the undecided part of an earlier run of the job", step)
-            self._evict(v)
+            self._abandon_run_part(v)
             return None
         return v
 
-    def abandon_runs(self, job: str, run: str, keep) -> tuple[list[int], bool]:
+    def _abandon_run_part(self, v: Version) -> None:
+        """Abandon an undecided part of a run the team fenced: now, or, while a copy to a peer
+        still reads it, once that copy is done (its step is free for the new run meanwhile)."""
+        if not v.pins:
+            self._evict(v)
+            return
+        self.table_of(v.job).detach(v)
+        self._detached.add(id(v))
+
+    def abandon_runs(self, job: str, run: str, keep) -> list[int]:
         """A team fenced every run of ``job`` but ``run``: abandon the parts of other runs that were
-        never decided (``keep(step)`` is True for a decided one). Returns the steps abandoned and
-        whether a pinned one (being copied or read) is left for a later call."""
+        never decided (``keep(step)`` is True for a decided one); returns their steps."""
         table = self.tables.get(job)
-        gone, left = [], False
+        gone = []
         for v in list(table.versions.values()) if table is not None else ():
             if (v.incarnation or "") == run or v.state in RESTORABLE or not v.parts or keep(v.step):
                 continue
-            if v.pins:
-                left = True
-                continue
-            self._evict(v)
+            self._abandon_run_part(v)
             gone.append(v.step)
         if gone:
             log.warning("job %r: run %r begins; abandoned the undecided steps %s of its earlier runs", job, run, gone)
             self.save_index()
-        return gone, left
+        return gone
 
     def take_free_slot(self, rank: int, step: int, nbytes: int, job: str = DEFAULT_JOB) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
@@ -354,11 +360,11 @@ class NodeStore:
             self.save_index()  # a team may commit it later; a restarted daemon re-adopts it
         return version, committed
 
-    def protect(self, step: int) -> bool:
-        """This node's part of the team's ``step`` is held elsewhere too: COMPLETE -> PROTECTED
-        (False when it moved on, or is not here)."""
+    def protect(self, step: int, version: Version | None = None) -> bool:
+        """This node's part of the team's ``step`` (that ``version``, if given) is held elsewhere
+        too: COMPLETE -> PROTECTED (False when it moved on, or is not here)."""
         v = self.table.versions.get(step)
-        return v is not None and self.table.protect(v)
+        return v is not None and (version is None or v is version) and self.table.protect(v)
 
     def commit(self, step: int, job: str | None = None) -> Version | None:
         """The commit policy (a team) decided ``step`` of ``job`` (default: the team's) is committed:
@@ -391,6 +397,9 @@ class NodeStore:
         if v.pins <= 0:
             raise RuntimeError(f"step {v.step} of job {v.job!r} unpinned more often than pinned")
         v.pins -= 1
+        if not v.pins and id(v) in self._detached:
+            self._detached.discard(id(v))
+            self._evict(v)
 
     def pin_flushed(self, job: str, step: int) -> None:
         """A restore reads ``job``'s flushed ``step``: retention leaves it on disk meanwhile."""

@@ -369,11 +369,19 @@ class VersionTable:
         version.ranks_sealed = tuple(sorted(version.parts))
         version.parts = {}
         version._forget_caches()
-        self.versions.pop(version.step, None)
+        if self.versions.get(version.step) is version:  # (a detached one: the step is another's now)
+            del self.versions[version.step]
         self.retired[version.step] = version
         while len(self.retired) > self.RETIRED_MEMORY:
             del self.retired[next(iter(self.retired))]
         return sids
+
+    def detach(self, version: Version) -> None:
+        """Take an undecided version out of the table while readers still pin it: its step is
+        free for another run's version; the caller abandons it once the last reader is done."""
+        if version.state not in UNDECIDED or self.versions.get(version.step) is not version:
+            raise InvalidTransition(f"step {version.step} of job {version.job!r} ({version.state.value}) cannot be detached")
+        del self.versions[version.step]
 
     def adopt(self, version: Version) -> None:
         """Take in a version re-adopted from the index after a restart, in the state it had."""

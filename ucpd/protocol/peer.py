@@ -33,6 +33,10 @@ HOLDING = Record(
     {"parts": _list_of(PART), "via": _str, "run": _str},
 )
 
+MANIFEST_FIELDS = {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
+                   "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)}
+MANIFEST_OPTIONAL = {"held": _list_of(_int(0, MAX_RANKS))}
+
 PEER_REQUESTS: dict[str, MessageType] = {
     m.name: m
     for m in [
@@ -85,12 +89,19 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType("unpin", {"lease": _str}, {}, "release what a `pin` of this lease kept; one-way", None),
         MessageType(
             "parity_manifest",
-            {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
-             "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)},
-            {"held": _list_of(_int(0, MAX_RANKS))},
+            MANIFEST_FIELDS,
+            MANIFEST_OPTIONAL,
             "keep a group member's manifest and blob layout, to rebuild it from parity if it is lost (sent once "
             "every unit reached its holders; `held`: the members that were sent their share); reply: {}",
             EMPTY,
+        ),
+        MessageType(
+            "parity_manifest_of",
+            {"origin": _int(0, MAX_RANKS), "step": _int()},
+            {},
+            "the manifest of origin's step we keep (a replacement node rebuilding its own lost part has none); "
+            "reply: the manifest, as `parity_manifest` carries it",
+            Record(MANIFEST_FIELDS, MANIFEST_OPTIONAL),
         ),
         MessageType(
             "parity_unit",

@@ -231,6 +231,31 @@ class ParityGroup:
                 items.append(item)
         return items
 
+    def manifest_of(self, origin: int, step: int) -> dict:
+        """The manifest of ``origin``'s ``step`` we keep (a peer asks: ``parity_manifest_of``)."""
+        with self.team.store.lock:
+            m = self.manifests.get((origin, step))
+        if m is None:
+            raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
+        return m
+
+    def fetch_manifest(self, origin: int, step: int) -> dict:
+        """``origin``'s manifest of ``step`` from a live member that keeps it, kept here for the
+        rebuild (not offered in ``holdings``: what it held then is its holder's to say)."""
+        team = self.team
+        for member in sorted(set(self.stripes.members) & team.live() - {team.rank}):
+            try:
+                m, _ = team.transport.request(member, "parity_manifest_of", {"origin": origin, "step": step}, timeout=10.0)
+            except UcpdError as exc:
+                log.info("team: node %d has no manifest of node %d step %d: %s", member, origin, step, exc)
+                continue
+            if m["origin"] == origin and m["step"] == step:
+                with team.store.lock:
+                    self.manifests[(origin, step)] = m
+                return m
+        raise VersionNotFound(f"step {step}: no live member of the parity group keeps node {origin}'s manifest "
+                              "to rebuild it from parity")
+
     # --- rebuilding a lost member (a request worker) -------------------------------------------
 
     def rebuild(self, origin: int, step: int, into, distrust: frozenset[int] = frozenset()) -> dict[int, int]:

@@ -99,7 +99,6 @@ class Team:
         self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
         self._leases: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
         self._heal_queued = False
-        self._fence: Fence | None = None  # the last fence whose pinned parts of other runs are still to go
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
                          "parity_checksum_errors": 0}
         self.store = None
@@ -180,8 +179,6 @@ class Team:
             out += self.commit.on_tick(now)
         self._apply(out)
         self._expire_leases(now)
-        if self._fence is not None:
-            self._drop_fenced(self._fence)  # parts that were pinned when the fence came
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in set(range(self.config.nodes)) - set(view.live):
@@ -276,23 +273,20 @@ class Team:
 
     def _drop_fenced(self, fence: Fence) -> None:
         """Abandon this node's parts and replicas of runs other than ``fence.run`` that the team
-        never decided; what is pinned now goes at a later tick."""
+        never decided (a part a copy still reads goes when the copy ends; a replica a reader
+        pins stays until it is replaced or leaves with ``--keep``: restores read one run)."""
         keep = lambda step: step in fence.keep or self.decided(step)  # noqa: E731
         job = self.store.team_job
         with self.store.lock:
-            gone, left = self.store.abandon_runs(job, fence.run, keep) if job is not None else ([], False)
+            gone = self.store.abandon_runs(job, fence.run, keep) if job is not None else []
             for (origin, step), rep in list(self.replicas.held.items()):
                 if run_of(rep) != fence.run and not keep(step):
-                    if rep.pins:
-                        left = True
-                    else:
-                        self.replicas.drop(origin, step)
+                    self.replicas.drop(origin, step)
         with self._lock:
             for step in gone:
                 self.commit.forget(step)
         for step in gone:
             self.pushed.pop(step, None)
-        self._fence = fence if left else None
 
     def _fault_points(self, outputs: list, before: bool) -> None:
         """Test-only crash points of the coordinator (``ucpd.faults``; inert in production)."""
@@ -365,7 +359,7 @@ class Team:
             )
         rec.protected = True
         with self.store.lock:
-            self.store.protect(step)
+            self.store.protect(step, v)
         with self._lock:
             out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic(), run)
         self._apply(out)
@@ -540,6 +534,8 @@ class Team:
             if msg_type == "parity_manifest":
                 self.parity.on_manifest(src, b)
                 return {}, []
+            if msg_type == "parity_manifest_of":
+                return self.parity.manifest_of(b["origin"], b["step"]), []
             if msg_type == "parity_unit":
                 self.parity.on_unit(b, frames)
                 return {}, []
@@ -796,8 +792,8 @@ class Team:
 
         with self.store.lock:
             man = self.parity.manifests.get((origin, step))
-        if man is None:
-            raise VersionNotFound(f"step {step}: no manifest of node {origin} to rebuild it from parity")
+        if man is None:  # (we replaced the lost node: its manifests were in its RAM) a member has it
+            man = self.parity.fetch_manifest(origin, step)
         holder = TeamSources(step, None, {}, [], self)
         mm = self._cache_file(holder, man["size"])
         files += holder.files
@@ -855,7 +851,7 @@ class Team:
             for rank, (node, origin, p) in found.items():
                 part = RankPart(rank, -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"], p.get("layout"), p.get("objects_crc"))
                 parts[rank] = part
-                if rebuilt and origin in rebuilt and origin != self.rank:
+                if rebuilt and origin in rebuilt:  # (our own part too: a replacement node lost it)
                     path, bases = rebuilt[origin]
                     where[rank] = ("local", path, bases[rank])
                 elif node == self.rank and origin == self.rank:
