@@ -184,6 +184,9 @@ class Team:
             for peer in set(range(self.config.nodes)) - set(view.live):
                 self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
             for peer in view.rejoined:
+                # its predecessor never answers what we asked it: fail those requests now, not at
+                # their timeout (a copy stuck on it would hold up the replication thread)
+                self.transport.fail_pending(peer, "restarted (a new incarnation)")
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
             if view.rejoined:  # a new incarnation holds none of the copies its predecessor held
                 for rec in list(self.pushed.values()):
