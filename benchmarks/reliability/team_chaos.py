@@ -32,12 +32,12 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def campaign(seed: int, seconds: float, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
              dead_after: float = 1.5, log=print, min_trials: int = 0, max_trials: int | None = None,
-             fresh_after_failure: bool = True):
+             fresh_after_failure: bool = True, partitions: bool = False):
     """Trials drawn from ``seed`` for ``seconds`` (and on until ``min_trials``); returns them."""
     from helpers import team_chaos
 
     c = team_chaos.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log,
-                               fresh_after_failure=fresh_after_failure)
+                               fresh_after_failure=fresh_after_failure, partitions=partitions)
     return c.go(seconds, min_trials=min_trials, max_trials=max_trials)
 
 
@@ -59,17 +59,28 @@ def main() -> int:
     ap.add_argument("--keep-team", action="store_true",
                     help="keep the team after a failed trial (default: a fresh team, so each trial's failures are its own)")
     ap.add_argument("--min-trials", type=int, default=0, help="go on past --minutes until this many trials ran")
+    ap.add_argument("--partitions", action="store_true",
+                    help="every node in a network namespace of its own (root, ip netns), and a fifth fault: a node's "
+                         "link taken down past --dead-after, then up")
     ap.add_argument("--out", default="team_chaos.json")
     args = ap.parse_args()
     t0 = time.time()
+    if args.partitions:
+        from helpers.team_chaos import partitions_available
+
+        why = partitions_available()
+        if why:
+            print(f"--partitions: {why}", file=sys.stderr)
+            return 2
     trials = campaign(args.seed, args.minutes * 60, args.nodes, args.ranks_per_node, args.redundancy, args.dead_after,
-                      log=lambda s: print(s, flush=True), min_trials=args.min_trials, fresh_after_failure=not args.keep_team)
+                      log=lambda s: print(s, flush=True), min_trials=args.min_trials, fresh_after_failure=not args.keep_team,
+                      partitions=args.partitions)
     text, per = table(trials)
     print(text)
     failed = [t for t in trials if t.injected and not t.passed]
     with open(args.out, "w") as f:
         json.dump({"seed": args.seed, "minutes": args.minutes, "nodes": args.nodes, "ranks_per_node": args.ranks_per_node,
-                   "redundancy": args.redundancy, "dead_after": args.dead_after, "started": t0,
+                   "redundancy": args.redundancy, "dead_after": args.dead_after, "partitions": args.partitions, "started": t0,
                    "seconds": round(time.time() - t0, 1), "per_kind": per,
                    "trials": [{**t.as_dict(), "notes": [n[-3000:] for n in t.notes]} for t in trials]}, f, indent=1)
     print(f"{len(trials)} trials, {sum(t.injected for t in trials)} injected, {sum(t.passed for t in trials)} passed, "

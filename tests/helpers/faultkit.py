@@ -191,6 +191,7 @@ class Daemon:
         self.shm_dir, self.args, self.flush_dir = shm_dir, args, flush_dir
         self.log = os.path.join(workdir, "daemon.log")
         self.proc: subprocess.Popen | None = None
+        self.prefix: list[str] = []  # a command that runs the daemon, e.g. in a network namespace (it execs it)
 
     def start(self, fault: str | None = None, env: dict | None = None) -> "Daemon":
         args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir, *self.args]
@@ -200,8 +201,8 @@ class Daemon:
         e.update(env or {})
         if fault:
             e["UCPD_FAULT"] = fault
-        header = f"--- start {' '.join(args[3:])} fault={fault}\n".encode()
-        self.proc = spawn_and_wait(args, self.run_dir, self.log, cwd=ROOT, env=e, header=header)
+        header = f"--- start {' '.join(self.prefix + args[3:])} fault={fault}\n".encode()
+        self.proc = spawn_and_wait(self.prefix + args, self.run_dir, self.log, cwd=ROOT, env=e, header=header)
         return self
 
     def alive(self) -> bool:

@@ -53,6 +53,7 @@ import re
 import shutil
 import signal
 import socket
+import subprocess
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -60,6 +61,7 @@ from dataclasses import dataclass, field
 from .faultkit import Daemon
 
 KINDS = ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")
+PARTITION = "partition"  # with partitions=True (root, ``ip netns``): a node's link taken down, then up
 JOB = "chaos"
 CODE = 10_000  # code = run * CODE + step
 SCALE = 10 ** 8  # an element = code * SCALE + its global index
@@ -241,16 +243,84 @@ def redundancy_tolerance(redundancy: str, nodes: int) -> int:
     return int(a[1].split("+")[1]) if "+" in a[1] else 1
 
 
+class Net:
+    """Each node in a network namespace of its own, its veth on one bridge (``ip netns``, root
+    only): a partition takes a node's link down, and up again. Trainers still reach their daemon
+    through its ``ipc://`` socket (a file: every namespace sees it)."""
+
+    def __init__(self, nodes: int) -> None:
+        tag = f"{os.getpid() % 100000:05d}"
+        self.bridge, self.subnet = f"ucbr{tag}", f"10.{200 + os.getpid() % 50}.{os.getpid() % 250}"
+        self.ns = [f"ucpd-{tag}-n{i}" for i in range(nodes)]
+        self.veth = [f"uc{tag}n{i}" for i in range(nodes)]
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("link", "set", self.bridge, "up")
+            for i in range(nodes):
+                _ip("netns", "add", self.ns[i])
+                _ip("link", "add", self.veth[i], "type", "veth", "peer", "name", "eth0", "netns", self.ns[i])
+                _ip("link", "set", self.veth[i], "master", self.bridge, "up")
+                _ip("-n", self.ns[i], "addr", "add", f"{self.ip(i)}/24", "dev", "eth0")
+                _ip("-n", self.ns[i], "link", "set", "eth0", "up")
+                _ip("-n", self.ns[i], "link", "set", "lo", "up")
+        except Exception:
+            self.close()
+            raise
+
+    def ip(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def prefix(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[i]]
+
+    def cut(self, i: int) -> None:
+        _ip("link", "set", self.veth[i], "down")
+
+    def heal(self, i: int) -> None:
+        _ip("link", "set", self.veth[i], "up")
+
+    def close(self) -> None:
+        for name in self.veth + [self.bridge]:
+            subprocess.run(["ip", "link", "del", name], capture_output=True)
+        for ns in self.ns:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _ip(*args: str) -> None:
+    out = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {out.stderr.strip()}")
+
+
+def partitions_available() -> str | None:
+    """None when this machine can build the namespaces (root, ``ip netns``), else why not."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return "partitions need root and iproute2's ip"
+    probe = f"ucpd-probe-{os.getpid()}"
+    out = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None if out.returncode == 0 else f"ip netns add failed: {out.stderr.strip()}"
+
+
 class Team:
-    def __init__(self, workdir: str, shm_prefix: str, nodes: int, extra: list[str], dead_after: float, log):
+    def __init__(self, workdir: str, shm_prefix: str, nodes: int, extra: list[str], dead_after: float, log,
+                 partitions: bool = False):
         self.workdir, self.shm_prefix, self.n, self.extra, self.dead_after, self.log = workdir, shm_prefix, nodes, extra, dead_after, log
         self.generation = 0
         self.daemons: list[Daemon] = []
         self.paused: set[int] = set()
+        self.net = Net(nodes) if partitions else None
+        self.secret_file = None
+        if self.net is not None:  # peers off loopback must prove the job secret
+            self.secret_file = os.path.join(workdir, "secret")
+            with open(self.secret_file, "w") as f:
+                f.write(uuid.uuid4().hex)
+            os.chmod(self.secret_file, 0o600)
 
     def _make(self) -> None:
         self.generation += 1
-        self.addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(self.n)]
+        host = [self.net.ip(i) if self.net else "127.0.0.1" for i in range(self.n)]
+        self.addresses = [f"tcp://{host[i]}:{_free_port()}" for i in range(self.n)]
         self.daemons = []
         for i in range(self.n):
             w = os.path.join(self.workdir, f"g{self.generation}", f"node{i}")
@@ -258,7 +328,11 @@ class Team:
             args = ["--nodes", str(self.n), "--node-rank", str(i), "--listen", self.addresses[i],
                     "--peers", ",".join(self.addresses), "--heartbeat", "0.1", "--dead-after", str(self.dead_after),
                     "--mem-limit", "1G", "--keep", "3", "--log-level", "INFO", *self.extra]
-            self.daemons.append(Daemon(w, f"{self.shm_prefix}-g{self.generation}-n{i}-{uuid.uuid4().hex[:6]}", args, None))
+            if self.secret_file:
+                args += ["--secret-file", self.secret_file]
+            d = Daemon(w, f"{self.shm_prefix}-g{self.generation}-n{i}-{uuid.uuid4().hex[:6]}", args, None)
+            d.prefix = self.net.prefix(i) if self.net else []
+            self.daemons.append(d)
 
     def start(self) -> None:
         """A fresh team (new dirs, new ports), every node started; a port taken meanwhile: new ports."""
@@ -297,8 +371,15 @@ class Team:
     def stop(self) -> None:
         for i, d in enumerate(self.daemons):
             self.resume(i)
+            if self.net is not None:
+                self.net.heal(i)
             d.stop()
             shutil.rmtree(d.shm_dir, ignore_errors=True)
+
+    def close(self) -> None:
+        self.stop()
+        if self.net is not None:
+            self.net.close()
 
     def status(self, i: int, timeout: float = 5.0) -> dict | None:
         if i in self.paused or not self.daemons[i].alive():
@@ -367,13 +448,14 @@ class Trial:
         return {**{k: v for k, v in vars(self).items()}, "passed": self.passed}
 
 
-def draw(rng: random.Random, index: int, order: list[str], nodes: int, per_node: int) -> tuple[str, dict]:
+def draw(rng: random.Random, index: int, order: list[str], nodes: int, per_node: int,
+         kinds: tuple[str, ...] = KINDS) -> tuple[str, dict]:
     """The trial's fault and its parameters, from ``rng`` alone, always drawn in the same order.
-    Kinds come in seeded rounds of every kind (any 4 trials in a row cover them all)."""
-    if index % len(KINDS) == 0:
-        order[:] = list(KINDS)
+    Kinds come in seeded rounds of every kind (any len(kinds) trials in a row cover them all)."""
+    if index % len(kinds) == 0:
+        order[:] = list(kinds)
         rng.shuffle(order)
-    kind = order[index % len(KINDS)]
+    kind = order[index % len(kinds)]
     world = nodes * per_node
     params = {
         "node": rng.randrange(nodes),
@@ -412,7 +494,8 @@ def category(msg: str) -> str:
 
 class Campaign:
     def __init__(self, seed: int, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
-                 dead_after: float = 1.5, workdir: str | None = None, log=print, fresh_after_failure: bool = True):
+                 dead_after: float = 1.5, workdir: str | None = None, log=print, fresh_after_failure: bool = True,
+                 partitions: bool = False):
         import tempfile
 
         self.seed, self.nodes, self.per_node, self.redundancy = seed, nodes, per_node, redundancy
@@ -423,8 +506,9 @@ class Campaign:
         self.order: list[str] = []
         self.log = log
         self.base = workdir or tempfile.mkdtemp(prefix="ucpd-team-chaos-")
+        self.kinds = KINDS + ((PARTITION,) if partitions else ())
         self.team = Team(self.base, f"/dev/shm/ucpd-team-chaos-{os.getpid()}-{uuid.uuid4().hex[:6]}", nodes,
-                         redundancy_args(redundancy, nodes), dead_after, log)
+                         redundancy_args(redundancy, nodes), dead_after, log, partitions)
         self.run = 0
         self.procs: list = []
         self.reported: int | None = None  # newest step any rank saw committed (this team generation)
@@ -619,7 +703,7 @@ class Campaign:
     # --- one trial ------------------------------------------------------------------------------
 
     def trial(self, index: int) -> Trial:
-        kind, params = draw(self.rng, index, self.order, self.nodes, self.per_node)
+        kind, params = draw(self.rng, index, self.order, self.nodes, self.per_node, self.kinds)
         t = self.current = Trial(index, kind, params)
         t0 = time.monotonic()
         fails: list[str] = []
@@ -788,6 +872,17 @@ class Campaign:
             time.sleep(later)
             self.kill(procs)
             self.team.restart(node)
+        elif kind == PARTITION:
+            self.team.net.cut(node)
+            others = [i for i in range(self.nodes) if i != node]
+            if not wait_until(lambda: all(self.team.sees_dead(i, node) for i in others)
+                              and all(self.team.sees_dead(node, i) for i in others), 10 * self.dead_after + 10):
+                fail(f"node {node}, cut off, and the others did not declare each other dead")
+            self.team.net.heal(node)
+            if not wait_until(self.team.formed, 30):
+                fail(f"the team did not form again within 30 s of node {node}'s link coming back")
+            time.sleep(later)
+            self.join(procs, 5, None)  # the run may finish; then the job is restarted all the same
         elif kind == "daemon_pause":
             self.team.pause(node)
             others = [i for i in range(self.nodes) if i != node]
@@ -820,7 +915,7 @@ class Campaign:
 
     def close(self) -> None:
         self.kill(self.procs)
-        self.team.stop()
+        self.team.close()
         shutil.rmtree(self.base, ignore_errors=True)
 
 
@@ -836,7 +931,7 @@ def table(trials: list[Trial]) -> tuple[str, dict]:
             c = row["failures"].setdefault(category(m), {"count": 0, "example": m})
             c["count"] += 1
     lines = [f"{'fault':16s} {'trials':>6s} {'injected':>9s} {'passed':>7s} {'failed':>7s}"]
-    for k in KINDS:
+    for k in KINDS + (PARTITION,):
         if k in per:
             r = per[k]
             lines.append(f"{k:16s} {r['trials']:6d} {r['injected']:9d} {r['passed']:7d} {r['failed']:7d}")
