@@ -73,6 +73,8 @@ GOOD_REPLIES = {
 GOOD_PEER_REPLIES = {
     "replica_begin": {}, "replica_data": {}, "replica_end": {}, "fetch": {}, "pin": {}, "parity_manifest": {},
     "parity_unit": {}, "parity_block": {}, "blob_unit": {},
+    "parity_manifest_of": {"origin": 2, "step": 3, "inc": "run-1", "world_size": 1, "size": 4096, "bases": [0],
+                           "parts": [_PART], "held": [0, 1]},
     "holdings": {"node": 1, "items": [{"origin": 0, "step": 3, "world_size": 1, "ranks": [0], "parts": [_PART]},
                                       {"origin": 2, "step": 3, "world_size": 1, "ranks": [0], "via": "parity"}]},
 }
@@ -97,6 +99,7 @@ def _peer_seeds() -> list[bytes]:
         ("replica_data", {"origin": 0, "step": 1, "rank": 0, "offset": 0}),
         ("fetch", {"origin": 0, "step": 1, "rank": 0, "ranges": [[0, 16]]}),
         ("holdings", {"step": 1}),
+        ("parity_manifest_of", {"origin": 2, "step": 1}),
         ("parity_unit", {"step": 1, "inc": "a", "row": 0, "pos": 1, "index": 0}),
         ("commit", {"m": {"t": "protected", "step": 1, "world": 2, "ranks": [0, 1], "e": 7}}),
         ("commit", {"m": {"t": "state", "e": 1, "committed": [1], "recorded": [], "protected": [[2, 2, [0]]]}}),
