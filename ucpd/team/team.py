@@ -6,7 +6,10 @@ then reports it protected to the commit protocol (``commit.CommitNode``), whose 
 come back as ``Commit`` actions that ``NodeStore.commit`` applies. It answers the
 peers' requests (hold a replica, list what we hold, send bytes), finds the sources of a
 restore across the team (local RAM, a local replica, a peer's RAM), and heals: when the
-membership changes, parts whose copies were on a lost node are copied again.
+membership changes, parts whose copies were on a lost node are copied again. A new run of the
+job waits in ``join_run`` until the team fenced the earlier runs (their undecided parts and
+replicas are abandoned on ``Fence``); parts, replicas and holdings carry their run, and a
+restore reads a step from one run's parts.
 
 Threads: the transport's I/O thread runs the peer callbacks; one replication thread pushes
 copies; the daemon's loop calls ``tick``; the daemon's worker threads call ``latest`` and
