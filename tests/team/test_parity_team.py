@@ -85,14 +85,15 @@ class Node:
 
 
 @pytest.fixture
-def parity_team(monkeypatch):
+def parity_team(monkeypatch, ucpd_isolation):
     monkeypatch.setenv("UCPD_PARITY_UNIT", str(UNIT))
     net = FakeNetwork()
     nodes: list[Node] = []
 
     def make(n: int, parity: tuple[int, int] | None, per_node: int, replicas: int = 0) -> list[Node]:
         tag = uuid.uuid4().hex[:8]
-        nodes.extend(Node(net, i, n, f"/dev/shm/ucpd-test-parity-{tag}-{i}", parity, per_node, replicas) for i in range(n))
+        # under the test's shm prefix: the isolation fixture removes them whatever happens
+        nodes.extend(Node(net, i, n, f"{ucpd_isolation}-parity-{tag}-{i}", parity, per_node, replicas) for i in range(n))
         return nodes
 
     def replace(team: list[Node], i: int) -> Node:
@@ -100,7 +101,7 @@ def parity_team(monkeypatch):
         old = team[i]
         old.close()
         net.cut.discard(i)
-        new = Node(net, i, len(team), f"/dev/shm/ucpd-test-parity-{uuid.uuid4().hex[:8]}-{i}", old.team.config.parity,
+        new = Node(net, i, len(team), f"{ucpd_isolation}-parity-{uuid.uuid4().hex[:8]}-{i}", old.team.config.parity,
                    old.per_node, old.team.config.replicas)
         nodes.append(new)
         team[i] = new

@@ -60,12 +60,12 @@ class Node:
 
 
 @pytest.fixture
-def team(tmp_path):
+def team(tmp_path, ucpd_isolation):
     net = FakeNetwork()
     nodes: list[Node] = []
 
     def make(n: int) -> list[Node]:
-        nodes.extend(Node(net, i, n, f"/dev/shm/ucpd-test-seams-{uuid.uuid4().hex[:8]}-{i}") for i in range(n))
+        nodes.extend(Node(net, i, n, f"{ucpd_isolation}-seams-{uuid.uuid4().hex[:8]}-{i}") for i in range(n))
         return nodes
 
     yield net, make
