@@ -7,19 +7,13 @@ one-node points for about 45 s. A failure prints the seed and the trial to repla
 
 from __future__ import annotations
 
-import importlib.util
-import os
+from helpers.scripts import load_benchmark
 
 SEED = 20261123
 
 
 def _campaign_module():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "benchmarks", "reliability", "campaign.py")
-    spec = importlib.util.spec_from_file_location("ucpd_campaign", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("reliability/campaign.py", "ucpd_campaign")
 
 
 def test_a_short_seeded_campaign_survives_every_crash_it_injects():

@@ -10,10 +10,11 @@ table; replay it with the script (same seed, same draws).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
+
+from helpers.scripts import load_benchmark
 
 pytestmark = pytest.mark.slow
 
@@ -21,12 +22,7 @@ SEED = 20261201
 
 
 def _campaign_module():
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                        "benchmarks", "reliability", "team_chaos.py")
-    spec = importlib.util.spec_from_file_location("ucpd_team_chaos", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("reliability/team_chaos.py", "ucpd_team_chaos")
 
 
 @pytest.mark.parametrize("redundancy", ["replicas", "xor", "rs"],

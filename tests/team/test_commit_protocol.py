@@ -158,6 +158,12 @@ class Cluster:
     def begin_run(self, i: int, run: str) -> None:
         self.apply(i, self.nodes[i].on_run(run, self.t))
 
+    def begin_run_everywhere(self, run: str) -> None:
+        """Every live node's trainers begin ``run``; the team settles (it is fenced everywhere)."""
+        for i in self.live:
+            self.begin_run(i, run)
+        self.settle()
+
     def view(self) -> None:
         live = frozenset(self.live)
         for j in sorted(live):
@@ -586,9 +592,7 @@ def test_parts_of_two_runs_never_make_one_version():
 def test_a_new_run_is_fenced_on_every_node_before_it_begins():
     c = Cluster(3, wire=True)
     c.tick()  # the coordinator learns the team's state (it may be a restarted one)
-    for i in range(3):
-        c.begin_run(i, "a")
-    c.settle()
+    c.begin_run_everywhere("a")
     assert all(c.nodes[i].run_ready("a") for i in range(3))
     assert [f.run for f in c.fences[2]] == ["a"]
     c.protect(1, 5, [1], 3, run="a")  # run a: ranks 1 and 2 of step 5 protected, rank 0 never
@@ -614,9 +618,7 @@ def test_a_new_run_is_fenced_on_every_node_before_it_begins():
 def test_a_step_decided_before_the_fence_commits_and_the_new_run_waits_for_it():
     c = Cluster(2, wire=True)
     c.tick()
-    for i in range(2):
-        c.begin_run(i, "a")
-    c.settle()
+    c.begin_run_everywhere("a")
     c.protect(0, 7, [0], 2, run="a")
     c.protect(1, 7, [1], 2, run="a")  # on its way to the coordinator
     assert c.deliver(until=lambda: bool(c.nodes[0].deciding))  # decided: its phases are under way when run b begins
@@ -629,9 +631,7 @@ def test_a_step_decided_before_the_fence_commits_and_the_new_run_waits_for_it():
 def test_a_new_coordinator_learns_the_fence_from_the_survivors():
     c = Cluster(3, wire=True)
     c.tick()
-    for i in range(3):
-        c.begin_run(i, "a")
-    c.settle()
+    c.begin_run_everywhere("a")
     c.begin_run(1, "b")
     c.settle()
     c.protect(2, 4, [2], 3, run="a")  # a report of the superseded run on its way
