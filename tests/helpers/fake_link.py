@@ -1,11 +1,17 @@
 """An in-process network of daemons for team tests: ``FakeNetwork`` hands out links with the
-interface of ``ucpd.team.transport.PeerTransport`` (``Team(config, shm_dir, link=net.link)``),
-and fails what a test names, the way DCP's ``FaultyStorageWriter`` fails at named steps.
+interface of ``ucpd.team.transport.PeerTransport`` (``Team(config, shm_dir, link=net.link,
+clock=net.clock)``), and fails what a test names, the way DCP's ``FaultyStorageWriter`` fails at
+named steps.
 
 Each link has its own I/O thread that runs its callbacks in arrival order, as the real one does;
 bodies are checked against the peer schemas on delivery; payload frames are copied (a peer never
 sees the sender's buffer). No sockets, no ports: a team's rules run in one process, and a test
 can cut a node off or make it fail a message type at its Nth request.
+
+Time is the test's: ``net.clock`` moves only in ``net.advance()``, which also delivers a round of
+heartbeats and waits until every link has run what it was sent. Liveness, the commit protocol's
+resends and peer leases therefore follow the number of ticks a test drives (``net.ticker``), not
+the machine's load: a live node is never declared dead because a thread was slow to run.
 """
 
 from __future__ import annotations
@@ -13,7 +19,6 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
-import time
 from collections import Counter
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -21,6 +26,21 @@ from dataclasses import dataclass
 
 from ucpd import protocol
 from ucpd.errors import DaemonUnreachable, UcpdError
+
+from . import waiting
+
+
+class FakeClock:
+    """A monotonic clock that moves only when the test moves it (``Team(..., clock=net.clock)``)."""
+
+    def __init__(self, start: float = 1000.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, dt: float) -> None:
+        self.now += dt
 
 
 @dataclass
@@ -36,14 +56,12 @@ class Failure:
 
 class FakeNetwork:
     def __init__(self, heartbeat: float = 0.05) -> None:
-        self.heartbeat = heartbeat
+        self.heartbeat = heartbeat  # the fake seconds one advance() moves the clock, and a beat's period
+        self.clock = FakeClock()
         self.links: dict[int, FakeLink] = {}
         self.cut: set[int] = set()  # nodes no message reaches and none leaves (a lost node)
         self.failures: list[Failure] = []
         self.seen: Counter = Counter()  # (dest, msg_type) -> requests and messages delivered
-        self._stop = threading.Event()
-        self._beats = threading.Thread(target=self._beat, name="fake-heartbeats", daemon=True)
-        self._beats.start()
 
     # --- what a test does -------------------------------------------------------------------------
 
@@ -61,8 +79,30 @@ class FakeNetwork:
         for link in self.links.values():
             link.fail_pending(node, "was lost")
 
+    def advance(self, dt: float | None = None) -> None:
+        """Move the clock by ``dt`` (one heartbeat period by default), deliver a round of
+        heartbeats, and return once every link has run all it was sent."""
+        self.clock.advance(self.heartbeat if dt is None else dt)
+        self._beat()
+        self.settle()
+
+    def ticker(self, nodes):
+        """A ``tick`` for ``wait_until``: advance, then run each node's team timers."""
+
+        def tick() -> None:
+            self.advance()
+            for node in nodes:
+                node.team.tick()
+
+        return tick
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Wait until no link has a callback queued or running (a request answered later from
+        another thread may still be on its way: that is the team's, not the network's)."""
+        waiting.wait_until(lambda: all(link.idle() for link in list(self.links.values())),
+                           "the fake links to run what they were sent", timeout, poll=0.001)
+
     def close(self) -> None:
-        self._stop.set()
         for link in list(self.links.values()):
             link.close()
 
@@ -76,11 +116,10 @@ class FakeNetwork:
         return any(f.dest == dest and f.msg_type == msg_type and f.nth <= n < f.nth + f.times for f in self.failures)
 
     def _beat(self) -> None:
-        while not self._stop.wait(self.heartbeat):
-            for src, link in list(self.links.items()):
-                for dest, other in list(self.links.items()):
-                    if dest != src and link.started and self._reachable(src, dest):
-                        other._post(lambda o=other, s=src, inc=link.incarnation: o._on_heartbeat and o._on_heartbeat(s, inc))
+        for src, link in list(self.links.items()):
+            for dest, other in list(self.links.items()):
+                if dest != src and link.started and self._reachable(src, dest):
+                    other._post(lambda o=other, s=src, inc=link.incarnation: o._on_heartbeat and o._on_heartbeat(s, inc))
 
 
 class FakeLink:
@@ -114,15 +153,20 @@ class FakeLink:
         if self.started:
             self._inbox.put(fn)
 
+    def idle(self) -> bool:
+        return not self.started or self._inbox.unfinished_tasks == 0
+
     def _run(self) -> None:
         while True:
             fn = self._inbox.get()
-            if fn is None:
-                return
             try:
+                if fn is None:
+                    return
                 fn()
             except Exception:
                 self.counters["callback_errors"] += 1
+            finally:
+                self._inbox.task_done()
 
     @staticmethod
     def _copy(payload) -> list[memoryview]:
@@ -192,10 +236,4 @@ def _settle(future: Future, done: Future) -> None:
 
 def wait_until(cond, timeout: float = 20.0, tick=None) -> None:
     """Run ``tick`` (a team's timers) until ``cond()`` holds; AssertionError after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        if tick is not None:
-            tick()
-        time.sleep(0.01)
+    waiting.wait_until(cond, "the condition", timeout, poll=0.01, tick=tick)

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from .daemons import spawn_and_wait
+from .waiting import eventually
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = "test"
@@ -433,9 +434,16 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
             procs = []
             restore_check([d.run_dir], world, nxt + k, "run-3")
         wait_flush_idle(d)
-        after = fds_threads(d.proc.pid, d.shm_dir)
-        _require(after[0] <= before[0] + 4 and after[1] <= before[1] + 2,
-                 f"the daemon's fds (less slot mappings) / threads grew from {before} to {after} over three rounds")
+        # a leak stays; a connection or flush file the daemon is still closing goes (under load,
+        # it can take a while): wait for the counts to come back within bounds, then judge
+        grown: list[tuple[int, int]] = []
+
+        def settled() -> bool:
+            grown[:] = [fds_threads(d.proc.pid, d.shm_dir)]
+            return grown[0][0] <= before[0] + 4 and grown[0][1] <= before[1] + 2
+
+        if not eventually(settled, 15, poll=0.1):
+            _require(False, f"the daemon's fds (less slot mappings) / threads grew from {before} to {grown[0]} over three rounds")
         t.survived = True
         return t
     except Exception as exc:  # a check failed, or the daemon answered with an error
@@ -474,10 +482,7 @@ def _free_port() -> int:
 
 
 def _wait(cond, what: str, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        _require(time.monotonic() < deadline, f"timed out waiting for {what}")
-        time.sleep(0.1)
+    _require(eventually(cond, timeout, poll=0.1), f"timed out waiting for {what}")
 
 
 def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int = 0, steps: int = 3) -> Trial:

@@ -59,6 +59,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from .faultkit import Daemon
+from .waiting import eventually
 
 KINDS = ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")
 PARTITION = "partition"  # with partitions=True (root, ``ip netns``): a node's link taken down, then up
@@ -414,13 +415,7 @@ class Team:
 
 
 def wait_until(cond, timeout: float, poll: float = 0.1) -> bool:
-    deadline = time.monotonic() + timeout
-    while True:
-        if cond():
-            return True
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(poll)
+    return eventually(cond, timeout, poll)
 
 
 # --- a trial ---------------------------------------------------------------------------------------------

@@ -40,10 +40,11 @@ class Node:
     def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str, parity: tuple[int, int] | None, per_node: int,
                  replicas: int = 0):
         os.makedirs(shm, mode=0o700)
+        self.net = net
         cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], parity=parity,
                          replicas=replicas, heartbeat=net.heartbeat, dead_after=0.6, keep=2)
         self.rank, self.per_node = rank, per_node
-        self.team = Team(cfg, shm, link=net.link)
+        self.team = Team(cfg, shm, link=net.link, clock=net.clock)
         self.store = NodeStore(shm, 256 << 20, keep=2, policy=self.team, single_job=True, job=JOB)
         self.team.attach(self.store)
 
@@ -117,7 +118,8 @@ def parity_team(monkeypatch, ucpd_isolation):
 
 
 def ticking(nodes):
-    return lambda: [n.team.tick() for n in nodes]
+    """One tick of the team's time for ``nodes``: the clock moves, heartbeats arrive, timers run."""
+    return nodes[0].net.ticker(nodes)
 
 
 def read_rebuilt(node: Node, team: list[Node], step: int, world: int) -> tuple[dict[int, bytes], dict[int, str]]:
@@ -260,7 +262,7 @@ def test_a_replaced_member_holds_no_parity_and_the_steps_it_held_are_degraded_th
     net, make = parity_team
     team = make(3, (2, 1), 1)
     # every member heard from every other (a member's incarnation is known from its heartbeats)
-    wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank))
+    wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank), tick=ticking(team))
     for node in team:
         node.seal(node.rank, 3, step=1)
     wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))

@@ -18,6 +18,7 @@ import pytest
 
 from helpers import TEST_JOB, ranks
 from helpers.gpt_layout import empty_like_state, mismatches, rank_state
+from helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +74,8 @@ def status(run_dir) -> dict:
     return json.loads(out.stdout)
 
 
-def wait_for(cond, what: str, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.1)
+def wait_for(cond, what: str, timeout: float = 30.0):
+    wait_until(cond, what, timeout, poll=0.1)
 
 
 def test_three_nodes_one_replica_lose_a_node_and_restore_on_the_survivors_with_another_layout(make_team):

@@ -24,9 +24,10 @@ N = 4096  # float32 elements per rank
 class Node:
     def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str):
         os.makedirs(shm, mode=0o700)
+        self.net = net
         cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], replicas=1,
                          heartbeat=net.heartbeat, dead_after=0.6)
-        self.team = Team(cfg, shm, link=net.link)
+        self.team = Team(cfg, shm, link=net.link, clock=net.clock)
         self.store = NodeStore(shm, 256 << 20, keep=2, policy=self.team, single_job=True, job=JOB)
         self.team.attach(self.store)
 
@@ -79,7 +80,8 @@ def team(tmp_path, ucpd_isolation):
 
 
 def ticking(nodes):
-    return lambda: [n.team.tick() for n in nodes]
+    """One tick of the team's time for ``nodes``: the clock moves, heartbeats arrive, timers run."""
+    return nodes[0].net.ticker(nodes)
 
 
 def test_a_version_commits_on_every_node_once_each_part_is_copied_to_a_peer(team):

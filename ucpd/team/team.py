@@ -82,9 +82,11 @@ class Team:
 
     local_parts = True
 
-    def __init__(self, config: TeamConfig, shm_dir: str, link=None) -> None:
+    def __init__(self, config: TeamConfig, shm_dir: str, link=None, clock=time.monotonic) -> None:
         """``link``: makes the transport to the peers, called as ``PeerTransport`` is (tests pass
-        an in-process one: ``tests/helpers/fake_link.py``)."""
+        an in-process one: ``tests/helpers/fake_link.py``). ``clock``: the time of the team's
+        timers (liveness, the protocol's resends, peer leases, heal retries); a test passes one it
+        advances itself, so no timer races the machine's load."""
         from .transport import PeerTransport
 
         self.config = config
@@ -93,7 +95,8 @@ class Team:
         self.flushes = config.node_rank == 0 and bool(config.flush_dir)
         self._lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex[:16]
-        now = time.monotonic()
+        self.clock = clock
+        now = clock()
         self.membership = Membership(self.rank, config.nodes, config.dead_after, now)
         self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
@@ -175,7 +178,7 @@ class Team:
 
     def tick(self) -> None:
         """Timers: liveness, the protocol's resends. Called by the daemon's loop."""
-        now = time.monotonic()
+        now = self.clock()
         with self._lock:
             view = self.membership.on_tick(now)
             out = self.commit.on_view(view.live, now) if view is not None else []
@@ -246,7 +249,7 @@ class Team:
         run = run or ""
         deadline = time.monotonic() + timeout
         with self._lock:
-            out = self.commit.on_run(run, time.monotonic())  # asks once: the protocol's ticks ask again
+            out = self.commit.on_run(run, self.clock())  # asks once: the protocol's ticks ask again
         self._apply(out)
         while True:
             with self._lock:
@@ -367,7 +370,7 @@ class Team:
         with self.store.lock:
             self.store.protect(step, v)
         with self._lock:
-            out = self.commit.on_protected(step, ranks, rec.world_size, time.monotonic(), run)
+            out = self.commit.on_protected(step, ranks, rec.world_size, self.clock(), run)
         self._apply(out)
         self._forget_old_pushes()
 
@@ -497,14 +500,14 @@ class Team:
 
     def _on_heartbeat(self, src: int, incarnation: str) -> None:
         with self._lock:
-            self.membership.on_heartbeat(src, incarnation, time.monotonic())
+            self.membership.on_heartbeat(src, incarnation, self.clock())
 
     def _on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
         try:
             if msg_type == "commit":
                 b = protocol.validate_peer(msg_type, body)
                 with self._lock:
-                    out = self.commit.on_message(src, b["m"], time.monotonic())
+                    out = self.commit.on_message(src, b["m"], self.clock())
                 self._apply(out)
             elif msg_type == "hello":
                 self.domains[src] = protocol.validate_peer(msg_type, body)["domain"]
@@ -581,7 +584,7 @@ class Team:
                 self.store.pin(obj)
             else:
                 self.replicas.pin(obj)
-            _, pinned = self._leases.setdefault((src, lease), (time.monotonic() + PIN_LEASE, []))
+            _, pinned = self._leases.setdefault((src, lease), (self.clock() + PIN_LEASE, []))
             pinned.append(obj)
 
     def _end_lease(self, key: tuple[int, str]) -> None:
