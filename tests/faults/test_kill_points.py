@@ -14,7 +14,7 @@ from helpers import faultkit
 from ucpd import faults
 
 NODE_POINTS = [p for p in faultkit.CRASH_POINTS if faults.POINTS[p][1] != "team"]
-# commit.* are also covered by tests/team/test_commit_crashes.py
+# commit.* and replicate.mid also check the exact step the survivors agree on (faultkit.TEAM_LATEST)
 TEAM_POINTS = [p for p in faultkit.CRASH_POINTS if faults.POINTS[p][1] == "team"]
 
 

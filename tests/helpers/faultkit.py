@@ -471,6 +471,16 @@ TEAM_SETUPS = {
     "heal.push": (4, ["--replicas", "2"], 1, 3),
     "flush.fetch.kill": (3, ["--replicas", "1", "--flush-every", "1"], 0, None),
 }
+# point -> the step the survivors must agree on after a crash there in step 2: the decision
+# survives the coordinator exactly when some survivor recorded it (the rule is proven on the
+# state machine in tests/team/test_commit_protocol.py; this is the same on real daemons)
+TEAM_LATEST = {
+    "commit.decided": 1,  # nobody heard of the decision
+    "commit.record_sent_one": 2,  # node 1 recorded it and, coordinating next, adopts it
+    "commit.recorded": 2,
+    "commit.visible_one": 2,
+    "replicate.mid": 1,  # the victim's part of step 2 never became protected
+}
 
 
 def _free_port() -> int:
@@ -548,6 +558,9 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
             t.latest = c.latest()
         _require(t.reported is None or (t.latest is not None and t.latest >= t.reported),
                  f"a rank saw step {t.reported} committed, the survivors say latest {t.latest} (team_latest {seen})")
+        if step == 2 and point in TEAM_LATEST:
+            _require(t.latest == TEAM_LATEST[point],
+                     f"the survivors say latest {t.latest} after a crash at {point}, not {TEAM_LATEST[point]}")
         if t.latest is not None:
             restore_check([nodes[i].run_dir for i in survivors], n, t.latest, "run-2")
         if nodes[0].flush_dir and 0 in survivors:
