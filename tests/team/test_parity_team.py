@@ -6,115 +6,31 @@ from __future__ import annotations
 
 import itertools
 import os
-import shutil
 import time
-import uuid
 
-import numpy as np
 import pytest
 
-from helpers.fake_link import FakeNetwork, wait_until
-from ucpd import native
-from ucpd.daemon.store import NodeStore, prepare_slot_file
+from helpers.fake_link import wait_until
+from helpers.inproc_team import InProcTeam, Node
 from ucpd.daemon.versions import VersionState
 from ucpd.errors import VersionNotFound
-from ucpd.native import CHUNK_BYTES
-from ucpd.team.config import TeamConfig
-from ucpd.team.team import Team
 
-JOB = "parity"
 UNIT = 1024  # bytes: a blob of a few KiB is several units, and units straddle the ranks' bases
-
-
-def rank_bytes(rank: int, step: int) -> int:
-    """Uneven sizes, none a multiple of 64 (the blob pads each to 64) or of the unit."""
-    return 1500 + 700 * (rank % 3) + 4 * rank
-
-
-def rank_data(rank: int, step: int, run: int = 1) -> np.ndarray:
-    rng = np.random.default_rng(rank * 1000 + step * 10 + run)
-    return rng.integers(0, 256, rank_bytes(rank, step), dtype=np.uint8)
-
-
-class Node:
-    def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str, parity: tuple[int, int] | None, per_node: int,
-                 replicas: int = 0):
-        os.makedirs(shm, mode=0o700)
-        self.net = net
-        cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], parity=parity,
-                         replicas=replicas, heartbeat=net.heartbeat, dead_after=0.6, keep=2)
-        self.rank, self.per_node = rank, per_node
-        self.team = Team(cfg, shm, link=net.link, clock=net.clock)
-        self.store = NodeStore(shm, 256 << 20, keep=2, policy=self.team, single_job=True, job=JOB)
-        self.team.attach(self.store)
-
-    def seal(self, rank: int, world: int, step: int, run: int = 1) -> np.ndarray:
-        data = rank_data(rank, step, run)
-        with self.store.lock:
-            self.store.check_begin(rank, step, f"run{run}", world, JOB)
-            slot = self.store.take_free_slot(rank, step, data.nbytes, JOB)
-            if slot is None:
-                sid, path, size = self.store.reserve_new_slot(data.nbytes, JOB)
-                prepare_slot_file(path, size)
-                slot = self.store.finish_new_slot(sid, rank, step, JOB)
-            np.frombuffer(slot.mapping(), np.uint8, data.nbytes)[:] = data
-            entry = {"name": f"w{rank}", "dtype": "uint8", "shape": [data.nbytes], "offset": 0, "nbytes": data.nbytes,
-                     "placement": {"kind": "shard", "dim": 0, "index": 0, "parts": 1},  # its own tensor
-                     "crcs": list(native.crc32c_chunks(data, CHUNK_BYTES))}
-            self.store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry],
-                             "objects": b"", "incarnation": f"run{run}", "local_world_size": self.per_node, "job": JOB})
-        return data
-
-    def state(self, step: int):
-        with self.store.lock:
-            v = self.store.table.find(step)
-            return v.state if v is not None else None
-
-    def status(self) -> dict:
-        with self.store.lock:
-            return self.team.status()
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        self.team.close()
-        with self.store.lock:
-            self.store.close()
-
-    closed = False
 
 
 @pytest.fixture
 def parity_team(monkeypatch, ucpd_isolation):
+    """make(n, parity, per_node, replicas=0): a team of n in-process nodes (``helpers.inproc_team``)."""
     monkeypatch.setenv("UCPD_PARITY_UNIT", str(UNIT))
-    net = FakeNetwork()
-    nodes: list[Node] = []
+    teams: list[InProcTeam] = []
 
-    def make(n: int, parity: tuple[int, int] | None, per_node: int, replicas: int = 0) -> list[Node]:
-        tag = uuid.uuid4().hex[:8]
-        # under the test's shm prefix: the isolation fixture removes them whatever happens
-        nodes.extend(Node(net, i, n, f"{ucpd_isolation}-parity-{tag}-{i}", parity, per_node, replicas) for i in range(n))
-        return nodes
+    def make(n: int, parity: tuple[int, int] | None, per_node: int, replicas: int = 0) -> InProcTeam:
+        teams.append(InProcTeam(n, ucpd_isolation, parity=parity, per_node=per_node, replicas=replicas))
+        return teams[-1]
 
-    def replace(team: list[Node], i: int) -> Node:
-        """Node i was lost (``net.lose``): a replacement joins with the same rank and empty RAM."""
-        old = team[i]
-        old.close()
-        net.cut.discard(i)
-        new = Node(net, i, len(team), f"{ucpd_isolation}-parity-{uuid.uuid4().hex[:8]}-{i}", old.team.config.parity,
-                   old.per_node, old.team.config.replicas)
-        nodes.append(new)
-        team[i] = new
-        return new
-
-    make.replace = replace
-    yield net, make
-    for node in nodes:
-        node.close()
-    net.close()
-    for node in nodes:
-        shutil.rmtree(node.store.shm_dir, ignore_errors=True)
+    yield make
+    for t in teams:
+        t.close()
 
 
 def ticking(nodes):
@@ -160,7 +76,7 @@ CASES = [
     ids=lambda x: "-".join(map(str, x)) if isinstance(x, tuple) else str(x),
 )
 def test_ranks_sealed_in_any_order_are_rebuilt_bit_for_bit_after_losing_nodes(parity_team, nodes, parity, per_node, lost, order):
-    net, make = parity_team
+    make = parity_team
     team = make(nodes, parity, per_node)
     world = nodes * per_node
     data = {}
@@ -172,7 +88,7 @@ def test_ranks_sealed_in_any_order_are_rebuilt_bit_for_bit_after_losing_nodes(pa
     for node in team:
         assert [(v["step"], v["health"]) for v in node.status()["versions"]] == [(1, "healthy")]
     for i in lost:
-        net.lose(i)
+        team.lose(i)
     survivors = [n for n in team if n.rank not in lost]
     wait_until(lambda: all(n.team.live() == frozenset(s.rank for s in survivors) for n in survivors),
                tick=ticking(survivors))
@@ -212,9 +128,9 @@ def committed_anywhere(team: list[Node], step: int) -> bool:
 
 
 def test_a_parity_unit_a_live_member_refuses_keeps_the_step_unprotected_until_it_is_held(parity_team):
-    net, make = parity_team
+    make = parity_team
     team = make(3, (2, 1), 2)
-    net.fail(dest=2, msg_type="parity_unit", nth=1, times=10**9)  # node 2 is live but takes no unit
+    team.net.fail(dest=2, msg_type="parity_unit", nth=1, times=10**9)  # node 2 is live but takes no unit
     data = {}
     for node in team:
         for local in (1, 0):
@@ -228,10 +144,10 @@ def test_a_parity_unit_a_live_member_refuses_keeps_the_step_unprotected_until_it
     assert {team[0].state(1), team[1].state(1)} == {VersionState.COMPLETE}  # never reported protected
     assert [(v["step"], v["health"]) for v in team[0].status()["versions"]] == [(1, "protecting")]
     assert team[0].team.latest() is None
-    net.failures.clear()  # node 2 takes units again: the retry puts them in, then the step commits
+    team.net.failures.clear()  # node 2 takes units again: the retry puts them in, then the step commits
     wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
     assert all([v["health"] for v in n.status()["versions"]] == ["healthy"] for n in team)
-    net.lose(0)
+    team.lose(0)
     wait_until(lambda: all(n.team.live() == frozenset({1, 2}) for n in team[1:]), tick=ticking(team[1:]))
     got, whence = read_rebuilt(team[1], team, 1, 6)
     assert whence[0] == whence[1] == "rebuilt"
@@ -239,9 +155,9 @@ def test_a_parity_unit_a_live_member_refuses_keeps_the_step_unprotected_until_it
 
 
 def test_a_step_protected_without_a_dead_member_commits_degraded_and_is_offered_only_while_rebuildable(parity_team):
-    net, make = parity_team
+    make = parity_team
     team = make(4, (3, 1), 1)
-    net.lose(3)  # before the step: the job runs on nodes 0-2 only
+    team.lose(3)  # before the step: the job runs on nodes 0-2 only
     wait_until(lambda: all(n.team.live() == frozenset({0, 1, 2}) for n in team[:3]), tick=ticking(team[:3]))
     for node in team[:3]:
         node.seal(node.rank, 3, step=1)
@@ -251,7 +167,7 @@ def test_a_step_protected_without_a_dead_member_commits_degraded_and_is_offered_
         (v,) = node.status()["versions"]
         assert (v["health"], v["parity_survives"]) == ("degraded", 0)
     assert team[1].team.latest() == 1
-    net.lose(0)  # a second loss in a 3+1 group: node 0's part is gone, node 3 never got its units
+    team.lose(0)  # a second loss in a 3+1 group: node 0's part is gone, node 3 never got its units
     wait_until(lambda: all(n.team.live() == frozenset({1, 2}) for n in team[1:3]), tick=ticking(team[1:3]))
     assert team[1].team.latest() is None  # not offered: it cannot be rebuilt
     with pytest.raises(VersionNotFound):
@@ -259,28 +175,28 @@ def test_a_step_protected_without_a_dead_member_commits_degraded_and_is_offered_
 
 
 def test_a_replaced_member_holds_no_parity_and_the_steps_it_held_are_degraded_then_not_offered(parity_team):
-    net, make = parity_team
+    make = parity_team
     team = make(3, (2, 1), 1)
     # every member heard from every other (a member's incarnation is known from its heartbeats)
     wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank), tick=ticking(team))
     for node in team:
         node.seal(node.rank, 3, step=1)
     wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
-    net.lose(2)
+    team.lose(2)
     wait_until(lambda: all(n.team.live() == frozenset({0, 1}) for n in team[:2]), tick=ticking(team[:2]))
-    make.replace(team, 2)  # same rank, empty RAM: the parity blocks it held are gone
+    team.replace(2)  # same rank, empty RAM: the parity blocks it held are gone
     wait_until(lambda: all(n.team.live() == frozenset({0, 1, 2}) for n in team), tick=ticking(team))
     wait_until(lambda: team[0].status()["versions"][0]["parity_survives"] == 0, tick=ticking(team))
     assert team[0].status()["versions"][0]["health"] == "degraded"
     assert team[0].team.latest() == 1  # node 2's part can still be rebuilt from nodes 0 and 1
-    net.lose(1)
+    team.lose(1)
     wait_until(lambda: all(n.team.live() == frozenset({0, 2}) for n in (team[0], team[2])),
                tick=ticking([team[0], team[2]]))
     assert team[0].team.latest() is None  # node 1's part would need node 2's lost blocks
 
 
 def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_nor_counted(parity_team):
-    net, make = parity_team
+    make = parity_team
     team = make(3, None, 1, replicas=1)
     for node in team:
         node.seal(node.rank, 3, step=1)
@@ -289,9 +205,9 @@ def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_n
         node.seal(node.rank, 3, step=2)
     wait_until(lambda: all(n.state(2) is VersionState.PROTECTED for n in team[:2]), tick=ticking(team))
     holder = next(iter(team[0].team.pushed[2].holders))
-    net.lose(holder)
+    team.lose(holder)
     wait_until(lambda: team[0].team.live() == frozenset({0, 1, 2}) - {holder}, tick=ticking(team))
-    make.replace(team, holder)  # its copies are gone
+    team.replace(holder)  # its copies are gone
     wait_until(lambda: team[0].team.live() == frozenset({0, 1, 2}), tick=ticking(team))
 
     def health():
@@ -306,3 +222,18 @@ def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_n
         ticking(team)()
         time.sleep(0.1)
     assert team[0].team.healing["done"] == healed_before and health()[0] == "healthy"
+
+
+def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(parity_team):
+    make = parity_team
+    team = make(3, (2, 1), 1)
+    for node in team:
+        node.seal(node.rank, 3, step=1)
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
+    assert team[0].team.latest() == 1
+    team.lose(1)
+    team.lose(2)  # two losses in a group that survives one
+    wait_until(lambda: team[0].team.live() == frozenset({0}), tick=ticking(team[:1]))
+    assert team[0].team.latest() is None  # nothing is whole any more
+    with pytest.raises(VersionNotFound, match="lost"):
+        team[0].team.restore_sources(1)

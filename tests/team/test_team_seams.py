@@ -1,140 +1,147 @@
-"""A team's rules in one process: real ``Team`` and ``NodeStore`` objects on real shared-memory
-slots, joined by an in-process link (``helpers.fake_link``) instead of sockets, so a test can
-fail a named peer message or lose a node at a chosen moment."""
+"""A team's rules with replicas, in one process: real ``Team`` and ``NodeStore`` objects on real
+shared-memory slots, joined by an in-process link on a clock the test drives
+(``helpers.inproc_team``), so a test can fail a named peer message, lose a node or restart one at
+a chosen moment, and no timer races the machine's load.
+
+The process boundary itself (trainers, sockets, SIGKILL) is tested once per behaviour in
+``test_team_daemons.py``; here are the decisions: what commits, what is copied again and when,
+where a restore reads a lost node's part, what error names a loss.
+"""
 
 from __future__ import annotations
 
-import os
-import uuid
-
-import numpy as np
 import pytest
 
-from helpers.fake_link import FakeNetwork, wait_until
-from ucpd import native
-from ucpd.daemon.store import NodeStore, prepare_slot_file
+from helpers.inproc_team import InProcTeam, rank_data
 from ucpd.daemon.versions import VersionState
-from ucpd.team.config import TeamConfig
-from ucpd.team.team import Team
+from ucpd.errors import VersionNotFound
 
-JOB = "seams"
-N = 4096  # float32 elements per rank
-
-
-class Node:
-    def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str):
-        os.makedirs(shm, mode=0o700)
-        self.net = net
-        cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], replicas=1,
-                         heartbeat=net.heartbeat, dead_after=0.6)
-        self.team = Team(cfg, shm, link=net.link, clock=net.clock)
-        self.store = NodeStore(shm, 256 << 20, keep=2, policy=self.team, single_job=True, job=JOB)
-        self.team.attach(self.store)
-
-    def seal(self, rank: int, world: int, step: int) -> np.ndarray:
-        """Rank ``rank`` (the only one on this node) snapshots its shard of ``w`` for ``step``."""
-        data = np.arange(N, dtype=np.float32) + rank * N + step
-        with self.store.lock:
-            self.store.check_begin(rank, step, "inc", world, JOB)
-            slot = self.store.take_free_slot(rank, step, data.nbytes, JOB)
-            if slot is None:
-                sid, path, size = self.store.reserve_new_slot(data.nbytes, JOB)
-                prepare_slot_file(path, size)
-                slot = self.store.finish_new_slot(sid, rank, step, JOB)
-            np.frombuffer(slot.mapping(), np.float32, N)[:] = data
-            entry = {"name": "w", "dtype": "float32", "shape": [N], "offset": 0, "nbytes": data.nbytes,
-                     "placement": {"kind": "shard", "dim": 0, "index": rank, "parts": world},
-                     "crcs": [native.crc32c(data.tobytes())]}
-            self.store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry],
-                             "objects": b"", "incarnation": "inc", "local_world_size": 1, "job": JOB})
-        return data
-
-    def state(self, step: int):
-        with self.store.lock:
-            v = self.store.table.find(step)
-            return v.state if v is not None else None
-
-    def close(self) -> None:
-        self.team.close()
-        with self.store.lock:
-            self.store.close()
+COMMITTED, PROTECTED = VersionState.COMMITTED, VersionState.PROTECTED
 
 
 @pytest.fixture
-def team(tmp_path, ucpd_isolation):
-    net = FakeNetwork()
-    nodes: list[Node] = []
+def make_team(ucpd_isolation):
+    teams: list[InProcTeam] = []
 
-    def make(n: int) -> list[Node]:
-        nodes.extend(Node(net, i, n, f"{ucpd_isolation}-seams-{uuid.uuid4().hex[:8]}-{i}") for i in range(n))
-        return nodes
+    def make(n: int, **node_args) -> InProcTeam:
+        teams.append(InProcTeam(n, ucpd_isolation, **node_args))
+        return teams[-1]
 
-    yield net, make
-    for node in nodes:
-        node.close()
-    net.close()
-    for node in nodes:
-        for name in os.listdir(node.store.shm_dir):
-            os.unlink(os.path.join(node.store.shm_dir, name))
-        os.rmdir(node.store.shm_dir)
+    yield make
+    for t in teams:
+        t.close()
 
 
-def ticking(nodes):
-    """One tick of the team's time for ``nodes``: the clock moves, heartbeats arrive, timers run."""
-    return nodes[0].net.ticker(nodes)
+def seal_all(team: InProcTeam, step: int, nodes=None, run: int = 1) -> dict[int, bytes]:
+    """One rank a node: rank i on node i snapshots ``step``; returns each rank's bytes."""
+    nodes = range(len(team)) if nodes is None else nodes
+    return {i: team[i].seal(i, len(team), step, run).tobytes() for i in nodes}
 
 
-def test_a_version_commits_on_every_node_once_each_part_is_copied_to_a_peer(team):
-    net, make = team
-    nodes = make(2)
-    for r, node in enumerate(nodes):
-        node.seal(r, 2, step=1)
-    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in nodes), tick=ticking(nodes))
-    for r, node in enumerate(nodes):
+def read_part(node, step: int, rank: int) -> tuple[str, bytes]:
+    """Where ``node`` would serve ``rank``'s part of ``step`` from (its RAM or a replica it
+    holds: "local"; a live peer: "peer"), and the bytes there."""
+    got = node.team.restore_sources(step)
+    try:
+        kind, path, base = got.where[rank]
+        t = got.parts[rank].tensors[0]
+        if kind == "peer":
+            return kind, b""
+        with open(path, "rb") as f:
+            f.seek(base + t.offset)
+            return kind, f.read(t.nbytes)
+    finally:
+        with node.store.lock:
+            got.release()
+
+
+def test_a_version_commits_on_every_node_once_each_part_is_copied_to_a_peer(make_team):
+    team = make_team(2, replicas=1)
+    seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    for r, node in enumerate(team):
         assert node.team.replicas.get(1 - r, 1) is not None  # each node holds the other's part
         assert node.team.pushed[1].holders == {1 - r}
 
 
-def test_a_node_that_fails_the_copy_at_its_last_step_leaves_the_version_degraded_then_healed(team):
-    net, make = team
-    net.fail(dest=1, msg_type="replica_end", nth=1)  # node 1 dies, as far as node 0 knows, mid-copy
-    nodes = make(2)
-    for r, node in enumerate(nodes):
-        node.seal(r, 2, step=1)
-    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in nodes), tick=ticking(nodes))
-    # committed with node 0's part held once: the team does not wait for a copy it cannot make
-    wait_until(lambda: nodes[0].team.pushed[1].holders == {1}, timeout=30, tick=ticking(nodes))
-    assert nodes[0].team.healing["done"] >= 1  # healed: copied again once node 1 answered
-    assert nodes[1].team.replicas.get(0, 1) is not None
+def test_a_copy_refused_by_a_live_holder_is_tried_again_and_the_retry_serves_a_restore(make_team):
+    team = make_team(2, replicas=1)
+    team.net.fail(dest=1, msg_type="replica_end", nth=1)  # node 1 refuses node 0's copy once, stays live
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)  # the team does not wait for a copy it cannot make ...
+    team.wait(lambda: team[0].team.pushed[1].holders == {1}, "node 0's copy to be made again")  # ... it heals
+    assert team[0].team.healing["done"] >= 1 and team[0].team.counters["push_failures"] >= 1
+    assert team[0].status()["versions"][0]["health"] == "healthy"
+    team.lose(0)
+    team.wait_live({1})
+    assert team[1].team.latest() == 1
+    assert read_part(team[1], 1, 0) == ("local", data[0])  # node 0's part: the copy the retry made
 
 
-def test_a_lost_nodes_part_is_restored_from_the_copy_a_survivor_holds(team):
-    net, make = team
-    nodes = make(2)
-    data = [node.seal(r, 2, step=3) for r, node in enumerate(nodes)]
-    wait_until(lambda: all(n.state(3) is VersionState.COMMITTED for n in nodes), tick=ticking(nodes))
-    net.lose(1)
-    wait_until(lambda: nodes[0].team.live() == frozenset({0}), tick=ticking(nodes[:1]))
-    got = nodes[0].team.restore_sources(3)
+def test_a_lost_nodes_part_is_restored_from_the_copy_a_survivor_holds(make_team):
+    team = make_team(2, replicas=1)
+    data = seal_all(team, 3)
+    team.wait_state(3, COMMITTED)
+    team.lose(1)
+    team.wait_live({0})
+    got = team[0].team.restore_sources(3)
     try:
-        assert sorted(got.parts) == [0, 1] and got.where[1][0] == "local"  # node 1's part: our replica
-        kind, path, base = got.where[1]
-        part = got.parts[1]
-        with open(path, "rb") as f:
-            f.seek(base + part.tensors[0].offset)
-            assert np.array_equal(np.frombuffer(f.read(part.tensors[0].nbytes), np.float32), data[1])
+        assert sorted(got.parts) == [0, 1]
     finally:
-        with nodes[0].store.lock:
+        with team[0].store.lock:
             got.release()
+    assert read_part(team[0], 3, 1) == ("local", data[1])  # node 1's part: our replica
 
 
-def test_a_version_is_protected_but_never_committed_while_a_rank_of_it_is_lost(team):
-    net, make = team
-    nodes = make(3)
-    net.lose(0)  # node 0 (rank 0, and the first coordinator) is gone before step 1
-    for r in (1, 2):
-        nodes[r].seal(r, 3, step=1)
-    wait_until(lambda: all(nodes[r].state(1) is VersionState.PROTECTED for r in (1, 2)), tick=ticking(nodes[1:]))
-    assert nodes[1].team.replicas.get(2, 1) is not None and nodes[2].team.replicas.get(1, 1) is not None
-    with nodes[1].store.lock:
-        assert nodes[1].store.table.latest_committed() is None  # rank 0's part never came
+def test_a_version_is_protected_but_never_committed_while_a_rank_of_it_is_lost(make_team):
+    team = make_team(3, replicas=1)
+    team.lose(0)  # node 0 (rank 0, and the first coordinator) is gone before step 1
+    seal_all(team, 1, nodes=(1, 2))
+    team.wait_state(1, PROTECTED, nodes=(1, 2))
+    assert team[1].team.replicas.get(2, 1) is not None and team[2].team.replicas.get(1, 1) is not None
+    with team[1].store.lock:
+        assert team[1].store.table.latest_committed() is None  # rank 0's part never came
+
+
+def test_a_lost_node_without_replicas_is_a_typed_error_naming_the_lost_ranks(make_team):
+    team = make_team(2, replicas=0)
+    seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    team.lose(1)
+    team.wait_live({0})
+    assert team[0].team.latest() is None  # committed, but no longer whole anywhere
+    with pytest.raises(VersionNotFound, match=r"ranks \[1\]"):
+        team[0].team.restore_sources(1)
+
+
+def test_a_holder_that_restarts_before_it_is_declared_dead_gets_its_copies_again(make_team):
+    team = make_team(3, replicas=1)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    (holder,) = team[0].team.pushed[1].holders
+    team.restart(holder)  # no tick in between: never declared dead, but its replicas died with it
+    team.wait(lambda: team[holder].team.replicas.get(0, 1) is not None, f"node {holder} to hold node 0's step 1 again")
+    assert team[0].team.healing["done"] >= 1
+    team.lose(0)
+    team.wait_live({1, 2})
+    assert read_part(team[holder], 1, 0) == ("local", data[0])
+
+
+def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(make_team):
+    team = make_team(3, replicas=1)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    team.lose(2)
+    team.wait_live({0, 1})
+    team.replace(2)  # same node rank, empty RAM
+    # node 2's part (held by a survivor) and the part whose copy was on node 2 are copied again
+    team.wait(lambda: all(n.status()["versions"][0]["health"] == "healthy" for n in team[:2]), "re-protection")
+    team.wait(lambda: team[2].team.commit.is_committed(1), "the newcomer to learn step 1 is committed")
+    team.lose(0)  # a second loss, of a node holding copies
+    team.wait_live({1, 2})
+    for node in team[1:]:
+        assert node.team.latest() == 1
+        for rank in range(3):  # what a survivor serves itself is the rank's bytes; the rest a live peer has
+            kind, got = read_part(node, 1, rank)
+            assert kind == "peer" or got == data[rank], f"node {node.rank}: rank {rank} differs after two losses"
+    assert any(read_part(node, 1, 0)[0] == "local" for node in team[1:])  # node 0's part survived as a copy
