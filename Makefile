@@ -22,11 +22,17 @@ $(STAMP): $(NATIVE)
 	$(BIN)/python -m pip install -q "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
 	touch $@
 
+# Tests run in parallel (pytest-xdist): each test has its own run, shm and temp dirs
+# (tests/conftest.py), and most of a team test's time is spent waiting on other processes.
+# worksteal rebalances the long multi-process scenarios; TEST_WORKERS=0 runs them one by one.
+TEST_WORKERS ?= 3
+PYTEST := $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
+
 test: setup
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # the demo draws its loss curve with matplotlib (not a dependency of ucpd itself)
 demo: setup

@@ -22,8 +22,12 @@ import torch
 
 from helpers import TEST_JOB
 from helpers import faultkit as fk
+from helpers.waiting import wait_until
 
-BOUND = 5.0  # seconds a snapshot's wait() or a restore may take while a disk is stuck
+# seconds a snapshot's wait() or a restore may take while a disk is stuck: far below the minute
+# a stuck write blocks for (a wait behind it would take that long), far above what a loaded
+# machine needs (this is a property, not a speed: the speeds are in benchmarks/)
+BOUND = 20.0
 
 
 def _state(step: int, n: int = 4096):
@@ -62,7 +66,7 @@ def test_a_hung_flush_dir_never_blocks_snapshots_or_restores_and_status_says_sta
     with Checkpointer(d.run_dir, embedded=False) as ckpt:
         waits = [_snap(ckpt, s) for s in range(1, 8)]
         took = _restore(ckpt, 7)
-        time.sleep(1.2)
+        wait_until(lambda: ckpt.status()["flush"]["state"] == "stalled", "the daemon to call the flush stalled")
         st = ckpt.status()
     assert max(waits) < BOUND and took < BOUND, (waits, took)
     assert st["flush"]["state"] == "stalled" and st["flush"]["current_step"] == 1
