@@ -17,6 +17,7 @@ import time
 
 from .. import native
 from ..errors import ChecksumMismatch, FormatError, VersionNotFound
+from ..format.objstore import join
 from . import restore as restore_plan
 
 log = logging.getLogger("ucpd.locate")
@@ -28,7 +29,9 @@ class Locator:
     """``store``: the NodeStore; ``flush_dir``: the daemon's ``--flush-dir`` (None: none);
     ``team``: the node's Team (None: one node); ``note_checksum_failure(where)`` counts damage."""
 
-    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None):
+    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None, cache=None):
+        """``cache``: the ``FlushCache`` of an object-store ``flush_dir`` (restores fetch from it)."""
+        self.cache = cache
         self.store = store
         self.flush_dir = flush_dir
         self.team = team
@@ -45,7 +48,7 @@ class Locator:
 
     def job_flush_dir(self, job: str) -> str | None:
         """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
-        return os.path.join(self.flush_dir, job) if self.flush_dir else None
+        return join(self.flush_dir, job) if self.flush_dir else None
 
     def disk_latest(self, job: str) -> int | None:
         """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
@@ -83,6 +86,13 @@ class Locator:
     def _disk_latest_now(self, job: str) -> int | None:
         """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
         root = self.job_flush_dir(job)
+        if root is not None and self.cache is not None:
+            store = self.cache.store(job)
+            step = store.read_latest()
+            if step is not None and store.committed(step):
+                return step
+            complete = [v.step for v in store.list_versions() if v.state == "complete"]
+            return max(complete) if complete else None
         if root is None or not os.path.isdir(root):
             return None
         from ..format import read_latest
@@ -223,9 +233,27 @@ class Locator:
         from ..format import open_version
 
         root = self.job_flush_dir(job)
+        if root is not None and self.cache is not None:
+            return self._open_remote(step, job)
         if root is None or not os.path.isdir(root):
             raise self.not_this_job(step, job)
         try:
             return open_version(root, step)
         except (VersionNotFound, FileNotFoundError) as exc:
             raise self.not_this_job(step, job, f"{root}: {exc}") from None
+
+    def _open_remote(self, step, job: str):
+        """A flushed version in an object store: a verified local copy (``FlushCache``: the
+        flush's own, or fetched now by ranged reads, many in flight) opened as a directory's, so
+        the plan maps its files and reshards exactly as from one."""
+        from ..format import open_version
+
+        try:
+            local, step = self.cache.fetch(job, step)
+        except (VersionNotFound, FileNotFoundError) as exc:
+            raise self.not_this_job(step, job, f"{self.job_flush_dir(job)}: {exc}") from None
+        reader = open_version(local, step)
+        with self.store.lock:
+            reading = self.store.flushed_being_read(job) | {step}
+        self.cache.prune(job, reading)
+        return reader
