@@ -65,18 +65,26 @@ class MotoServer:
 @dataclass
 class Rule:
     """Requests this rule takes: ``method`` and a regex on the path+query; ``times`` of them
-    (-1: all until removed). ``action``: "drop", "error" or "hold"."""
+    (-1: all until removed), after letting the first ``after`` pass. ``action``: "drop", "error"
+    or "hold"."""
 
     action: str
     method: str = "PUT"
     pattern: str = ""
     times: int = 1
+    after: int = 0
+    passed: int = 0
     hits: int = 0
     released: threading.Event = field(default_factory=threading.Event)
     seen: threading.Event = field(default_factory=threading.Event)
 
     def takes(self, method: str, target: str) -> bool:
-        return (self.times < 0 or self.hits < self.times) and method == self.method and re.search(self.pattern, target) is not None
+        if method != self.method or re.search(self.pattern, target) is None:
+            return False
+        if self.passed < self.after:
+            self.passed += 1
+            return False
+        return self.times < 0 or self.hits < self.times
 
 
 class FaultProxy:
@@ -91,6 +99,7 @@ class FaultProxy:
         self.unchecked: list[str] = []  # PUTs of data without one
         self.bad_checksums: list[str] = []
         self.faults = 0
+        self.seen: list[str] = []  # "METHOD /bucket/key?query" of every request, in order
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -137,6 +146,8 @@ class FaultProxy:
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
         n = int(h.headers.get("Content-Length") or 0)
+        with self.lock:
+            self.seen.append(f"{h.command} {h.path}")
         rule = self._rule_for(h.command, h.path)
         if rule is not None and rule.action == "drop":
             h.rfile.read(n // 2)  # half the body arrived, then the connection is gone
@@ -184,3 +195,40 @@ class FaultProxy:
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
+
+
+# -- fixtures (imported by the test modules that use them) ----------------------------------------
+
+import uuid  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def moto_server(tmp_path_factory):
+    srv = MotoServer(str(tmp_path_factory.mktemp("moto") / "moto.log"))
+    yield srv
+    srv.close()
+
+
+@pytest.fixture
+def s3(moto_server, monkeypatch):
+    """A new bucket, reached through a FaultProxy: the AWS variables (fake credentials,
+    ``AWS_ENDPOINT_URL_S3`` at the proxy) are set for this process and the daemons it starts.
+    ``url``: ``s3://<bucket>/ckpt``; ``proxy``; ``client``: boto3 straight to moto (no faults)."""
+    import boto3
+    import s3fs
+
+    for k, v in FAKE_CREDENTIALS.items():
+        monkeypatch.setenv(k, v)
+    proxy = FaultProxy(moto_server.url)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
+    monkeypatch.setenv("UCPD_OBJECT_PART_BYTES", "5M")  # small files still go as multipart uploads
+    s3fs.S3FileSystem.clear_instance_cache()  # a cached client would keep another test's endpoint
+    bucket = f"ucpd-{uuid.uuid4().hex[:12]}"
+    client = boto3.client("s3", endpoint_url=moto_server.url, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
+    yield SimpleNamespace(url=f"s3://{bucket}/ckpt", bucket=bucket, proxy=proxy, client=client)
+    proxy.close()
+    s3fs.S3FileSystem.clear_instance_cache()
