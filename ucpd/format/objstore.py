@@ -498,9 +498,7 @@ class ObjectRoot:
                 piece(remote, fds[local], off, min(self.part_bytes, size - off))
                 for remote, local, size in files for off in range(0, size, self.part_bytes)
             )
-            for fd in fds.values():
-                os.fsync(fd)
-        finally:
+        finally:  # no fsync: a fetched copy is a cache, checked chunk by chunk whenever it is read
             for fd in fds.values():
                 os.close(fd)
 
