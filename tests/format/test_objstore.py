@@ -194,3 +194,17 @@ def test_ucpd_convert_reads_from_and_writes_to_s3(s3, tmp_path, capsys):
     assert main(["convert", s3.url, copy, "--from", "universal", "--to", "universal"]) == 0
     assert [(v.step, v.state) for v in list_versions(copy)] == [(2, "complete")]
     assert_reads_back(copy, 2, st)
+
+
+def test_without_s3fs_a_url_fails_with_what_to_install_and_folders_still_work(tmp_path):
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['s3fs'] = None\n"  # as if s3fs were not installed
+        "from ucpd.cli import main\n"
+        "sys.exit(main(['ls', sys.argv[1]]) * 10 + main(['ls', 's3://bucket/prefix']))"
+    )
+    run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr  # the folder listed (0), the URL refused (2)
+    assert "pip install 'ucpd[s3]'" in run.stderr and "Traceback" not in run.stderr
