@@ -208,3 +208,24 @@ def test_without_s3fs_a_url_fails_with_what_to_install_and_folders_still_work(tm
     run = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert run.returncode == 2, run.stderr  # the folder listed (0), the URL refused (2)
     assert "pip install 'ucpd[s3]'" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_a_missing_bucket_is_a_storage_error_that_says_so(s3):
+    with pytest.raises(StorageError, match="does the bucket exist"):
+        write(f"s3://no-such-bucket-{s3.bucket}/ckpt", 1, state(9))
+
+
+@pytest.mark.parametrize("scheme", ["file", "memory"])
+def test_any_fsspec_url_holds_versions_the_same_way(tmp_path, scheme):
+    url = f"file://{tmp_path}/store" if scheme == "file" else f"memory://ucpd-test-{tmp_path.name}/ckpt"
+    states = {s: state(20 + s) for s in (1, 2, 3)}
+    for s, st in states.items():
+        write(url, s, st)
+    assert [(v.step, v.state, v.latest) for v in list_versions(url)] == [(1, "complete", False), (2, "complete", False),
+                                                                         (3, "complete", True)]
+    assert_reads_back(url, 2, states[2])
+    assert validate(url) == []
+    assert retain(url, 1) == [f"{url}/step-1", f"{url}/step-2"]
+    assert [v.step for v in list_versions(url)] == [3]
+    if scheme == "file":  # the markers beside the folders, the folders as write_version makes them
+        assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["LATEST", "step-3", "step-3.committed"]

@@ -127,8 +127,11 @@ class ObjectRoot:
         except ImportError:
             raise StorageError(f"{url}: object-store roots need fsspec: pip install 'ucpd[s3]' (fsspec and s3fs)") from None
         self.url = url.rstrip("/")
+        opts = dict(storage_options or {})
+        if self.url.startswith(("file://", "local://")):
+            opts.setdefault("auto_mkdir", True)  # a local path as a URL: folders are made as objects need them
         try:
-            self.fs, self.path = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+            self.fs, self.path = fsspec.core.url_to_fs(self.url, **opts)
         except ImportError as exc:
             raise StorageError(f"{url}: the library for this URL is not installed ({exc}); for s3:// URLs: "
                                "pip install 'ucpd[s3]' (s3fs)") from None
@@ -177,11 +180,12 @@ class ObjectRoot:
 
         return self._run(one)
 
-    def _listing(self) -> dict[str, int]:
-        """Every object under the root: path relative to the root -> size (one listing)."""
+    def _listing(self, under: str = "") -> dict[str, int]:
+        """Every object under the root (or its folder ``under``): path relative to the root ->
+        size (one listing)."""
         self.fs.invalidate_cache()
         try:
-            found = self._sync("find", self.path, detail=True)
+            found = self._sync("find", self._p(under) if under else self.path, detail=True)
         except FileNotFoundError:
             return {}
         n = len(self.path) + 1
@@ -325,13 +329,21 @@ class ObjectRoot:
         local = Path(local)
         meta_bytes = (local / spec.META_FILE).read_bytes()
         meta = spec.parse_meta(meta_bytes, str(local / spec.META_FILE), expect_step=step)
+        try:
+            self._publish(local, step, meta_bytes, meta, progress, rate)
+        except FileNotFoundError as exc:
+            raise StorageError(f"{self.url}: {exc} (does the bucket exist, and may these credentials write to it?)") from None
+        if update_latest:
+            self.point_latest(step)
+
+    def _publish(self, local: Path, step: int, meta_bytes: bytes, meta, progress, rate) -> None:
         if self.committed(step):
             log.info("%s is committed already", self._u(spec.step_dirname(step)))
         else:
             names = sorted(meta.files) + ([spec.OBJECTS_FILE] if (local / spec.OBJECTS_FILE).exists() else [])
             sizes = {n: (local / n).stat().st_size for n in names}
-            here = self._listing()
             vdir = spec.step_dirname(step)
+            here = self._listing(vdir)
             todo = [n for n in names if here.get(f"{vdir}/{n}") != sizes[n]]
             if len(todo) < len(names):
                 log.info("%s: resuming an upload, %d of %d files are there already", self._u(vdir), len(names) - len(todo), len(names))
@@ -341,8 +353,6 @@ class ObjectRoot:
             self.write_bytes(meta_bytes, vdir, spec.META_FILE)  # always: small, and it must match the marker
             marker = {"step": step, "meta_crc32c": _crc32c(meta_bytes), "files": {spec.META_FILE: len(meta_bytes), **sizes}}
             self.write_bytes(json.dumps(marker, sort_keys=True).encode(), spec.marker_name(step))  # the commit point
-        if update_latest:
-            self.point_latest(step)
 
     def point_latest(self, step: int) -> None:
         """Make ``LATEST`` name ``step`` unless it names a newer committed version."""
@@ -527,13 +537,11 @@ class ObjectRoot:
             if not doomed:
                 continue
             self._remove([self._p(spec.marker_name(v.step))] if v.state != "partial" else [])
-            vdir = self._p(spec.step_dirname(v.step))
             self.fs.invalidate_cache()
             try:
-                objs = list(self._sync("find", vdir))
+                self._sync("rm", self._p(spec.step_dirname(v.step)), recursive=True)
             except FileNotFoundError:
-                objs = []
-            self._remove(objs)
+                pass
             if self.s3:
                 self._abort_stale_uploads(spec.step_dirname(v.step))
             removed.append(str(v.path))
