@@ -69,7 +69,7 @@ def test_a_version_is_invisible_until_its_marker_and_a_second_publish_resumes_th
     write(s3.url, 1, first)
     marker = s3.proxy.add(Rule("error", "PUT", r"step-2\.committed", times=-1))  # every try at the commit point fails
     with pytest.raises(StorageError, match="failed a request after retries"):
-        write(s3.url, 2, second)
+        write(s3.url, 2, second, created=1.7e9)
     assert [(v.step, v.state) for v in list_versions(s3.url)] == [(1, "complete"), (2, "partial")]
     assert read_latest(s3.url) == 1
     with pytest.raises(VersionNotFound, match="not committed"):
@@ -82,8 +82,9 @@ def test_a_version_is_invisible_until_its_marker_and_a_second_publish_resumes_th
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
+        # the same version written again (a restarted daemon finds it in its local folder)
         local = write_version(tmp, 2, sources_of(second), objects={"global": b"g2", "ranks": {0: b"r0", 1: b"r1"}},
-                              shard_bytes=4 * MiB, created=None)
+                              shard_bytes=4 * MiB, created=1.7e9)
         ObjectRoot(s3.url).publish(local, 2)
     # the second publish uploaded no shard again (same name and size), only ucp.json and the marker
     assert len([p for p in s3.proxy.seen if "step-2/model" in p]) == data_puts
@@ -229,3 +230,17 @@ def test_any_fsspec_url_holds_versions_the_same_way(tmp_path, scheme):
     assert [v.step for v in list_versions(url)] == [3]
     if scheme == "file":  # the markers beside the folders, the folders as write_version makes them
         assert sorted(p.name for p in (tmp_path / "store").iterdir()) == ["LATEST", "step-3", "step-3.committed"]
+
+
+def test_objects_of_another_write_of_the_step_are_never_taken_for_this_one(s3):
+    """A job that went back (restored an older step) writes step 2 anew, with other values of the
+    same shapes: the dead write's objects have the right names and sizes, and must not be kept."""
+    s3.proxy.add(Rule("error", "PUT", r"step-2\.committed", times=-1))
+    with pytest.raises(StorageError):
+        write(s3.url, 2, state(30))  # the first write of step 2 dies before its commit point
+    s3.proxy.clear()
+    again = state(31)  # the new run's step 2: same tensors and shapes, other bytes
+    write(s3.url, 2, again)
+    assert [(v.step, v.state) for v in list_versions(s3.url)] == [(2, "complete")]
+    assert_reads_back(s3.url, 2, again)
+    assert validate(s3.url) == []

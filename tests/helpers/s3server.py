@@ -225,6 +225,7 @@ def s3(moto_server, monkeypatch):
     proxy = FaultProxy(moto_server.url)
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", proxy.url)
     monkeypatch.setenv("UCPD_OBJECT_PART_BYTES", "5M")  # small files still go as multipart uploads
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")  # botocore's tries per request (s3fs retries on top): faults heal, failing tests end sooner
     s3fs.S3FileSystem.clear_instance_cache()  # a cached client would keep another test's endpoint
     bucket = f"ucpd-{uuid.uuid4().hex[:12]}"
     client = boto3.client("s3", endpoint_url=moto_server.url, region_name="us-east-1")

@@ -15,7 +15,8 @@ version is in place; it records the version's files, their sizes and the CRC32C 
 ``ucp.json``. A version without a marker is an upload in progress or left by a writer that died
 (``partial``); readers never take it for a complete one. Publishing a version again (a
 restarted daemon) uploads only what is missing, then writes the marker: an interrupted upload
-resumes. Retention deletes a version's marker first, then its objects, so a reader never sees a
+resumes. ``ucp.json`` goes up first and tells whose the objects are: those of another write of
+the same step are deleted and that upload starts over. Retention deletes a version's marker first, then its objects, so a reader never sees a
 half-deleted version as complete.
 
 Transfers run many parts at once: files above ``knobs.object_part_bytes()`` go as multipart
@@ -337,22 +338,38 @@ class ObjectRoot:
             self.point_latest(step)
 
     def _publish(self, local: Path, step: int, meta_bytes: bytes, meta, progress, rate) -> None:
+        """``ucp.json`` goes first: it names the version's exact bytes (every chunk's CRC32C and its
+        creation time), so a later publish of the step keeps the objects already there only when
+        they belong to this very version (the same ``ucp.json``); objects of any other write of
+        the step (a writer that died, a job that went back and wrote the step anew) are deleted and
+        the upload starts over. The marker, last, is the commit point."""
         if self.committed(step):
             log.info("%s is committed already", self._u(spec.step_dirname(step)))
-        else:
-            names = sorted(meta.files) + ([spec.OBJECTS_FILE] if (local / spec.OBJECTS_FILE).exists() else [])
-            sizes = {n: (local / n).stat().st_size for n in names}
-            vdir = spec.step_dirname(step)
-            here = self._listing(vdir)
-            todo = [n for n in names if here.get(f"{vdir}/{n}") != sizes[n]]
-            if len(todo) < len(names):
-                log.info("%s: resuming an upload, %d of %d files are there already", self._u(vdir), len(names) - len(todo), len(names))
-            self._abort_stale_uploads(vdir)
-            pace = _Pace(sum(sizes[n] for n in todo), rate, progress)
-            self._run(self._upload, [(local / n, self._p(vdir, n), sizes[n]) for n in todo], pace)
-            self.write_bytes(meta_bytes, vdir, spec.META_FILE)  # always: small, and it must match the marker
-            marker = {"step": step, "meta_crc32c": _crc32c(meta_bytes), "files": {spec.META_FILE: len(meta_bytes), **sizes}}
-            self.write_bytes(json.dumps(marker, sort_keys=True).encode(), spec.marker_name(step))  # the commit point
+            return
+        names = sorted(meta.files) + ([spec.OBJECTS_FILE] if (local / spec.OBJECTS_FILE).exists() else [])
+        sizes = {n: (local / n).stat().st_size for n in names}
+        vdir = spec.step_dirname(step)
+        self._abort_stale_uploads(vdir)
+        here = self._listing(vdir)
+        ours = False
+        if here.get(f"{vdir}/{spec.META_FILE}") == len(meta_bytes):
+            try:
+                ours = self.read_bytes(vdir, spec.META_FILE) == meta_bytes
+            except FileNotFoundError:
+                pass
+        if here and not ours:
+            log.warning("%s: %d objects of another, unfinished write of this step; starting over", self._u(vdir), len(here))
+            self._sync("rm", self._p(vdir), recursive=True)
+            here = {}
+        if not ours:
+            self.write_bytes(meta_bytes, vdir, spec.META_FILE)
+        todo = [n for n in names if here.get(f"{vdir}/{n}") != sizes[n]]
+        if len(todo) < len(names):
+            log.info("%s: resuming an upload, %d of %d files are there already", self._u(vdir), len(names) - len(todo), len(names))
+        pace = _Pace(sum(sizes[n] for n in todo), rate, progress)
+        self._run(self._upload, [(local / n, self._p(vdir, n), sizes[n]) for n in todo], pace)
+        marker = {"step": step, "meta_crc32c": _crc32c(meta_bytes), "files": {spec.META_FILE: len(meta_bytes), **sizes}}
+        self.write_bytes(json.dumps(marker, sort_keys=True).encode(), spec.marker_name(step))  # the commit point
 
     def point_latest(self, step: int) -> None:
         """Make ``LATEST`` name ``step`` unless it names a newer committed version."""
