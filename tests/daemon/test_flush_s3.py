@@ -117,3 +117,30 @@ def test_flush_keep_keeps_the_newest_versions_in_the_bucket(make_daemon, s3):
     listed = s3.client.list_objects_v2(Bucket=s3.bucket, Prefix=f"ckpt/{TEST_JOB}/").get("Contents") or []
     assert not [o["Key"] for o in listed if "/step-1" in o["Key"] or "/step-2" in o["Key"]]
     assert sorted(os.listdir(os.path.join(d.run_dir, "flush-cache", TEST_JOB))) == ["step-4"]  # the newest, locally
+
+
+def test_a_failing_store_fails_the_flush_while_the_daemon_serves_from_ram(make_daemon, s3):
+    from ucpd_client import Checkpointer
+
+    url = f"{s3.url}/{TEST_JOB}"
+    d = make_daemon("--mem-limit", "256M", "--flush-every", "1", "--flush-dir", s3.url, flush=False)
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(1, {"w": torch.full((1000,), 1.0)}).wait()
+        wait_committed(url, 1)
+        for method in ("GET", "PUT", "POST", "HEAD", "DELETE"):  # the store refuses every request at once
+            s3.proxy.add(Rule("deny", method, "", times=-1))
+        ckpt.snapshot(2, {"w": torch.full((1000,), 2.0)}).wait()
+        deadline = time.monotonic() + 90
+        while (flush := ckpt.status()["flush"])["errors"] < 1:
+            assert time.monotonic() < deadline, flush
+            time.sleep(0.1)
+        assert "the object store failed a request" in flush["last_error"]
+        t0 = time.monotonic()
+        assert ckpt.latest() == 2  # from RAM, the store's failures bounded
+        target = {"w": torch.zeros(1000)}
+        assert ckpt.restore(target) == 2 and ckpt.last_restore["where"] == "ram"
+        assert torch.equal(target["w"], torch.full((1000,), 2.0)) and time.monotonic() - t0 < 30
+        s3.proxy.clear()  # the store is back: the next version goes up
+        ckpt.snapshot(3, {"w": torch.full((1000,), 3.0)}).wait()
+        wait_committed(url, 3)
+    assert [v.step for v in list_versions(url) if v.state == "complete"] == [1, 3] and read_latest(url) == 3

@@ -4,7 +4,8 @@ cuts connections, answers errors or holds requests on cue.
 ``MotoServer`` runs moto's server mode (``python -m moto.server``) as a child process on a free
 port. ``FaultProxy`` forwards HTTP/1.1 requests to it and, for the requests a rule matches,
 instead drops the connection after reading part of the body (a network cut mid-upload), answers
-``500 InternalError`` (a struggling server: clients retry), or holds the request until
+``500 InternalError`` (a struggling server: clients retry) or ``403 AccessDenied`` (no retry:
+a failure at once), or holds the request until
 released (a stalled upload, during which a test kills the daemon). It also checks the
 ``x-amz-checksum-crc32c`` header of every request body against the body itself: moto keeps
 but does not verify those checksums, so the proxy is what proves they are right.
@@ -65,8 +66,8 @@ class MotoServer:
 @dataclass
 class Rule:
     """Requests this rule takes: ``method`` and a regex on the path+query; ``times`` of them
-    (-1: all until removed), after letting the first ``after`` pass. ``action``: "drop", "error"
-    or "hold"."""
+    (-1: all until removed), after letting the first ``after`` pass. ``action``: "drop", "error",
+    "deny" or "hold"."""
 
     action: str
     method: str = "PUT"
@@ -161,13 +162,15 @@ class FaultProxy:
             h.close_connection = True
             h.connection.shutdown(socket.SHUT_RDWR)
             return
-        if rule is not None and rule.action == "error":
-            err = b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>InternalError</Code><Message>injected</Message></Error>"
-            h.send_response(500)
+        if rule is not None and rule.action in ("error", "deny"):
+            code, status = ("InternalError", 500) if rule.action == "error" else ("AccessDenied", 403)
+            err = f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+            h.send_response(status)
             h.send_header("Content-Type", "application/xml")
             h.send_header("Content-Length", str(len(err)))
             h.end_headers()
-            h.wfile.write(err)
+            if h.command != "HEAD":
+                h.wfile.write(err)
             return
         if h.command == "PUT" and body:
             want = h.headers.get("x-amz-checksum-crc32c")

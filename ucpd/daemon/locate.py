@@ -16,7 +16,7 @@ import threading
 import time
 
 from .. import native
-from ..errors import ChecksumMismatch, FormatError, VersionNotFound
+from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
 from ..format.objstore import join
 from . import restore as restore_plan
 
@@ -73,6 +73,11 @@ class Locator:
             if not self.disk_unresponsive:
                 log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
                             self.flush_dir, DISK_LOOKUP_SECONDS)
+            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
+            return self._disk_cache.get(job)
+        except StorageError as exc:  # an object store that fails its requests: as one that does not answer
+            if not self.disk_unresponsive:
+                log.warning("the flush dir %s failed a lookup (%s); answering from RAM meanwhile", self.flush_dir, exc)
             self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
             return self._disk_cache.get(job)
         finally:
