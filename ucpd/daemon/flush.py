@@ -12,6 +12,11 @@ snapshot time and yields the file's chunk CRCs of what it wrote
 The thread runs at a lower CPU priority, at most ``flush_rate`` bytes per second, and steps
 aside between writes while a trainer copies a snapshot into a slot, so the trainers keep their
 share of the cores and of the memory bandwidth.
+
+With an object-store ``--flush-dir`` (``s3://bucket/prefix``, any fsspec URL) the version is
+written the same way into the job's local folder (``flush_cache.FlushCache``) and then published
+(``ucpd.format.objstore``: parallel multipart uploads with CRC32C, the commit marker last); a
+daemon killed mid-upload publishes that written copy once restarted (``resume``).
 """
 
 from __future__ import annotations

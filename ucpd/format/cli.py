@@ -93,8 +93,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([v.to_dict() for v in versions], indent=1))
         return 0
-    from rich.table import Table
-
     con = _console()
     if not versions:
         jobs = sorted(d.name for d in root.iterdir() if d.is_dir() and (any(d.glob("step-*")) or (d / "LATEST").exists()))
