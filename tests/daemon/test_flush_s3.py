@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from helpers import TEST_JOB, ranks
 from helpers.gpt_layout import empty_like_state, mismatches, rank_state
 from helpers.s3server import Rule, moto_server, s3  # noqa: F401  (fixtures)
 from ucpd.format import list_versions, read_latest, validate
+from ucpd.rpc import Connection
 
 pytestmark = pytest.mark.slow
 
@@ -64,13 +66,25 @@ def test_ranks_restore_from_the_bucket_on_another_layout_when_ram_cannot_serve(m
     shutil.rmtree(os.path.join(d.run_dir, "flush-cache"))
     gets_before = len([r for r in s3.proxy.seen if r.startswith("GET") and "/step-3/model" in r])
     s3.proxy.add(Rule("drop", "GET", r"/step-3/model", times=1))  # one ranged read is cut: retried
+    hold = s3.proxy.add(Rule("hold", "GET", r"/step-3/model", times=1))  # the next one waits for the test
     d.start()
-    procs, results = ranks.spawn(restore_ranks, 2, d.run_dir, 2, 3)  # TP2 x DP1
-    ranks.join(procs)
+    spawned = {}
+    restoring = threading.Thread(target=lambda: spawned.update(zip(("procs", "results"),
+                                                                   ranks.spawn(restore_ranks, 2, d.run_dir, 2, 3))))
+    restoring.start()  # TP2 x DP1
+    try:
+        assert hold.seen.wait(120), "the restore never read from the bucket"
+        with Connection(d.run_dir, timeout=10) as conn:  # the download runs on a worker: the daemon answers meanwhile
+            assert conn.call("status")["versions"] == []
+    finally:
+        hold.released.set()  # that read's connection is cut: retried
+        restoring.join(180)
+    ranks.join(spawned["procs"])
+    results = spawned["results"]
     for rank, got, where, bad in sorted(results):
         assert (got, where, bad) == (3, "disk", []), f"rank {rank}"
     assert len([r for r in s3.proxy.seen if r.startswith("GET") and "/step-3/model" in r]) > gets_before
-    assert s3.proxy.faults == 1
+    assert s3.proxy.faults == 2
     assert os.path.isfile(os.path.join(d.run_dir, "flush-cache", TEST_JOB, "step-3", "ucp.json"))
 
 

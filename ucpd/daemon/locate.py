@@ -247,6 +247,29 @@ class Locator:
         except (VersionNotFound, FileNotFoundError) as exc:
             raise self.not_this_job(step, job, f"{root}: {exc}") from None
 
+    def pending_fetch(self, step: int | None, job: str, avoid: set = frozenset()):
+        """One node, an object-store flush dir: the download a restore of ``step`` needs before
+        ``find`` can answer it (RAM cannot serve, or the store holds a newer version, and no local
+        copy is there), as a callable for a worker thread; None when there is none. Its failure
+        is left for ``find`` to meet again and answer (an older version, or the error)."""
+        if self.cache is None or self.team is not None:
+            return None
+        version = self._ram_choice(step, job, avoid)
+        disk = self._disk_choice(job, avoid) if step is None else None
+        if version is not None and (disk is None or disk <= version.step):
+            return None
+        target = step if step is not None else disk
+        if target is None or (job, target, "disk") in avoid or self.cache.staged(job, target) is not None:
+            return None
+
+        def fetch() -> None:
+            try:
+                self.cache.fetch(job, target)
+            except Exception as exc:  # noqa: BLE001 - find meets it again and answers
+                log.warning("fetching step %s of job %r from the flush dir failed: %s", target, job, exc)
+
+        return fetch
+
     def _open_remote(self, step, job: str):
         """A flushed version in an object store: a verified local copy (``FlushCache``: the
         flush's own, or fetched now by ranged reads, many in flight) opened as a directory's, so

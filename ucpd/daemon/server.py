@@ -441,6 +441,10 @@ class Daemon:
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
             return self._defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
+        job = _job(body)
+        fetch = self.locate.pending_fetch(body.get("step"), job, {(job, s, w) for s, w in body.get("avoid") or ()})
+        if fetch is not None:  # a download from the object store first, on a worker: the loop keeps serving
+            return self._defer(ident, req_id, "restore", fetch, then=lambda: self._restore(body))
         return self._restore(body)
 
     def _restore(self, body):
@@ -471,6 +475,9 @@ class Daemon:
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
             return self._defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
+        fetch = self.locate.pending_fetch(body.get("step"), _job(body))
+        if fetch is not None:
+            return self._defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
         return self._describe(body)
 
     def _describe(self, body):
