@@ -87,6 +87,13 @@ class LaunchError(UcpdError):
     code = "launch"
 
 
+class StorageError(UcpdError):
+    """An object store (a ``--flush-dir`` URL such as ``s3://bucket/prefix``) failed a request after
+    its retries, or the library its URL needs is not installed (the message says what to install)."""
+
+    code = "storage"
+
+
 ALL_ERRORS: tuple[type[UcpdError], ...] = (
     UcpdError,
     DaemonUnreachable,
@@ -101,6 +108,7 @@ ALL_ERRORS: tuple[type[UcpdError], ...] = (
     AuthError,
     AlreadyRunning,
     LaunchError,
+    StorageError,
 )
 
 _BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -101,6 +101,17 @@ def flush_io() -> str:
     return _get("UCPD_FLUSH_IO", "direct")
 
 
+def object_part_bytes() -> int:
+    """Bytes of each part of a multipart upload, and of each ranged read, to an object store
+    (a ``--flush-dir`` URL); S3 wants parts of at least 5 MiB."""
+    return max(5 << 20, parse_size(_get("UCPD_OBJECT_PART_BYTES", "16M")))
+
+
+def object_concurrency() -> int:
+    """Parts (uploads or ranged reads) in flight at once to an object store; each holds a part in memory."""
+    return max(1, int(_get("UCPD_OBJECT_CONCURRENCY", "8")))
+
+
 def rpc_timeout() -> float:
     """Seconds a client waits for a daemon reply before raising DaemonUnreachable."""
     return float(_get("UCPD_RPC_TIMEOUT", "60"))

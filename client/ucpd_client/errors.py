@@ -11,6 +11,7 @@ from ucpd.errors import (  # noqa: F401
     PlacementMismatch,
     ProtocolError,
     SnapshotRejected,
+    StorageError,
     UcpdError,
     UnsafePickle,
     VersionNotFound,

@@ -29,7 +29,13 @@ def add_commands(sub) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")
     g.add_argument("--parity", help="erasure-coded groups: K (XOR over K+1 nodes) or K+M (Reed-Solomon)")
-    p.add_argument("--flush-dir", help="directory for the universal-format flush (none: no flush)")
+    p.add_argument("--flush-dir", help="directory for the universal-format flush (none: no flush), or an object-store "
+                   "URL: s3://bucket/prefix or any fsspec URL (needs `pip install 'ucpd[s3]'`)")
+    p.add_argument("--flush-cache", help="an object-store --flush-dir's local folder: versions are written there before "
+                   "their upload, and restores that RAM cannot serve fetch them there (default <run-dir>/flush-cache)")
+    p.add_argument("--flush-storage-options", metavar="JSON",
+                   help="fsspec storage options of an object-store --flush-dir, e.g. '{\"endpoint_url\": "
+                   "\"http://minio:9000\"}' (default: the AWS_* variables, AWS_ENDPOINT_URL_S3, fsspec config)")
     p.add_argument(
         "--flush-every", default=None,
         help="flush every Nth committed version (default 1), or auto: the interval that minimises flush cost plus "
@@ -40,7 +46,7 @@ def add_commands(sub) -> None:
         help="mean time between failures for --flush-every auto, e.g. 6h (default: learned from the job's restarts)",
     )
     p.add_argument("--flush-rate", help="flush bandwidth limit in bytes/s, e.g. 2G (0: unlimited)")
-    p.add_argument("--flush-keep", type=int, default=None, help="complete versions kept on disk (0: all)")
+    p.add_argument("--flush-keep", type=int, default=None, help="complete versions kept in the flush dir (0: all)")
     p.add_argument("--keep", type=int, default=None, help="committed versions kept in RAM, per job (default 2)")
     p.add_argument("--job-mem-limit", help="RAM one job's slots may hold, e.g. 32G (default: only --mem-limit)")
     p.add_argument("--job", help="the job a team of daemons serves (default: the first that snapshots)")
@@ -110,11 +116,25 @@ def config_from_args(args):
         mtbf=_duration("--mtbf", o.get("mtbf")),
         flush_rate=float(knobs.parse_size(o["flush_rate"])) if o.get("flush_rate") is not None else knobs.flush_rate(),
         flush_keep=int(o.get("flush_keep", 0)),
+        flush_cache=o.get("flush_cache"),
+        flush_storage_options=_storage_options(o.get("flush_storage_options")),
         idle_exit=float(o.get("idle_exit", 0)),
         metrics_port=o.get("metrics_port"),
         job_mem_limit=knobs.parse_size(o["job_mem_limit"]) if o.get("job_mem_limit") else 0,
         job=_checked_job(o.get("job")),
     )
+
+
+def _storage_options(text):
+    if text is None or isinstance(text, dict):  # a --config file may give a table
+        return text
+    try:
+        opts = json.loads(text)
+    except ValueError as exc:
+        raise UcpdError(f"--flush-storage-options: not JSON ({exc}); give an object, e.g. '{{\"anon\": false}}'") from None
+    if not isinstance(opts, dict):
+        raise UcpdError("--flush-storage-options: give a JSON object of fsspec storage options")
+    return opts
 
 
 def _flush_every(text):

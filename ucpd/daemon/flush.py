@@ -12,6 +12,11 @@ snapshot time and yields the file's chunk CRCs of what it wrote
 The thread runs at a lower CPU priority, at most ``flush_rate`` bytes per second, and steps
 aside between writes while a trainer copies a snapshot into a slot, so the trainers keep their
 share of the cores and of the memory bandwidth.
+
+With an object-store ``--flush-dir`` (``s3://bucket/prefix``, any fsspec URL) the version is
+written the same way into the job's local folder (``flush_cache.FlushCache``) and then published
+(``ucpd.format.objstore``: parallel multipart uploads with CRC32C, the commit marker last); a
+daemon killed mid-upload publishes that written copy once restarted (``resume``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from .. import faults, knobs, native
 from ..dtypes import dtype as lookup_dtype
 from ..checked import CheckedSource, ConsolidatingCopier
 from ..format import TensorSource, open_version, retain, write_version
+from ..format.objstore import join
 from ..format.root import clean_temp, point_latest
 from ..ucl import plan_consolidate
 from .flush_interval import FlushInterval
@@ -59,9 +65,11 @@ class Flusher:
     only). Default: this node's slots (one node holds every rank).
     A team of daemons passes one that brings the other nodes' parts first."""
 
-    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None):
+    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None, cache=None):
         """``every``: flush every Nth committed version of a job (an int), or a ``FlushInterval``
-        (``--flush-every auto`` chooses N per job from measurements)."""
+        (``--flush-every auto`` chooses N per job from measurements). ``cache``: the
+        ``FlushCache`` of an object-store ``flush_dir`` (a URL); None for a directory."""
+        self.cache = cache
         self.store = store
         self.gather = gather or self._local_parts
         self.flush_dir = flush_dir
@@ -74,12 +82,13 @@ class Flusher:
         self._stopping = False
         self._committed_since: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
-        os.makedirs(flush_dir, exist_ok=True)
+        if cache is None:
+            os.makedirs(flush_dir, exist_ok=True)
         self._thread.start()
 
     def root(self, job: str) -> str:
-        """The checkpoint root of ``job``'s flushed versions."""
-        return os.path.join(self.flush_dir, job)
+        """The checkpoint root of ``job``'s flushed versions (a folder, or a URL)."""
+        return join(self.flush_dir, job)
 
     def on_commit(self, version) -> None:
         """Called under the store lock for each newly committed version. At most one version
@@ -258,6 +267,20 @@ class Flusher:
             },
         }
         objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
+        if self.cache is not None:
+            self._write_remote(version, tensors, layout, objects, progress)
+        else:
+            self._write_local(version, tensors, layout, objects, progress)
+        sources.clear()
+        self.progress.last_flushed = version.step
+        self.progress.failing = 0
+        self.progress.last_error = None
+        self.progress.last_seconds = time.monotonic() - t0
+        self.interval.on_flushed(version.job, self.progress.last_seconds)
+        self.progress.flushed_count += 1
+        log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)
+
+    def _write_local(self, version, tensors, layout, objects, progress) -> None:
         root = self.root(version.job)
         for stale in clean_temp(root):  # a flusher killed mid-version left it (with or without --flush-keep)
             log.warning("removed %s, left by a flush that did not finish", stale)
@@ -272,7 +295,6 @@ class Flusher:
                 root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
                 throttle=self._step_aside, io=knobs.flush_io(),
             )
-        sources.clear()
         faults.point("flush.done", version.step)
         if self.keep_on_disk:
             with self.store.lock:
@@ -280,10 +302,36 @@ class Flusher:
             retain(root, self.keep_on_disk, protect=reading)
         with self.store.lock:
             self.store.mark_flushed(version)
-        self.progress.last_flushed = version.step
-        self.progress.failing = 0
-        self.progress.last_error = None
-        self.progress.last_seconds = time.monotonic() - t0
-        self.interval.on_flushed(version.job, self.progress.last_seconds)
-        self.progress.flushed_count += 1
-        log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)
+
+    def _write_remote(self, version, tensors, layout, objects, progress) -> None:
+        """An object-store flush dir: the version is written as to a directory, into the job's
+        local folder (``FlushCache``), then published (parallel multipart uploads, the commit
+        marker last). A daemon killed mid-upload finds the written copy there after its restart
+        and publishes it again: what was uploaded whole stays, the rest goes, then the marker."""
+        job, step = version.job, version.step
+        store, local = self.cache.store(job), self.cache.local(job)
+        if store.committed(step):  # a daemon before us published it and died before its index said so
+            log.info("step %d is already in %s", step, store.url)
+            store.point_latest(step)
+        else:
+            with self.cache.lock:
+                for stale in clean_temp(local):
+                    log.warning("removed %s, left by a flush that did not finish", stale)
+                staged = self.cache.staged(job, step)
+            if staged is None:
+                staged = write_version(
+                    local, step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
+                    throttle=self._step_aside, io=knobs.flush_io(), update_latest=False,
+                )
+            else:
+                log.info("step %d was written to %s before a restart; publishing it", step, staged)
+            self.progress.bytes_done = 0  # now the upload's bytes
+            store.publish(staged, step, progress=progress, rate=self.rate or None)
+        faults.point("flush.done", step)
+        with self.store.lock:
+            reading = self.store.flushed_being_read(job)
+        if self.keep_on_disk:
+            store.retain(self.keep_on_disk, protect=reading)
+        self.cache.prune(job, reading)
+        with self.store.lock:
+            self.store.mark_flushed(version)

@@ -16,7 +16,8 @@ import threading
 import time
 
 from .. import native
-from ..errors import ChecksumMismatch, FormatError, VersionNotFound
+from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
+from ..format.objstore import join
 from . import restore as restore_plan
 
 log = logging.getLogger("ucpd.locate")
@@ -28,7 +29,9 @@ class Locator:
     """``store``: the NodeStore; ``flush_dir``: the daemon's ``--flush-dir`` (None: none);
     ``team``: the node's Team (None: one node); ``note_checksum_failure(where)`` counts damage."""
 
-    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None):
+    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None, cache=None):
+        """``cache``: the ``FlushCache`` of an object-store ``flush_dir`` (restores fetch from it)."""
+        self.cache = cache
         self.store = store
         self.flush_dir = flush_dir
         self.team = team
@@ -45,7 +48,7 @@ class Locator:
 
     def job_flush_dir(self, job: str) -> str | None:
         """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
-        return os.path.join(self.flush_dir, job) if self.flush_dir else None
+        return join(self.flush_dir, job) if self.flush_dir else None
 
     def disk_latest(self, job: str) -> int | None:
         """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
@@ -72,6 +75,11 @@ class Locator:
                             self.flush_dir, DISK_LOOKUP_SECONDS)
             self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
             return self._disk_cache.get(job)
+        except StorageError as exc:  # an object store that fails its requests: as one that does not answer
+            if not self.disk_unresponsive:
+                log.warning("the flush dir %s failed a lookup (%s); answering from RAM meanwhile", self.flush_dir, exc)
+            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
+            return self._disk_cache.get(job)
         finally:
             with self._disk_guard:
                 if fut.done() and self._disk_pending.get(job) is fut:
@@ -83,6 +91,13 @@ class Locator:
     def _disk_latest_now(self, job: str) -> int | None:
         """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
         root = self.job_flush_dir(job)
+        if root is not None and self.cache is not None:
+            store = self.cache.store(job)
+            step = store.read_latest()
+            if step is not None and store.committed(step):
+                return step
+            complete = [v.step for v in store.list_versions() if v.state == "complete"]
+            return max(complete) if complete else None
         if root is None or not os.path.isdir(root):
             return None
         from ..format import read_latest
@@ -223,9 +238,50 @@ class Locator:
         from ..format import open_version
 
         root = self.job_flush_dir(job)
+        if root is not None and self.cache is not None:
+            return self._open_remote(step, job)
         if root is None or not os.path.isdir(root):
             raise self.not_this_job(step, job)
         try:
             return open_version(root, step)
         except (VersionNotFound, FileNotFoundError) as exc:
             raise self.not_this_job(step, job, f"{root}: {exc}") from None
+
+    def pending_fetch(self, step: int | None, job: str, avoid: set = frozenset()):
+        """One node, an object-store flush dir: the download a restore of ``step`` needs before
+        ``find`` can answer it (RAM cannot serve, or the store holds a newer version, and no local
+        copy is there), as a callable for a worker thread; None when there is none. Its failure
+        is left for ``find`` to meet again and answer (an older version, or the error)."""
+        if self.cache is None or self.team is not None:
+            return None
+        version = self._ram_choice(step, job, avoid)
+        disk = self._disk_choice(job, avoid) if step is None else None
+        if version is not None and (disk is None or disk <= version.step):
+            return None
+        target = step if step is not None else disk
+        if target is None or (job, target, "disk") in avoid or self.cache.staged(job, target) is not None:
+            return None
+
+        def fetch() -> None:
+            try:
+                self.cache.fetch(job, target)
+            except Exception as exc:  # noqa: BLE001 - find meets it again and answers
+                log.warning("fetching step %s of job %r from the flush dir failed: %s", target, job, exc)
+
+        return fetch
+
+    def _open_remote(self, step, job: str):
+        """A flushed version in an object store: a verified local copy (``FlushCache``: the
+        flush's own, or fetched now by ranged reads, many in flight) opened as a directory's, so
+        the plan maps its files and reshards exactly as from one."""
+        from ..format import open_version
+
+        try:
+            local, step = self.cache.fetch(job, step)
+        except (VersionNotFound, FileNotFoundError) as exc:
+            raise self.not_this_job(step, job, f"{self.job_flush_dir(job)}: {exc}") from None
+        reader = open_version(local, step)
+        with self.store.lock:
+            reading = self.store.flushed_being_read(job) | {step}
+        self.cache.prune(job, reading)
+        return reader

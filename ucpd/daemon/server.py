@@ -52,6 +52,8 @@ class DaemonConfig:
     mtbf: float | None = None  # seconds between failures, for --flush-every auto (None: learned)
     flush_rate: float = 0.0
     flush_keep: int = 0
+    flush_cache: str | None = None  # an object-store --flush-dir's local folder (None: <run_dir>/flush-cache)
+    flush_storage_options: dict | None = None  # fsspec storage options of an object-store --flush-dir
     idle_exit: float = 0.0
     metrics_port: int | None = None
     prepare_spare: bool = True
@@ -87,7 +89,7 @@ def make_store(config: DaemonConfig, policy: CommitPolicy | None = None, team=No
     )
 
 
-def make_flusher(config: DaemonConfig, store: NodeStore, team=None):
+def make_flusher(config: DaemonConfig, store: NodeStore, team=None, cache=None):
     """The background flush to ``--flush-dir``, or None (no flush dir, or a team node that does
     not flush)."""
     if not config.flush_dir or (team is not None and not team.flushes):
@@ -97,7 +99,20 @@ def make_flusher(config: DaemonConfig, store: NodeStore, team=None):
 
     gather = team.gather_for_flush if team is not None else None
     interval = FlushInterval(config.flush_every, config.mtbf)
-    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather)
+    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather,
+                   cache=cache if cache is not None else make_flush_cache(config))
+
+
+def make_flush_cache(config: DaemonConfig):
+    """The local folder of an object-store ``--flush-dir`` (a URL), or None for a directory."""
+    from ..format.objstore import is_url
+
+    if not is_url(config.flush_dir):
+        return None
+    from .flush_cache import FlushCache
+
+    cache_dir = config.flush_cache or os.path.join(config.run_dir, "flush-cache")
+    return FlushCache(config.flush_dir, cache_dir, config.flush_storage_options)
 
 
 class Daemon:
@@ -114,9 +129,10 @@ class Daemon:
         self._locks = DirLocks(config.run_dir, config.shm_dir)
         self.team = team if team is not None else make_team(config)
         self.store = store if store is not None else make_store(config, policy, self.team)
-        self.locate = Locator(self.store, config.flush_dir, self.team, self.note_checksum_failure)
+        self.flush_cache = make_flush_cache(config)
+        self.locate = Locator(self.store, config.flush_dir, self.team, self.note_checksum_failure, self.flush_cache)
         self.store.commit_listeners.append(self.locate.ram_sources)  # ready before anyone asks to restore it
-        self.flusher = flusher if flusher is not None else make_flusher(config, self.store, self.team)
+        self.flusher = flusher if flusher is not None else make_flusher(config, self.store, self.team, self.flush_cache)
         if self.flusher is not None:
             self.store.commit_listeners.append(self.flusher.on_commit)
             with self.store.lock:
@@ -425,6 +441,10 @@ class Daemon:
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
             return self._defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
+        job = _job(body)
+        fetch = self.locate.pending_fetch(body.get("step"), job, {(job, s, w) for s, w in body.get("avoid") or ()})
+        if fetch is not None:  # a download from the object store first, on a worker: the loop keeps serving
+            return self._defer(ident, req_id, "restore", fetch, then=lambda: self._restore(body))
         return self._restore(body)
 
     def _restore(self, body):
@@ -455,6 +475,9 @@ class Daemon:
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
             return self._defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
+        fetch = self.locate.pending_fetch(body.get("step"), _job(body))
+        if fetch is not None:
+            return self._defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
         return self._describe(body)
 
     def _describe(self, body):

@@ -21,13 +21,13 @@ TO = ("universal", "dcp", "safetensors", "hf", "deepspeed-ucp")
 def add_commands(sub: Any) -> None:
     p = sub.add_parser("ls", help="list the versions of a universal checkpoint root",
                        description="List the step-<N> versions under DIR: state, tensors, bytes, time, LATEST.")
-    p.add_argument("dir", metavar="DIR", help="checkpoint root (holds step-<N>/ folders)")
+    p.add_argument("dir", metavar="DIR", help="checkpoint root (holds step-<N>/ folders), or its URL (s3://bucket/prefix)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=cmd_ls)
 
     p = sub.add_parser("inspect", help="show the tensors, layout and objects of one version",
                        description="Show one version of DIR (default: LATEST).")
-    p.add_argument("dir", metavar="DIR", help="checkpoint root, or one step-<N> folder")
+    p.add_argument("dir", metavar="DIR", help="checkpoint root, or one step-<N> folder, or a URL of either (s3://...)")
     p.add_argument("--step", type=int, default=None, help="version to show (default: LATEST)")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--verify", action="store_true", help="also validate the version (all checksums)")
@@ -81,8 +81,11 @@ def when(t: float | None) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
+    from .objstore import ObjectRoot, is_url
     from .root import list_versions
 
+    if is_url(args.dir):
+        return _ls_url(ObjectRoot(args.dir), args)
     root = Path(args.dir)
     if not root.is_dir():
         raise FormatError(f"{root}: no such directory")
@@ -90,8 +93,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([v.to_dict() for v in versions], indent=1))
         return 0
-    from rich.table import Table
-
     con = _console()
     if not versions:
         jobs = sorted(d.name for d in root.iterdir() if d.is_dir() and (any(d.glob("step-*")) or (d / "LATEST").exists()))
@@ -100,7 +101,39 @@ def cmd_ls(args: argparse.Namespace) -> int:
         else:
             con.print(f"{root}: no versions")
         return 0
-    table = Table(title=str(root), title_justify="left")
+    _print_versions(str(root), versions)
+    return 0
+
+
+def _ls_url(store, args: argparse.Namespace) -> int:
+    """``ucpd ls URL``: the versions of a checkpoint root in an object store."""
+    try:
+        versions = store.list_versions()
+    except FileNotFoundError:
+        raise FormatError(f"{store.url}: no such bucket or prefix") from None
+    if args.json:
+        print(json.dumps([v.to_dict() for v in versions], indent=1))
+        return 0
+    if not versions:
+        try:
+            jobs = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.path, detail=False)})
+        except FileNotFoundError:
+            jobs = []
+        if jobs:
+            _console().print(f"{store.url}: no versions here; it holds {', '.join(jobs)} (a daemon's --flush-dir keeps one "
+                             f"root per job: `ucpd ls {store.url}/{jobs[0]}`)")
+        else:
+            _console().print(f"{store.url}: no versions")
+        return 0
+    _print_versions(store.url, versions)
+    return 0
+
+
+def _print_versions(title: str, versions) -> None:
+    from rich.table import Table
+
+    con = _console()
+    table = Table(title=title, title_justify="left")
     for col, j in (("step", "right"), ("state", "left"), ("tensors", "right"), ("size", "right"),
                    ("created", "left"), ("", "left")):
         table.add_column(col, justify=j)
@@ -110,11 +143,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                       human(v.nbytes) if v.state == "complete" else "-", when(v.created),
                       "LATEST" if v.latest else "")
     con.print(table)
-    return 0
 
 
-def _resolve_version_dir(d: Path, step: int | None) -> tuple[Path, int | None]:
-    """Accept a root or a ``step-<N>`` folder (then ``--step`` must agree)."""
+def _resolve_version_dir(d: Path | str, step: int | None) -> tuple[Path | str, int | None]:
+    """Accept a root or a ``step-<N>`` folder (then ``--step`` must agree); a URL of either."""
+    from .objstore import is_url
+
+    if is_url(d):
+        parent, _, last = str(d).rstrip("/").rpartition("/")
+        s = spec.parse_step_dirname(last)
+        if s is None:
+            return str(d), step
+        if step is not None and step != s:
+            raise VersionNotFound(f"{d} is step {s}, but --step {step} was asked")
+        return parent, s
     s = spec.parse_step_dirname(d.name)
     if s is not None and not any(d.glob("step-*")):
         if step is not None and step != s:
@@ -127,19 +169,33 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .root import open_version
     from .validate import validate
 
-    root, step = _resolve_version_dir(Path(args.dir), args.step)
-    with open_version(root, step) as r:
+    from .objstore import is_url
+
+    root, step = _resolve_version_dir(args.dir if is_url(args.dir) else Path(args.dir), args.step)
+    if is_url(root):  # fetched into a temporary folder; checked below only with --verify, as a folder is
+        from .objstore import ObjectRoot
+        from .root import open_remote
+
+        reader = open_remote(ObjectRoot(str(root)), step, verify=False)
+    else:
+        reader = open_version(root, step)
+    with reader as r:
         m = r.meta
         blobs = {"global": None if m.objects_global is None else m.objects_global.nbytes,
                  "ranks": {str(k): b.nbytes for k, b in sorted(m.objects_ranks.items())}}
         problems = None
+        shown = f"{root}/{spec.step_dirname(r.step)}" if is_url(root) else str(r.path)
         if args.verify:
             with progress_bar("verify") as progress:
-                problems = validate(root, r.step, full=True, progress=progress)
+                if is_url(root):  # the reader holds a verified local copy: check it there, named by its URL
+                    local = str(r.path.parent)
+                    problems = [p.replace(local, str(root)) for p in validate(local, r.step, full=True, progress=progress)]
+                else:
+                    problems = validate(root, r.step, full=True, progress=progress)
         explained = _explain(r, args) if args.spec else None
         if args.json:
             out = {
-                "path": str(r.path), "step": r.step, "format_version": m.format_version,
+                "path": shown, "step": r.step, "format_version": m.format_version,
                 "created": m.created, "chunk_bytes": m.chunk_bytes, "total_bytes": m.total_bytes,
                 "layout": m.layout,
                 "files": {f.name: {"size": f.size, "data_offset": f.data_offset} for f in m.files.values()},
@@ -159,7 +215,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         from rich.table import Table
 
         con = _console()
-        con.print(f"[bold]{r.path}[/bold]  step {r.step}  format v{m.format_version}  created {m.created}")
+        con.print(f"[bold]{shown}[/bold]  step {r.step}  format v{m.format_version}  created {m.created}")
         con.print(f"{len(r.tensors)} tensors, {human(m.total_bytes)} in {len(m.files)} files, "
                   f"crc32c per {human(m.chunk_bytes)} chunk")
         lay = json.dumps(m.layout, separators=(",", ":"))

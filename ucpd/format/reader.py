@@ -68,8 +68,10 @@ def _blobs(meta: Meta) -> list[BlobInfo]:
 class VersionReader:
     """An open, structurally checked version. Use as a context manager or call ``close``."""
 
-    def __init__(self, path: Path, meta: Meta) -> None:
+    def __init__(self, path: Path, meta: Meta, on_close=None) -> None:
+        """``on_close``: called once by ``close`` (removes a fetched copy of a remote version)."""
         self.path = Path(path)
+        self._on_close = on_close
         self.meta = meta
         self.step = meta.step
         self.tensors: dict[str, TensorInfo] = meta.tensors
@@ -118,11 +120,14 @@ class VersionReader:
 
     def close(self) -> None:
         maps, self._maps = self._maps, {}
+        on_close, self._on_close = getattr(self, "_on_close", None), None
         for m in maps.values():
             try:
                 m.close()
             except BufferError:  # arrays handed out still view it; it unmaps when they go
                 pass
+        if on_close is not None:
+            on_close()
 
     def __enter__(self) -> VersionReader:
         return self

@@ -29,6 +29,8 @@ MAX_HEADER_BYTES = 100 << 20  # a safetensors header larger than this is refused
 STEP_RE = re.compile(r"^step-(\d+)$")
 TMP_RE = re.compile(r"^\.step-(\d+)\.tmp-(\d+)$")
 DEL_RE = re.compile(r"^\.step-(\d+)\.del-(\d+)$")
+MARKER_SUFFIX = ".committed"
+MARKER_RE = re.compile(r"^step-(\d+)\.committed$")
 SHARD_RE = re.compile(r"^model-(\d{5})-of-(\d{5})\.safetensors$")
 
 
@@ -47,6 +49,12 @@ def del_dirname(step: int, pid: int) -> str:
 def shard_filename(index: int, count: int) -> str:
     """``index`` counts from 1, as in Hugging Face shard names."""
     return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def marker_name(step: int) -> str:
+    """The commit marker of a version in an object store: the object beside ``step-<N>/`` whose
+    presence makes the version visible (object stores have no rename; ``docs/FORMAT.md``)."""
+    return f"step-{step}{MARKER_SUFFIX}"
 
 
 def parse_step_dirname(name: str) -> int | None:

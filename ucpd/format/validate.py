@@ -26,8 +26,13 @@ def validate(
     with their recorded sizes, safetensors headers bounds-checked and agreeing with ucp.json,
     no unexpected files, LATEST naming a complete version); ``full`` also verifies every
     checksum chunk of every tensor and object. ``progress(bytes_done, bytes_total)`` follows
-    the checksum pass. Each problem names the path and what is wrong.
+    the checksum pass. Each problem names the path and what is wrong. A URL root is checked
+    through ``ObjectRoot.validate`` (each version fetched, then checked as a folder).
     """
+    from .objstore import ObjectRoot, is_url
+
+    if is_url(root):
+        return ObjectRoot(str(root)).validate(step, full, progress)
     root = Path(root)
     if not root.is_dir():
         return [f"{root}: not a directory"]
