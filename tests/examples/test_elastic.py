@@ -37,4 +37,6 @@ def test_elastic_job_loses_a_node_and_restores_from_ram_on_a_new_layout(tmp_path
     assert [n["live"] for n in s["team"]["nodes"]] == [True, False]
     assert s["counters"]["restores"] == 2  # one per restarted rank
     assert s["latest_committed"] == STEPS  # the resumed job's snapshots commit on the survivor
-    assert r.timings["lost_until_training"] < 60, r.timings
+    # resumed well before a wait would give up (the team admits a run within 120 s, or says why);
+    # how fast it resumes is measured in benchmarks/, not here
+    assert r.timings["lost_until_training"] < 110, r.timings
