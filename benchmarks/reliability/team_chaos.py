@@ -32,12 +32,14 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def campaign(seed: int, seconds: float, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
              dead_after: float = 1.5, log=print, min_trials: int = 0, max_trials: int | None = None,
-             fresh_after_failure: bool = True, partitions: bool = False):
-    """Trials drawn from ``seed`` for ``seconds`` (and on until ``min_trials``); returns them."""
+             fresh_after_failure: bool = True, partitions: bool = False, kinds: tuple[str, ...] | None = None):
+    """Trials drawn from ``seed`` for ``seconds`` (and on until ``min_trials``); returns them.
+    ``kinds``: the faults to draw from (default: every kind)."""
     from helpers import team_chaos
 
     c = team_chaos.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log,
-                               fresh_after_failure=fresh_after_failure, partitions=partitions)
+                               fresh_after_failure=fresh_after_failure, partitions=partitions,
+                               kinds=kinds or team_chaos.KINDS)
     return c.go(seconds, min_trials=min_trials, max_trials=max_trials)
 
 

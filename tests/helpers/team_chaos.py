@@ -490,7 +490,8 @@ def category(msg: str) -> str:
 class Campaign:
     def __init__(self, seed: int, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
                  dead_after: float = 1.5, workdir: str | None = None, log=print, fresh_after_failure: bool = True,
-                 partitions: bool = False):
+                 partitions: bool = False, kinds: tuple[str, ...] = KINDS):
+        """``kinds``: the faults drawn from (all of them by default; a short test may pick some)."""
         import tempfile
 
         self.seed, self.nodes, self.per_node, self.redundancy = seed, nodes, per_node, redundancy
@@ -501,7 +502,7 @@ class Campaign:
         self.order: list[str] = []
         self.log = log
         self.base = workdir or tempfile.mkdtemp(prefix="ucpd-team-chaos-")
-        self.kinds = KINDS + ((PARTITION,) if partitions else ())
+        self.kinds = tuple(kinds) + ((PARTITION,) if partitions else ())
         self.team = Team(self.base, f"/dev/shm/ucpd-team-chaos-{os.getpid()}-{uuid.uuid4().hex[:6]}", nodes,
                          redundancy_args(redundancy, nodes), dead_after, log, partitions)
         self.run = 0
