@@ -39,6 +39,7 @@ def spawn(target, world: int, *args, wait_for: int | None = None, timeout: float
     rendezvous = os.path.join(tempfile.mkdtemp(prefix="gloo-", dir=WORKDIR), "rendezvous")
     procs = [ctx.Process(target=target, args=(r, world, rendezvous, q, *args), daemon=True) for r in range(world)]
     for p in procs:
+        p.queue = q  # the queue lives as long as its ranks (they unpickle it as they start)
         p.start()
         STARTED.append(p)
     messages = []

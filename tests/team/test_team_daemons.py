@@ -27,8 +27,9 @@ from helpers.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 
-def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, hold):
-    """Rank r talks to node r // per_node and snapshots each step (TPxDP layout)."""
+def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, hold, gate=None):
+    """Rank r talks to node r // per_node and snapshots each step (TPxDP layout); with ``gate``
+    (a path), it waits after the first step until the test creates that file."""
     ranks.init_gloo(rank, world, rendezvous)
     from ucpd_client import Checkpointer
 
@@ -36,6 +37,8 @@ def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, ho
     for step in steps:
         state, placements = rank_state(step, rank, tp, world // tp)
         ckpt.snapshot(step, state, placements=placements).wait(timeout=60)
+        if gate and step == steps[0]:
+            wait_until(lambda: os.path.exists(gate), "the test to open the gate", 120)
     q.put(("committed", rank, ckpt.latest()))
     if hold:
         time.sleep(600)  # the test SIGKILLs us
@@ -184,10 +187,15 @@ def test_a_flush_reading_another_nodes_ram_keeps_that_part_until_it_is_fetched(m
     team = make_team(2, "--replicas", "0", "--keep", "2", "--flush-dir", flush, start=False)
     team.start(0, fault="flush.fetch@1")  # a slow flush: 3 s between pinning node 1's part and reading it
     team.start(1)
-    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1, 2, 3, 4), False)
+    gate = str(tmp_path / "gate")
+    procs, _ = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1, 2, 3, 4), False, gate, wait_for=0)
+    # steps 2-4 come once node 0's flush of step 1 has pinned node 1's part, whatever the load
+    wait_for(lambda: any(v["step"] == 1 and v["readers"] for v in status(team.nodes[1].run_dir)["versions"]),
+             "node 0's flush to pin node 1's part of step 1", 60)
+    open(gate, "w").close()
     ranks.join(procs)
     # meanwhile steps 2-4 committed: node 1 (keep 2) would have evicted step 1 without the pin
-    assert sorted(m[2] for m in done) == [4, 4], team.logs()
+    assert status(team.nodes[0].run_dir)["latest_committed"] == 4, team.logs()
     wait_for(lambda: any(v.step == 1 and v.state == "complete" for v in list_versions(os.path.join(flush, TEST_JOB))), "the flush of step 1", 60)
     assert status(team.nodes[0].run_dir)["flush"]["last_error"] is None
     # once fetched, the pin is gone and node 1 keeps only its 2 newest again

@@ -26,6 +26,7 @@ def collect(daemon) -> dict:
                 "shared_bytes": sum(t.nbytes for p in v.parts.values() for t in p.tensors if t.holder is not None),
                 "tensors": sum(len(p.tensors) for p in v.parts.values()),
                 "on_disk": v.on_disk,
+                "readers": v.pins,  # restores and flushes (this node's or a peer's) reading it now: kept past --keep
                 "age_s": round(time.time() - v.created, 1),
             }
         )
