@@ -87,6 +87,13 @@ class LaunchError(UcpdError):
     code = "launch"
 
 
+class CommitTimeout(UcpdError, TimeoutError):
+    """A step was not committed within the wait's timeout: some ranks never sealed it, or a node
+    waits for more ranks than run on it (a wrong local size). The message names them."""
+
+    code = "commit_timeout"
+
+
 ALL_ERRORS: tuple[type[UcpdError], ...] = (
     UcpdError,
     DaemonUnreachable,
@@ -101,6 +108,7 @@ ALL_ERRORS: tuple[type[UcpdError], ...] = (
     AuthError,
     AlreadyRunning,
     LaunchError,
+    CommitTimeout,
 )
 
 _BY_CODE = {cls.code: cls for cls in ALL_ERRORS}
