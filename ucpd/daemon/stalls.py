@@ -89,7 +89,7 @@ def advice(step: int, world: int, nodes: Mapping[int, dict], missing: list[int])
                 f"other nodes. {LOCAL_SIZE_HOWTO}")
     if missing:
         return (f"rank(s) {ranges(missing)} have not snapshotted step {step}: a rank that died, hangs, snapshots "
-                "other steps, or talks to a daemon outside this team")
+                "other steps" + (", or talks to a daemon outside this team" if len(nodes) > 1 else ""))
     short = [n for n in with_ranks if len(nodes[n]["ranks"]) < nodes[n]["local_size"]]
     if short:
         return (f"every rank sealed step {step} somewhere, but node(s) {short} wait for more ranks than they hold: "
