@@ -12,6 +12,10 @@ of PyTorch's test harness) from pytorch/pytorch ``test/distributed/checkpoint/``
   ``test_save_load_bytes`` and ``test_switch_between_sharded_tensor_to_tensor``.
   Not ported: the Rot13 and ZStandard cases (``FileSystemWriter`` extensions: file encodings,
   which a daemon's RAM does not have) and the thread counts (a file writer's threads).
+- ``test_fsspec.py``: ``test_fsspec`` with FSDP2 (``fully_shard``) on gloo instead of FSDP1 on
+  NCCL (no GPU here), through ``get_state_dict``/``set_state_dict``: the model and Adam's state
+  come back; ``test_overwrite`` (a saved step is immutable: a second save of it is refused).
+  ``TestFileSystem`` (fsspec streams) has no counterpart.
 - ``test_dtensor_resharding.py``: every 1-D -> 1-D, 2-D -> 2-D, 1-D -> 2-D and 2-D -> 1-D
   placement change of a 4x4 DTensor on 4 ranks; and its TODO, a load on another world size.
 
@@ -127,6 +131,91 @@ def test_dtype_casts_on_load_narrowing_and_widening(daemon):
         dcp.load(wide, storage_reader=reader(ckpt, 4), no_dist=True)  # bf16 checkpoint -> fp32 template
     assert narrow["w"].dtype == torch.bfloat16 and torch.equal(narrow["w"], fp32["w"].to(torch.bfloat16))
     assert wide["w"].dtype == torch.float32 and torch.equal(wide["w"], bf16["w"].float())
+
+
+def test_a_second_save_of_a_saved_step_is_refused_and_the_first_stays(daemon):
+    """test_fsspec.py's test_overwrite: a checkpoint that exists is not overwritten (ucpd has no
+    overwrite=True: a version is immutable; save the next step instead)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ucpd_client import Checkpointer
+
+    t1, t2 = torch.randn(10), torch.randn(10)
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        dcp.save({"random": t1}, storage_writer=writer(ckpt, 5), no_dist=True)
+        with pytest.raises(CheckpointException, match="step 5 is already committed; snapshot a new step number"):
+            dcp.save({"random": t2}, storage_writer=writer(ckpt, 5), no_dist=True)
+        dcp.save({"random": t2}, storage_writer=writer(ckpt, 6), no_dist=True)
+        sd = {"random": torch.zeros(10)}
+        dcp.load(sd, storage_reader=reader(ckpt), checkpoint_id="step-5", no_dist=True)
+        assert torch.equal(sd["random"], t1)
+        dcp.load(sd, storage_reader=reader(ckpt), no_dist=True)  # the newest
+        assert torch.equal(sd["random"], t2)
+
+
+# --- FSDP2 on two ranks (test_fsspec.py's test_fsspec) ------------------------------------------
+
+
+def fsdp_case(rank, world, rendezvous, q, run_dir):
+    ranks.init_gloo(rank, world, rendezvous)
+    import torch.distributed.checkpoint as dcp
+    from torch import nn
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ucpd_client import Checkpointer
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net1 = nn.Sequential(nn.Linear(8, 16), nn.ReLU())
+            self.net2 = nn.Sequential(nn.Linear(16, 32), nn.ReLU())
+            self.net3 = nn.Linear(32, 64)
+            self.net4 = nn.Sequential(nn.ReLU(), nn.Linear(64, 8))
+
+        def forward(self, x):
+            return self.net4(self.net3(self.net2(self.net1(x))))
+
+    mesh = init_device_mesh("cpu", (world,))
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = Net()
+        for m in (model.net1, model.net2, model.net3, model.net4, model):
+            fully_shard(m, mesh=mesh)
+        return model, torch.optim.Adam(model.parameters(), lr=0.1)
+
+    model, optim = build(0)
+    torch.manual_seed(1)
+    model(torch.rand(8, 8)).sum().backward()
+    optim.step()
+    model2, optim2 = build(5)
+    failures = []
+    full = [p.full_tensor() for p in model.parameters()]
+    if any(torch.equal(a, b.full_tensor()) for a, b in zip(full, model2.parameters())):
+        failures.append("the second model starts equal")
+    with Checkpointer(run_dir, embedded=False) as ckpt:
+        msd, osd = get_state_dict(model, optim)
+        dcp.save({"model": msd, "optim": osd}, storage_writer=writer(ckpt, 300))
+        msd2, osd2 = get_state_dict(model2, optim2)  # Adam's state is made before it is filled
+        sd = {"model": msd2, "optim": osd2}
+        dcp.load(sd, storage_reader=reader(ckpt, 300))
+        set_state_dict(model2, optim2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    if not all(torch.equal(a, b.full_tensor()) for a, b in zip(full, model2.parameters())):
+        failures.append("parameters differ")
+    for (p1, s1), (p2, s2) in zip(optim.state.items(), optim2.state.items()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(s1[key].full_tensor(), s2[key].full_tensor()):
+                failures.append(f"optimizer {key} differs")
+    q.put((rank, failures))
+
+
+def test_fsdp2_model_and_optimizer_through_dcp(daemon):
+    procs, results = ranks.spawn(fsdp_case, 2, daemon.run_dir)
+    ranks.join(procs)
+    assert [f for _, f in sorted(results)] == [[], []]
 
 
 # --- ShardedTensor on two ranks (test_file_system_checkpoint_cpu.py) -----------------------------
