@@ -123,6 +123,15 @@ class UcpdCallback(_Base):
             self._take()
         return control
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
+        if self.restore and self._trainer is None and state.global_step == 0:
+            step = self.ckpt.latest()
+            if step is not None:  # the old way (restore here) skewed the resumed run: say how to resume
+                log.warning(
+                    "the daemon holds step %d of job %r, and this Trainer starts from step 0: to resume from it, "
+                    "call trainer.train(resume_from_checkpoint=callback.resume_from(trainer))", step, self.ckpt.job)
+        return control
+
     def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> Any:
         self._forget_folder()  # the trainer has read what resume_from wrote (RNG states last)
         if self._pending is not None:  # the step's log or evaluation did not happen after all
