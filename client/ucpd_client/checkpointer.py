@@ -81,11 +81,15 @@ def default_job() -> str:
 
 def _default_job_id() -> str | None:
     """One id per run of the job, the same on every rank: $UCPD_JOB_ID, torchrun's run id and
-    restart count, or one that rank 0 puts in the process group's store (no collective)."""
+    restart count, the launcher's (``launchers.run_id``: Slurm, PMIx, Open MPI), or one that
+    rank 0 puts in the process group's store (no collective)."""
     if os.environ.get("UCPD_JOB_ID"):
         return os.environ["UCPD_JOB_ID"]
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    launched = launchers.run_id()  # srun's job, step and restart count; PMIx's namespace
+    if launched is not None:
+        return launched
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             import datetime

@@ -130,3 +130,16 @@ def detect(env: Mapping[str, str] | None = None, world_size: int | None = None) 
                 values[field] = found[0]
                 source[field] = f"{launcher.name} {found[1] if '=' in found[1] else f'{found[1]}={found[0]}'}"
     return Place(values.get("rank"), values.get("world_size"), values.get("local_rank"), values.get("local_size"), source)
+
+
+def run_id(env: Mapping[str, str] | None = None) -> str | None:
+    """One id per run of the job, the same on every rank, from the launcher (None: none says):
+    Slurm's job, step and restart count (a requeued job or a new ``srun`` step is a new run),
+    PMIx's namespace, Open MPI's job id."""
+    env = os.environ if env is None else env
+    if env.get("SLURM_JOB_ID") and env.get("SLURM_STEP_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env['SLURM_STEP_ID']}-{env.get('SLURM_RESTART_COUNT', '0')}"
+    for name in ("PMIX_NAMESPACE", "OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid"):
+        if env.get(name):
+            return f"{name.lower()}-{env[name]}"
+    return None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ucpd_client.launchers import detect, parse_slurm_counts
+from ucpd_client.launchers import detect, parse_slurm_counts, run_id
 
 
 @pytest.mark.parametrize("text, counts", [
@@ -74,3 +74,11 @@ def test_a_launcher_that_speaks_of_another_world_is_not_believed():
 def test_nothing_set():
     p = detect({})
     assert (p.rank, p.world_size, p.local_rank, p.local_size) == (None, None, None, None)
+
+
+def test_a_run_of_the_job_is_named_by_the_launcher():
+    assert run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3", "SLURM_RESTART_COUNT": "1"}) == "slurm-42.3-1"
+    assert run_id({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "0"}) == "slurm-42.0-0"
+    assert run_id({"SLURM_JOB_ID": "42"}) is None  # the batch script itself, not a step of ranks
+    assert run_id({"PMIX_NAMESPACE": "prterun-host-1234@1"}) == "pmix_namespace-prterun-host-1234@1"
+    assert run_id({}) is None

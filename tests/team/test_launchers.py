@@ -29,7 +29,7 @@ def launcher_env(rank: int, launcher: str) -> dict[str, str]:
     if launcher == "slurm":  # srun --ntasks 6 --nodes 3
         env.update(SLURM_PROCID=str(rank), SLURM_NTASKS=str(WORLD), SLURM_STEP_NUM_TASKS=str(WORLD),
                    SLURM_LOCALID=str(local), SLURM_NODEID=str(node), SLURM_STEP_TASKS_PER_NODE="2(x3)",
-                   SLURM_TASKS_PER_NODE="2(x3)", SLURM_JOB_ID="4242")
+                   SLURM_TASKS_PER_NODE="2(x3)", SLURM_JOB_ID="4242", SLURM_STEP_ID="0")
     elif launcher == "openmpi":  # mpirun -np 6 --map-by ppr:2:node
         env.update(OMPI_COMM_WORLD_RANK=str(rank), OMPI_COMM_WORLD_SIZE=str(WORLD),
                    OMPI_COMM_WORLD_LOCAL_RANK=str(local), OMPI_COMM_WORLD_LOCAL_SIZE=str(PER_NODE))
