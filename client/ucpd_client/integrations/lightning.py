@@ -24,6 +24,7 @@ the pointer says which). Lightning's checkpoints hold no RNG state, here as in i
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -61,10 +62,7 @@ def _strip(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
         tensors[name] = obj
         return _Ref(name)
     if isinstance(obj, dict):
-        try:
-            out = type(obj)()
-        except TypeError:  # a dict subclass that needs arguments
-            out = {}
+        out = copy.copy(obj)  # its type and attributes (an OrderedDict, Lightning's AttributeDict)
         for k, v in obj.items():
             out[k] = _strip(v, f"{prefix}.{k}" if prefix else str(k), tensors)
         return out
