@@ -18,7 +18,9 @@ $(STAMP): $(NATIVE)
 	$(BIN)/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0"
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]"
 	# tested through the real libraries; their wheels require torch, so --no-deps keeps the one above
-	$(BIN)/python -m pip install -q --no-deps "accelerate==1.15.0" "torchft==0.2.0"
+	$(BIN)/python -m pip install -q --no-deps "accelerate==1.15.0" "torchft==0.2.0" "lightning==2.6.6" "torchmetrics==1.9.0"
+	# lightning's own dependencies that do not require torch (its wheel also names pytorch-lightning, which it does not import)
+	$(BIN)/python -m pip install -q "lightning-utilities>=0.10,<2" "fsspec>=2022.5" "packaging>=23"
 	$(BIN)/python -m pip install -q "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
 	touch $@
 

@@ -94,6 +94,13 @@ class StorageError(UcpdError):
     code = "storage"
 
 
+class CommitTimeout(UcpdError, TimeoutError):
+    """A step was not committed within the wait's timeout: some ranks never sealed it, or a node
+    waits for more ranks than run on it (a wrong local size). The message names them."""
+
+    code = "commit_timeout"
+
+
 ALL_ERRORS: tuple[type[UcpdError], ...] = (
     UcpdError,
     DaemonUnreachable,
@@ -109,6 +116,7 @@ ALL_ERRORS: tuple[type[UcpdError], ...] = (
     AlreadyRunning,
     LaunchError,
     StorageError,
+    CommitTimeout,
 )
 
 _BY_CODE = {cls.code: cls for cls in ALL_ERRORS}

@@ -117,6 +117,20 @@ def rpc_timeout() -> float:
     return float(_get("UCPD_RPC_TIMEOUT", "60"))
 
 
+def commit_timeout() -> float | None:
+    """Seconds ``SnapshotHandle.wait()`` waits for every rank to commit a step when given no
+    timeout, before it raises ``CommitTimeout`` naming the ranks that never came ($UCPD_COMMIT_TIMEOUT;
+    0 = for ever)."""
+    value = float(_get("UCPD_COMMIT_TIMEOUT", "900"))
+    return value if value > 0 else None
+
+
+def stall_warn() -> float:
+    """Seconds a version may wait for ranks before the daemon logs which ranks of which job it
+    waits for (and again every 6 times as long), and a client waiting on it logs the same."""
+    return float(_get("UCPD_STALL_WARN", "10"))
+
+
 def embedded_start_timeout() -> float:
     """Seconds to wait for an embedded daemon to come up."""
     return float(_get("UCPD_EMBEDDED_TIMEOUT", "30"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import logging
 import os
 import re
 import pickle
@@ -33,14 +34,15 @@ from ucpd.protocol import job_name, tensor_entry
 from ucpd.rpc import Connection
 from ucpd.ucl import Replicated
 
-from . import embedded as embedded_daemon, restore as restore_mod, state as state_mod
-from .errors import InvalidJobName
+from . import embedded as embedded_daemon, launchers, restore as restore_mod, state as state_mod
+from .errors import CommitTimeout, InvalidJobName
 from .incremental import Tracker
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
 
 
 _REPLICATED = Replicated().to_dict()
+log = logging.getLogger("ucpd.client")
 
 
 @functools.lru_cache(maxsize=1)
@@ -79,11 +81,15 @@ def default_job() -> str:
 
 def _default_job_id() -> str | None:
     """One id per run of the job, the same on every rank: $UCPD_JOB_ID, torchrun's run id and
-    restart count, or one that rank 0 puts in the process group's store (no collective)."""
+    restart count, the launcher's (``launchers.run_id``: Slurm, PMIx, Open MPI), or one that
+    rank 0 puts in the process group's store (no collective)."""
     if os.environ.get("UCPD_JOB_ID"):
         return os.environ["UCPD_JOB_ID"]
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    launched = launchers.run_id()  # srun's job, step and restart count; PMIx's namespace
+    if launched is not None:
+        return launched
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         try:
             import datetime
@@ -100,9 +106,11 @@ def _default_job_id() -> str | None:
 
 
 def _default_rank_world() -> tuple[int, int]:
+    """torch.distributed's rank and world size, else the launcher's (``launchers.detect``), else 0/1."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank(), torch.distributed.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    place = launchers.detect()
+    return (0 if place.rank is None else place.rank), (1 if place.world_size is None else place.world_size)
 
 
 class SnapshotHandle:
@@ -147,24 +155,50 @@ class SnapshotHandle:
         return self._committed
 
     def wait(self, timeout: float | None = None) -> "SnapshotHandle":
-        """Block until every rank committed this step; raises the failure if any."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        """Block until every rank committed this step; raises the failure if any.
+
+        ``timeout`` None: ``$UCPD_COMMIT_TIMEOUT`` (default 900 s; 0 waits for ever). A step
+        still pending after ``$UCPD_STALL_WARN`` seconds is logged (which ranks it waits for,
+        and why); at the timeout, ``CommitTimeout`` says the same."""
+        if timeout is None:
+            timeout = knobs.commit_timeout()
+        start = time.monotonic()
+        deadline = None if timeout is None else start + timeout
         if not self._sealed.wait(timeout):
             raise TimeoutError(f"snapshot of step {self.step} not sealed within {timeout} s")
         if self._error is not None:
             raise self._error
+        warn = knobs.stall_warn()
+        next_log = start + warn
         while not self._committed:
-            left = 30.0 if deadline is None else max(0.0, deadline - time.monotonic())
-            self._ask(min(left, 30.0))
-            if deadline is not None and time.monotonic() >= deadline and not self._committed:
-                raise TimeoutError(f"step {self.step} not committed within {timeout} s: a rank has not snapshotted it")
+            left = warn if deadline is None else max(0.0, deadline - time.monotonic())
+            why = self._ask(min(left, warn, 30.0))
+            now = time.monotonic()
+            if self._committed:
+                break
+            if deadline is not None and now >= deadline:
+                raise CommitTimeout(self._why(why, f"step {self.step} was not committed within {timeout:g} s"))
+            if now >= next_log:
+                next_log = now + 6 * warn
+                log.warning("%s", self._why(why, f"rank {self._ckpt.rank} has waited {now - start:.0f} s for step {self.step} to commit"))
         return self
 
-    def _ask(self, timeout: float) -> None:
+    def _why(self, waiting: dict | None, head: str) -> str:
+        if not waiting:
+            return f"{head}: a rank has not snapshotted it (the daemon says nothing of it yet)"
+        from ucpd.daemon.stalls import describe
+
+        said = self._ckpt.local_size_source
+        return f"{head}: {describe(self._ckpt.job, self.step, waiting)} (this rank's local size {self._ckpt.local_world_size}: {said})"
+
+    def _ask(self, timeout: float) -> dict | None:
+        """One ``wait`` call; returns the daemon's ``waiting`` record while the step is pending."""
         reply = self._ckpt._conn().call_wait(self.step, timeout)
         if reply.get("state") != "pending":
             self._committed = True
             self.timings["committed"] = time.perf_counter()
+            return None
+        return reply.get("waiting")
 
 
 class Checkpointer:
@@ -173,7 +207,7 @@ class Checkpointer:
     Args:
         run_dir: the daemon's run directory (default ``$UCPD_RUN_DIR``, else ``/tmp/ucpd-$USER``).
         rank, world_size: this rank and how many ranks seal each version (default: from
-            ``torch.distributed``, else ``$RANK``/``$WORLD_SIZE``, else 0/1).
+            ``torch.distributed``, else the launcher's variables (``ucpd_client.launchers``), else 0/1).
         embedded: start a daemon when none answers at ``run_dir`` (default True).
         job: the job the versions belong to, the same on every rank and across restarts
             (default ``$UCPD_JOB``, torchrun's rendezvous id, ``$SLURM_JOB_ID``, else the script
@@ -183,7 +217,8 @@ class Checkpointer:
             else torchrun's run id and restart count). A restarted run never completes a
             version that a run before it left half-written.
         local_world_size: the job's ranks on this node, which seal each version with this
-            node's daemon (default ``$LOCAL_WORLD_SIZE`` as torchrun sets it, else
+            node's daemon (default: what the launcher says — torchrun's ``$LOCAL_WORLD_SIZE``,
+            Slurm's, Open MPI's or PMI's variables, ``ucpd_client.launchers`` — else
             ``world_size``). A team of daemons needs it; one node ignores it.
         incremental: a CPU tensor unchanged since this rank's previous snapshot (its chunk
             checksums, computed read-only, all equal) is not copied again: the new version
@@ -234,8 +269,22 @@ class Checkpointer:
         # a team of daemons copies parts by their slot bytes: it never takes references
         self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
         self._job = {"incarnation": self.job_id} if self.job_id else {}
-        local = local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0) or self.world_size
-        self._job["local_world_size"] = min(local, self.world_size)
+        if local_world_size:
+            local, self.local_size_source = local_world_size, "Checkpointer(local_world_size=...)"
+        else:
+            place = launchers.detect(world_size=self.world_size)
+            local = place.local_size or self.world_size
+            self.local_size_source = place.describe("local_size") if place.local_size else (
+                "no launcher variable says it (torchrun's LOCAL_WORLD_SIZE, Slurm's, Open MPI's, PMI's), "
+                "so the whole world size was assumed")
+        self.local_world_size = min(local, self.world_size)
+        self._job["local_world_size"] = self.local_world_size
+        if self.daemon_info.get("nodes", 1) > 1 and not local_world_size and not place.local_size and self.world_size > 1:
+            log.warning(
+                "rank %d: no launcher variable says how many of the job's %d ranks run on this node; assuming all of "
+                "them. In a team of %d daemons that is wrong unless the whole job runs here: set LOCAL_WORLD_SIZE, "
+                "launch with torchrun, srun or mpirun, or pass Checkpointer(local_world_size=...)",
+                self.rank, self.world_size, self.daemon_info.get("nodes"))
 
     # --- connections ---------------------------------------------------------------------------
 

@@ -13,7 +13,8 @@ ShardedTensors) keep working, and the bytes go to the daemon's RAM instead of fi
     dcp.load(state_dict, storage_reader=UcpdStorageReader(ckpt))        # newest committed
 
 Each chunk DCP writes becomes a tensor with a UCL ``Box`` placement (its offsets in the global
-tensor); bytes items (non-tensor state) travel as plain values. On load the reader describes
+tensor; several chunks of one tensor on a rank, as a ShardedTensor may have, one ``Flat`` buffer
+of boxes); bytes items (non-tensor state) travel as plain values. On load the reader describes
 the version as one whole chunk per tensor, so DCP asks for exactly the regions each rank
 needs, whatever layout saved them, and the daemon serves them from RAM (or its flush dir).
 A ``checkpoint_id`` of ``step-N`` or ``N`` selects the step.
@@ -45,11 +46,11 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from ucpd.errors import PlacementMismatch, UcpdError
+from ucpd.errors import UcpdError
 
 from . import restore as restore_mod
 from .errors import AsyncSaveUnsupported
-from .placement import Box
+from .placement import Box, Flat, FlatBuffer, FlatEntry
 from .staging import Entry
 
 _STEP = re.compile(r"^(?:.*step-)?(\d+)$")
@@ -113,8 +114,7 @@ class UcpdStorageWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        tensors: dict[str, torch.Tensor] = {}
-        placements: dict[str, Any] = {}
+        chunks: dict[str, list[tuple[torch.Tensor, Any]]] = {}
         values: dict[str, bytes] = {}
         results = []
         for item in plan.items:
@@ -125,14 +125,23 @@ class UcpdStorageWriter(StorageWriter):
                 values[fqn] = raw
                 results.append(WriteResult(index=item.index, size_in_bytes=len(raw), storage_data=self.step))
                 continue
-            if fqn in tensors:
-                raise PlacementMismatch(
-                    f"DCP gave this rank two chunks of {fqn!r}; ucpd stores one chunk per tensor per rank"
-                )
             td = item.tensor_data
-            tensors[fqn] = data.detach()
-            placements[fqn] = Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size))
+            chunks.setdefault(fqn, []).append((data.detach(), td))
             results.append(WriteResult(index=item.index, size_in_bytes=data.numel() * data.element_size(), storage_data=self.step))
+        tensors: dict[str, torch.Tensor] = {}
+        placements: dict[str, Any] = {}
+        for fqn, parts in chunks.items():
+            if len(parts) == 1:  # one chunk (DTensor, a plain tensor): a box of the global tensor
+                data, td = parts[0]
+                tensors[fqn] = data
+                placements[fqn] = Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size))
+                continue
+            # several chunks on this rank (a ShardedTensor with several shards here): one flat
+            # buffer of them, each chunk an entry placed as its box of the global tensor
+            tensors[fqn] = torch.cat([d.reshape(-1) for d, _ in parts])
+            entries = [FlatEntry(fqn, tuple(td.chunk.sizes), Box(tuple(td.chunk.offsets), tuple(td.chunk.sizes), tuple(td.size)))
+                       for _, td in parts]
+            placements[fqn] = Flat(0, tensors[fqn].numel(), FlatBuffer(tuple(entries)))
         state = {**tensors, "__dcp_bytes__": values}
         handle = self.ckpt.snapshot(self.step, state, placements=placements)
         self.last_handle = handle
@@ -156,6 +165,7 @@ class UcpdStorageReader(StorageReader):
         self.step = step
         self._bytes: dict[str, bytes] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, torch.dtype] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         step = _step_of(checkpoint_id)
@@ -179,7 +189,7 @@ class UcpdStorageReader(StorageReader):
         for name, t in desc["tensors"].items():
             shape = tuple(t["shape"])
             self._shapes[name] = shape
-            dtype = getattr(torch, t["dtype"])
+            dtype = self._dtypes[name] = getattr(torch, t["dtype"])
             chunk = ChunkStorageMetadata(offsets=torch.Size([0] * len(shape)), sizes=torch.Size(shape))
             md[name] = TensorStorageMetadata(TensorProperties(dtype=dtype), torch.Size(shape), [chunk])
         for name in self._bytes:
@@ -205,10 +215,15 @@ class UcpdStorageReader(StorageReader):
                 continue
             target = planner.resolve_tensor(item).detach()
             box = Box(tuple(item.storage_offsets), tuple(item.lengths), self._shapes[fqn])
-            entries.append(Entry(fqn, target, box.to_dict()))
-            items.append((item, target))
+            saved = self._dtypes.get(fqn, target.dtype)
+            # another dtype than saved (the planner allowed the cast): read as saved, then cast, as DCP's own readers do
+            into = target if target.dtype == saved else torch.empty(tuple(item.lengths), dtype=saved)
+            entries.append(Entry(fqn, into, box.to_dict()))
+            items.append((item, target, into))
         if entries:
             restore_mod.restore_entries(self.ckpt, entries, self.step)
-        for item, target in items:
+        for item, target, into in items:
+            if into is not target:
+                target.copy_(into.view(target.shape))
             planner.commit_tensor(item, target)
         return _done(None)

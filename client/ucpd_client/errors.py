@@ -5,6 +5,7 @@ from ucpd.errors import (  # noqa: F401
     AlreadyRunning,
     AuthError,
     ChecksumMismatch,
+    CommitTimeout,
     DaemonUnreachable,
     FormatError,
     InvalidPlacement,

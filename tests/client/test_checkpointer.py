@@ -268,3 +268,20 @@ def test_per_rank_tensors_saved_without_a_placement_are_refused_not_silently_mer
     finally:
         for ck in cks:
             ck.close()
+
+
+def test_a_step_a_rank_never_snapshots_fails_in_time_naming_that_rank(make_daemon, monkeypatch):
+    from ucpd_client.errors import CommitTimeout
+
+    monkeypatch.setenv("UCPD_STALL_WARN", "1")  # the daemon and the client say what they wait for after 1 s
+    daemon = make_daemon("--mem-limit", "1G")
+    with Checkpointer(daemon.run_dir, rank=0, world_size=3, embedded=False) as ckpt:
+        h = ckpt.snapshot(1, {"w": torch.ones(4)}, placements={"w": P.Shard(0, 0, 3)})
+        with pytest.raises(CommitTimeout) as err:
+            h.wait(timeout=3)
+    text = str(err.value)
+    assert "step 1 was not committed within 3 s" in text
+    assert "it holds rank(s) [0] of 3 and was told a local size of 3 (waits for 2 more: of ranks [1-2])" in text
+    assert "Rank(s) 1-2 have not snapshotted step 1" in text
+    assert isinstance(err.value, TimeoutError)
+    assert "has waited" in daemon.read_log() and "Rank(s) 1-2 have not snapshotted step 1" in daemon.read_log()

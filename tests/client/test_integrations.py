@@ -1,9 +1,8 @@
 """The DeepSpeed CheckpointEngine and the Hugging Face TrainerCallback adapters, through a real
 daemon. DeepSpeed's engine is driven through its documented CheckpointEngine interface (the
 calls engine.save_checkpoint / load_checkpoint make: create, save per file, commit, load), with
-the real DeepSpeed objects' shapes (a LossScaler-like object, flat partitions); the callback
-through the TrainerCallback hooks (transformers' own base class and TrainerState where
-installed)."""
+the real DeepSpeed objects' shapes (a LossScaler-like object, flat partitions). The callback's
+resume inside a real Trainer: tests/client/test_hf_resume.py."""
 
 from __future__ import annotations
 
@@ -71,103 +70,6 @@ def test_deepspeed_checkpoint_engine_round_trip(daemon, tmp_path):
         assert ce.load(str(tmp_path / "plain.pt")) == {"x": 1}
 
 
-def _trainer_state(step):
-    try:
-        from transformers import TrainerControl, TrainerState
-
-        st = TrainerState()
-        st.global_step, st.epoch = step, step / 10
-        return st, TrainerControl()
-    except ImportError:
-        return SimpleNamespace(global_step=step, epoch=step / 10), SimpleNamespace()
-
-
-def test_hf_callback_snapshots_every_n_and_restores(daemon):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
-        cb = UcpdCallback(ckpt, every=2, wait=True)
-        saved = {}
-        for step in range(1, 6):
-            model(torch.randn(2, 4)).sum().backward()
-            opt.step()
-            opt.zero_grad()
-            st, ctl = _trainer_state(step)
-            cb.on_step_end(None, st, ctl, model=model, optimizer=opt)
-            if step % 2 == 0:
-                saved[step] = ({k: v.clone() for k, v in model.state_dict().items()},
-                               opt.state_dict()["state"][0]["exp_avg"].clone())
-        assert ckpt.latest() == 4
-        # a resumed job: fresh model and optimizer (whose state exists after one step)
-        model2 = torch.nn.Linear(4, 3)
-        opt2 = torch.optim.AdamW(model2.parameters(), lr=0.1)
-        model2(torch.randn(2, 4)).sum().backward()
-        opt2.step()
-        st, ctl = _trainer_state(0)
-        cb2 = UcpdCallback(ckpt, every=2)
-        cb2.on_train_begin(None, st, ctl, model=model2, optimizer=opt2)
-        assert cb2.restored_step == 4 and st.global_step == 4 and st.epoch == pytest.approx(0.4)
-        for k, v in saved[4][0].items():
-            assert torch.equal(model2.state_dict()[k], v)
-        assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], saved[4][1])
-
-
 def test_hf_callback_is_a_transformers_callback():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
     assert isinstance(UcpdCallback(object(), every=3), transformers.TrainerCallback)
-
-
-def _tiny_trainer(tmp_path, seed, max_steps, callbacks):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-    pytest.importorskip("accelerate", reason="accelerate is not installed (transformers' Trainer needs it; "
-                        "pip install --no-deps accelerate: its wheel requires torch)")
-    torch.manual_seed(seed)
-    cfg = transformers.GPT2Config(vocab_size=32, n_positions=16, n_embd=16, n_layer=1, n_head=2)
-    model = transformers.GPT2LMHeadModel(cfg)
-    g = torch.Generator().manual_seed(1)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(32, (16, 8), generator=g)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / f"out{seed}"), max_steps=max_steps, per_device_train_batch_size=4,
-        learning_rate=1e-2, save_strategy="no", report_to=[], use_cpu=True, logging_strategy="no",
-        disable_tqdm=True, dataloader_num_workers=0, seed=seed)
-    return transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=callbacks)
-
-
-def test_hf_callback_inside_a_real_trainer(daemon, tmp_path):
-    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
-
-    class Probe(transformers.TrainerCallback):
-        """Records the model's and optimizer's state when training begins (after UcpdCallback
-        restored them) and at each step's end."""
-
-        def __init__(self):
-            self.begin, self.steps = None, []
-
-        def snap(self, model, optimizer):
-            return ({k: v.clone() for k, v in model.state_dict().items()},
-                    {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()})
-
-        def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
-            self.begin = (state.global_step, self.snap(model, optimizer))
-
-        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
-            self.steps.append((state.global_step, self.snap(model, optimizer)))
-
-    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
-        first = Probe()
-        _tiny_trainer(tmp_path, 0, 4, [UcpdCallback(ckpt, every=2, wait=True), first]).train()
-        assert ckpt.latest() == 4
-        at4 = dict(first.steps)[4]
-        # a new job run: another model init, a fresh optimizer (no state), and 6 steps to go
-        second, cb = Probe(), UcpdCallback(ckpt, every=2, wait=True)
-        trainer = _tiny_trainer(tmp_path, 1, 6, [cb, second])
-        trainer.train()
-        assert cb.restored_step == 4 and second.begin[0] == 4
-        model_sd, opt_sd = second.begin[1]
-        assert model_sd.keys() == at4[0].keys() and all(torch.equal(model_sd[k], at4[0][k]) for k in model_sd)
-        assert opt_sd.keys() == at4[1].keys() and len(opt_sd) > 0
-        for i in opt_sd:
-            assert all(torch.equal(opt_sd[i][k], at4[1][i][k]) for k in at4[1][i]), i
-        assert [s for s, _ in second.steps] == [5, 6]  # it went on from step 4
-        assert trainer.state.global_step == 6 and ckpt.latest() == 6

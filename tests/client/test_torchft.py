@@ -193,3 +193,49 @@ def test_manager_heals_a_restarted_replica_from_the_daemon(daemon):
     assert (2, "ucpd") in log[1]["received"], log
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job="tft-replica0") as c:
         assert c.latest() is not None and c.latest() >= 2  # what replica 0 sent is in its daemon
+
+
+def test_torchfts_own_transport_conformance_helpers_pass(daemon):
+    """torchft's published helper (``torchft/checkpointing/transport_test.py``, shipped in the
+    torchft 0.2.0 wheel), run as its HTTP and process-group transports run it: three replica
+    groups in threads, 3- and 2-way recovery, a receive that times out, a send nobody receives.
+    Its state dict holds a DTensor on ``DeviceMesh("cpu", 1)``: a mesh of rank 1 only, which
+    this process (rank 0) is not on; it must come back with the same local tensor and spec."""
+    import unittest
+
+    transport_test = pytest.importorskip("torchft.checkpointing.transport_test")
+    checkpointers = []
+
+    def init_transport(rank: int, world_size: int) -> UcpdTransport:
+        ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=f"conformance-r{rank}")
+        checkpointers.append(ck)
+        return UcpdTransport(ck)
+
+    try:
+        transport_test.run_multi_recovery_test(unittest.TestCase(), init_transport, torch.device("cpu"))
+    finally:
+        for ck in checkpointers:
+            ck.close()
+
+
+def test_a_dtensor_off_this_processs_mesh_travels_as_it_is(daemon):
+    import torch.distributed as dist
+    from torch.distributed.tensor import DeviceMesh, distribute_tensor
+
+    dist.init_process_group(backend="gloo", rank=0, world_size=1, store=dist.HashStore())
+    try:
+        off = distribute_tensor(torch.arange(6.0).reshape(2, 3), DeviceMesh("cpu", 1), [])  # a mesh of rank 1 only
+        on = distribute_tensor(torch.arange(4.0), DeviceMesh("cpu", [0]), [torch.distributed.tensor.Shard(0)])
+        with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job="tft-off") as c0, \
+             Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job="tft-off-r1") as c1:
+            sender, receiver = UcpdTransport(c0), UcpdTransport(c1)
+            sender.send_checkpoint([1], 3, {"user": {"off": off, "on": on, "n": 1}}, T)
+            sender.last_handle.wait()
+            assert any(n.endswith("off@rank0") for n in c0._conn().call("describe", step=3)["tensors"])
+            got = receiver.recv_checkpoint(0, sender.metadata(), 3, T)
+        assert type(got["user"]["off"]) is type(off) and got["user"]["off"]._spec == off._spec
+        assert torch.equal(got["user"]["off"]._local_tensor, off._local_tensor)
+        assert got["user"]["on"]._spec == on._spec and torch.equal(got["user"]["on"].to_local(), on.to_local())
+        assert got["user"]["n"] == 1
+    finally:
+        dist.destroy_process_group()

@@ -44,6 +44,68 @@ def test_stop_ends_the_daemon(daemon):
     assert daemon.proc.wait(10) == 0
 
 
+def test_the_memory_row_is_readable(daemon):
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        for step in (1, 2, 3):
+            ckpt.snapshot(step, {"w": torch.ones(1 << 18)}).wait()
+    out = ucpd("status", "--run-dir", daemon.run_dir).stdout
+    row = next(line for line in out.splitlines() if line.startswith("memory"))
+    assert "{" not in row and "'free'" not in row, row
+    assert " of 1.0 GiB in " in row and "held by versions" in row, row
+
+
+def shm_files(path) -> list[str]:
+    import os
+
+    return sorted(n for n in os.listdir(path) if n != "ucpd.lock") if os.path.isdir(path) else []
+
+
+def test_stop_says_what_shared_memory_it_keeps_and_a_restarted_daemon_adopts_it(make_daemon):
+    daemon = make_daemon("--mem-limit", "1G", flush=False)  # RAM only: what comes back was adopted
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(5, {"w": torch.ones(1 << 20)}).wait()  # 4 MiB
+    out = ucpd("stop", "--run-dir", daemon.run_dir)
+    assert out.returncode == 0, out.stderr
+    assert daemon.proc.wait(10) == 0
+    text = out.stdout
+    assert "It keeps " in text and f"of shared memory in {daemon.shm_dir}" in text, text
+    assert "job 'test' steps [5]" in text and "re-adopts" in text and "ucpd stop --purge" in text, text
+    mib = float(text.split("It keeps ")[1].split(" MiB")[0])
+    assert mib >= 4.0
+    assert shm_files(daemon.shm_dir)  # kept
+    daemon.start()
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        assert ckpt.latest() == 5  # re-adopted from what stop left
+
+
+def test_stop_purge_frees_the_shared_memory(make_daemon):
+    daemon = make_daemon("--mem-limit", "1G", flush=False)  # RAM only: what comes back was adopted
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(5, {"w": torch.ones(1 << 20)}).wait()
+    assert shm_files(daemon.shm_dir)
+    out = ucpd("stop", "--purge", "--run-dir", daemon.run_dir)
+    assert out.returncode == 0, out.stderr
+    assert daemon.proc.wait(10) == 0
+    assert "freed its shared memory" in out.stdout and daemon.shm_dir in out.stdout, out.stdout
+    assert shm_files(daemon.shm_dir) == []
+    daemon.start()
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        assert ckpt.latest() is None  # nothing left to adopt
+
+
+def test_stop_purge_after_a_plain_stop_frees_what_the_daemon_left(make_daemon, monkeypatch):
+    daemon = make_daemon("--mem-limit", "1G", flush=False)
+    monkeypatch.setenv("UCPD_SHM_DIR", daemon.shm_dir)  # where `ucpd stop --purge` looks with no daemon
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        ckpt.snapshot(5, {"w": torch.ones(1 << 20)}).wait()
+    assert ucpd("stop", "--run-dir", daemon.run_dir).returncode == 0
+    assert daemon.proc.wait(10) == 0 and shm_files(daemon.shm_dir)
+    out = ucpd("stop", "--purge", "--run-dir", daemon.run_dir)
+    assert out.returncode == 0, out.stderr
+    assert f"no daemon serves {daemon.run_dir}; freed its shared memory" in out.stdout, out.stdout
+    assert shm_files(daemon.shm_dir) == []
+
+
 def test_the_shutdown_reply_is_not_lost_when_the_daemon_closes_its_socket(daemon):
     """`test_stop_ends_the_daemon` made deterministic: the client reads the reply only after the
     daemon has replied, closed its socket and exited."""

@@ -71,8 +71,15 @@ def add_commands(sub) -> None:
     d.add_argument("--json", action="store_true", help="print JSON")
     d.set_defaults(func=cmd_drop)
 
-    t = sub.add_parser("stop", help="stop a daemon (its shm segments stay for re-adoption)")
-    t.add_argument("--run-dir")
+    t = sub.add_parser(
+        "stop", help="stop a daemon (its shm segments stay for re-adoption; --purge frees them)",
+        description="Stop the daemon of a run dir. Its shared memory (the versions in RAM) stays in its shm dir on "
+                    "purpose: a daemon started again on the same run dir re-adopts it, and the jobs resume from RAM. "
+                    "--purge frees it instead (containers often have a small /dev/shm).",
+    )
+    t.add_argument("--run-dir", help="the daemon's run dir (default $UCPD_RUN_DIR or /tmp/ucpd-$USER)")
+    t.add_argument("--purge", action="store_true", help="free the daemon's shared memory once it has stopped")
+    t.add_argument("--timeout", type=float, default=30.0, help="seconds to wait for the daemon to exit (default 30)")
     t.set_defaults(func=cmd_stop)
 
 
@@ -285,6 +292,34 @@ def cmd_drop(args) -> int:
 
 
 def cmd_stop(args) -> int:
-    with _client(args.run_dir) as conn:
-        conn.call("shutdown")
+    """Stop the daemon, wait until it has exited, then say what shared memory it left and where
+    (``--purge``: free it)."""
+    from ..errors import DaemonUnreachable
+    from .shm_left import default_shm_dirs, describe, purge, shm_usage, wait_exit
+
+    run_dir = args.run_dir or knobs.run_dir()
+    try:
+        with _client(run_dir) as conn:
+            status = conn.call("status")
+            conn.call("shutdown")
+    except DaemonUnreachable:
+        if not args.purge:
+            raise
+        freed = [(d, *purge(d)) for d in default_shm_dirs(run_dir)]  # no daemon: free what the last one left
+        for d, files, nbytes in freed:
+            print(f"no daemon serves {run_dir}; freed its shared memory: {files} file(s), {nbytes / 2**20:.1f} MiB in {d}")
+        if not freed:
+            print(f"no daemon serves {run_dir}, and no shared memory of one is left")
+        return 0
+    shm_dir = status["shm_dir"]
+    if not wait_exit(run_dir, shm_dir, args.timeout):
+        print(f"ucpd stop: the daemon (pid {status['pid']}) has not exited within {args.timeout:.0f} s; "
+              f"its shared memory in {shm_dir} is left as it is", file=sys.stderr)
+        return 1
+    if args.purge:
+        files, nbytes = purge(shm_dir)
+        print(f"stopped the daemon (pid {status['pid']}) and freed its shared memory: {files} file(s), "
+              f"{nbytes / 2**20:.1f} MiB in {shm_dir}")
+        return 0
+    print(describe(status, run_dir, *shm_usage(shm_dir)))
     return 0

@@ -67,9 +67,10 @@ class Parking:
     def park_wait(self, parked: Parked) -> None:
         self.waits.append(parked)
 
-    def answer_waits(self, table_of, now: float) -> list[Reply]:
+    def answer_waits(self, table_of, now: float, waiting=None) -> list[Reply]:
         """Replies for the waits whose step was decided (or failed), or whose time ran out;
-        the others stay parked. ``table_of(job)``: that job's version table."""
+        the others stay parked. ``table_of(job)``: that job's version table; ``waiting(job,
+        step)``: why a step is still pending (a ``WAITING`` record, or None), sent with "pending"."""
         out, keep = [], []
         for w in self.waits:
             try:
@@ -80,7 +81,11 @@ class Parking:
             if answer is not None:
                 out.append((w.ident, protocol.ok("wait", w.req_id, answer)))
             elif now >= w.deadline:
-                out.append((w.ident, protocol.ok("wait", w.req_id, {"state": "pending", "step": w.step})))
+                body = {"state": "pending", "step": w.step}
+                why = waiting(w.job, w.step) if waiting is not None else None
+                if why is not None:
+                    body["waiting"] = why
+                out.append((w.ident, protocol.ok("wait", w.req_id, body)))
             else:
                 keep.append(w)
         self.waits = keep

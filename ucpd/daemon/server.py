@@ -25,7 +25,7 @@ from ..errors import (
     InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError,
 )
 from ..rpc import SOCKET_NAME
-from . import restore as restore_plan
+from . import restore as restore_plan, stalls
 from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
@@ -147,6 +147,8 @@ class Daemon:
             self.metrics = Metrics(self, config.metrics_port)
         self._done: queue.Queue = queue.Queue()
         self.parking = Parking()  # begins waiting for a slot, waits for a step
+        self._stall_log = stalls.StallLog(knobs.stall_warn())  # versions waiting for ranks, logged
+        self._stalls_checked = 0.0
         # every rank rotates through --keep committed versions, the one being written, and one
         # more when a flush may pin an old version past --keep
         rotation = config.keep + 1 + (1 if self.flusher is not None else 0)
@@ -573,11 +575,33 @@ class Daemon:
         if not self.parking.waits:
             return
         with self.store.lock:
-            replies = self.parking.answer_waits(self.store.table_of, time.monotonic())
+            replies = self.parking.answer_waits(self.store.table_of, time.monotonic(), self._waiting)
         for ident, frame in replies:
             self._reply(ident, frame)
 
+    def _waiting(self, job: str, step: int) -> dict | None:
+        """Why ``step`` of ``job`` still waits (store lock held): a ``WAITING`` record, or None."""
+        v = self.store.table_of(job).versions.get(step)
+        if v is None or not stalls.waiting_versions([v]):
+            return None
+        seen = self.team.seen_waiting(job, step) if self.team is not None else None
+        return stalls.record(v, self.config.node_rank, seen)
+
+    def _log_stalls(self) -> None:
+        """Log every version that has waited for ranks longer than $UCPD_STALL_WARN: which ranks
+        of which job, the local size assumed, what the team has seen, what to do."""
+        now = time.time()
+        if now < self._stalls_checked + 1.0:
+            return
+        self._stalls_checked = now
+        with self.store.lock:
+            for v in self._stall_log.due(stalls.waiting_versions(self.store.versions()), now):
+                rec = self._waiting(v.job, v.step)
+                if rec is not None:
+                    log.warning("%s", stalls.describe(v.job, v.step, rec))
+
     def _housekeeping(self) -> None:
+        self._log_stalls()
         now = time.monotonic()
         if self.leases.held:
             with self.store.lock:

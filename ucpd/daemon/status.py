@@ -138,6 +138,20 @@ def _size(n: int | None) -> str:
     return str(n)
 
 
+def memory_row(status: dict) -> str:
+    """``12.0 MiB of 1.0 GiB in 3 slots (2 held by versions, 1 free), 1 spare warming``."""
+    slots = status.get("slots") or {}
+    states = {"held": "held by versions", "writing": "being written", "free": "free"}
+    parts = [f"{slots[k]} {label}" for k, label in states.items() if slots.get(k)]
+    total = sum(slots.get(k, 0) for k in states)
+    text = f"{_size(status['mem_used'])} of {_size(status['mem_limit'])} in {total} slot{'s' if total != 1 else ''}"
+    if parts:
+        text += f" ({', '.join(parts)})"
+    if slots.get("warming"):
+        text += f", {slots['warming']} spare{'s' if slots['warming'] != 1 else ''} warming"
+    return text
+
+
 def render(status: dict, console) -> None:
     """Print the status map as readable tables on a rich console."""
     from rich.table import Table
@@ -146,7 +160,7 @@ def render(status: dict, console) -> None:
     head.add_row("daemon", f"pid {status['pid']}, node {status['node_rank']} of {status['nodes']}, up {status['uptime_s']:.0f} s")
     head.add_row("run dir", status["run_dir"])
     head.add_row("shm dir", status["shm_dir"])
-    head.add_row("memory", f"{_size(status['mem_used'])} of {_size(status['mem_limit'])} in slots {status['slots']}")
+    head.add_row("memory", memory_row(status))
     if len(status.get("jobs", ())) <= 1:
         head.add_row("latest committed", str(status["latest_committed"]))
     head.add_row("redundancy", f"{status['redundancy']['level']}, {'healthy' if status['redundancy']['healthy'] else 'DEGRADED'}")

@@ -33,6 +33,12 @@ HOLDING = Record(
     {"parts": _list_of(PART), "via": _str, "run": _str},
 )
 
+# A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
+WAITING_ITEM = Record(
+    {"job": _str, "step": _int(), "world_size": _int(1, MAX_RANKS), "local_size": _int(1, MAX_RANKS),
+     "ranks": _list_of(_int(0, MAX_RANKS))},
+)
+
 MANIFEST_FIELDS = {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
                    "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)}
 MANIFEST_OPTIONAL = {"held": _list_of(_int(0, MAX_RANKS))}
@@ -69,6 +75,14 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "what versions this node holds (own parts and replicas); with step: that step's manifests; "
             "reply: {node, items: [HOLDING]}",
             Record({"node": _int(0, MAX_RANKS), "items": _list_of(HOLDING)}),
+        ),
+        MessageType(
+            "waiting",
+            {},
+            {},
+            "the versions this node waits for ranks of (some sealed, not all its local size); "
+            "reply: {node, items: [WAITING_ITEM]}",
+            Record({"node": _int(0, MAX_RANKS), "items": _list_of(WAITING_ITEM)}),
         ),
         MessageType(
             "fetch",

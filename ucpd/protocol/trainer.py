@@ -362,6 +362,14 @@ OBJECTS_CRCS = _map_of(RANK, _nullable(_crc))
 WHERE = _one_of("ram", "disk")  # where a restore reads a version: some node's RAM, or the flush dir
 VERSION_STATES = ("writing", "complete", "protected", "committed", "flushed", "evicted", "abandoned")  # daemon.versions.VersionState
 
+# Why a step is still pending (the `wait` reply's `waiting`, ucpd.daemon.stalls): the ranks this
+# node's daemon holds, the local size it was told, what the team has seen of the step by node,
+# the ranks no node has seen, and what to do (empty before any rank of the step sealed here).
+WAITING = Record(
+    {"world_size": _int(1, MAX_RANKS), "local_size": _int(1, MAX_RANKS), "sealed": _list_of(RANK)},
+    {"seen": _map_of(RANK, _list_of(RANK)), "missing": _list_of(RANK), "advice": _str, "node": RANK, "age": _float},
+)
+
 REQUESTS: dict[str, MessageType] = {
     m.name: m
     for m in [
@@ -413,8 +421,9 @@ REQUESTS: dict[str, MessageType] = {
             "wait",
             {"step": _int(), "seconds": _float},
             {"job": job_name},
-            "reply once step is committed (or failed, or `seconds` passed: state pending)",
-            Record({"state": _one_of("committed", "flushed", "evicted", "pending"), "step": _int()}),
+            "reply once step is committed (or failed, or `seconds` passed: state pending, with why it waits)",
+            Record({"state": _one_of("committed", "flushed", "evicted", "pending"), "step": _int()},
+                   {"waiting": WAITING}),
         ),
         MessageType(
             # incarnation: the run of the job asking (a team fences the earlier runs before it answers)

@@ -29,6 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 
 from .. import faults, knobs, native, protocol
+from ..daemon import stalls
 from ..daemon.restore import SourceSet, _signature
 from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, SnapshotRejected, UcpdError, VersionNotFound
@@ -105,6 +106,8 @@ class Team:
         self._heal_due = 0.0  # the next retry of an under-protected version (monotonic)
         self._leases: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
         self._heal_queued = False
+        self._survey_due = 0.0  # when tick() next looks for versions waiting for ranks (monotonic)
+        self._seen_waiting: dict[tuple[str, int], dict[int, dict]] = {}  # the last survey: (job, step) -> {node: item}
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
                          "parity_checksum_errors": 0}
         self.store = None
@@ -185,6 +188,10 @@ class Team:
             out += self.commit.on_tick(now)
         self._apply(out)
         self._expire_leases(now)
+        if now >= self._survey_due:
+            self._survey_due = now + max(1.0, knobs.stall_warn() / 2)
+            if self._stalled(time.time()):
+                self._work.put(("survey", None))
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in set(range(self.config.nodes)) - set(view.live):
@@ -321,6 +328,8 @@ class Team:
                     self._protect(step)
                 elif kind == "heal":
                     self._heal()
+                elif kind == "survey":
+                    self.survey()
             except Exception:
                 log.exception("team: %s of step %s failed", kind, step)
 
@@ -443,6 +452,8 @@ class Team:
         Our own versions: copy to the holders the current view designates. A part whose origin
         is gone and that we hold: the lowest live holder copies it to more nodes."""
         self._heal_queued = False
+        self._survey_due = 0.0  # when tick() next looks for versions waiting for ranks (monotonic)
+        self._seen_waiting: dict[tuple[str, int], dict[int, dict]] = {}  # the last survey: (job, step) -> {node: item}
         wanted = self.config.replicas
         if not wanted:
             return
@@ -556,6 +567,10 @@ class Team:
             return {}, []
         if msg_type == "holdings":
             return {"node": self.rank, "items": self._holdings(b.get("step"))}, []
+        if msg_type == "waiting":
+            with self.store.lock:
+                items = [stalls.survey_item(v) for v in stalls.waiting_versions(self.store.versions())]
+            return {"node": self.rank, "items": items}, []
         if msg_type == "fetch":
             return {}, self._serve_fetch(b["origin"], b["step"], b["rank"], b["ranges"])
         raise protocol.ProtocolError(f"peer message {msg_type!r} is not a request")
@@ -603,6 +618,29 @@ class Team:
         for key in [k for k, (expires, _) in list(self._leases.items()) if expires < now or k[0] not in live]:
             log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", key[0])
             self._end_lease(key)
+
+    # --- versions waiting for ranks (ucpd.daemon.stalls) --------------------------------------------
+
+    def _stalled(self, now: float) -> bool:
+        """Some version has waited here for half of $UCPD_STALL_WARN: time to ask the team."""
+        with self.store.lock:
+            waiting = stalls.waiting_versions(self.store.versions())
+        return any(now - v.created >= knobs.stall_warn() / 2 for v in waiting)
+
+    def survey(self) -> None:
+        """Ask every live peer which ranks of which undecided versions it holds (the replication
+        thread): what the daemon logs and a pending ``wait`` reply tell about a stuck step."""
+        seen: dict[tuple[str, int], dict[int, dict]] = {}
+        for node, reply in self._ask_all(self.live(), "waiting", {}).items():
+            for item in reply.get("items", []):
+                seen.setdefault((item["job"], item["step"]), {})[node] = item
+        with self._lock:
+            self._seen_waiting = seen
+
+    def seen_waiting(self, job: str, step: int) -> dict[int, dict]:
+        """What the last survey found of ``step`` on the other nodes: {node: {ranks, local_size}}."""
+        with self._lock:
+            return dict(self._seen_waiting.get((job, step), {}))
 
     # --- what we hold ------------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ checked against torchft 0.2.0, whose ``Manager`` calls it from its quorum thread
   Manager's ``{"user": ..., "torchft": {"step", "batches_committed"}}``) as version ``step`` of
   this Checkpointer's job and waits until it is staged. Each tensor is named by its path in the
   state dict (``user.default.model.weight``); DTensors bring their own placement, other tensors
-  take ``placements`` given here (default: replicated). The structure (a torch pytree spec) and
+  take ``placements`` given here (default: replicated); a DTensor on a device mesh without this
+  process travels as it is (its local tensor, named ``<path>@rank<r>``, and its spec). The structure (a torch pytree spec) and
   every non-tensor leaf travel as one plain value of the version. A step already snapshotted
   (the same version asked for by two recovering replicas, or one the job snapshotted itself)
   is not snapshotted again.
@@ -84,15 +85,17 @@ METADATA_KIND = "ucpd/1"
 
 class _TensorLeaf:
     """Where a tensor leaf went: its name in the version, dtype, local shape, and the DTensor
-    spec of the sender (None for a plain tensor)."""
+    spec of the sender (None for a plain tensor). ``local``: a DTensor on a device mesh that
+    does not include the sender: its local tensor travels as it is, under a name of the
+    sender's rank, and the receiver rebuilds the DTensor on the spec (as torchft's transports do)."""
 
-    __slots__ = ("name", "dtype", "shape", "spec")
+    __slots__ = ("name", "dtype", "shape", "spec", "local")
 
-    def __init__(self, name: str, dtype: torch.dtype, shape: tuple, spec: Any = None) -> None:
-        self.name, self.dtype, self.shape, self.spec = name, dtype, tuple(shape), spec
+    def __init__(self, name: str, dtype: torch.dtype, shape: tuple, spec: Any = None, local: bool = False) -> None:
+        self.name, self.dtype, self.shape, self.spec, self.local = name, dtype, tuple(shape), spec, local
 
     def __reduce__(self):
-        return (_TensorLeaf, (self.name, self.dtype, self.shape, self.spec))
+        return (_TensorLeaf, (self.name, self.dtype, self.shape, self.spec, self.local))
 
 
 def _key_name(entry: Any) -> str:
@@ -107,8 +110,9 @@ def path_name(path: tuple) -> str:
     return ".".join(_key_name(e) for e in path)
 
 
-def split_state(state_dict: Any) -> tuple[dict[str, torch.Tensor], Any]:
-    """(named tensors to snapshot, the pickleable description of everything else)."""
+def split_state(state_dict: Any, rank: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
+    """(named tensors to snapshot, the pickleable description of everything else). ``rank``:
+    the sender's group rank, naming the local tensors of DTensors whose mesh it is not on."""
     leaves, spec = pytree.tree_flatten_with_path(state_dict)
     DTensor = _dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
@@ -116,8 +120,15 @@ def split_state(state_dict: Any) -> tuple[dict[str, torch.Tensor], Any]:
     for path, leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             name = path_name(path)
+            off_mesh = isinstance(leaf, DTensor) and leaf.device_mesh.get_coordinate() is None
+            if off_mesh:  # no placement to give: this rank's local tensor as it is, under its own name
+                name = f"{name}@rank{rank}"
             while name in tensors:  # two paths that print alike (a key "a.b" and a["b"])
                 name += "#"
+            if off_mesh:
+                tensors[name] = leaf._local_tensor.detach()
+                described.append(_TensorLeaf(name, leaf.dtype, leaf._local_tensor.shape, leaf._spec, local=True))
+                continue
             tensors[name] = leaf.detach()
             if isinstance(leaf, DTensor):
                 described.append(_TensorLeaf(name, leaf.dtype, leaf._local_tensor.shape, leaf._spec))
@@ -239,7 +250,7 @@ class UcpdTransport(_Base, Generic[T]):
             except VersionNotFound:
                 raise UcpdError(f"job {self.ckpt.job} is at step {latest}; torchft asks to send step {step}: "
                                 "a replica group's steps must increase (one job per replica group)") from None
-        tensors, described = split_state(state_dict)
+        tensors, described = split_state(state_dict, int(self.ckpt.rank))
         state: dict[str, Any] = dict(tensors)
         state[META_KEY] = pickle.dumps(described, protocol=pickle.HIGHEST_PROTOCOL)  # one plain value
         h = self.ckpt.snapshot(step, state, placements=self.placements)
@@ -282,6 +293,10 @@ class UcpdTransport(_Base, Generic[T]):
             if not isinstance(leaf, _TensorLeaf):
                 values.append(leaf)
                 continue
+            if leaf.local:  # a DTensor off the sender's mesh: its local tensor, then the DTensor on its spec
+                local = targets[leaf.name] = torch.empty(leaf.shape, dtype=leaf.dtype)
+                values.append(_LocalDTensor(local, leaf.spec))
+                continue
             t = template.get(path)
             if t is not None and t.dtype == leaf.dtype and _fits(t, leaf):
                 targets[leaf.name] = t.detach()  # the same storage: filled in place
@@ -294,7 +309,17 @@ class UcpdTransport(_Base, Generic[T]):
             targets[leaf.name] = target
             values.append(target)
         reader.restore(targets, step=step, placements={k: v for k, v in self.placements.items() if k in targets})
+        values = [DTensor(v.local, v.spec, requires_grad=False) if isinstance(v, _LocalDTensor) else v for v in values]
         return pytree.tree_unflatten(values, described["treespec"])
+
+
+class _LocalDTensor:
+    """A DTensor to rebuild once its local tensor is restored."""
+
+    __slots__ = ("local", "spec")
+
+    def __init__(self, local: torch.Tensor, spec: Any) -> None:
+        self.local, self.spec = local, spec
 
 
 def _fits(t: torch.Tensor, leaf: _TensorLeaf) -> bool:
