@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 import urllib.request
 
 import pytest
@@ -17,6 +16,7 @@ import torch
 
 from helpers import TEST_JOB
 from helpers.ranks import free_port
+from helpers.waiting import wait_until
 from ucpd.errors import ChecksumMismatch
 from ucpd.format import open_version
 from ucpd.rpc import Connection
@@ -56,11 +56,13 @@ def flip(path: str, offset: int, mask: int = 0x20) -> None:
 
 
 def wait_flushed(root: str, step: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json")) or not os.path.exists(os.path.join(root, "LATEST")):
-        assert time.monotonic() < deadline, f"step {step} never flushed"
-        time.sleep(0.05)
-    time.sleep(0.2)  # LATEST is written last
+    """Until ``LATEST`` (written last, after the version's folder is in place) names ``step`` or a newer one."""
+    from ucpd.format.root import read_latest
+
+    def latest_names_it() -> bool:
+        return (read_latest(root) or 0) >= step and os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json"))
+
+    wait_until(latest_names_it, f"step {step} to be flushed", timeout)
 
 
 def source_of(d, name: str, step: int | None = None, numel: int = N) -> tuple[str, int]:
