@@ -38,6 +38,7 @@ from .errors import InvalidJobName
 from .incremental import Tracker
 from .mapping import Mappings
 from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
+from .streams import TORCH_CUDA, DeviceStreams, Fence, devices_of
 
 
 _REPLICATED = Replicated().to_dict()
@@ -223,7 +224,9 @@ class Checkpointer:
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"ucpd-snapshot-r{self.rank}", daemon=True)
         self._worker.start()
-        self._stagers: dict[str, CudaStager] = {}
+        self._stagers: dict[str, CudaStager] = {}  # one per slot path: its registration
+        self._cuda = TORCH_CUDA  # the CUDA backend (tests without a GPU put a model of streams here)
+        self._streams: DeviceStreams | None = None  # one staging stream per device, made when first needed
         self._last: SnapshotHandle | None = None
         self._closed = False
         self._closing = threading.Lock()
@@ -254,19 +257,26 @@ class Checkpointer:
         ``placements`` maps flattened names to UCL placements (unlisted tensors: Replicated,
         DTensors: their own). Do not modify the tensors until ``handle.staged()`` returns
         (``guard(optimizer)`` does that for you before each optimizer step).
+
+        CUDA tensors: the snapshot holds the state as of this call on this thread's current
+        stream of every device the tensors live on (an event is recorded on each now); work
+        queued on other streams must be joined into the current one first
+        (``ucpd_client.streams`` states the rule).
         """
         handle = SnapshotHandle(self, step)
         with gcpause.paused():  # 10^5 tensors: as many entries, never scanned by the collector
             tensors, values = state_mod.split(dict(state))
             places = placements or {}
             entries = [self._entry(name, t, places.get(name), detach=False) for name, t in tensors.items()]
+            devices = devices_of([e.tensor for e in entries], self._cuda)
+            fence = Fence.record(devices, self._cuda) if devices else None
         unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
         with self._closing:
             if self._closed:
                 raise UcpdError("this Checkpointer is closed")
-            self._jobs.put((handle, entries, values))
+            self._jobs.put((handle, entries, values, fence))
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
@@ -292,10 +302,10 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            handle, entries, values = job
+            handle, entries, values, fence = job
             try:
                 with gcpause.paused():  # the manifest and its messages: a few objects per tensor
-                    self._take(handle, entries, values)
+                    self._take(handle, entries, values, fence)
             except BaseException as exc:  # surfaced by staged()/wait()
                 if self._incremental is not None:
                     self._incremental.forget()
@@ -338,7 +348,16 @@ class Checkpointer:
                 skip &= fresh
             conn.call("abort", rank=self.rank, step=step, slot=reply["slot"])  # layouts changed: ask again
 
-    def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict) -> None:
+    def _stager(self, path: str, slot) -> CudaStager:
+        """The slot's stager (registered once, kept while the slot is mapped)."""
+        stager = self._stagers.get(path)
+        if stager is None:
+            if self._streams is None:
+                self._streams = DeviceStreams(self._cuda)
+            stager = self._stagers[path] = CudaStager(slot, self._streams)
+        return stager
+
+    def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
         conn = self._conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         incr = self._incremental
@@ -351,12 +370,13 @@ class Checkpointer:
         self._maps.forget_missing()  # slots the daemon deleted: give their pages back
         slot = self._maps.get(reply["path"], writable=True)
         try:
-            cpu = [e for e in write if not e.tensor.is_cuda]
-            gpu = [e for e in write if e.tensor.is_cuda]
+            on = self._cuda.device_of
+            cpu = [e for e in write if on(e.tensor) < 0] if fence is not None else write
+            gpu = [e for e in write if on(e.tensor) >= 0] if fence is not None else []
+            events = self._stager(reply["path"], slot).queue(gpu, fence) if gpu else []
             crcs = dict(zip([e.name for e in cpu], copy_to_slot_cpu(cpu, slot))) if cpu else {}
-            if gpu:
-                stager = self._stagers.get(reply["path"]) or self._stagers.setdefault(reply["path"], CudaStager(slot))
-                stager.queue(gpu).synchronize()
+            for event in events:
+                self._cuda.synchronize(event)
             handle.timings["staged"] = time.perf_counter()
             handle._staged.set()
             for e in gpu:
