@@ -320,6 +320,15 @@ class CheckedCopier:
             )
         self._contiguous(key, src, lo, hi, dst_ptr + dst_lo, itemsize)
 
+    def add_read(self, key: Hashable, lo: int, hi: int) -> None:
+        """Source bytes ``[lo, hi)`` that something else moves (a host-to-device DMA):
+        :meth:`verify` checks the chunks they touch; :meth:`run` copies nothing for them."""
+        src = self.sources[key]
+        if lo < 0 or hi > src.nbytes:
+            raise PlacementMismatch(f"copy plan window outside its buffer (source bytes {lo}..{hi} of {src.nbytes})")
+        if lo < hi:
+            self.reads.setdefault(key, []).append((lo, hi))
+
     def _contiguous(self, key: Hashable, src: CheckedSource, lo: int, hi: int, dst: int, itemsize: int) -> None:
         """Source bytes [lo, hi) to the address ``dst``: whole chunks fused, edges plain."""
         chunk = src.chunk

@@ -14,7 +14,8 @@ What it offers, all on raw bytes (it never interprets elements):
   Reed-Solomon code over GF(2^8), :func:`rs_encode` / :func:`rs_decode`;
 - CUDA staging (only when the extension was built with CUDA and a device is present):
   :func:`cuda_available`, :func:`host_register`, :class:`Stream`, :class:`Event`,
-  :func:`pack_d2h`, :func:`unpack_h2d`, :func:`copy_h2d_async`, :func:`copy_d2h_async`.
+  :func:`pack_d2h`, :func:`unpack_h2d`, :func:`copy_h2d_async`, :func:`copy_h2d_2d_async`,
+  :func:`copy_d2h_async`.
 
 Buffers are any object with the buffer protocol that is C- or F-contiguous: numpy arrays,
 ``bytes``, ``bytearray``, ``mmap``, ``memoryview`` (slices included). Sources may be read-only;
@@ -77,6 +78,7 @@ __all__ = [
     "pack_d2h",
     "unpack_h2d",
     "copy_h2d_async",
+    "copy_h2d_2d_async",
     "copy_d2h_async",
 ]
 
@@ -587,16 +589,18 @@ def cuda_device_count() -> int:
     return int(_native.cuda_device_count())
 
 
-def host_register(ptr: int, nbytes: int) -> None:
+def host_register(ptr: int, nbytes: int, read_only: bool = False) -> None:
     """Page-lock ``nbytes`` of host memory at ``ptr`` (``cudaHostRegister``, portable + mapped),
     so device copies into it are asynchronous DMA and kernels can write it directly.
+    ``read_only``: the memory is a read-only mapping that devices only read (a restore source;
+    ``cudaHostRegisterReadOnly``).
 
     Register a long-lived slot once; it stays registered until :func:`host_unregister`.
 
     Raises:
         CudaError: CUDA absent or the registration failed (e.g. already registered).
     """
-    _cuda_call(_cuda().host_register, ptr, nbytes)
+    _cuda_call(_cuda().host_register, ptr, nbytes, read_only)
 
 
 def host_unregister(ptr: int) -> None:
@@ -766,6 +770,20 @@ def copy_h2d_async(dst_dev: int, src_host: int, nbytes: int, stream: StreamLike)
         CudaError: CUDA absent or the copy could not be queued.
     """
     _cuda_call(_cuda().copy_h2d_async, dst_dev, src_host, nbytes, _stream_handle(stream))
+
+
+def copy_h2d_2d_async(
+    dst_dev: int, dst_pitch: int, src_host: int, src_pitch: int, width: int, rows: int, stream: StreamLike
+) -> None:
+    """Queue one 2-D host-to-device copy (``cudaMemcpy2DAsync``): ``rows`` rows of ``width``
+    bytes, ``src_pitch`` bytes apart from ``src_host`` to ``dst_pitch`` apart from ``dst_dev``
+    (a column piece of a resharded restore: one call instead of one copy per row).
+
+    Raises:
+        NativeError: a pitch smaller than ``width``.
+        CudaError: CUDA absent or the copy could not be queued.
+    """
+    _cuda_call(_cuda().copy_h2d_2d_async, dst_dev, dst_pitch, src_host, src_pitch, width, rows, _stream_handle(stream))
 
 
 def copy_d2h_async(dst_host: int, src_dev: int, nbytes: int, stream: StreamLike) -> None:

@@ -227,6 +227,9 @@ class Checkpointer:
         self._stagers: dict[str, CudaStager] = {}  # one per slot path: its registration
         self._cuda = TORCH_CUDA  # the CUDA backend (tests without a GPU put a model of streams here)
         self._streams: DeviceStreams | None = None  # one staging stream per device, made when first needed
+        self._restore_streams: DeviceStreams | None = None  # and one restore stream per device
+        self._pinned: dict[str, int | None] = {}  # restore sources registered (address), or that refused (None)
+        self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
         self._last: SnapshotHandle | None = None
         self._closed = False
         self._closing = threading.Lock()
@@ -311,10 +314,28 @@ class Checkpointer:
                     self._incremental.forget()
                 handle._fail(exc)
 
-    def _drop_stager(self, path: str) -> None:
+    def _drop_stager(self, path: str, writable: bool = True) -> None:
+        """A mapping goes: its CUDA registration first (the slot's stager, or a restore source's)."""
+        if not writable:
+            address = self._pinned.pop(path, None)
+            if address is not None:
+                self._cuda.host_unregister(address)
+            return
         stager = self._stagers.pop(path, None)
         if stager is not None:
             stager.close()
+
+    def _pin_source(self, path: str, whole) -> bool:
+        """Page-lock a restore source's read-only mapping once (kept while it is mapped): True,
+        or False when the driver refuses (a file on disk; its copies then come from pageable
+        memory, piece by piece)."""
+        if path not in self._pinned:
+            try:
+                self._cuda.host_register(whole.ctypes.data, whole.nbytes, read_only=True)
+                self._pinned[path] = whole.ctypes.data
+            except Exception:
+                self._pinned[path] = None
+        return self._pinned[path] is not None
 
     def _begin(self, conn, step: int, entries: list[Entry], refs: dict) -> tuple[dict, list[Entry], set[str], dict]:
         """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank

@@ -67,7 +67,9 @@ def populate_write(addr: int, nbytes: int, threads: int) -> bool:
 
 
 class Mappings:
-    def __init__(self, on_drop: Callable[[str], None] | None = None):
+    def __init__(self, on_drop: Callable[[str, bool], None] | None = None):
+        """``on_drop(path, writable)`` is called before a mapping goes (its CUDA registration
+        must go first)."""
         self._maps: dict[tuple[str, bool], tuple[mmap.mmap, np.ndarray, tuple[int, int]]] = {}
         self._on_drop = on_drop
 
@@ -125,7 +127,7 @@ class Mappings:
     def _drop(self, key) -> None:
         mm, _, _ = self._maps.pop(key)
         if self._on_drop is not None:
-            self._on_drop(key[0])
+            self._on_drop(*key)
         try:
             mm.close()
         except BufferError:

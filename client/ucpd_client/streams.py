@@ -81,11 +81,16 @@ class TorchCuda:
         event.synchronize()
 
     @staticmethod
-    def host_register(address: int, nbytes: int) -> None:
+    def host_register(address: int, nbytes: int, read_only: bool = False) -> None:
+        """Page-lock host memory for every device (portable, mapped; ``read_only`` for a
+        read-only mapping, which the devices only read). Raises on failure."""
         if native.cuda_available():
-            native.host_register(address, nbytes)
+            native.host_register(address, nbytes, read_only=read_only)
         else:
-            torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+            flags = 1 | (8 if read_only else 0)  # cudaHostRegisterPortable | cudaHostRegisterReadOnly
+            err = torch.cuda.cudart().cudaHostRegister(address, nbytes, flags)
+            if int(err) != 0:
+                raise RuntimeError(f"cudaHostRegister failed: {err}")
 
     @staticmethod
     def host_unregister(address: int) -> None:
@@ -109,21 +114,22 @@ class TorchCuda:
                 host[off : off + n].copy_(t.view(-1).view(torch.uint8), non_blocking=True)
 
     @staticmethod
-    def copy_h2d(stream, items: list[tuple[torch.Tensor, int, int, int]], host: torch.Tensor) -> None:
+    def copy_h2d(stream, items: list[tuple[torch.Tensor, int, int, int]], host: torch.Tensor, pinned: bool = True) -> None:
         """Queue host-to-device copies on ``stream`` (current on this thread): ``items`` are
         ``(target, target byte offset, host byte offset, nbytes)`` of contiguous CUDA targets,
-        read from ``host`` (a registered uint8 buffer)."""
-        if native.cuda_available():
+        read from ``host`` (uint8; registered unless ``pinned`` is False, when each copy waits
+        for the bytes to leave pageable memory)."""
+        if pinned and native.cuda_available():
             batch = [(t.data_ptr() + toff, hoff, n) for t, toff, hoff, n in items]
             native.unpack_h2d(batch, host.data_ptr(), stream.cuda_stream, src_nbytes=host.numel())
         else:
             for t, toff, hoff, n in items:
                 flat = t.view(-1).view(torch.uint8)
-                flat[toff : toff + n].copy_(host[hoff : hoff + n], non_blocking=True)
+                flat[toff : toff + n].copy_(host[hoff : hoff + n], non_blocking=pinned)
 
     @staticmethod
     def copy_h2d_2d(stream, target: torch.Tensor, dst_off: int, dst_pitch: int, host: torch.Tensor, src_off: int,
-                    src_pitch: int, width: int, rows: int) -> None:
+                    src_pitch: int, width: int, rows: int, pinned: bool = True) -> None:
         """Queue one 2-D host-to-device copy (``cudaMemcpy2DAsync``): ``rows`` rows of ``width``
         bytes, ``src_pitch`` apart from ``host[src_off:]``, ``dst_pitch`` apart into the target's
         bytes from ``dst_off`` (a column piece of a resharded restore)."""
@@ -133,7 +139,7 @@ class TorchCuda:
         else:
             flat = target.view(-1).view(torch.uint8)
             dst = flat.as_strided((rows, width), (dst_pitch, 1), dst_off)
-            dst.copy_(host.as_strided((rows, width), (src_pitch, 1), src_off), non_blocking=True)
+            dst.copy_(host.as_strided((rows, width), (src_pitch, 1), src_off), non_blocking=pinned)
 
 
 TORCH_CUDA = TorchCuda()

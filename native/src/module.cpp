@@ -399,11 +399,11 @@ NB_MODULE(_native, m) {
     nb::gil_scoped_release nogil;
     return cu::device_count();
   });
-  m.def("host_register", [](uintptr_t ptr, std::size_t n) {
+  m.def("host_register", [](uintptr_t ptr, std::size_t n, bool read_only) {
     if (!ptr || !n) throw std::invalid_argument("host_register: need a non-null pointer and nbytes > 0");
     nb::gil_scoped_release nogil;
-    cu::host_register(as_ptr(ptr), n);
-  }, "ptr"_a, "nbytes"_a);
+    cu::host_register(as_ptr(ptr), n, read_only);
+  }, "ptr"_a, "nbytes"_a, "read_only"_a = false);
   m.def("host_unregister", [](uintptr_t ptr) {
     nb::gil_scoped_release nogil;
     cu::host_unregister(as_ptr(ptr));
@@ -471,6 +471,13 @@ NB_MODULE(_native, m) {
     nb::gil_scoped_release nogil;
     cu::copy_d2h_async(as_ptr(dst), src, n, stream);
   }, "dst_host"_a, "src_dev"_a, "nbytes"_a, "stream"_a);
+  m.def("copy_h2d_2d_async", [](uintptr_t dst, std::size_t dpitch, uintptr_t src, std::size_t spitch,
+                                std::size_t width, std::size_t rows, uintptr_t stream) {
+    if (spitch < width || dpitch < width)
+      throw std::invalid_argument("copy_h2d_2d_async: a pitch is smaller than the row width");
+    nb::gil_scoped_release nogil;
+    cu::copy_h2d_2d_async(dst, dpitch, as_ptr(src), spitch, width, rows, stream);
+  }, "dst_dev"_a, "dst_pitch"_a, "src_host"_a, "src_pitch"_a, "width"_a, "rows"_a, "stream"_a);
 #else
   m.attr("cuda_compiled") = false;
 #endif

@@ -48,6 +48,7 @@ class FakeCuda:
         self._lock = threading.RLock()
         self.calls: list[tuple] = []
         self.registered: dict[int, int] = {}
+        self.refuse: set[int] = set()  # addresses whose registration fails
         self._n = 0
 
     # --- the test's side ------------------------------------------------------------------------
@@ -161,8 +162,10 @@ class FakeCuda:
             else:
                 op[1]()
 
-    def host_register(self, address: int, nbytes: int) -> None:
+    def host_register(self, address: int, nbytes: int, read_only: bool = False) -> None:
         assert address not in self.registered, "registered twice"
+        if address in self.refuse:
+            raise RuntimeError("cudaHostRegister failed (FakeCuda.refuse)")
         self.registered[address] = nbytes
         self._call("host_register", (address, nbytes))
 
@@ -188,8 +191,14 @@ class FakeCuda:
 
         self.launch(stream, run, "copy_d2h")
 
-    def copy_h2d(self, stream: FakeStream, items, host: torch.Tensor) -> None:
+    def _check_pinned(self, host: torch.Tensor, pinned: bool) -> None:
+        a = host.data_ptr()
+        inside = any(b <= a < b + n for b, n in self.registered.items())
+        assert inside == pinned, f"a copy from {'un' if inside else ''}registered memory said pinned={pinned}"
+
+    def copy_h2d(self, stream: FakeStream, items, host: torch.Tensor, pinned: bool = True) -> None:
         self._check_current(stream)
+        self._check_pinned(host, pinned)
         self._call("copy_h2d", (stream, len(items)))
         snapshot = [(t, toff, hoff, n) for t, toff, hoff, n in items]
 
@@ -199,8 +208,9 @@ class FakeCuda:
 
         self.launch(stream, run, "copy_h2d")
 
-    def copy_h2d_2d(self, stream: FakeStream, target, dst_off, dst_pitch, host, src_off, src_pitch, width, rows) -> None:
+    def copy_h2d_2d(self, stream: FakeStream, target, dst_off, dst_pitch, host, src_off, src_pitch, width, rows, pinned=True) -> None:
         self._check_current(stream)
+        self._check_pinned(host, pinned)
         self._call("copy_h2d_2d", (stream, rows, width))
 
         def run():
