@@ -55,6 +55,7 @@ __all__ = [
     "copy",
     "copy_ptr",
     "copy_batch",
+    "copy_batch_verified",
     "copy_strided",
     "copy_window",
     "crc32c",
@@ -193,6 +194,28 @@ def copy_batch(
     if crc_chunk < 0:
         raise NativeError(f"crc_chunk must be >= 0, got {crc_chunk}")
     return _call(_native.copy_batch, items, _threads(threads), crc_chunk)
+
+
+def copy_batch_verified(
+    items: Sequence[tuple[int, int, int]],
+    expected: Sequence[Sequence[int]],
+    chunk: int = CHUNK_BYTES,
+    threads: Optional[int] = None,
+) -> list[tuple[int, int, int]]:
+    """Copy ``(dst_ptr, src_ptr, nbytes)`` items chunk by chunk, checking each ``chunk``-byte
+    chunk of a source (from the item's start) against ``expected[item][k]`` *before* copying it,
+    while it is in cache: the source is read from RAM once, and a damaged chunk is never
+    written (the others are). Chunks are shared across threads; one GIL release.
+
+    Returns:
+        ``[(item, chunk, crc found)]`` of the chunks not copied (empty when all matched).
+
+    Raises:
+        NativeError: ``chunk <= 0``, a wrong number of CRCs for an item, a malformed item.
+    """
+    if chunk <= 0:
+        raise NativeError(f"chunk must be > 0, got {chunk}")
+    return [tuple(b) for b in _call(_native.copy_batch_verified, items, expected, chunk, _threads(threads))]
 
 
 def scatter_crc(

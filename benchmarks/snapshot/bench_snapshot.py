@@ -536,7 +536,7 @@ def tp2_snapshot(st: State, run_dir: str, step: int) -> float:
             c.close()
 
 
-def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
+def bench_restore_only(st: State, reps: int, res: Results, extra: dict, window_mode: bool = False) -> None:
     """--restore-only: the three restores, each rep running same layout, (a) and (b) back to
     back (so their ratios compare runs under the same load), each rep also one 1-thread memcpy
     of the state into a warm buffer (the floor the restores are given as ratios of); no
@@ -584,6 +584,12 @@ def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
                 dt, sp = timed_restore(ck, probe, tg, pl, step=stp)
                 runs[key][0].append(dt)
                 runs[key][1].append(sp)
+            if window_mode:  # the same restore, windows verified then copied (UCPD_RESTORE_VERIFY=window)
+                from ucpd import knobs
+
+                with knobs.override(UCPD_RESTORE_VERIFY="window"):
+                    dt, sp = timed_restore(ck, probe, targets, None, step=full_step)
+                runs.setdefault("restore_window", ([], []))[0].append(dt)
         floor.check()
         floor.close()
         check_half_rows(st, half_targets)
@@ -596,6 +602,10 @@ def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
             "(a) per byte": [a / half_bytes * st.nbytes / f for a, f in zip(runs["restore_a"][0], floor_1t)],
             "(b)": [b / f for b, f in zip(runs["restore_b"][0], floor_1t)],
         }
+        if window_mode:
+            extra["restore_over_floor_1t_per_rep"]["same layout, UCPD_RESTORE_VERIFY=window"] = [
+                r / f for r, f in zip(runs["restore_window"][0], floor_1t)]
+            res.add("restore_window", "ucpd restore from RAM, same layout, UCPD_RESTORE_VERIFY=window", runs["restore_window"][0], st.nbytes, "ucpd")
         for k, v in extra["restore_over_floor_1t_per_rep"].items():
             log(f"restore {k} / 1-thread memcpy, per rep: {', '.join(f'{x:.2f}x' for x in v)} (median {median(v):.2f}x)")
         res.add("restore_first", "ucpd restore from RAM #1 (maps the slot read-only, MAP_POPULATE)", [first], st.nbytes, "ucpd-first")
@@ -986,6 +996,8 @@ def main(argv=None) -> int:
     ap.add_argument("--restore-only", action="store_true",
                     help="only the restores (same layout, resharded (a) and (b), interleaved per rep): no floor, "
                          "snapshot reps, torch.load, flush or peers")
+    ap.add_argument("--restore-window-mode", action="store_true",
+                    help="with --restore-only: each rep also a same-layout restore with UCPD_RESTORE_VERIFY=window")
     args = ap.parse_args(argv)
 
     atexit.register(_cleanup)
@@ -1003,7 +1015,7 @@ def main(argv=None) -> int:
     res, extra = Results(), {}
     try:
         if args.restore_only:
-            bench_restore_only(st, args.reps, res, extra)
+            bench_restore_only(st, args.reps, res, extra, args.restore_window_mode)
         else:
             floor = Floor(st)
             try:

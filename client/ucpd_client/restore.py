@@ -252,9 +252,10 @@ class _Windows:
 
     def run(self) -> None:
         for run in self.copiers:
-            if not run.verified:
-                run.verify()  # this window, then its copy while its bytes are in cache
-            run.run()
+            if run.verified:
+                run.run()  # checked already (mode "all"); run checks again what it copies, in the same pass
+            else:
+                run.run_verified()  # each chunk checked, then copied while in cache
 
 
 def _sources(ckpt, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], dict[int, tuple[str, np.ndarray]]]:

@@ -244,6 +244,48 @@ std::vector<std::vector<uint32_t>> copy_batch(const std::vector<CopyItem>& items
   return out;
 }
 
+std::vector<BadChunk> copy_batch_verified(const std::vector<CopyItem>& items,
+                                          const std::vector<std::vector<uint32_t>>& expected,
+                                          std::size_t C, int threads) {
+  if (C == 0) throw std::invalid_argument("copy_batch_verified: chunk must be > 0");
+  if (expected.size() != items.size())
+    throw std::invalid_argument("copy_batch_verified: one list of CRCs per item");
+  struct Piece {
+    std::size_t item, chunk;
+  };
+  std::vector<Piece> pieces;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::size_t n = (items[i].nbytes + C - 1) / C;
+    if (expected[i].size() != n)
+      throw std::invalid_argument("copy_batch_verified: item " + std::to_string(i) + " has " +
+                                  std::to_string(items[i].nbytes) + " bytes: " + std::to_string(n) +
+                                  " CRCs expected, got " + std::to_string(expected[i].size()));
+    for (std::size_t k = 0; k < n; ++k) pieces.push_back(Piece{i, k});
+  }
+  std::vector<uint32_t> found(pieces.size(), 0);
+  std::vector<unsigned char> ok(pieces.size(), 0);
+  const int nthreads = std::max(1, threads);
+  const std::size_t per = std::max<std::size_t>(1, pieces.size() / (nthreads * kTasksPerThread));
+  const std::size_t ntasks = (pieces.size() + per - 1) / per;
+  parallel_for(ntasks, nthreads, [&](std::size_t t) {
+    for (std::size_t p = t * per; p < std::min(pieces.size(), (t + 1) * per); ++p) {
+      const CopyItem& it = items[pieces[p].item];
+      const std::size_t off = pieces[p].chunk * C, len = std::min(C, it.nbytes - off);
+      const unsigned char* src = static_cast<const unsigned char*>(it.src) + off;
+      found[p] = crc32c_update(0, src, len);  // pulls the chunk into cache
+      if (found[p] == expected[pieces[p].item][pieces[p].chunk]) {
+        copy_bytes(static_cast<unsigned char*>(it.dst) + off, src, len);
+        ok[p] = 1;
+      }
+    }
+    stream_fence();
+  });
+  std::vector<BadChunk> bad;
+  for (std::size_t p = 0; p < pieces.size(); ++p)
+    if (!ok[p]) bad.push_back(BadChunk{pieces[p].item, pieces[p].chunk, found[p]});
+  return bad;
+}
+
 void copy_parallel(void* dst, const void* src, std::size_t n, int threads) {
   if (threads <= 1 || n < 2 * kMinTask) {
     copy_bytes(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), n);

@@ -192,6 +192,26 @@ NB_MODULE(_native, m) {
   }, "items"_a, "threads"_a, "crc_chunk"_a = 0, "mode"_a = "fused", "block"_a = 64 * 1024);
   m.def("crc32c_copy_fused", &crc32c_copy_fused);
 
+  // items: (dst_ptr, src_ptr, nbytes); expected: one list of chunk CRCs per item
+  m.def("copy_batch_verified", [](nb::handle items, nb::handle expected, std::size_t chunk, int threads) {
+    std::vector<CopyItem> v = parse_items(items);
+    std::vector<std::vector<uint32_t>> want;
+    for (nb::handle h : expected) {
+      std::vector<uint32_t> w;
+      for (nb::handle c : h) w.push_back(nb::cast<uint32_t>(c));
+      want.push_back(std::move(w));
+    }
+    const int t = check_threads(threads);
+    std::vector<BadChunk> bad;
+    {
+      nb::gil_scoped_release nogil;
+      bad = copy_batch_verified(v, want, chunk, t);
+    }
+    nb::list out;
+    for (const BadChunk& b : bad) out.append(nb::make_tuple(b.item, b.chunk, b.crc));
+    return out;
+  }, "items"_a, "expected"_a, "chunk"_a, "threads"_a);
+
   // items: iterable of (ptr, nbytes) or (ptr, nbytes, crc to continue); chunk 0: one CRC per item
   m.def("crc32c_batch", [](nb::handle items, int threads, std::size_t chunk) -> nb::object {
     std::vector<CopyItem> v;

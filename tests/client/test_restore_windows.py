@@ -34,8 +34,8 @@ def ckpt(make_daemon):
 
 def test_window_mode_restores_the_same_bytes_same_layout_and_resharded_in_many_windows(ckpt, monkeypatch):
     calls = []
-    real = CheckedCopier.verify
-    monkeypatch.setattr(CheckedCopier, "verify", lambda self: (calls.append(1), real(self))[1])
+    real = CheckedCopier.run_verified
+    monkeypatch.setattr(CheckedCopier, "run_verified", lambda self: (calls.append(1), real(self))[1])
     want = state()
     with knobs.override(UCPD_RESTORE_VERIFY="window", UCPD_RESTORE_WINDOW="1M"):
         t = {k: torch.zeros_like(v) for k, v in want.items()}
