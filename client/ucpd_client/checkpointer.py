@@ -228,6 +228,8 @@ class Checkpointer:
         self._cuda = TORCH_CUDA  # the CUDA backend (tests without a GPU put a model of streams here)
         self._streams: DeviceStreams | None = None  # one staging stream per device, made when first needed
         self._restore_streams: DeviceStreams | None = None  # and one restore stream per device
+        self._stager_lock = threading.Lock()
+        self._ahead: queue.Queue | None = None  # slots to get ready between snapshots (_map_ahead)
         self._pinned: dict[str, int | None] = {}  # restore sources registered (address), or that refused (None)
         self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
         self._last: SnapshotHandle | None = None
@@ -370,12 +372,16 @@ class Checkpointer:
             conn.call("abort", rank=self.rank, step=step, slot=reply["slot"])  # layouts changed: ask again
 
     def _stager(self, path: str, slot) -> CudaStager:
-        """The slot's stager (registered once, kept while the slot is mapped)."""
+        """The slot's stager (registered once, kept while the slot is mapped; the snapshot
+        worker and the thread that prepares slots ahead may ask at once)."""
         stager = self._stagers.get(path)
         if stager is None:
-            if self._streams is None:
-                self._streams = DeviceStreams(self._cuda)
-            stager = self._stagers[path] = CudaStager(slot, self._streams)
+            with self._stager_lock:
+                if self._streams is None:
+                    self._streams = DeviceStreams(self._cuda)
+                stager = self._stagers.get(path)
+                if stager is None:
+                    stager = self._stagers[path] = CudaStager(slot, self._streams)
         return stager
 
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
@@ -430,14 +436,33 @@ class Checkpointer:
         self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
 
     def _map_ahead(self, paths) -> None:
-        """Map the rank's warm spare slots now, between snapshots, so the next snapshot that
-        lands in one pays no page-table work (the daemon faulted their pages in already)."""
-        for path in paths:
-            if not self._maps.has(path, True):
+        """Get the rank's spare slots ready between snapshots, on a thread of their own (the
+        next snapshot never waits behind a slot it does not use): each is mapped (its pages
+        faulted in, on the copy threads) and, once this rank has staged CUDA tensors,
+        page-locked for the devices (``cudaHostRegister`` of a big slot takes seconds: the
+        first snapshot that lands in it must not pay that)."""
+        todo = [p for p in paths if not self._maps.has(p, True) or (self._streams is not None and p not in self._stagers)]
+        if not todo:
+            return
+        if self._ahead is None:
+            self._ahead = queue.Queue()
+            threading.Thread(target=self._prepare_ahead, args=(self._ahead,), name=f"ucpd-ahead-r{self.rank}", daemon=True).start()
+        self._ahead.put(todo)
+
+    def _prepare_ahead(self, jobs: queue.Queue) -> None:
+        while True:
+            paths = jobs.get()
+            if paths is None:
+                jobs.task_done()
+                return
+            for path in paths:
                 try:
-                    self._maps.get(path, writable=True)
-                except OSError:  # the daemon deleted it meanwhile
+                    slot = self._maps.get(path, writable=True)
+                    if self._streams is not None:
+                        self._stager(path, slot)
+                except Exception:  # the daemon deleted it meanwhile, or the driver refused: the snapshot that uses it says so
                     pass
+            jobs.task_done()
 
     def guard(self, optimizer: torch.optim.Optimizer):
         """Make ``optimizer.step()`` wait until the last snapshot is staged (returns the hook handle)."""
@@ -477,6 +502,9 @@ class Checkpointer:
             self._closed = True
             self._jobs.put(None)
         self._worker.join()
+        if self._ahead is not None:
+            self._ahead.put(None)
+            self._ahead.join()
         for c in self._conns:
             c.close()
         self._maps.close()  # also unregisters the CUDA stagers of those slots

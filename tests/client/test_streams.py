@@ -9,7 +9,9 @@ GPU: ``tests/gpu/test_gpu_streams.py``.
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 
 import pytest
 import torch
@@ -92,8 +94,9 @@ def test_tensors_on_two_devices_are_staged_each_on_a_stream_of_its_device_after_
     for s in made:
         assert s.ops[0][0] == "wait" and s.ops[0][1] is fence[s.device][1]
         assert [op[2] for op in s.ops[1:]] == ["copy_d2h"]
-    # the slot is registered once, whatever the number of devices
-    assert len(fake.log("host_register")) == 1
+    # the slot is registered once, whatever the number of devices (FakeCuda refuses a second
+    # registration of an address); spares may be registered ahead, on another thread
+    assert len([c for c in fake.log("host_register") if c[1].startswith("ucpd-snapshot")]) == 1
 
 
 def test_a_second_snapshot_reuses_the_device_streams(ckpt_fake):
@@ -185,3 +188,24 @@ def test_a_stager_refuses_a_tensor_on_a_device_the_fence_does_not_cover():
         stager.queue([e], Fence.record({0}, fake))
     stager.close()
     assert fake.registered == {}
+
+
+def test_the_spare_slots_are_registered_ahead_once_cuda_tensors_were_staged(ckpt_fake):
+    ckpt, fake = ckpt_fake
+    w = fake.place(torch.ones(1 << 16), 0)
+    deadline = time.monotonic() + 60
+    step = 0
+    # the daemon offers spares once it has reserved them (after the first begin): keep snapshotting
+    # until the slots are page-locked by the thread that prepares them ahead
+    while not any(t.startswith("ucpd-ahead") for _, t, _ in fake.log("host_register")):
+        assert time.monotonic() < deadline, f"spares never registered ahead: {fake.log('host_register')}"
+        step += 1
+        ckpt.snapshot(step, {"w": w}).wait()
+        time.sleep(0.05)
+    ckpt._ahead.join()  # what was queued is done
+    by_worker = [a for _, t, (a, _) in fake.log("host_register") if t.startswith("ucpd-snapshot")]
+    for _ in range(4):  # the rotation: every slot it lands in is registered already
+        step += 1
+        ckpt.snapshot(step, {"w": w}).wait()
+        ckpt._ahead.join()
+    assert [a for _, t, (a, _) in fake.log("host_register") if t.startswith("ucpd-snapshot")] == by_worker
