@@ -141,6 +141,13 @@ def restore_window() -> int:
     return max(1, parse_size(_get("UCPD_RESTORE_WINDOW", "16M")))
 
 
+def stage_window() -> int:
+    """Bytes of a snapshot's device-to-host window: CUDA tensors are copied in windows, each
+    followed by an event, and the chunk CRCs of a window are computed while the next one is
+    in flight (rounded to whole CRC chunks, at least one)."""
+    return max(1, parse_size(_get("UCPD_STAGE_WINDOW", "64M")))
+
+
 def parse_size(text: str) -> int:
     """Parse '16G', '512MiB', '1.5g', '1048576' into bytes."""
     s = str(text).strip().lower().replace("ib", "").rstrip("b")

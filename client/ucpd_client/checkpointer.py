@@ -37,7 +37,7 @@ from . import embedded as embedded_daemon, restore as restore_mod, state as stat
 from .errors import InvalidJobName
 from .incremental import Tracker
 from .mapping import Mappings
-from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
+from .staging import CudaStager, Entry, copy_to_slot_cpu, layout, window_crcs
 from .streams import TORCH_CUDA, DeviceStreams, Fence, devices_of
 
 
@@ -400,14 +400,19 @@ class Checkpointer:
             on = self._cuda.device_of
             cpu = [e for e in write if on(e.tensor) < 0] if fence is not None else write
             gpu = [e for e in write if on(e.tensor) >= 0] if fence is not None else []
-            events = self._stager(reply["path"], slot).queue(gpu, fence) if gpu else []
+            windows = self._stager(reply["path"], slot).queue(gpu, fence) if gpu else []
             crcs = dict(zip([e.name for e in cpu], copy_to_slot_cpu(cpu, slot))) if cpu else {}
-            for event in events:
+            threads = knobs.copy_threads()
+            for i, (event, pieces) in enumerate(windows):  # each window's CRCs while the next is in flight
                 self._cuda.synchronize(event)
-            handle.timings["staged"] = time.perf_counter()
-            handle._staged.set()
-            for e in gpu:
-                crcs[e.name] = native.crc32c_chunks(slot[e.offset : e.offset + e.nbytes], native.CHUNK_BYTES)
+                if i == len(windows) - 1:
+                    handle.timings["staged"] = time.perf_counter()
+                    handle._staged.set()
+                for (e, _, _), got in zip(pieces, window_crcs(slot, pieces, threads)):
+                    crcs.setdefault(e.name, []).extend(got)
+            if not windows:
+                handle.timings["staged"] = time.perf_counter()
+                handle._staged.set()
         except BaseException:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise

@@ -80,6 +80,36 @@ def copy_to_slot_cpu(entries: list[Entry], slot: np.ndarray) -> list[list[int]]:
     return crcs
 
 
+def _windows(entries: list[Entry], window: int) -> list[list[tuple[Entry, int, int]]]:
+    """The entries' bytes as windows of about ``window`` bytes (a multiple of the CRC chunk):
+    ``[(entry, lo, hi)]`` each, a tensor cut only at chunk bounds."""
+    out: list[list[tuple[Entry, int, int]]] = [[]]
+    size = 0
+    for e in entries:
+        lo = 0
+        while lo < e.nbytes or (lo == 0 and e.nbytes == 0):
+            if size >= window:
+                out.append([])
+                size = 0
+            hi = min(e.nbytes, lo + window - size) if e.nbytes - lo > window - size else e.nbytes
+            if hi < e.nbytes:
+                hi = max(lo + native.CHUNK_BYTES, (hi // native.CHUNK_BYTES) * native.CHUNK_BYTES)
+                hi = min(hi, e.nbytes)
+            out[-1].append((e, lo, hi))
+            size += hi - lo
+            if e.nbytes == 0:
+                break
+            lo = hi
+    return [w for w in out if w]
+
+
+def window_crcs(slot: np.ndarray, pieces: list[tuple[Entry, int, int]], threads: int) -> list[list[int]]:
+    """The chunk CRCs of each piece's bytes in the slot (pieces start at chunk bounds of their
+    tensor, so a tensor's list is its pieces' lists in order)."""
+    base = slot.ctypes.data
+    return native.crc32c_batch([(base + e.offset + lo, hi - lo) for e, lo, hi in pieces], native.CHUNK_BYTES, threads)
+
+
 class CudaStager:
     """Device-to-host staging into one slot: the slot page-locked once (``cudaHostRegister``,
     portable: every device may copy into it), each device's tensors copied on that device's
@@ -99,27 +129,36 @@ class CudaStager:
         self.host = torch.from_numpy(slot)
         self._inflight: list[torch.Tensor] = []
 
-    def queue(self, entries: list[Entry], fence: Fence) -> list:
+    def queue(self, entries: list[Entry], fence: Fence, window: int | None = None) -> list[tuple]:
         """Queue D2H copies of the CUDA entries, each device's on its own stream after that
-        device's fence event; returns one event per device, that fires when its bytes are in
-        the slot. Raises ValueError when an entry lives on a device the fence has no event for
-        (the fence was recorded for other tensors)."""
-        done, inflight = [], []
+        device's fence event, in windows of about ``window`` bytes (``knobs.stage_window()``;
+        a tensor larger than a window is cut at CRC chunk bounds). Returns ``[(event, pieces)]``
+        in the order they were queued: the event fires when the window's bytes are in the slot;
+        pieces are ``(entry, lo, hi)`` byte ranges of its tensors, chunk-aligned, so the chunk
+        CRCs of a window are computed as soon as its event fired. Raises ValueError when an
+        entry lives on a device the fence has no event for (the fence was recorded for other
+        tensors)."""
+        C = native.CHUNK_BYTES
+        window = max(C, (window or knobs.stage_window()) // C * C)
+        out, inflight = [], []
         for device, group in by_device(entries, self.cuda).items():
             if device not in fence.events:
                 raise ValueError(f"tensor {group[0].name!r} is on CUDA device {device}, which the snapshot's fence does not cover")
             stream = self.streams.get(device)
             self.cuda.wait(stream, fence.events[device])
             with self.cuda.use(device, stream):
-                srcs = []
+                srcs = {}
                 for e in group:
                     t = e.tensor.detach()
-                    srcs.append(t if t.is_contiguous() else t.contiguous())  # made on the staging stream, after the fence
-                self.cuda.copy_d2h(stream, srcs, [e.offset for e in group], self.host)
-                done.append(self.cuda.record(stream))
-            inflight += srcs
+                    srcs[e.name] = t if t.is_contiguous() else t.contiguous()  # made on the staging stream, after the fence
+                inflight += srcs.values()
+                for pieces in _windows(group, window):
+                    views = [srcs[e.name].reshape(-1).view(torch.uint8)[lo:hi] if (lo, hi) != (0, e.nbytes) else srcs[e.name]
+                             for e, lo, hi in pieces]
+                    self.cuda.copy_d2h(stream, views, [e.offset + lo for e, lo, _ in pieces], self.host)
+                    out.append((self.cuda.record(stream), pieces))
         self._inflight = inflight
-        return done
+        return out
 
     def close(self) -> None:
         self._inflight = []

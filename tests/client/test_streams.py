@@ -209,3 +209,25 @@ def test_the_spare_slots_are_registered_ahead_once_cuda_tensors_were_staged(ckpt
         ckpt.snapshot(step, {"w": w}).wait()
         ckpt._ahead.join()
     assert [a for _, t, (a, _) in fake.log("host_register") if t.startswith("ucpd-snapshot")] == by_worker
+
+
+def test_cuda_tensors_are_staged_in_windows_whose_crcs_are_computed_while_the_next_is_in_flight(ckpt_fake, monkeypatch):
+    from ucpd import knobs
+    from ucpd_client import checkpointer as cp_mod
+
+    ckpt, fake = ckpt_fake
+    real = cp_mod.window_crcs
+    monkeypatch.setattr(cp_mod, "window_crcs", lambda *a: (fake._call("crc", len(a[1])), real(*a))[1])
+    g = torch.Generator().manual_seed(5)
+    state = {"big": fake.place(torch.randn(5 << 18, generator=g), 0),  # 5 MiB: cut at chunk bounds
+             "b2": fake.place(torch.randn(3 << 18, generator=g), 1), "s": fake.place(torch.randn(10, generator=g), 0),
+             "e": torch.empty(0), "cpu": torch.randn(100, generator=g)}
+    with knobs.override(UCPD_STAGE_WINDOW="2M"):
+        h = ckpt.snapshot(1, state)
+        h.wait()
+    seq = [c for c in fake.calls if c[0] in ("synchronize", "crc") and c[1].startswith("ucpd-snapshot")]
+    assert [c[0] for c in seq] == ["synchronize", "crc"] * (len(seq) // 2) and len(seq) // 2 == 3 + 2
+    out = {k: torch.zeros_like(v) for k, v in state.items()}
+    ckpt.restore(out)  # every chunk checked against the CRCs the windows computed
+    for k in state:
+        assert torch.equal(out[k], state[k]), k
