@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from .. import faults
-from .slots import SlotState
+from .slots import SlotState, touch_file
 from .store import prepare_slot_file
 
 log = logging.getLogger("ucpd.slots")
@@ -234,27 +234,52 @@ class SlotPreparer:
     def _run(self) -> None:
         # Not niced: a begin may come to wait for the spare being warmed, and a thread cannot
         # raise its priority back. It steps aside for snapshot copies instead (``_pause``).
+        # Every queued spare's space is reserved before any is touched: each is offered to its
+        # trainer then (``ready_spares``), whose mapping populates it ahead of use, so a rank's
+        # third slot is not left unreserved until the second is touched.
         while True:
             with self._cv:
                 while (not self._spares or self._urgent) and not self._stopping:
                     self._cv.wait(0.5 if self._urgent else None)
                 if self._stopping:
                     return
-                spare = self._current = self._spares[0]
-            exc = None
-            try:
-                try:
-                    prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare), reserved=lambda: self._reserved(spare))
-                except _Lent:
-                    pass
-                faults.point("slot.allocated")
-            except Exception as e:
-                exc = e
-            self.done.put(("slot", spare.sid, exc))  # first: until it is drained, a begin may still claim it
+                todo = [p for p in self._spares if not p.reserved]
+            for spare in todo:
+                self._prepare(spare, touch=False)
             with self._cv:
-                self._current = None
-                if spare in self._spares:
-                    self._spares.remove(spare)
+                if not self._spares or self._stopping:
+                    continue
+                spare = self._spares[0]
+            self._prepare(spare, touch=True)
+
+    def _prepare(self, spare: _Spare, touch: bool) -> None:
+        """Reserve a spare's space (``touch`` False), or touch a reserved one; a spare a begin
+        claimed, or a failure, is finished (``done``) at once."""
+        with self._cv:
+            if spare not in self._spares:
+                return
+            self._current = spare
+        exc, finished = None, True
+        try:
+            try:
+                if not spare.reserved:
+                    prepare_slot_file(spare.path, spare.size, touch=False, reserved=lambda: self._reserved(spare))
+                if touch:
+                    touch_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+                else:
+                    finished = spare.urgent  # reserved: touched later, unless a begin waits for it
+            except _Lent:
+                pass
+            if finished:
+                faults.point("slot.allocated")
+        except Exception as e:
+            exc, finished = e, True
+        if finished:
+            self.done.put(("slot", spare.sid, exc))  # first: until it is drained, a begin may still claim it
+        with self._cv:
+            self._current = None
+            if finished and spare in self._spares:
+                self._spares.remove(spare)
 
     def _reserved(self, spare: _Spare) -> None:
         with self._cv:
@@ -265,5 +290,16 @@ class SlotPreparer:
     def _pause(self, spare: _Spare) -> None:
         if spare.urgent:
             raise _Lent
+        self._lend_claimed(spare)
         if not self._stopping:
             self.yielded_s += yield_to_snapshots(self.store)
+
+    def _lend_claimed(self, current: _Spare) -> None:
+        """Finish at once the reserved spares a begin claimed while ``current`` is touched."""
+        with self._cv:
+            claimed = [p for p in self._spares if p is not current and p.urgent and p.reserved]
+            for p in claimed:
+                self._spares.remove(p)
+        for p in claimed:
+            faults.point("slot.allocated")
+            self.done.put(("slot", p.sid, None))
