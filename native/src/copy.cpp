@@ -267,16 +267,29 @@ std::vector<BadChunk> copy_batch_verified(const std::vector<CopyItem>& items,
   const int nthreads = std::max(1, threads);
   const std::size_t per = std::max<std::size_t>(1, pieces.size() / (nthreads * kTasksPerThread));
   const std::size_t ntasks = (pieces.size() + per - 1) / per;
+  // Software-pipelined per task: while chunk p is copied (from cache: it was just checksummed),
+  // chunk p + 1 is checksummed, block by block, so the CRC work and the stores overlap.
   parallel_for(ntasks, nthreads, [&](std::size_t t) {
-    for (std::size_t p = t * per; p < std::min(pieces.size(), (t + 1) * per); ++p) {
-      const CopyItem& it = items[pieces[p].item];
-      const std::size_t off = pieces[p].chunk * C, len = std::min(C, it.nbytes - off);
-      const unsigned char* src = static_cast<const unsigned char*>(it.src) + off;
-      found[p] = crc32c_update(0, src, len);  // pulls the chunk into cache
-      if (found[p] == expected[pieces[p].item][pieces[p].chunk]) {
-        copy_bytes(static_cast<unsigned char*>(it.dst) + off, src, len);
-        ok[p] = 1;
-      }
+    const std::size_t first = t * per, last = std::min(pieces.size(), (t + 1) * per);
+    auto src_of = [&](std::size_t p) {
+      return static_cast<const unsigned char*>(items[pieces[p].item].src) + pieces[p].chunk * C;
+    };
+    auto len_of = [&](std::size_t p) {
+      return std::min(C, items[pieces[p].item].nbytes - pieces[p].chunk * C);
+    };
+    if (first >= last) return;
+    found[first] = crc32c_update(0, src_of(first), len_of(first));
+    for (std::size_t p = first; p < last; ++p) {
+      ok[p] = found[p] == expected[pieces[p].item][pieces[p].chunk];
+      const bool has_next = p + 1 < last;
+      const unsigned char* s = src_of(p);
+      unsigned char* d = static_cast<unsigned char*>(items[pieces[p].item].dst) + pieces[p].chunk * C;
+      const std::size_t n = len_of(p);
+      const unsigned char* ns = has_next ? src_of(p + 1) : nullptr;
+      const std::size_t nn = has_next ? len_of(p + 1) : 0;
+      // the next chunk checksummed while this one (checked, in cache) is copied
+      const uint32_t next = crc32c_update_while_copying(0, ns, nn, d, s, ok[p] ? n : 0);
+      if (has_next) found[p + 1] = next;
     }
     stream_fence();
   });
