@@ -244,6 +244,8 @@ class SlotPreparer:
                 if self._stopping:
                     return
                 todo = [p for p in self._spares if not p.reserved]
+            if todo and not todo[0].urgent and not self._stopping:  # not beside the copy that queued them (a first snapshot's)
+                self.yielded_s += yield_to_snapshots(self.store)
             for spare in todo:
                 self._prepare(spare, touch=False)
             with self._cv:
