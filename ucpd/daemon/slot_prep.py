@@ -59,11 +59,12 @@ def copies_in_flight(store, now: float | None = None) -> int:
     )
 
 
-def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S) -> float:
+def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S, also=None) -> float:
     """Background work calls this between pieces: it returns once no trainer is copying into a
-    slot, or after ``max_wait`` seconds. Returns the seconds it waited."""
+    slot (and ``also()``, if given, is false), or after ``max_wait`` seconds. Returns the
+    seconds it waited."""
     t0 = time.monotonic()
-    while copies_in_flight(store) and time.monotonic() - t0 < max_wait:
+    while (copies_in_flight(store) or (also is not None and also())) and time.monotonic() - t0 < max_wait:
         time.sleep(0.005)
     return time.monotonic() - t0
 
@@ -245,7 +246,7 @@ class SlotPreparer:
                     return
                 todo = [p for p in self._spares if not p.reserved]
             if todo and not todo[0].urgent and not self._stopping:  # not beside the copy that queued them (a first snapshot's)
-                self.yielded_s += yield_to_snapshots(self.store)
+                self.yielded_s += yield_to_snapshots(self.store, also=self._urgent_not_lent)
             for spare in todo:
                 self._prepare(spare, touch=False)
             with self._cv:
@@ -282,6 +283,13 @@ class SlotPreparer:
             self._current = None
             if finished and spare in self._spares:
                 self._spares.remove(spare)
+
+    def _urgent_not_lent(self) -> bool:
+        """An urgent slot is ready but not yet lent (the server has not drained it): its copy is
+        about to start."""
+        with self._cv:
+            ours = {p.sid for p in self._spares}
+        return any(s.state is SlotState.WRITING and s.step is None and s.id not in ours for s in tuple(self.store.slots.slots.values()))
 
     def _reserved(self, spare: _Spare) -> None:
         with self._cv:
