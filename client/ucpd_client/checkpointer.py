@@ -490,9 +490,13 @@ class Checkpointer:
 
         ``last_restore`` then says where it came from: ``{"step": N, "where": "ram" | "disk"}``.
 
+        CUDA targets are filled straight from the daemon's shared memory (page-locked once) by
+        DMA, after the work queued on the caller's current stream of each target device.
+
         Raises VersionNotFound, PlacementMismatch (unknown tensor, wrong shape or dtype,
-        uncovered region), ChecksumMismatch (a source's bytes are damaged; targets may then be
-        partly written — restore another step, or from the flush directory).
+        uncovered region), ChecksumMismatch (every source left was damaged; the targets are
+        unchanged — with ``UCPD_RESTORE_VERIFY=window`` the windows before the damage are
+        written; restore another step, or from the flush directory).
         """
         return restore_mod.restore(self, target_state, step, placements)
 

@@ -115,7 +115,8 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
     (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
     the daemon answers from the next source, the same step from the flush dir, or (no step
     asked) the previous version. When no other
-    source is left, ChecksumMismatch is raised, the targets untouched."""
+    source is left, ChecksumMismatch is raised, the targets untouched (with
+    ``UCPD_RESTORE_VERIFY=window``: no byte of a damaged chunk written, earlier windows are)."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries

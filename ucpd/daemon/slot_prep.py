@@ -13,11 +13,11 @@ more when a flusher may pin an old version past ``--keep``.
 - A **spare** is prepared by one background thread, one at a time, in pieces, never while an
   urgent slot is being reserved (both would allocate pages at once); between pieces
   it steps aside while a trainer is copying into a slot (``yield_to_snapshots``), so warming
-  never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
-  rank's first slot. As soon as a spare's space is reserved its path goes to the trainer
-  (``ready_spares``), which maps it between snapshots: mapping populates it, on the trainer's
-  copy threads, so the second snapshot finds its slot mapped and faulted in even when the
-  touching here is not done. A begin that needs a spare still being warmed makes it urgent: it
+  never competes with a snapshot for cores or memory bandwidth. The space of every queued spare
+  is reserved first (once the copy that queued them is done), then each is touched: as soon as
+  a spare's space is reserved its path goes to the trainer (``ready_spares``), which maps it
+  between snapshots on a thread of its own: mapping populates it, so the later snapshots find
+  their slots mapped and faulted in even when the touching here is not done. A begin that needs a spare still being warmed makes it urgent: it
   is lent once its space is reserved, the touching stops (the trainer faults in the rest).
 - The rotation follows the size a rank asks for: slots more than twice that size do not count
   in it, and once it is ready the rank's free ones are deleted (an incremental snapshot copies
