@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NATIVE := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: setup test test-fast demo bench clean
+.PHONY: setup test test-fast demo bench clean gpu-check gpu-wheels
 
 setup: $(STAMP)
 
@@ -43,6 +43,50 @@ demo: setup
 
 bench: setup
 	$(BIN)/python benchmarks/run_all.py
+
+# --- on a GPU machine (README, "Checking on a GPU") ----------------------------------------------
+# `make gpu-check` builds the native part with its CUDA code (nvcc on PATH) into $(GPU_DIR) with
+# the machine's own Python and torch (no venv, no network), then runs tests/gpu and
+# benchmarks/gpu/bench_gpu.py. Python packages the machine lacks (pyzmq, often) come from the
+# wheels `make gpu-wheels` downloaded beforehand on a machine with network into $(GPU_WHEELS)
+# (an ignored folder that travels with the checkout).
+GPU_PYTHON  ?= python3
+GPU_DIR     ?= build/gpu-check
+GPU_WHEELS  ?= gpu-wheels
+GPU_PYVER   ?= 3.12
+GPU_PLATFORMS ?= manylinux_2_28_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+GPU_BENCH_ARGS ?=
+# imported by ucpd, its tests or its build; fetched as wheels, installed only where missing
+GPU_DEPS := zmq:pyzmq msgpack:msgpack safetensors:safetensors psutil:psutil rich:rich tqdm:tqdm \
+            prometheus_client:prometheus-client pytest:pytest pytest_timeout:pytest-timeout \
+            hypothesis:hypothesis crc32c:crc32c scikit_build_core:scikit-build-core nanobind:nanobind \
+            pathspec:pathspec packaging:packaging
+
+gpu-wheels:
+	mkdir -p $(GPU_WHEELS)
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version $(GPU_PYVER) $(foreach p,$(GPU_PLATFORMS),--platform $(p)) \
+	  -d $(GPU_WHEELS) $(foreach d,$(GPU_DEPS),$(word 2,$(subst :, ,$(d)))) "mdurl" "markdown-it-py" "pygments" \
+	  "sortedcontainers" "attrs" "iniconfig" "pluggy"
+
+gpu-check:
+	@$(GPU_PYTHON) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 3)" 2>/dev/null || { \
+	  echo "gpu-check: no usable CUDA device here ($(GPU_PYTHON) has no torch with CUDA, or torch.cuda.is_available() is False)."; \
+	  echo "gpu-check: run it on a machine with a GPU, nvcc and torch (see README, 'Checking on a GPU')."; exit 1; }
+	@command -v nvcc >/dev/null || { echo "gpu-check: nvcc is not on PATH: the CUDA part of ucpd cannot be built"; exit 1; }
+	rm -rf $(GPU_DIR) && mkdir -p $(GPU_DIR)/deps
+	@for d in $(GPU_DEPS); do mod=$${d%%:*}; pkg=$${d##*:}; \
+	  PYTHONPATH=$(GPU_DIR)/deps $(GPU_PYTHON) -c "import $$mod" 2>/dev/null && continue; \
+	  [ -d $(GPU_WHEELS) ] || { echo "gpu-check: $(GPU_PYTHON) lacks $$pkg and there is no $(GPU_WHEELS)/: run 'make gpu-wheels' where there is network and bring the folder"; exit 1; }; \
+	  echo "gpu-check: installing $$pkg from $(GPU_WHEELS)/"; \
+	  $(GPU_PYTHON) -m pip install -q --no-index --find-links $(GPU_WHEELS) --target $(GPU_DIR)/deps $$pkg || exit 1; \
+	done
+	PYTHONPATH=$(CURDIR)/$(GPU_DIR)/deps $(GPU_PYTHON) -m pip install -q --no-build-isolation --no-deps --target $(GPU_DIR)/site .
+	@PYTHONPATH=$(CURDIR)/$(GPU_DIR)/site $(GPU_PYTHON) -c "from ucpd import native; assert native.cuda_available(), 'the CUDA part was not built or sees no device'; print('gpu-check: ucpd native', native.backends())"
+	# PYTHONSAFEPATH: no process (pytest, the daemons it starts) puts the checkout's ucpd, which has no build, before $(GPU_DIR)/site
+	cd $(GPU_DIR) && PYTHONSAFEPATH=1 PYTHONPATH=$(CURDIR)/$(GPU_DIR)/site:$(CURDIR)/$(GPU_DIR)/deps \
+	  $(GPU_PYTHON) -m pytest -c $(CURDIR)/pyproject.toml --rootdir $(CURDIR) $(CURDIR)/tests/gpu -p no:randomly -p no:cacheprovider -q -rs
+	cd $(GPU_DIR) && PYTHONSAFEPATH=1 PYTHONPATH=$(CURDIR)/$(GPU_DIR)/site:$(CURDIR)/$(GPU_DIR)/deps \
+	  $(GPU_PYTHON) $(CURDIR)/benchmarks/gpu/bench_gpu.py --json $(CURDIR)/$(GPU_DIR)/bench_gpu.json $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .hypothesis

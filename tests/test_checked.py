@@ -73,6 +73,55 @@ def test_damage_is_caught_only_where_read(rows, bad_byte, caught):
         run(plan, {"a": src}, out)
 
 
+def run_verified(plan, sources, dst):
+    cp = CheckedCopier(sources)
+    for c in plan.copies:
+        cp.add_array(c, dst)
+    cp.run_verified()
+
+
+@pytest.mark.parametrize("rows", [None, (3, 17), (0, 1)])
+def test_run_verified_copies_what_run_copies(rows):
+    g = np.arange(32 * 24, dtype=np.int32).reshape(32, 24)
+    pieces = source_pieces("a", resolve("w", Shard(0, 0, 1), g.shape)[0])
+    plan = plan_consolidate("w", g.shape, pieces, rows)
+    want = g if rows is None else g[rows[0] : rows[1]]
+    out = np.zeros(want.size, np.int32)
+    run_verified(plan, {"a": source(g.reshape(-1).copy())}, out)
+    assert (out.reshape(want.shape) == want).all()
+    out = np.zeros(16 * 16, np.int32)  # a strided column shard
+    plan = plan_restore(resolve("w", Shard(1, 1, 4), (16, 16)), {"w": source_pieces("a", resolve("w", Shard(0, 0, 1), (16, 64))[0])})
+    g = np.arange(16 * 64, dtype=np.int32).reshape(16, 64)
+    run_verified(plan, {"a": source(g.reshape(-1).copy())}, out)
+    assert (out.reshape(16, 16) == g[:, 16:32]).all()
+
+
+@pytest.mark.parametrize("bad_byte", [300, 5 * 96 + 3, 16 * 96 - 1])  # a whole chunk, a slice's edge chunk, the last
+def test_run_verified_never_writes_a_byte_of_a_damaged_chunk(bad_byte):
+    g = np.arange(16 * 24, dtype=np.int32).reshape(16, 24)  # 1536 bytes, 6 chunks
+    src = source(g.reshape(-1).copy(), damage=bad_byte)
+    pieces = source_pieces("a", resolve("w", Shard(0, 0, 1), g.shape)[0])
+    rows = (1, 16)
+    out = np.full((rows[1] - rows[0]) * 24, -1, np.int32)
+    with pytest.raises(ChecksumMismatch, match=f"chunk {bad_byte // CHUNK} "):
+        run_verified(plan_consolidate("w", g.shape, pieces, rows), {"a": src}, out)
+    written = out.view(np.uint8)
+    lo = (bad_byte // CHUNK) * CHUNK - 96  # the damaged chunk's bytes in the destination (rows from 1)
+    assert (written[max(0, lo) : lo + CHUNK] == 0xFF).all()
+
+
+def test_native_copy_batch_verified_copies_the_sound_chunks_only():
+    src = np.random.default_rng(1).integers(0, 255, 5 * 1000 + 17, dtype=np.uint8)
+    crcs = native.crc32c_chunks(src, 1000)
+    src[2500] ^= 1
+    dst = np.zeros_like(src)
+    assert native.copy_batch_verified([(dst.ctypes.data, src.ctypes.data, src.nbytes)], [crcs], 1000, threads=2) == [
+        (0, 2, native.crc32c(src[2000:3000]))]
+    assert (dst[2000:3000] == 0).all() and (dst[:2000] == src[:2000]).all() and (dst[3000:] == src[3000:]).all()
+    with pytest.raises(native.NativeError, match="CRCs expected"):
+        native.copy_batch_verified([(dst.ctypes.data, src.ctypes.data, src.nbytes)], [crcs[:2]], 1000)
+
+
 def test_verify_and_touched_chunks():
     arr = np.arange(1000, dtype=np.uint8)
     assert touched_chunks([(0, 1), (255, 257), (990, 2000)], CHUNK, 1000) == [0, 1, 3]

@@ -320,6 +320,15 @@ class CheckedCopier:
             )
         self._contiguous(key, src, lo, hi, dst_ptr + dst_lo, itemsize)
 
+    def add_read(self, key: Hashable, lo: int, hi: int) -> None:
+        """Source bytes ``[lo, hi)`` that something else moves (a host-to-device DMA):
+        :meth:`verify` checks the chunks they touch; :meth:`run` copies nothing for them."""
+        src = self.sources[key]
+        if lo < 0 or hi > src.nbytes:
+            raise PlacementMismatch(f"copy plan window outside its buffer (source bytes {lo}..{hi} of {src.nbytes})")
+        if lo < hi:
+            self.reads.setdefault(key, []).append((lo, hi))
+
     def _contiguous(self, key: Hashable, src: CheckedSource, lo: int, hi: int, dst: int, itemsize: int) -> None:
         """Source bytes [lo, hi) to the address ``dst``: whole chunks fused, edges plain."""
         chunk = src.chunk
@@ -409,15 +418,52 @@ class CheckedCopier:
         for key, ranges in (() if self.verified else self.apart.items()):
             src = self.sources[key]
             verify(src, touched_chunks(ranges, src.chunk, src.nbytes), threads)
+        for chunk, items in self.fused.items():
+            got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
+            for (key, first), crcs in zip(self.expect[chunk], got):
+                self._check(key, first, crcs)
+        self._run_rest(threads)
+
+    def run_verified(self) -> None:
+        """``run`` reading the sources from RAM once, never writing a byte of a damaged chunk:
+        the chunks the partial, scatter and strided copies read are checked first (a slice's
+        edges, strided windows), then every whole chunk of the contiguous copies is checked and
+        copied while it is in cache (``native.copy_batch_verified``), then the rest is copied.
+        Raises :func:`damaged` with chunks other than the damaged ones already copied."""
+        threads = self.threads or knobs.copy_threads()
+        if not self.verified:
+            todo: dict[Hashable, set[int]] = {}
+            for key, lo, hi in self.partial:
+                todo.setdefault(key, set()).update(touched_chunks([(lo, hi)], self.sources[key].chunk, self.sources[key].nbytes))
+            for key, _, _, _, shape, isz, lo in self.scatter:
+                src = self.sources[key]
+                todo.setdefault(key, set()).update(touched_chunks([(lo, lo + prod(shape) * isz)], src.chunk, src.nbytes))
+            for key, work in self.strided.items():
+                src = self.sources[key]
+                for _, c in work:
+                    todo.setdefault(key, set()).update(view_chunks(c.src_view, src.array.itemsize, src.chunk))
+            for key, chunks in todo.items():
+                src = self.sources[key]
+                verify(src, sorted(i for i in chunks if i < len(src.crcs)), threads)
+        for chunk, items in self.fused.items():
+            want = []
+            for (key, first), (_, _, n) in zip(self.expect[chunk], items):
+                want.append(self.sources[key].crcs[first : first + -(-n // chunk)])
+            bad = native.copy_batch_verified(items, want, chunk, threads)
+            if bad:
+                item, k, got = bad[0]
+                key, first = self.expect[chunk][item]
+                raise damaged(self.sources[key], [(first + k, got)] + [(self.expect[chunk][i][1] + j, c) for i, j, c in bad[1:] if i == item])
+        self.verified = True
+        self._run_rest(threads)
+
+    def _run_rest(self, threads: int) -> None:
+        """The partial, scatter and strided copies (``run``)."""
         if self.plain:
             self._run_partial(threads)
         if self.scatter:
             items = [(d, st, sp, sh, isz, self.sources[k].chunk, lo) for k, d, st, sp, sh, isz, lo in self.scatter]
             for (key, *_), (first, crcs) in zip(self.scatter, native.scatter_crc_batch(items, threads)):
-                self._check(key, first, crcs)
-        for chunk, items in self.fused.items():
-            got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
-            for (key, first), crcs in zip(self.expect[chunk], got):
                 self._check(key, first, crcs)
         for key, work in self.strided.items():
             src = self.sources[key]

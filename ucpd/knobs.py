@@ -146,6 +146,33 @@ def mem_limit() -> int:
     return parse_size(_get("UCPD_MEM_LIMIT", "0"))
 
 
+def restore_verify() -> str:
+    """How a restore checks its sources before writing its targets. ``all`` (default): every
+    chunk the plan reads is verified before the first target byte is written, so a damaged
+    source leaves every target as it was (the bytes are read from RAM twice: the check, then
+    the copy). ``window``: the plan runs in windows of ``restore_window()`` bytes, each verified
+    and then copied while it is still in cache (read from RAM once; on a GPU the DMA of a window
+    overlaps the check of the next); no byte of a damaged chunk is written, but windows before
+    it are (the next source, if any, rewrites every target)."""
+    mode = _get("UCPD_RESTORE_VERIFY", "all")
+    if mode not in ("all", "window"):
+        raise ValueError(f"UCPD_RESTORE_VERIFY must be 'all' or 'window', got {mode!r}")
+    return mode
+
+
+def restore_window() -> int:
+    """Bytes of a restore window (``restore_verify() == "window"``, and the pieces a GPU restore
+    queues at once): rounded down to whole CRC chunks, at least one."""
+    return max(1, parse_size(_get("UCPD_RESTORE_WINDOW", "16M")))
+
+
+def stage_window() -> int:
+    """Bytes of a snapshot's device-to-host window: CUDA tensors are copied in windows, each
+    followed by an event, and the chunk CRCs of a window are computed while the next one is
+    in flight (rounded to whole CRC chunks, at least one)."""
+    return max(1, parse_size(_get("UCPD_STAGE_WINDOW", "64M")))
+
+
 def parse_size(text: str) -> int:
     """Parse '16G', '512MiB', '1.5g', '1048576' into bytes."""
     s = str(text).strip().lower().replace("ib", "").rstrip("b")

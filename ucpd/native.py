@@ -14,7 +14,8 @@ What it offers, all on raw bytes (it never interprets elements):
   Reed-Solomon code over GF(2^8), :func:`rs_encode` / :func:`rs_decode`;
 - CUDA staging (only when the extension was built with CUDA and a device is present):
   :func:`cuda_available`, :func:`host_register`, :class:`Stream`, :class:`Event`,
-  :func:`pack_d2h`, :func:`unpack_h2d`, :func:`copy_h2d_async`, :func:`copy_d2h_async`.
+  :func:`pack_d2h`, :func:`unpack_h2d`, :func:`copy_h2d_async`, :func:`copy_h2d_2d_async`,
+  :func:`copy_d2h_async`.
 
 Buffers are any object with the buffer protocol that is C- or F-contiguous: numpy arrays,
 ``bytes``, ``bytearray``, ``mmap``, ``memoryview`` (slices included). Sources may be read-only;
@@ -54,6 +55,7 @@ __all__ = [
     "copy",
     "copy_ptr",
     "copy_batch",
+    "copy_batch_verified",
     "copy_strided",
     "copy_window",
     "crc32c",
@@ -77,6 +79,7 @@ __all__ = [
     "pack_d2h",
     "unpack_h2d",
     "copy_h2d_async",
+    "copy_h2d_2d_async",
     "copy_d2h_async",
 ]
 
@@ -191,6 +194,28 @@ def copy_batch(
     if crc_chunk < 0:
         raise NativeError(f"crc_chunk must be >= 0, got {crc_chunk}")
     return _call(_native.copy_batch, items, _threads(threads), crc_chunk)
+
+
+def copy_batch_verified(
+    items: Sequence[tuple[int, int, int]],
+    expected: Sequence[Sequence[int]],
+    chunk: int = CHUNK_BYTES,
+    threads: Optional[int] = None,
+) -> list[tuple[int, int, int]]:
+    """Copy ``(dst_ptr, src_ptr, nbytes)`` items chunk by chunk, checking each ``chunk``-byte
+    chunk of a source (from the item's start) against ``expected[item][k]`` *before* copying it,
+    while it is in cache: the source is read from RAM once, and a damaged chunk is never
+    written (the others are). Chunks are shared across threads; one GIL release.
+
+    Returns:
+        ``[(item, chunk, crc found)]`` of the chunks not copied (empty when all matched).
+
+    Raises:
+        NativeError: ``chunk <= 0``, a wrong number of CRCs for an item, a malformed item.
+    """
+    if chunk <= 0:
+        raise NativeError(f"chunk must be > 0, got {chunk}")
+    return [tuple(b) for b in _call(_native.copy_batch_verified, items, expected, chunk, _threads(threads))]
 
 
 def scatter_crc(
@@ -587,16 +612,18 @@ def cuda_device_count() -> int:
     return int(_native.cuda_device_count())
 
 
-def host_register(ptr: int, nbytes: int) -> None:
+def host_register(ptr: int, nbytes: int, read_only: bool = False) -> None:
     """Page-lock ``nbytes`` of host memory at ``ptr`` (``cudaHostRegister``, portable + mapped),
     so device copies into it are asynchronous DMA and kernels can write it directly.
+    ``read_only``: the memory is a read-only mapping that devices only read (a restore source;
+    ``cudaHostRegisterReadOnly``).
 
     Register a long-lived slot once; it stays registered until :func:`host_unregister`.
 
     Raises:
         CudaError: CUDA absent or the registration failed (e.g. already registered).
     """
-    _cuda_call(_cuda().host_register, ptr, nbytes)
+    _cuda_call(_cuda().host_register, ptr, nbytes, read_only)
 
 
 def host_unregister(ptr: int) -> None:
@@ -766,6 +793,20 @@ def copy_h2d_async(dst_dev: int, src_host: int, nbytes: int, stream: StreamLike)
         CudaError: CUDA absent or the copy could not be queued.
     """
     _cuda_call(_cuda().copy_h2d_async, dst_dev, src_host, nbytes, _stream_handle(stream))
+
+
+def copy_h2d_2d_async(
+    dst_dev: int, dst_pitch: int, src_host: int, src_pitch: int, width: int, rows: int, stream: StreamLike
+) -> None:
+    """Queue one 2-D host-to-device copy (``cudaMemcpy2DAsync``): ``rows`` rows of ``width``
+    bytes, ``src_pitch`` bytes apart from ``src_host`` to ``dst_pitch`` apart from ``dst_dev``
+    (a column piece of a resharded restore: one call instead of one copy per row).
+
+    Raises:
+        NativeError: a pitch smaller than ``width``.
+        CudaError: CUDA absent or the copy could not be queued.
+    """
+    _cuda_call(_cuda().copy_h2d_2d_async, dst_dev, dst_pitch, src_host, src_pitch, width, rows, _stream_handle(stream))
 
 
 def copy_d2h_async(dst_host: int, src_dev: int, nbytes: int, stream: StreamLike) -> None:

@@ -536,11 +536,12 @@ def tp2_snapshot(st: State, run_dir: str, step: int) -> float:
             c.close()
 
 
-def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
+def bench_restore_only(st: State, reps: int, res: Results, extra: dict, window_mode: bool = False) -> None:
     """--restore-only: the three restores, each rep running same layout, (a) and (b) back to
-    back (so their ratios compare runs under the same load); no floor, snapshot reps, torch.load,
-    flush or peers. The daemon keeps 2 versions: the full one (same layout, (a)) and the TP=2
-    one ((b))."""
+    back (so their ratios compare runs under the same load), each rep also one 1-thread memcpy
+    of the state into a warm buffer (the floor the restores are given as ratios of); no
+    snapshot reps, torch.load, flush or peers. The daemon keeps 2 versions: the full one (same
+    layout, (a)) and the TP=2 one ((b))."""
     from ucpd_client import Checkpointer
 
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
@@ -572,16 +573,41 @@ def bench_restore_only(st: State, reps: int, res: Results, extra: dict) -> None:
         if bad:
             raise SystemExit(f"resharded restore (b) returned wrong data: {bad[:3]}")
         runs = {"restore": ([], []), "restore_a": ([], []), "restore_b": ([], [])}
+        floor_1t = []
+        floor = Floor(st)
         for _ in range(reps):
+            t0 = time.perf_counter()
+            floor.memmove1()
+            floor_1t.append(time.perf_counter() - t0)
             for key, tg, pl, stp in (("restore", targets, None, full_step), ("restore_a", half_targets, pl_a, full_step),
                                      ("restore_b", targets, None, tp_step)):
                 dt, sp = timed_restore(ck, probe, tg, pl, step=stp)
                 runs[key][0].append(dt)
                 runs[key][1].append(sp)
+            if window_mode:  # the same restore, windows verified then copied (UCPD_RESTORE_VERIFY=window)
+                from ucpd import knobs
+
+                with knobs.override(UCPD_RESTORE_VERIFY="window"):
+                    dt, sp = timed_restore(ck, probe, targets, None, step=full_step)
+                runs.setdefault("restore_window", ([], []))[0].append(dt)
+        floor.check()
+        floor.close()
         check_half_rows(st, half_targets)
         bad = [n for n, t in flat_s.items() if not torch.equal(flat_t[n], t)]
         if bad:
             raise SystemExit(f"restores returned wrong data: {bad[:3]}")
+        res.add("floor_memmove_1t", "memcpy floor: ctypes.memmove per tensor, 1 thread (interleaved)", floor_1t, st.nbytes, "floor")
+        extra["restore_over_floor_1t_per_rep"] = {
+            "same layout": [r / f for r, f in zip(runs["restore"][0], floor_1t)],
+            "(a) per byte": [a / half_bytes * st.nbytes / f for a, f in zip(runs["restore_a"][0], floor_1t)],
+            "(b)": [b / f for b, f in zip(runs["restore_b"][0], floor_1t)],
+        }
+        if window_mode:
+            extra["restore_over_floor_1t_per_rep"]["same layout, UCPD_RESTORE_VERIFY=window"] = [
+                r / f for r, f in zip(runs["restore_window"][0], floor_1t)]
+            res.add("restore_window", "ucpd restore from RAM, same layout, UCPD_RESTORE_VERIFY=window", runs["restore_window"][0], st.nbytes, "ucpd")
+        for k, v in extra["restore_over_floor_1t_per_rep"].items():
+            log(f"restore {k} / 1-thread memcpy, per rep: {', '.join(f'{x:.2f}x' for x in v)} (median {median(v):.2f}x)")
         res.add("restore_first", "ucpd restore from RAM #1 (maps the slot read-only, MAP_POPULATE)", [first], st.nbytes, "ucpd-first")
         res.add("restore", "ucpd restore from RAM, same layout", runs["restore"][0], st.nbytes, "ucpd")
         res.add("restore_a", "ucpd restore resharded (a): rank 0 of TP=2, Shard(0,0,2) of every 2-D tensor", runs["restore_a"][0], half_bytes, "ucpd")
@@ -970,6 +996,8 @@ def main(argv=None) -> int:
     ap.add_argument("--restore-only", action="store_true",
                     help="only the restores (same layout, resharded (a) and (b), interleaved per rep): no floor, "
                          "snapshot reps, torch.load, flush or peers")
+    ap.add_argument("--restore-window-mode", action="store_true",
+                    help="with --restore-only: each rep also a same-layout restore with UCPD_RESTORE_VERIFY=window")
     args = ap.parse_args(argv)
 
     atexit.register(_cleanup)
@@ -987,7 +1015,7 @@ def main(argv=None) -> int:
     res, extra = Results(), {}
     try:
         if args.restore_only:
-            bench_restore_only(st, args.reps, res, extra)
+            bench_restore_only(st, args.reps, res, extra, args.restore_window_mode)
         else:
             floor = Floor(st)
             try:

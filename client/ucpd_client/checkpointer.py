@@ -38,7 +38,8 @@ from . import embedded as embedded_daemon, launchers, restore as restore_mod, st
 from .errors import CommitTimeout, InvalidJobName
 from .incremental import Tracker
 from .mapping import Mappings
-from .staging import CudaStager, Entry, copy_to_slot_cpu, layout
+from .staging import CudaStager, Entry, copy_to_slot_cpu, layout, window_crcs
+from .streams import TORCH_CUDA, DeviceStreams, Fence, devices_of
 
 
 _REPLICATED = Replicated().to_dict()
@@ -258,7 +259,14 @@ class Checkpointer:
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"ucpd-snapshot-r{self.rank}", daemon=True)
         self._worker.start()
-        self._stagers: dict[str, CudaStager] = {}
+        self._stagers: dict[str, CudaStager] = {}  # one per slot path: its registration
+        self._cuda = TORCH_CUDA  # the CUDA backend (tests without a GPU put a model of streams here)
+        self._streams: DeviceStreams | None = None  # one staging stream per device, made when first needed
+        self._restore_streams: DeviceStreams | None = None  # and one restore stream per device
+        self._stager_lock = threading.Lock()
+        self._ahead: queue.Queue | None = None  # slots to get ready between snapshots (_map_ahead)
+        self._pinned: dict[str, int | None] = {}  # restore sources registered (address), or that refused (None)
+        self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
         self._last: SnapshotHandle | None = None
         self._closed = False
         self._closing = threading.Lock()
@@ -303,19 +311,26 @@ class Checkpointer:
         ``placements`` maps flattened names to UCL placements (unlisted tensors: Replicated,
         DTensors: their own). Do not modify the tensors until ``handle.staged()`` returns
         (``guard(optimizer)`` does that for you before each optimizer step).
+
+        CUDA tensors: the snapshot holds the state as of this call on this thread's current
+        stream of every device the tensors live on (an event is recorded on each now); work
+        queued on other streams must be joined into the current one first
+        (``ucpd_client.streams`` states the rule).
         """
         handle = SnapshotHandle(self, step)
         with gcpause.paused():  # 10^5 tensors: as many entries, never scanned by the collector
             tensors, values = state_mod.split(dict(state))
             places = placements or {}
             entries = [self._entry(name, t, places.get(name), detach=False) for name, t in tensors.items()]
+            devices = devices_of([e.tensor for e in entries], self._cuda)
+            fence = Fence.record(devices, self._cuda) if devices else None
         unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
         with self._closing:
             if self._closed:
                 raise UcpdError("this Checkpointer is closed")
-            self._jobs.put((handle, entries, values))
+            self._jobs.put((handle, entries, values, fence))
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
@@ -341,19 +356,37 @@ class Checkpointer:
             job = self._jobs.get()
             if job is None:
                 return
-            handle, entries, values = job
+            handle, entries, values, fence = job
             try:
                 with gcpause.paused():  # the manifest and its messages: a few objects per tensor
-                    self._take(handle, entries, values)
+                    self._take(handle, entries, values, fence)
             except BaseException as exc:  # surfaced by staged()/wait()
                 if self._incremental is not None:
                     self._incremental.forget()
                 handle._fail(exc)
 
-    def _drop_stager(self, path: str) -> None:
+    def _drop_stager(self, path: str, writable: bool = True) -> None:
+        """A mapping goes: its CUDA registration first (the slot's stager, or a restore source's)."""
+        if not writable:
+            address = self._pinned.pop(path, None)
+            if address is not None:
+                self._cuda.host_unregister(address)
+            return
         stager = self._stagers.pop(path, None)
         if stager is not None:
             stager.close()
+
+    def _pin_source(self, path: str, whole) -> bool:
+        """Page-lock a restore source's read-only mapping once (kept while it is mapped): True,
+        or False when the driver refuses (a file on disk; its copies then come from pageable
+        memory, piece by piece)."""
+        if path not in self._pinned:
+            try:
+                self._cuda.host_register(whole.ctypes.data, whole.nbytes, read_only=True)
+                self._pinned[path] = whole.ctypes.data
+            except Exception:
+                self._pinned[path] = None
+        return self._pinned[path] is not None
 
     def _begin(self, conn, step: int, entries: list[Entry], refs: dict) -> tuple[dict, list[Entry], set[str], dict]:
         """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank
@@ -387,7 +420,20 @@ class Checkpointer:
                 skip &= fresh
             conn.call("abort", rank=self.rank, step=step, slot=reply["slot"])  # layouts changed: ask again
 
-    def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict) -> None:
+    def _stager(self, path: str, slot) -> CudaStager:
+        """The slot's stager (registered once, kept while the slot is mapped; the snapshot
+        worker and the thread that prepares slots ahead may ask at once)."""
+        stager = self._stagers.get(path)
+        if stager is None:
+            with self._stager_lock:
+                if self._streams is None:
+                    self._streams = DeviceStreams(self._cuda)
+                stager = self._stagers.get(path)
+                if stager is None:
+                    stager = self._stagers[path] = CudaStager(slot, self._streams)
+        return stager
+
+    def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
         conn = self._conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         incr = self._incremental
@@ -400,16 +446,22 @@ class Checkpointer:
         self._maps.forget_missing()  # slots the daemon deleted: give their pages back
         slot = self._maps.get(reply["path"], writable=True)
         try:
-            cpu = [e for e in write if not e.tensor.is_cuda]
-            gpu = [e for e in write if e.tensor.is_cuda]
+            on = self._cuda.device_of
+            cpu = [e for e in write if on(e.tensor) < 0] if fence is not None else write
+            gpu = [e for e in write if on(e.tensor) >= 0] if fence is not None else []
+            windows = self._stager(reply["path"], slot).queue(gpu, fence) if gpu else []
             crcs = dict(zip([e.name for e in cpu], copy_to_slot_cpu(cpu, slot))) if cpu else {}
-            if gpu:
-                stager = self._stagers.get(reply["path"]) or self._stagers.setdefault(reply["path"], CudaStager(slot))
-                stager.queue(gpu).synchronize()
-            handle.timings["staged"] = time.perf_counter()
-            handle._staged.set()
-            for e in gpu:
-                crcs[e.name] = native.crc32c_chunks(slot[e.offset : e.offset + e.nbytes], native.CHUNK_BYTES)
+            threads = knobs.copy_threads()
+            for i, (event, pieces) in enumerate(windows):  # each window's CRCs while the next is in flight
+                self._cuda.synchronize(event)
+                if i == len(windows) - 1:
+                    handle.timings["staged"] = time.perf_counter()
+                    handle._staged.set()
+                for (e, _, _), got in zip(pieces, window_crcs(slot, pieces, threads)):
+                    crcs.setdefault(e.name, []).extend(got)
+            if not windows:
+                handle.timings["staged"] = time.perf_counter()
+                handle._staged.set()
         except BaseException:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise
@@ -438,14 +490,33 @@ class Checkpointer:
         self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
 
     def _map_ahead(self, paths) -> None:
-        """Map the rank's warm spare slots now, between snapshots, so the next snapshot that
-        lands in one pays no page-table work (the daemon faulted their pages in already)."""
-        for path in paths:
-            if not self._maps.has(path, True):
+        """Get the rank's spare slots ready between snapshots, on a thread of their own (the
+        next snapshot never waits behind a slot it does not use): each is mapped (its pages
+        faulted in, on the copy threads) and, once this rank has staged CUDA tensors,
+        page-locked for the devices (``cudaHostRegister`` of a big slot takes seconds: the
+        first snapshot that lands in it must not pay that)."""
+        todo = [p for p in paths if not self._maps.has(p, True) or (self._streams is not None and p not in self._stagers)]
+        if not todo:
+            return
+        if self._ahead is None:
+            self._ahead = queue.Queue()
+            threading.Thread(target=self._prepare_ahead, args=(self._ahead,), name=f"ucpd-ahead-r{self.rank}", daemon=True).start()
+        self._ahead.put(todo)
+
+    def _prepare_ahead(self, jobs: queue.Queue) -> None:
+        while True:
+            paths = jobs.get()
+            if paths is None:
+                jobs.task_done()
+                return
+            for path in paths:
                 try:
-                    self._maps.get(path, writable=True)
-                except OSError:  # the daemon deleted it meanwhile
+                    slot = self._maps.get(path, writable=True)
+                    if self._streams is not None:
+                        self._stager(path, slot)
+                except Exception:  # the daemon deleted it meanwhile, or the driver refused: the snapshot that uses it says so
                     pass
+            jobs.task_done()
 
     def guard(self, optimizer: torch.optim.Optimizer):
         """Make ``optimizer.step()`` wait until the last snapshot is staged (returns the hook handle)."""
@@ -468,9 +539,13 @@ class Checkpointer:
 
         ``last_restore`` then says where it came from: ``{"step": N, "where": "ram" | "disk"}``.
 
+        CUDA targets are filled straight from the daemon's shared memory (page-locked once) by
+        DMA, after the work queued on the caller's current stream of each target device.
+
         Raises VersionNotFound, PlacementMismatch (unknown tensor, wrong shape or dtype,
-        uncovered region), ChecksumMismatch (a source's bytes are damaged; targets may then be
-        partly written — restore another step, or from the flush directory).
+        uncovered region), ChecksumMismatch (every source left was damaged; the targets are
+        unchanged — with ``UCPD_RESTORE_VERIFY=window`` the windows before the damage are
+        written; restore another step, or from the flush directory).
         """
         return restore_mod.restore(self, target_state, step, placements)
 
@@ -485,6 +560,9 @@ class Checkpointer:
             self._closed = True
             self._jobs.put(None)
         self._worker.join()
+        if self._ahead is not None:
+            self._ahead.put(None)
+            self._ahead.join()
         for c in self._conns:
             c.close()
         self._maps.close()  # also unregisters the CUDA stagers of those slots

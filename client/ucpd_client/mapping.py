@@ -67,19 +67,34 @@ def populate_write(addr: int, nbytes: int, threads: int) -> bool:
 
 
 class Mappings:
-    def __init__(self, on_drop: Callable[[str], None] | None = None):
+    """The mappings, shared by the threads of a Checkpointer (the snapshot worker, the thread
+    that prepares the next slot ahead, the caller's restores): a file being mapped by one thread
+    is waited for by another that asks for it; other files are not."""
+
+    def __init__(self, on_drop: Callable[[str, bool], None] | None = None):
+        """``on_drop(path, writable)`` is called before a mapping goes (its CUDA registration
+        must go first)."""
         self._maps: dict[tuple[str, bool], tuple[mmap.mmap, np.ndarray, tuple[int, int]]] = {}
         self._on_drop = on_drop
+        self._lock = threading.RLock()  # the table
+        self._keys: dict[tuple[str, bool], threading.Lock] = {}  # one file's mapping work
 
     def get(self, path: str, writable: bool) -> np.ndarray:
         """A uint8 array over the whole file at path (read-only unless writable)."""
         key = (path, writable)
+        with self._lock:
+            busy = self._keys.get(key) or self._keys.setdefault(key, threading.Lock())
+        with busy:
+            return self._get(key, path, writable)
+
+    def _get(self, key, path: str, writable: bool) -> np.ndarray:
         st = os.stat(path)
-        hit = self._maps.get(key)
-        if hit is not None and hit[2] == (st.st_dev, st.st_ino) and len(hit[0]) == st.st_size:
-            return hit[1]
-        if hit is not None:
-            self._drop(key)
+        with self._lock:
+            hit = self._maps.get(key)
+            if hit is not None and hit[2] == (st.st_dev, st.st_ino) and len(hit[0]) == st.st_size:
+                return hit[1]
+            if hit is not None:
+                self._drop(key)
         mm, st = self._map(path, writable, populate=not (writable and _can_populate))
         arr = np.frombuffer(mm, dtype=np.uint8)
         if writable and _can_populate:
@@ -94,7 +109,8 @@ class Mappings:
                 mm.close()
                 mm, st = self._map(path, writable, populate=True)
                 arr = np.frombuffer(mm, dtype=np.uint8)
-        self._maps[key] = (mm, arr, (st.st_dev, st.st_ino))
+        with self._lock:
+            self._maps[key] = (mm, arr, (st.st_dev, st.st_ino))
         return arr
 
     @staticmethod
@@ -113,6 +129,10 @@ class Mappings:
 
     def forget_missing(self) -> None:
         """Unmap files that are gone or replaced (the daemon deleted or re-created them)."""
+        with self._lock:
+            self._forget_missing()
+
+    def _forget_missing(self) -> None:
         for key, (_, _, ident) in list(self._maps.items()):
             try:
                 st = os.stat(key[0])
@@ -125,12 +145,13 @@ class Mappings:
     def _drop(self, key) -> None:
         mm, _, _ = self._maps.pop(key)
         if self._on_drop is not None:
-            self._on_drop(key[0])
+            self._on_drop(*key)
         try:
             mm.close()
         except BufferError:
             pass  # a view is alive somewhere; the mapping goes when it does
 
     def close(self) -> None:
-        for key in list(self._maps):
-            self._drop(key)
+        with self._lock:
+            for key in list(self._maps):
+                self._drop(key)

@@ -5,8 +5,9 @@ The daemon answers a restore with a plan (``ucpd.protocol.RestorePlan``, made by
 and per target tensor a list of strided copies and padding fills. The client maps each source
 file read-only once, checks the CRC of every chunk any copy touches, and copies straight into
 the target tensors — one copy from the daemon's RAM to the trainer's memory, with no staging
-in between for CPU targets. The copying
-and verifying (fused copy+CRC where the windows allow) is ``ucpd.checked.CheckedCopier``.
+in between for CPU targets; CUDA targets are filled by DMA straight from the registered
+source (``ucpd_client.device_restore``). The copying and verifying (fused copy+CRC where the
+windows allow) is ``ucpd.checked.CheckedCopier``, in windows when ``UCPD_RESTORE_VERIFY=window``.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ from ucpd.errors import ChecksumMismatch, ProtocolError
 from ucpd.protocol import PlanSource, RestorePlan
 
 from . import state as state_mod
+from .device_restore import DeviceRestore
 from .staging import dtype_name
+from .streams import DeviceStreams
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -112,7 +115,8 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
     (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
     the daemon answers from the next source, the same step from the flush dir, or (no step
     asked) the previous version. When no other
-    source is left, ChecksumMismatch is raised, the targets untouched."""
+    source is left, ChecksumMismatch is raised, the targets untouched (with
+    ``UCPD_RESTORE_VERIFY=window``: no byte of a damaged chunk written, earlier windows are)."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -153,25 +157,55 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
 
 
 def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
-    """Verify every source chunk the plan reads and the plain values, then copy and fill: a
-    damaged source leaves every target as it was."""
+    """Verify the source chunks the plan reads and the plain values, then copy and fill.
+
+    ``knobs.restore_verify()``: ``all`` (default) checks every chunk before the first target
+    byte is written, so a damaged source leaves every target as it was; ``window`` runs the plan
+    in windows of ``knobs.restore_window()`` bytes, each checked and then copied while in cache
+    (no byte of a damaged chunk is written; earlier windows are). CUDA targets:
+    ``ucpd_client.device_restore`` (straight from the registered slot to the device)."""
     if len(plan.tensors) != len(entries) or any(e.name != t.name for e, t in zip(entries, plan.tensors)):
         raise ProtocolError(
             f"the daemon's restore plan answers {len(plan.tensors)} tensors, not the {len(entries)} targets asked for "
             "in their order; client and daemon disagree (different ucpd releases?)"
         )
-    run = CheckedCopier(_sources(ckpt, plan.sources), threads=knobs.copy_threads())
+    mode, window = knobs.restore_verify(), knobs.restore_window()
+    sources, hosts = _sources(ckpt, plan.sources)
+    threads = knobs.copy_threads()
+    cpu = _Windows(sources, window if mode == "window" else 0, threads)
+    device = None
     finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
+    on = ckpt._cuda.device_of
     for e, t in zip(entries, plan.tensors):
         target = e.tensor
+        if on(target) >= 0:
+            if device is None:
+                if ckpt._restore_streams is None:
+                    ckpt._restore_streams = DeviceStreams(ckpt._cuda)
+                device = DeviceRestore(ckpt._cuda, ckpt._restore_streams, sources, hosts, ckpt._pin_source, window, mode, threads)
+            device.add(target, t.copies, t.fills, lambda host, copies: _add_copies(cpu, host, copies))
+            continue
         host = target if target.is_cpu and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
         if t.copies:
-            _add_copies(run, host, t.copies)
+            _add_copies(cpu, host, t.copies)
         if t.fills or host is not target:
             finish.append((target, host, t.fills))
     values = merged_values(reply["objects"], ckpt.rank, reply["objects_crcs"])  # checked before any write
-    run.verify()  # every chunk the copies read, before the first byte lands in a target
-    run.run()
+    if mode == "all":  # every chunk the copies read, before the first byte lands in a target
+        cpu.verify_all()
+        if device is not None:
+            device.verify_all()
+    if device is not None:
+        device.start()  # queued window by window; the CPU copies below overlap the DMAs
+    try:
+        cpu.run()
+    except BaseException:
+        if device is not None:
+            device.drain()
+        raise
+    if device is not None:
+        device.finish()
+        ckpt.last_device_restore = dict(device.stats)
     for target, host, fills in finish:
         flat = host.view(-1)
         for view, value in fills:
@@ -181,13 +215,59 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
     return values
 
 
-def _sources(ckpt, rows: tuple[PlanSource, ...]) -> list[CheckedSource]:
+class _Windows:
+    """The CPU copies of a restore as a sequence of ``CheckedCopier`` windows of about
+    ``window`` source bytes each (0: one window, the whole plan). A contiguous copy larger than
+    a window is cut at source chunk bounds; other copies go whole into the current window."""
+
+    def __init__(self, sources: list[CheckedSource], window: int, threads: int):
+        self.sources, self.window, self.threads = sources, window, threads
+        self.copiers: list[CheckedCopier] = []
+        self._size = 0
+
+    def _take(self, nbytes: int) -> CheckedCopier:
+        if not self.copiers or (self.window and self._size and self._size + nbytes > self.window):
+            self.copiers.append(CheckedCopier(self.sources, threads=self.threads))
+            self._size = 0
+        self._size += nbytes
+        return self.copiers[-1]
+
+    def add_range(self, key, lo: int, hi: int, ptr: int, size: int, dst_lo: int, isz: int) -> None:
+        if not self.window or hi - lo <= self.window:
+            self._take(hi - lo).add_range(key, lo, hi, ptr, size, dst_lo, isz)
+            return
+        chunk = self.sources[key].chunk
+        step = max(chunk, self.window // chunk * chunk)
+        at = lo
+        while at < hi:
+            end = min(hi, (at // step + 1) * step)
+            self._take(end - at).add_range(key, at, end, ptr, size, dst_lo + at - lo, isz)
+            at = end
+
+    def add(self, c, ptr: int, size: int, isz: int, view) -> None:
+        self._take(c.src_view.numel * isz).add(c, ptr, size, isz, view)
+
+    def verify_all(self) -> None:
+        for run in self.copiers:
+            run.verify()
+
+    def run(self) -> None:
+        for run in self.copiers:
+            if run.verified:
+                run.run()  # checked already (mode "all"); run checks again what it copies, in the same pass
+            else:
+                run.run_verified()  # each chunk checked, then copied while in cache
+
+
+def _sources(ckpt, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], dict[int, tuple[str, np.ndarray]]]:
     """The plan's source table over the mapped files, each file mapped once (every tensor of
-    a slot names the same one); arrays are made only where a copy needs one."""
+    a slot names the same one); arrays are made only where a copy needs one. Also, per source,
+    the path and array of the file it lies in (a GPU restore registers the file)."""
     ckpt._maps.forget_missing()
     files: dict[str, tuple[np.ndarray, int]] = {}
     out = []
-    for s in rows:
+    hosts: dict[int, tuple[str, np.ndarray]] = {}
+    for i, s in enumerate(rows):
         path = s.path
         got = files.get(path)
         if got is None:
@@ -204,10 +284,11 @@ def _sources(ckpt, rows: tuple[PlanSource, ...]) -> list[CheckedSource]:
             whole, offset, nbytes, _storage(s.dtype), s.crcs, s.chunk, _SourceName(path, offset),
             recorded="the restore plan", buffer_address=address,
         ))
-    return out
+        hosts[i] = (path, whole)
+    return out, hosts
 
 
-def _add_copies(run: CheckedCopier, host: torch.Tensor, copies) -> None:
+def _add_copies(run: "_Windows", host: torch.Tensor, copies) -> None:
     """Add one target's copies (``PlanCopy``, the ucl ``Copy`` the copier takes): contiguous
     windows by their byte ranges, others as views."""
     ptr, isz = host.data_ptr(), host.element_size()

@@ -1,9 +1,10 @@
 """Moving a rank's tensors into its slot: the snapshot hot path.
 
 CPU tensors go in one native batched copy (all tensors, one GIL release, a thread pool, CRC32C
-of every 4 MiB chunk computed in the same pass). CUDA tensors go device-to-host on a side
-stream into the page-locked slot; the copy is only queued, and ``staged`` completes when its
-event fires.
+of every chunk computed in the same pass). CUDA tensors go device-to-host into the page-locked
+slot, each device's on a staging stream of that device that first waits on the snapshot's fence
+(``ucpd_client.streams``: the rule for streams and devices); the copies are only queued, and
+``staged`` completes when their events fire.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import numpy as np
 import torch
 
 from ucpd import knobs, native
+
+from .streams import DeviceStreams, Fence, by_device
 
 
 _DTYPE_NAMES: dict = {}
@@ -77,53 +80,88 @@ def copy_to_slot_cpu(entries: list[Entry], slot: np.ndarray) -> list[list[int]]:
     return crcs
 
 
-class CudaStager:
-    """Device-to-host staging for one slot: pinned once, copies queued on a side stream.
+def _windows(entries: list[Entry], window: int) -> list[list[tuple[Entry, int, int]]]:
+    """The entries' bytes as windows of about ``window`` bytes (a multiple of the CRC chunk):
+    ``[(entry, lo, hi)]`` each, a tensor cut only at chunk bounds."""
+    out: list[list[tuple[Entry, int, int]]] = [[]]
+    size = 0
+    for e in entries:
+        lo = 0
+        while lo < e.nbytes or (lo == 0 and e.nbytes == 0):
+            if size >= window:
+                out.append([])
+                size = 0
+            hi = min(e.nbytes, lo + window - size) if e.nbytes - lo > window - size else e.nbytes
+            if hi < e.nbytes:
+                hi = max(lo + native.CHUNK_BYTES, (hi // native.CHUNK_BYTES) * native.CHUNK_BYTES)
+                hi = min(hi, e.nbytes)
+            out[-1].append((e, lo, hi))
+            size += hi - lo
+            if e.nbytes == 0:
+                break
+            lo = hi
+    return [w for w in out if w]
 
-    With the native CUDA module, all tensors of a snapshot go in one ``pack_d2h`` call (small
-    ones packed by one kernel, large ones on the copy engines); without it, one torch
+
+def window_crcs(slot: np.ndarray, pieces: list[tuple[Entry, int, int]], threads: int) -> list[list[int]]:
+    """The chunk CRCs of each piece's bytes in the slot (pieces start at chunk bounds of their
+    tensor, so a tensor's list is its pieces' lists in order)."""
+    base = slot.ctypes.data
+    return native.crc32c_batch([(base + e.offset + lo, hi - lo) for e, lo, hi in pieces], native.CHUNK_BYTES, threads)
+
+
+class CudaStager:
+    """Device-to-host staging into one slot: the slot page-locked once (``cudaHostRegister``,
+    portable: every device may copy into it), each device's tensors copied on that device's
+    staging stream after the snapshot's fence (``ucpd_client.streams``).
+
+    With the native CUDA module, each device's tensors go in one ``pack_d2h`` call (small ones
+    packed by one kernel, large ones by the copy engines); without it, one torch
     ``copy_(non_blocking=True)`` per tensor into the pinned slot.
     """
 
-    def __init__(self, slot: np.ndarray):
+    def __init__(self, slot: np.ndarray, streams: DeviceStreams):
         self.slot = slot
-        self.stream = torch.cuda.Stream()
-        self._native = native.cuda_available()
-        self._registered = False
-        if self._native:
-            native.host_register(slot.ctypes.data, slot.nbytes)
-            self._registered = True
-        else:
-            torch.cuda.cudart().cudaHostRegister(slot.ctypes.data, slot.nbytes, 0)
+        self.streams = streams
+        self.cuda = streams.backend
+        self.cuda.host_register(slot.ctypes.data, slot.nbytes)
+        self._registered = True
         self.host = torch.from_numpy(slot)
         self._inflight: list[torch.Tensor] = []
 
-    def queue(self, entries: list[Entry]) -> torch.cuda.Event:
-        """Queue D2H copies of the CUDA entries after the current stream's pending work;
-        returns an event that fires when every byte is in the slot."""
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            srcs = []
-            for e in entries:
-                t = e.tensor.detach()
-                t = t if t.is_contiguous() else t.contiguous()
-                t.record_stream(self.stream)  # the allocator must not reuse it before the copy
-                srcs.append(t)
-            if self._native:
-                items = [(t.data_ptr(), e.offset, e.nbytes) for t, e in zip(srcs, entries)]
-                native.pack_d2h(items, self.slot.ctypes.data, self.stream.cuda_stream, dst_nbytes=self.slot.nbytes)
-            else:
-                for t, e in zip(srcs, entries):
-                    self.host[e.offset : e.offset + e.nbytes].copy_(t.view(-1).view(torch.uint8), non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        self._inflight = srcs
-        return event
+    def queue(self, entries: list[Entry], fence: Fence, window: int | None = None) -> list[tuple]:
+        """Queue D2H copies of the CUDA entries, each device's on its own stream after that
+        device's fence event, in windows of about ``window`` bytes (``knobs.stage_window()``;
+        a tensor larger than a window is cut at CRC chunk bounds). Returns ``[(event, pieces)]``
+        in the order they were queued: the event fires when the window's bytes are in the slot;
+        pieces are ``(entry, lo, hi)`` byte ranges of its tensors, chunk-aligned, so the chunk
+        CRCs of a window are computed as soon as its event fired. Raises ValueError when an
+        entry lives on a device the fence has no event for (the fence was recorded for other
+        tensors)."""
+        C = native.CHUNK_BYTES
+        window = max(C, (window or knobs.stage_window()) // C * C)
+        out, inflight = [], []
+        for device, group in by_device(entries, self.cuda).items():
+            if device not in fence.events:
+                raise ValueError(f"tensor {group[0].name!r} is on CUDA device {device}, which the snapshot's fence does not cover")
+            stream = self.streams.get(device)
+            self.cuda.wait(stream, fence.events[device])
+            with self.cuda.use(device, stream):
+                srcs = {}
+                for e in group:
+                    t = e.tensor.detach()
+                    srcs[e.name] = t if t.is_contiguous() else t.contiguous()  # made on the staging stream, after the fence
+                inflight += srcs.values()
+                for pieces in _windows(group, window):
+                    views = [srcs[e.name].reshape(-1).view(torch.uint8)[lo:hi] if (lo, hi) != (0, e.nbytes) else srcs[e.name]
+                             for e, lo, hi in pieces]
+                    self.cuda.copy_d2h(stream, views, [e.offset + lo for e, lo, _ in pieces], self.host)
+                    out.append((self.cuda.record(stream), pieces))
+        self._inflight = inflight
+        return out
 
     def close(self) -> None:
         self._inflight = []
         if self._registered:
-            native.host_unregister(self.slot.ctypes.data)
-        elif not self._native:
-            torch.cuda.cudart().cudaHostUnregister(self.slot.ctypes.data)
+            self.cuda.host_unregister(self.slot.ctypes.data)
         self._registered = False

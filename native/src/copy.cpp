@@ -244,6 +244,61 @@ std::vector<std::vector<uint32_t>> copy_batch(const std::vector<CopyItem>& items
   return out;
 }
 
+std::vector<BadChunk> copy_batch_verified(const std::vector<CopyItem>& items,
+                                          const std::vector<std::vector<uint32_t>>& expected,
+                                          std::size_t C, int threads) {
+  if (C == 0) throw std::invalid_argument("copy_batch_verified: chunk must be > 0");
+  if (expected.size() != items.size())
+    throw std::invalid_argument("copy_batch_verified: one list of CRCs per item");
+  struct Piece {
+    std::size_t item, chunk;
+  };
+  std::vector<Piece> pieces;
+  for (std::size_t i = 0; i < items.size(); ++i) {
+    const std::size_t n = (items[i].nbytes + C - 1) / C;
+    if (expected[i].size() != n)
+      throw std::invalid_argument("copy_batch_verified: item " + std::to_string(i) + " has " +
+                                  std::to_string(items[i].nbytes) + " bytes: " + std::to_string(n) +
+                                  " CRCs expected, got " + std::to_string(expected[i].size()));
+    for (std::size_t k = 0; k < n; ++k) pieces.push_back(Piece{i, k});
+  }
+  std::vector<uint32_t> found(pieces.size(), 0);
+  std::vector<unsigned char> ok(pieces.size(), 0);
+  const int nthreads = std::max(1, threads);
+  const std::size_t per = std::max<std::size_t>(1, pieces.size() / (nthreads * kTasksPerThread));
+  const std::size_t ntasks = (pieces.size() + per - 1) / per;
+  // Software-pipelined per task: while chunk p is copied (from cache: it was just checksummed),
+  // chunk p + 1 is checksummed, block by block, so the CRC work and the stores overlap.
+  parallel_for(ntasks, nthreads, [&](std::size_t t) {
+    const std::size_t first = t * per, last = std::min(pieces.size(), (t + 1) * per);
+    auto src_of = [&](std::size_t p) {
+      return static_cast<const unsigned char*>(items[pieces[p].item].src) + pieces[p].chunk * C;
+    };
+    auto len_of = [&](std::size_t p) {
+      return std::min(C, items[pieces[p].item].nbytes - pieces[p].chunk * C);
+    };
+    if (first >= last) return;
+    found[first] = crc32c_update(0, src_of(first), len_of(first));
+    for (std::size_t p = first; p < last; ++p) {
+      ok[p] = found[p] == expected[pieces[p].item][pieces[p].chunk];
+      const bool has_next = p + 1 < last;
+      const unsigned char* s = src_of(p);
+      unsigned char* d = static_cast<unsigned char*>(items[pieces[p].item].dst) + pieces[p].chunk * C;
+      const std::size_t n = len_of(p);
+      const unsigned char* ns = has_next ? src_of(p + 1) : nullptr;
+      const std::size_t nn = has_next ? len_of(p + 1) : 0;
+      // the next chunk checksummed while this one (checked, in cache) is copied
+      const uint32_t next = crc32c_update_while_copying(0, ns, nn, d, s, ok[p] ? n : 0);
+      if (has_next) found[p + 1] = next;
+    }
+    stream_fence();
+  });
+  std::vector<BadChunk> bad;
+  for (std::size_t p = 0; p < pieces.size(); ++p)
+    if (!ok[p]) bad.push_back(BadChunk{pieces[p].item, pieces[p].chunk, found[p]});
+  return bad;
+}
+
 void copy_parallel(void* dst, const void* src, std::size_t n, int threads) {
   if (threads <= 1 || n < 2 * kMinTask) {
     copy_bytes(static_cast<unsigned char*>(dst), static_cast<const unsigned char*>(src), n);

@@ -37,6 +37,22 @@ struct CopyOptions {
 std::vector<std::vector<uint32_t>> copy_batch(const std::vector<CopyItem>& items,
                                               const CopyOptions& opts);
 
+// A chunk copy_batch_verified did not copy: its item, chunk number and the CRC32C found.
+struct BadChunk {
+  std::size_t item;
+  std::size_t chunk;
+  uint32_t crc;
+};
+
+// Copies every item chunk by chunk, each C-byte chunk of its source (from the item's start)
+// checksummed first and copied only if its CRC32C equals expected[item][chunk], while it is
+// still in cache (the source is read from RAM once; a damaged chunk is never written). Chunks
+// are shared across threads. Returns the chunks not copied, sorted. expected[item] must hold
+// ceil(nbytes / C) values (std::invalid_argument otherwise).
+std::vector<BadChunk> copy_batch_verified(const std::vector<CopyItem>& items,
+                                          const std::vector<std::vector<uint32_t>>& expected,
+                                          std::size_t C, int threads);
+
 // One contiguous copy of n bytes, split across `threads` threads when it is large enough.
 void copy_parallel(void* dst, const void* src, std::size_t n, int threads);
 

@@ -323,14 +323,69 @@ __attribute__((target("avx512f,vpclmulqdq,sse4.2"))) uint32_t raw_copy_avx512(
   std::memcpy(d, s, n);
   return raw_sse42(raw_sse42(0, block, kFold), s, n);
 }
+
+// Checksum one buffer while copying another, in one loop: each 256-byte step folds 256 bytes of
+// `p` into the CRC and streams 256 bytes of `s` (already in cache: the chunk checksummed just
+// before) to `d`, so the CRC work and the stores overlap (copy_batch_verified's pipeline).
+__attribute__((target("avx512f,vpclmulqdq,sse4.2"))) uint32_t raw_next_copy_avx512(
+    uint32_t crc, const unsigned char* p, std::size_t n, unsigned char* d, const unsigned char* s,
+    std::size_t m) {
+  std::size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  if (head > m) head = m;
+  std::memcpy(d, s, head);
+  d += head, s += head, m -= head;
+  if (n >= 4 * kFold) {
+    const __m512i k = fold_vec(fold_constants().step);
+    __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p),
+                                  _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
+    __m512i a1 = _mm512_loadu_si512(p + 64);
+    __m512i a2 = _mm512_loadu_si512(p + 128);
+    __m512i a3 = _mm512_loadu_si512(p + 192);
+    p += kFold;
+    n -= kFold;
+    while (n >= kFold) {
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + 64, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + 128, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kPrefetch + 192, _MM_HINT_T0);
+      a0 = fold(a0, k, _mm512_loadu_si512(p));
+      a1 = fold(a1, k, _mm512_loadu_si512(p + 64));
+      a2 = fold(a2, k, _mm512_loadu_si512(p + 128));
+      a3 = fold(a3, k, _mm512_loadu_si512(p + 192));
+      if (m >= kFold) {
+#pragma GCC unroll 4
+        for (int v = 0; v < 4; ++v)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(d + 64 * v), _mm512_loadu_si512(s + 64 * v));
+        d += kFold, s += kFold, m -= kFold;
+      }
+      p += kFold;
+      n -= kFold;
+    }
+    alignas(64) unsigned char acc[kFold];
+    _mm512_store_si512(acc, a0);
+    _mm512_store_si512(acc + 64, a1);
+    _mm512_store_si512(acc + 128, a2);
+    _mm512_store_si512(acc + 192, a3);
+    crc = raw_sse42(0, acc, kFold);
+  }
+  crc = raw_sse42(crc, p, n);
+  for (; m >= 64; d += 64, s += 64, m -= 64)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d), _mm512_loadu_si512(s));
+  std::memcpy(d, s, m);
+  _mm_sfence();
+  return crc;
+}
 #endif
 
 using RawFn = uint32_t (*)(uint32_t, const unsigned char*, std::size_t);
 using RawCopyFn = uint32_t (*)(uint32_t, unsigned char*, const unsigned char*, std::size_t);
+using RawNextCopyFn = uint32_t (*)(uint32_t, const unsigned char*, std::size_t, unsigned char*,
+                                   const unsigned char*, std::size_t);
 
 struct Backend {
   RawFn fn = raw_portable;
   RawCopyFn copy_fn = nullptr;  // one-pass copy + CRC, where available
+  RawNextCopyFn next_copy_fn = nullptr;  // CRC of one buffer while copying another, where available
   const char* name = "table";
   Backend() {
 #ifdef UCPD_X86
@@ -345,6 +400,7 @@ struct Backend {
         fold_constants();
         fn = raw_avx512;
         copy_fn = raw_copy_avx512;
+        next_copy_fn = raw_next_copy_avx512;
         name = "avx512-vpclmulqdq";
       }
     }
@@ -379,6 +435,20 @@ uint32_t crc32c_shift(uint32_t op, uint32_t crc) { return multmodp(op, crc); }
 const char* crc32c_backend() { return backend().name; }
 
 bool crc32c_copy_fused() { return backend().copy_fn != nullptr; }
+
+uint32_t crc32c_update_while_copying(uint32_t crc, const void* data, std::size_t n, void* dst,
+                                     const void* src, std::size_t m) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const auto* s = static_cast<const unsigned char*>(src);
+  auto* d = static_cast<unsigned char*>(dst);
+  if (const RawNextCopyFn f = backend().next_copy_fn) return ~f(~crc, p, n, d, s, m);
+  constexpr std::size_t kBlock = 64 * 1024;
+  for (std::size_t off = 0; off < std::max(n, m); off += kBlock) {
+    if (off < n) crc = crc32c_update(crc, p + off, std::min(kBlock, n - off));
+    if (off < m) std::memcpy(d + off, s + off, std::min(kBlock, m - off));
+  }
+  return crc;
+}
 
 uint32_t crc32c_copy(void* dst, const void* src, std::size_t n, uint32_t crc) {
   const auto* s = static_cast<const unsigned char*>(src);

@@ -37,6 +37,12 @@ const char* crc32c_backend();
 uint32_t crc32c_copy(void* dst, const void* src, std::size_t n, uint32_t crc);
 bool crc32c_copy_fused();  // whether crc32c_copy is the one-pass kernel
 
+// The CRC of `data` (n bytes, continuing `crc`) while m bytes are copied src -> dst, in one loop
+// where the CPU allows it (AVX-512 + VPCLMULQDQ, streaming stores), else block by block: a
+// pipeline that checksums the next chunk while it copies the one it just checked.
+uint32_t crc32c_update_while_copying(uint32_t crc, const void* data, std::size_t n, void* dst,
+                                     const void* src, std::size_t m);
+
 // Per-chunk CRCs: out[i] = crc32c of bytes [i*chunk, min((i+1)*chunk, n)). `out` holds
 // ceil(n / chunk) values (none when n == 0). Chunks are spread over `threads` threads.
 void crc32c_chunks(const void* data, std::size_t n, std::size_t chunk, int threads, uint32_t* out);

@@ -205,9 +205,10 @@ int device_count() {
   return n;
 }
 
-void host_register(void* ptr, std::size_t nbytes) {
-  check(cudaHostRegister(ptr, nbytes, cudaHostRegisterPortable | cudaHostRegisterMapped),
-        "cudaHostRegister");
+void host_register(void* ptr, std::size_t nbytes, bool read_only) {
+  unsigned flags = cudaHostRegisterPortable | cudaHostRegisterMapped;
+  if (read_only) flags |= cudaHostRegisterReadOnly;
+  check(cudaHostRegister(ptr, nbytes, flags), "cudaHostRegister");
 }
 
 void host_unregister(void* ptr) { check(cudaHostUnregister(ptr), "cudaHostUnregister"); }
@@ -278,6 +279,15 @@ void copy_h2d_async(uintptr_t dst_dev, const void* src_host, std::size_t nbytes,
 void copy_d2h_async(void* dst_host, uintptr_t src_dev, std::size_t nbytes, uintptr_t stream) {
   check(cudaMemcpyAsync(dst_host, reinterpret_cast<const void*>(src_dev), nbytes,
                         cudaMemcpyDeviceToHost, as_stream(stream)), "cudaMemcpyAsync(D2H)");
+}
+
+void copy_h2d_2d_async(uintptr_t dst_dev, std::size_t dst_pitch, const void* src_host,
+                       std::size_t src_pitch, std::size_t width, std::size_t rows, uintptr_t stream) {
+  if (src_pitch < width || dst_pitch < width)
+    throw std::invalid_argument("copy_h2d_2d_async: a pitch is smaller than the row width");
+  check(cudaMemcpy2DAsync(reinterpret_cast<void*>(dst_dev), dst_pitch, src_host, src_pitch, width,
+                          rows, cudaMemcpyHostToDevice, as_stream(stream)),
+        "cudaMemcpy2DAsync(H2D)");
 }
 
 }  // namespace cuda

@@ -17,7 +17,8 @@ namespace cuda {
 bool available();   // a driver and at least one device; never throws
 int device_count(); // 0 without driver/device; never throws
 
-void host_register(void* ptr, std::size_t nbytes);  // portable + mapped
+// portable + mapped; read_only: a read-only mapping the devices only read (restore sources)
+void host_register(void* ptr, std::size_t nbytes, bool read_only = false);
 void host_unregister(void* ptr);
 
 uintptr_t stream_create(int device);  // non-blocking stream
@@ -58,6 +59,12 @@ BatchStats unpack_h2d(const std::vector<BatchItem>& items, const void* host_base
 
 void copy_h2d_async(uintptr_t dst_dev, const void* src_host, std::size_t nbytes, uintptr_t stream);
 void copy_d2h_async(void* dst_host, uintptr_t src_dev, std::size_t nbytes, uintptr_t stream);
+
+// One 2-D host -> device copy (cudaMemcpy2DAsync): `rows` rows of `width` bytes, `src_pitch`
+// bytes apart in host memory and `dst_pitch` apart on the device (a column piece of a
+// resharded restore). Both pitches must be >= width.
+void copy_h2d_2d_async(uintptr_t dst_dev, std::size_t dst_pitch, const void* src_host,
+                       std::size_t src_pitch, std::size_t width, std::size_t rows, uintptr_t stream);
 
 }  // namespace cuda
 }  // namespace ucpd

@@ -192,6 +192,26 @@ NB_MODULE(_native, m) {
   }, "items"_a, "threads"_a, "crc_chunk"_a = 0, "mode"_a = "fused", "block"_a = 64 * 1024);
   m.def("crc32c_copy_fused", &crc32c_copy_fused);
 
+  // items: (dst_ptr, src_ptr, nbytes); expected: one list of chunk CRCs per item
+  m.def("copy_batch_verified", [](nb::handle items, nb::handle expected, std::size_t chunk, int threads) {
+    std::vector<CopyItem> v = parse_items(items);
+    std::vector<std::vector<uint32_t>> want;
+    for (nb::handle h : expected) {
+      std::vector<uint32_t> w;
+      for (nb::handle c : h) w.push_back(nb::cast<uint32_t>(c));
+      want.push_back(std::move(w));
+    }
+    const int t = check_threads(threads);
+    std::vector<BadChunk> bad;
+    {
+      nb::gil_scoped_release nogil;
+      bad = copy_batch_verified(v, want, chunk, t);
+    }
+    nb::list out;
+    for (const BadChunk& b : bad) out.append(nb::make_tuple(b.item, b.chunk, b.crc));
+    return out;
+  }, "items"_a, "expected"_a, "chunk"_a, "threads"_a);
+
   // items: iterable of (ptr, nbytes) or (ptr, nbytes, crc to continue); chunk 0: one CRC per item
   m.def("crc32c_batch", [](nb::handle items, int threads, std::size_t chunk) -> nb::object {
     std::vector<CopyItem> v;
@@ -399,11 +419,11 @@ NB_MODULE(_native, m) {
     nb::gil_scoped_release nogil;
     return cu::device_count();
   });
-  m.def("host_register", [](uintptr_t ptr, std::size_t n) {
+  m.def("host_register", [](uintptr_t ptr, std::size_t n, bool read_only) {
     if (!ptr || !n) throw std::invalid_argument("host_register: need a non-null pointer and nbytes > 0");
     nb::gil_scoped_release nogil;
-    cu::host_register(as_ptr(ptr), n);
-  }, "ptr"_a, "nbytes"_a);
+    cu::host_register(as_ptr(ptr), n, read_only);
+  }, "ptr"_a, "nbytes"_a, "read_only"_a = false);
   m.def("host_unregister", [](uintptr_t ptr) {
     nb::gil_scoped_release nogil;
     cu::host_unregister(as_ptr(ptr));
@@ -471,6 +491,13 @@ NB_MODULE(_native, m) {
     nb::gil_scoped_release nogil;
     cu::copy_d2h_async(as_ptr(dst), src, n, stream);
   }, "dst_host"_a, "src_dev"_a, "nbytes"_a, "stream"_a);
+  m.def("copy_h2d_2d_async", [](uintptr_t dst, std::size_t dpitch, uintptr_t src, std::size_t spitch,
+                                std::size_t width, std::size_t rows, uintptr_t stream) {
+    if (spitch < width || dpitch < width)
+      throw std::invalid_argument("copy_h2d_2d_async: a pitch is smaller than the row width");
+    nb::gil_scoped_release nogil;
+    cu::copy_h2d_2d_async(dst, dpitch, as_ptr(src), spitch, width, rows, stream);
+  }, "dst_dev"_a, "dst_pitch"_a, "src_host"_a, "src_pitch"_a, "width"_a, "rows"_a, "stream"_a);
 #else
   m.attr("cuda_compiled") = false;
 #endif

@@ -231,3 +231,21 @@ def test_fallback_kernels_without_avx512():
     env = dict(os.environ, UCPD_CRC32C_NO_AVX512="1")
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("n, chunk, dst_shift", [((3 << 20) + 77, 1 << 20, 0), ((1 << 20) + 5, 65536 + 64, 3), (300_001, 4096, 17), (5000, 1 << 20, 1)])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_batch_verified_copies_every_sound_chunk_whatever_the_alignment(rng, n, chunk, dst_shift, threads):
+    src = random_bytes(rng, n, 5)
+    crcs = [ref.crc32c(bytes(src[i : i + chunk])) for i in range(0, n, chunk)]
+    dst = zeros_at(n + 64, dst_shift)
+    items = [(dst.ctypes.data, src.ctypes.data, n)]
+    assert native.copy_batch_verified(items, [crcs], chunk, threads) == []
+    assert np.array_equal(dst[:n], src) and not dst[n:].any()
+    bad = n // chunk // 2
+    src[bad * chunk + 1] ^= 0x40
+    dst[:] = 0
+    got = native.copy_batch_verified(items, [crcs], chunk, threads)
+    assert got == [(0, bad, ref.crc32c(bytes(src[bad * chunk : (bad + 1) * chunk])))]
+    lo, hi = bad * chunk, min(n, (bad + 1) * chunk)
+    assert not dst[lo:hi].any() and np.array_equal(dst[:lo], src[:lo]) and np.array_equal(dst[hi:n], src[hi:n])

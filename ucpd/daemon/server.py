@@ -323,8 +323,8 @@ class Daemon:
     def _lend(self, ident, req_id, body, base):
         rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
         slot = self.store.take_free_slot(rank, step, nbytes, job)
-        if slot is None and not self._done.empty() and not self.store.room_for(nbytes):
-            self._drain_done()  # a spare whose warming just ended is a free slot once drained
+        if slot is None and not self._done.empty():
+            self._drain_done()  # a spare whose warming just ended is a free slot once drained (not a reason for a new one)
             slot = self.store.take_free_slot(rank, step, nbytes, job)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:

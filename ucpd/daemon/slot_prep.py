@@ -13,11 +13,11 @@ more when a flusher may pin an old version past ``--keep``.
 - A **spare** is prepared by one background thread, one at a time, in pieces, never while an
   urgent slot is being reserved (both would allocate pages at once); between pieces
   it steps aside while a trainer is copying into a slot (``yield_to_snapshots``), so warming
-  never competes with a snapshot for cores or memory bandwidth. The first spare starts with the
-  rank's first slot. As soon as a spare's space is reserved its path goes to the trainer
-  (``ready_spares``), which maps it between snapshots: mapping populates it, on the trainer's
-  copy threads, so the second snapshot finds its slot mapped and faulted in even when the
-  touching here is not done. A begin that needs a spare still being warmed makes it urgent: it
+  never competes with a snapshot for cores or memory bandwidth. The space of every queued spare
+  is reserved first (once the copy that queued them is done), then each is touched: as soon as
+  a spare's space is reserved its path goes to the trainer (``ready_spares``), which maps it
+  between snapshots on a thread of its own: mapping populates it, so the later snapshots find
+  their slots mapped and faulted in even when the touching here is not done. A begin that needs a spare still being warmed makes it urgent: it
   is lent once its space is reserved, the touching stops (the trainer faults in the rest).
 - The rotation follows the size a rank asks for: slots more than twice that size do not count
   in it, and once it is ready the rank's free ones are deleted (an incremental snapshot copies
@@ -36,7 +36,7 @@ import time
 from dataclasses import dataclass
 
 from .. import faults
-from .slots import SlotState
+from .slots import SlotState, touch_file
 from .store import prepare_slot_file
 
 log = logging.getLogger("ucpd.slots")
@@ -59,11 +59,12 @@ def copies_in_flight(store, now: float | None = None) -> int:
     )
 
 
-def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S) -> float:
+def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S, also=None) -> float:
     """Background work calls this between pieces: it returns once no trainer is copying into a
-    slot, or after ``max_wait`` seconds. Returns the seconds it waited."""
+    slot (and ``also()``, if given, is false), or after ``max_wait`` seconds. Returns the
+    seconds it waited."""
     t0 = time.monotonic()
-    while copies_in_flight(store) and time.monotonic() - t0 < max_wait:
+    while (copies_in_flight(store) or (also is not None and also())) and time.monotonic() - t0 < max_wait:
         time.sleep(0.005)
     return time.monotonic() - t0
 
@@ -234,27 +235,61 @@ class SlotPreparer:
     def _run(self) -> None:
         # Not niced: a begin may come to wait for the spare being warmed, and a thread cannot
         # raise its priority back. It steps aside for snapshot copies instead (``_pause``).
+        # Every queued spare's space is reserved before any is touched: each is offered to its
+        # trainer then (``ready_spares``), whose mapping populates it ahead of use, so a rank's
+        # third slot is not left unreserved until the second is touched.
         while True:
             with self._cv:
                 while (not self._spares or self._urgent) and not self._stopping:
                     self._cv.wait(0.5 if self._urgent else None)
                 if self._stopping:
                     return
-                spare = self._current = self._spares[0]
-            exc = None
-            try:
-                try:
-                    prepare_slot_file(spare.path, spare.size, pause=lambda: self._pause(spare), reserved=lambda: self._reserved(spare))
-                except _Lent:
-                    pass
-                faults.point("slot.allocated")
-            except Exception as e:
-                exc = e
-            self.done.put(("slot", spare.sid, exc))  # first: until it is drained, a begin may still claim it
+                todo = [p for p in self._spares if not p.reserved]
+            if todo and not todo[0].urgent and not self._stopping:  # not beside the copy that queued them (a first snapshot's)
+                self.yielded_s += yield_to_snapshots(self.store, also=self._urgent_not_lent)
+            for spare in todo:
+                self._prepare(spare, touch=False)
             with self._cv:
-                self._current = None
-                if spare in self._spares:
-                    self._spares.remove(spare)
+                if not self._spares or self._stopping:
+                    continue
+                spare = self._spares[0]
+            self._prepare(spare, touch=True)
+
+    def _prepare(self, spare: _Spare, touch: bool) -> None:
+        """Reserve a spare's space (``touch`` False), or touch a reserved one; a spare a begin
+        claimed, or a failure, is finished (``done``) at once."""
+        with self._cv:
+            if spare not in self._spares:
+                return
+            self._current = spare
+        exc, finished = None, True
+        try:
+            try:
+                if not spare.reserved:
+                    prepare_slot_file(spare.path, spare.size, touch=False, reserved=lambda: self._reserved(spare))
+                if touch:
+                    touch_file(spare.path, spare.size, pause=lambda: self._pause(spare))
+                else:
+                    finished = spare.urgent  # reserved: touched later, unless a begin waits for it
+            except _Lent:
+                pass
+            if finished:
+                faults.point("slot.allocated")
+        except Exception as e:
+            exc, finished = e, True
+        if finished:
+            self.done.put(("slot", spare.sid, exc))  # first: until it is drained, a begin may still claim it
+        with self._cv:
+            self._current = None
+            if finished and spare in self._spares:
+                self._spares.remove(spare)
+
+    def _urgent_not_lent(self) -> bool:
+        """An urgent slot is ready but not yet lent (the server has not drained it): its copy is
+        about to start."""
+        with self._cv:
+            ours = {p.sid for p in self._spares}
+        return any(s.state is SlotState.WRITING and s.step is None and s.id not in ours for s in tuple(self.store.slots.slots.values()))
 
     def _reserved(self, spare: _Spare) -> None:
         with self._cv:
@@ -265,5 +300,16 @@ class SlotPreparer:
     def _pause(self, spare: _Spare) -> None:
         if spare.urgent:
             raise _Lent
+        self._lend_claimed(spare)
         if not self._stopping:
             self.yielded_s += yield_to_snapshots(self.store)
+
+    def _lend_claimed(self, current: _Spare) -> None:
+        """Finish at once the reserved spares a begin claimed while ``current`` is touched."""
+        with self._cv:
+            claimed = [p for p in self._spares if p is not current and p.urgent and p.reserved]
+            for p in claimed:
+                self._spares.remove(p)
+        for p in claimed:
+            faults.point("slot.allocated")
+            self.done.put(("slot", p.sid, None))

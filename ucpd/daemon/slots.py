@@ -125,6 +125,25 @@ def allocate_file(path: str, size: int, pause=None, touch: bool = True, reserved
         os.close(fd)
 
 
+def touch_file(path: str, size: int, pause=None) -> None:
+    """Fault in every page of a segment whose space is reserved (``allocate_file(touch=False)``),
+    one written byte per page, ``pause()`` between pieces of ``TOUCH_PIECE`` bytes (it may raise
+    to stop)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+            pages = np.frombuffer(mm, dtype=np.uint8)
+            try:
+                for lo in range(0, size, TOUCH_PIECE):
+                    if pause is not None and lo:
+                        pause()
+                    pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
+            finally:
+                del pages
+    finally:
+        os.close(fd)
+
+
 class SlotStore:
     """The set of slots of one daemon, with memory accounting against ``mem_limit`` bytes."""
 
