@@ -64,7 +64,11 @@ def test_a_hung_flush_dir_never_blocks_snapshots_or_restores_and_status_says_sta
     d = make_daemon("--mem-limit", "256M", "--keep", "2", "--flush-every", "1", "--metrics-port", "0")
     monkeypatch.delenv("UCPD_FAULT")
     with Checkpointer(d.run_dir, embedded=False) as ckpt:
-        waits = [_snap(ckpt, s) for s in range(1, 8)]
+        waits = [_snap(ckpt, 1)]
+        # the flush of step 1 hangs once it began (a later commit would take its place in the
+        # queue before it began, on a loaded machine)
+        wait_until(lambda: ckpt.status()["flush"]["current_step"] == 1, "the flush of step 1 to begin")
+        waits += [_snap(ckpt, s) for s in range(2, 8)]
         took = _restore(ckpt, 7)
         wait_until(lambda: ckpt.status()["flush"]["state"] == "stalled", "the daemon to call the flush stalled")
         st = ckpt.status()

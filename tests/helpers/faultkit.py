@@ -131,10 +131,23 @@ def trainer(rank: int, world: int, run_dir: str, steps: list[int], journal: str,
             state, pl = state_of(step, rank, world)
             ckpt.snapshot(step, state, placements=pl).wait(timeout=float(env.get("FAULTKIT_WAIT", "20")))
             note(f"committed {step}")
-            time.sleep(float(env.get("FAULTKIT_PAUSE", "0")))  # let the flush of each step start
+            if env.get("FAULTKIT_FLUSH_EACH"):
+                _until_flush_began(ckpt, step)
         note("done")
     except Exception as exc:  # the daemon died, or the step can no longer commit
         note(f"error {type(exc).__name__}: {str(exc)[:200]}")
+
+
+def _until_flush_began(ckpt, step: int, timeout: float = 60.0) -> None:
+    """Until this node's daemon began (or finished) flushing ``step``: a flush point of step N is
+    reached however slow the machine, since step N+1's commit would otherwise replace step N in
+    the flush queue (one version per job waits). A node that does not flush returns at once."""
+
+    def began() -> bool:
+        f = ckpt.status().get("flush")
+        return not f or f["current_step"] == step or (f["last_flushed"] or 0) >= step or bool(f["last_error"])
+
+    eventually(began, timeout, poll=0.02)
 
 
 def start_trainers(run_dirs: list[str], world: int, steps: list[int], workdir: str, env: dict,
@@ -388,7 +401,7 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
                                    fault=spec if where == "client" else None, restore_first=True)
         else:
             if point.startswith(("flush.", "index.")):
-                env["FAULTKIT_PAUSE"] = "0.4"
+                env["FAULTKIT_FLUSH_EACH"] = "1"
             d.start(fault=spec if where == "daemon" else None)
             procs = start_trainers([d.run_dir], world, list(range(1, steps + 1)), workdir, env,
                                    victim=victim, fault=spec if where == "client" else None)
@@ -414,7 +427,7 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
         if not d.alive():
             d.start()
         env["UCPD_JOB_ID"] = "run-3"
-        env.pop("FAULTKIT_PAUSE", None)
+        env.pop("FAULTKIT_FLUSH_EACH", None)
         st = wait_flush_idle(d)
         t.latest = st["latest_committed"]
         if t.latest is None:  # all in RAM was lost? then the flush dir must answer
@@ -529,7 +542,7 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
     try:
         spec = f"{point}@{step}"
         if point.startswith("flush"):
-            env["FAULTKIT_PAUSE"] = "0.5"
+            env["FAULTKIT_FLUSH_EACH"] = "1"
         for i, d in enumerate(nodes):
             d.start(fault=spec if i == victim else None)
         if lose_first is not None:  # the step before commits on every node, then a node is lost: healing
