@@ -12,10 +12,7 @@ directory in these tests, so whatever is restored came from the survivors' RAM.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -76,9 +73,12 @@ def restore_on(run_dirs, world, per_node, tp, step, then_snapshot=False):
 
 
 def status(run_dir) -> dict:
-    out = subprocess.run([sys.executable, "-m", "ucpd", "status", "--json", "--run-dir", run_dir],
-                         capture_output=True, text=True, timeout=30, check=True)
-    return json.loads(out.stdout)
+    """What ``ucpd status --json`` prints (tests/daemon/test_status.py runs the command), asked
+    over the socket: a poll needs no new interpreter."""
+    from ucpd.rpc import Connection
+
+    with Connection(run_dir, timeout=30) as c:
+        return c.call("status")
 
 
 def wait_for(cond, what: str, timeout: float = 30.0):
