@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from helpers.fake_cuda import FakeCuda
+from helpers.waiting import wait_until
 from ucpd_client import Checkpointer
 from ucpd_client.staging import CudaStager, Entry
 from ucpd_client.streams import DeviceStreams, Fence, by_device, devices_of
@@ -202,12 +203,18 @@ def test_the_spare_slots_are_registered_ahead_once_cuda_tensors_were_staged(ckpt
         step += 1
         ckpt.snapshot(step, {"w": w}).wait()
         time.sleep(0.05)
-    ckpt._ahead.join()  # what was queued is done
+    def settled():
+        """The daemon made the spares it queued and the client prepared what it was offered
+        (on a loaded machine that takes a while; the rule is about order, not speed)."""
+        wait_until(lambda: ckpt.status()["slots"]["warming"] == 0, "the daemon's spares to be made")
+        ckpt._ahead.join()
+
+    settled()
     by_worker = [a for _, t, (a, _) in fake.log("host_register") if t.startswith("ucpd-snapshot")]
     for _ in range(4):  # the rotation: every slot it lands in is registered already
         step += 1
         ckpt.snapshot(step, {"w": w}).wait()
-        ckpt._ahead.join()
+        settled()
     assert [a for _, t, (a, _) in fake.log("host_register") if t.startswith("ucpd-snapshot")] == by_worker
 
 
