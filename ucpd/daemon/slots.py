@@ -105,15 +105,7 @@ def allocate_file(path: str, size: int, pause=None, touch: bool = True, reserved
                 reserved()
             if not touch:
                 return
-            with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-                pages = np.frombuffer(mm, dtype=np.uint8)
-                try:  # pause() may raise to stop the touching: the mapping must close all the same
-                    for lo in range(0, size, TOUCH_PIECE):
-                        if pause is not None and lo:
-                            pause()
-                        pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
-                finally:
-                    del pages
+            _touch_fd(fd, size, pause)
         except OSError as exc:
             os.unlink(path)
             raise SnapshotRejected(
@@ -131,17 +123,21 @@ def touch_file(path: str, size: int, pause=None) -> None:
     to stop)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
-            pages = np.frombuffer(mm, dtype=np.uint8)
-            try:
-                for lo in range(0, size, TOUCH_PIECE):
-                    if pause is not None and lo:
-                        pause()
-                    pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
-            finally:
-                del pages
+        _touch_fd(fd, size, pause)
     finally:
         os.close(fd)
+
+
+def _touch_fd(fd: int, size: int, pause) -> None:
+    with mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE) as mm:
+        pages = np.frombuffer(mm, dtype=np.uint8)
+        try:  # pause() may raise to stop the touching: the mapping must close all the same
+            for lo in range(0, size, TOUCH_PIECE):
+                if pause is not None and lo:
+                    pause()
+                pages[lo : lo + TOUCH_PIECE : mmap.PAGESIZE] = 0
+        finally:
+            del pages
 
 
 class SlotStore:
