@@ -4,13 +4,14 @@
 run, unchanged) and, in ``membership="heartbeat"`` mode, one ``ucpd.team.membership.Membership``
 per node fed by heartbeats sent over the simulated network. It plays the part of
 ``ucpd.team.team.Team`` (the glue): it delivers messages at the times ``ucpd.sim.network`` gives,
-ticks every node, carries out ``Send``/``Record``/``Commit``, and injects faults (node and rack
+ticks every node, carries out ``Send``/``Decided``/``Commit``, and injects faults (node and rack
 crashes, fresh restarts, loss, duplication, reordering), all from one seed.
 
 Every message goes through the project's wire encoding: the body ``{"m": msg}`` that
 ``Team._apply`` sends, inside the transport's signed msgpack header (``ucpd.team.transport``),
-so the byte counts are those of real messages, and the state machine receives what msgpack
-gives back.
+so the byte counts are those of real messages. The peer protocol's record of the message
+(``ucpd.protocol.COMMIT_MESSAGES``) checks it at both ends, as the transport does: before it
+leaves, and on arrival, where the state machine receives what the record decodes.
 
 An observer checks the safety properties of docs/PROTOCOL.md on every output, as
 tests/team/test_commit_protocol.py does (P1 coverage, P2 recorded before visible, P3 no step
@@ -34,7 +35,8 @@ from collections import defaultdict
 
 import msgpack
 
-from ..team.commit import Commit, CommitNode, Fence, Record, Send
+from ..protocol import validate_peer
+from ..team.commit import Commit, CommitNode, Decided, Fence, Send
 from ..team.membership import Membership
 from .network import NetModel, Network, Topology
 
@@ -111,7 +113,7 @@ class SimCluster:
         self.visible: list[set[int]] = [set() for _ in range(nodes)]
         self.ever_visible: set[int] = set()
         self.protected_at: dict[int, float] = {}  # step -> time of its last report
-        self.decided_at: dict[int, float] = {}  # step -> first Record anywhere
+        self.decided_at: dict[int, float] = {}  # step -> first Decided anywhere
         self.visible_at: dict[int, dict[int, float]] = {}  # step -> node -> time of Commit (measure)
         self._push(tick, _TICK)
         if membership == "heartbeat":
@@ -206,7 +208,7 @@ class SimCluster:
             if isinstance(o, Send):
                 start += cpu  # the daemon's CPU encodes, signs and queues each message in turn
                 self._send(i, o.dest, o.msg, start)
-            elif isinstance(o, Record):
+            elif isinstance(o, Decided):
                 self.check(o.step not in self.knows[i], lambda: f"node {i} recorded step {o.step} twice or after committing it")
                 self.knows[i].add(o.step)
                 if o.step not in self.decided_at:
@@ -256,6 +258,7 @@ class SimCluster:
 
     def _send(self, src: int, dst: int, msg: dict, at: float) -> None:
         self.check(dst != src and 0 <= dst < self.n, lambda: f"node {src} sends to node {dst}")
+        validate_peer("commit", {"m": msg})
         body = msgpack.packb({"m": msg}, use_bin_type=True)
         nbytes = wire_bytes(src, dst, body)
         st = self.stats
@@ -282,7 +285,7 @@ class SimCluster:
         node = self.nodes[dst]
         if node is None or self.inc[dst] != inc:
             return
-        msg = msgpack.unpackb(body, raw=False)["m"]
+        msg = validate_peer("commit", msgpack.unpackb(body, raw=False))["m"]
         self._apply(dst, self._call(dst, node.on_message, src, msg, self.t))
 
     def _tick(self) -> None:
