@@ -115,6 +115,8 @@ class SimCluster:
         self.protected_at: dict[int, float] = {}  # step -> time of its last report
         self.decided_at: dict[int, float] = {}  # step -> first Decided anywhere
         self.visible_at: dict[int, dict[int, float]] = {}  # step -> node -> time of Commit (measure)
+        self.fences: list[list[Fence]] = [[] for _ in range(nodes)]  # Fence outputs per rank, in order
+        self._crash: tuple[int, object] | None = None  # crash_at's scripted crash
         self._push(tick, _TICK)
         if membership == "heartbeat":
             self._push(0.0, _HEARTBEAT)
@@ -168,6 +170,18 @@ class SimCluster:
     def run_for(self, dt: float) -> None:
         self.run_until(self.t + dt)
 
+    def run_until_quiet(self, limit: float = 60.0, stop=None) -> bool:
+        """Process events (timers included) until nothing but timers is scheduled, or until
+        ``stop()`` holds after an instant's events (returns True then)."""
+        end = self.t + limit
+        while not self.quiet():
+            if self._events[0][0] > end:
+                self.check(False, f"not quiet after {limit} s: {self.pending_summary()}")
+            self.run_until(self._events[0][0])
+            if stop is not None and stop():
+                return True
+        return False
+
     def at(self, when: float, fn) -> None:
         """Call ``fn()`` at simulated time ``when``."""
         self._push(when, _CALL, fn)
@@ -200,7 +214,17 @@ class SimCluster:
         return out
 
     def _apply(self, i: int, outs: list) -> None:
-        """Carry out node i's outputs in order, as ``Team._apply`` does."""
+        """Carry out node i's outputs in order, as ``Team._apply`` does (up to a scripted crash)."""
+        if self._crash is not None and self._crash[0] == i:
+            kept = self._crash[1](outs)
+            if kept is not None:
+                self._crash = None
+                self._carry_out(i, kept, dying=True)
+                self.kill(i)
+                return
+        self._carry_out(i, outs)
+
+    def _carry_out(self, i: int, outs: list, dying: bool = False) -> None:
         committed = False
         cpu = self.model.cpu_per_msg
         start = max(self.t, self._cpu_free[i])
@@ -215,7 +239,7 @@ class SimCluster:
                     self.decided_at[o.step] = self.t
                     self._check_fenced(o.step)
             elif isinstance(o, Fence):
-                pass  # the driver abandons the parts of other runs: the sim holds no parts
+                self.fences[i].append(o)  # the driver abandons the parts of other runs: the sim holds no parts
             else:
                 assert isinstance(o, Commit), o
                 self._on_commit(i, o.step)
@@ -224,7 +248,7 @@ class SimCluster:
         if self.runs and self.runs[-1] not in self.ready_at and self.nodes[i] is not None \
                 and self.nodes[i].run_ready(self.runs[-1]):
             self.ready_at[self.runs[-1]] = self.t
-        if committed:
+        if committed and not dying:  # (a dying node's state machine went on past what happened)
             node = self.nodes[i]
             self.check(node.latest() == max(self.visible[i], default=None),
                        lambda: f"P3: node {i}: latest() {node.latest()} but committed {sorted(self.visible[i])[-5:]}")
@@ -232,8 +256,8 @@ class SimCluster:
     def _check_fenced(self, s: int) -> None:
         """P5: a step is decided only from a run that no later run had superseded: once a run could
         begin (``run_ready`` on some node), no step of an earlier run is decided any more."""
-        runs = self.covering_runs(s)
-        if not self.strict or not runs or "" in runs:
+        runs = self.covering_runs(s) & set(self.runs)
+        if not self.strict or not runs:
             return
         newest = max(self.runs.index(r) for r in runs if r in self.runs)
         later = [r for r in self.runs[newest + 1:] if r in self.ready_at]
@@ -258,7 +282,7 @@ class SimCluster:
 
     def _send(self, src: int, dst: int, msg: dict, at: float) -> None:
         self.check(dst != src and 0 <= dst < self.n, lambda: f"node {src} sends to node {dst}")
-        validate_peer("commit", {"m": msg})
+        validate_peer("commit", {"m": msg})  # the sending end's check (a bug of ours if it fails)
         body = msgpack.packb({"m": msg}, use_bin_type=True)
         nbytes = wire_bytes(src, dst, body)
         st = self.stats
@@ -285,8 +309,14 @@ class SimCluster:
         node = self.nodes[dst]
         if node is None or self.inc[dst] != inc:
             return
-        msg = validate_peer("commit", msgpack.unpackb(body, raw=False))["m"]
-        self._apply(dst, self._call(dst, node.on_message, src, msg, self.t))
+        self.deliver(dst, src, msgpack.unpackb(body, raw=False, strict_map_key=False))
+
+    def deliver(self, dst: int, src: int, body) -> None:
+        """Node ``dst`` receives a ``commit`` message's body from ``src`` now, as the transport
+        hands it on (decoded from msgpack): the record checks it (a malformed one raises
+        ProtocolError before the node sees it), then the node handles it."""
+        msg = validate_peer("commit", body)["m"]
+        self._apply(dst, self._call(dst, self.nodes[dst].on_message, src, msg, self.t))
 
     def _tick(self) -> None:
         for i, node in enumerate(self.nodes):
@@ -295,7 +325,7 @@ class SimCluster:
             if self.mode == "heartbeat":
                 view = self.members[i].on_tick(self.t)
                 if view is not None:
-                    self._install(i, view.live)
+                    self.install_view(i, view.live)
                     if self.nodes[i] is None:
                         continue
             self._apply(i, self._call(i, node.on_tick, self.t))
@@ -303,8 +333,12 @@ class SimCluster:
 
     # --- membership ----------------------------------------------------------------------------
 
-    def _install(self, i: int, live) -> None:
+    def install_view(self, i: int, live) -> None:
+        """Node i installs the view ``live`` now (right or wrong: a test may make it believe a
+        live node dead); the oracle's later notices start from it."""
         self.view_at[i] = self.t
+        if self.mode == "oracle":
+            self.perceived[i] = set(live)
         self._apply(i, self._call(i, self.nodes[i].on_view, frozenset(live), self.t))
 
     def _view_event(self, i: int, inc_i: int, kind: str, x: int, inc_x: int) -> None:
@@ -324,7 +358,7 @@ class SimCluster:
             seen.intersection_update(self.live)
             if seen == set(self.nodes[i].live):
                 return
-        self._install(i, seen)
+        self.install_view(i, seen)
 
     def _heartbeats(self) -> None:
         """Heartbeat mode: every live node heartbeats every other (what transport.py does)."""
@@ -353,7 +387,7 @@ class SimCluster:
     def _protect(self, i: int, inc: int, step: int, ranks: tuple, world: int, run: str) -> None:
         if self.nodes[i] is None or self.inc[i] != inc:
             return
-        if run and self.nodes[i].run_ready(run) is False:
+        if run in self.runs and self.nodes[i].run_ready(run) is False:
             return  # its trainers still wait for the fence (a superseded run's part may be reported late)
         self.reported.setdefault(step, {}).setdefault((world, run), set()).update(ranks)
         old = self.reports_of[i].get(step)
@@ -365,7 +399,8 @@ class SimCluster:
     def begin_run(self, run: str, nodes=None, at: float | None = None, spread: float = 0.0) -> None:
         """A new run of the job (a restart) begins on ``nodes`` (default: all live) within
         ``spread`` seconds after ``at``: each asks for its fence (``CommitNode.on_run``)."""
-        self.runs.append(run)
+        if run not in self.runs:
+            self.runs.append(run)
         t0 = self.t if at is None else at
         for i in sorted(self.live if nodes is None else nodes):
             self._push(t0 + (self.rng.uniform(0.0, spread) if spread else 0.0), _RUN, i, self.inc[i], run)
@@ -385,6 +420,15 @@ class SimCluster:
             when = t0 + (self.rng.uniform(0.0, spread) if spread else 0.0)
             self.protect(i, step, range(k * ranks_per_node, (k + 1) * ranks_per_node), world, when)
         return world
+
+    def forget(self, i: int, step: int) -> None:
+        """Node i's RAM of ``step`` is gone (evicted or dropped): its protocol forgets it."""
+        self.nodes[i].forget(step)
+
+    def crash_at(self, i: int, cut) -> None:
+        """Node i dies at the first of its events whose outputs ``cut(outputs)`` cuts: it returns
+        the outputs that still happen before the crash (None: not this event)."""
+        self._crash = (i, cut)
 
     def kill(self, i: int) -> None:
         """Node i's daemon dies now with its state; the others notice after ``detect_after``."""
@@ -461,6 +505,7 @@ class SimCluster:
             self.check(self.visible[i] == first, f"P3: nodes {live[0]} and {i} committed different steps: "
                        f"{sorted(first ^ self.visible[i])[:8]} differ")
             self.check(node.committed_steps() == sorted(self.visible[i]), f"node {i}: committed_steps() disagrees")
+            self.check(all(node.is_committed(s) for s in self.visible[i]), f"node {i}: is_committed() disagrees")
             p = node.pending()
             self.check(not p["recorded"] and not p["deciding"] and not p["forwarded"],
                        f"node {i}: decisions left half done: recorded {p['recorded']}, forwarded {p['forwarded']}")
