@@ -10,7 +10,9 @@ A step is committed when the ranks that the nodes report protected cover ``range
 The coordinator (lowest live node rank) collects the reports, records its decision on every
 live node (``record`` → ``recorded``), then makes it visible everywhere (``commit`` →
 ``committed``). A new coordinator first asks every live node for its state and finishes any
-decision a survivor recorded. The messages are records of the peer protocol
+decision a survivor recorded. A restarted job is a new run: the coordinator fences the
+earlier runs on every live node before the new one snapshots (``_RunFences``, the class's
+second job). The messages are records of the peer protocol
 (``ucpd.protocol.COMMIT_MESSAGES``): the driver hands ``on_message`` what they decoded.
 docs/PROTOCOL.md gives the crash cases and the safety argument; tests/team/test_commit_protocol.py
 checks them on ``ucpd.sim`` (named cases and random schedules).
@@ -73,7 +75,146 @@ class _Decision:
 
 # --- the state machine -----------------------------------------------------------------------
 
-class CommitNode:
+class _RunFences:
+    """The runs of the job, ``CommitNode``'s second job: a restarted job is a new run, and before
+    its trainers snapshot, the coordinator fences the earlier runs on every live node (their
+    undecided parts never commit; a straggler's report of one is refused). Reads and writes the
+    node's state (``run``, ``fence``, ``retired``, ``want``, its reports and decisions)."""
+
+    # --- queries and events ------------------------------------------------------------------
+
+    def run_ready(self, run: str) -> bool | None:
+        """Whether ``run`` is the job's current run here, with every step decided before its fence
+        visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""
+        if run in self.retired:
+            return None
+        return self.run == run and self._granted == self.fence and all(self.is_committed(s) for s in self._awaiting)
+
+    def on_run(self, run: str | None, now: float) -> list:
+        """Trainers of ``run`` (the job's incarnation) begin on this node. Unless it is already the
+        current run, ask the coordinator to fence the earlier runs: once the ``fence`` is here,
+        their undecided parts are abandoned everywhere and never commit (``run_ready``)."""
+        try:
+            run = run_id("run", run or "")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        self._clock(now)
+        if self.run_ready(run) is not False or (self.want == run and now - self._want_sent < self.resend_after):
+            return []  # (asked already: on_tick asks again)
+        self.want = run
+        return self._ask_fence(now)
+
+    # --- fences ---------------------------------------------------------------------------------
+
+    def _current(self, run: str) -> bool:
+        """Whether a part of ``run`` may still count: the current run, or any before the first fence."""
+        return run == self.run if self.run is not None else run not in self.retired
+
+    def _ask_fence(self, now: float) -> list:
+        """Ask the coordinator to make ``want`` the current run (we are it: grant it ourselves)."""
+        self._want_sent = now
+        if self.coordinator == self.rank:
+            return [] if self.syncing else self._grant(self.want, now, self.rank)
+        return [Send(self.coordinator, {"t": "fence_req", "run": self.want, "e": self.epoch})]
+
+    def _grant(self, run: str, now: float, src: int) -> list:
+        """Coordinator: ``run`` begins at node ``src``. A run we know as superseded is told so (the
+        current fence); a new run gets the next fence, which every live node must acknowledge
+        before ``src`` hears ``run_ok``; the current run, once acknowledged, gets ``run_ok`` now."""
+        if run in self.retired:
+            return [] if src == self.rank else [self._fence_msg(src)]
+        out: list = []
+        if run != self.run:
+            out += self._adopt(run, self.fence + 1, ())
+            self._granting = _Decision(1, {self.rank})
+            self._requesters = set()
+        self._requesters.add(src)
+        if self._granting is None:
+            return out + self._run_ok()
+        return out + self._advance_grant(now, send=run != self.run or src == self.rank)
+
+    def _advance_grant(self, now: float, send: bool = True) -> list:
+        """Coordinator: once every live node adopted the fence, the nodes that asked hear ``run_ok``."""
+        g = self._granting
+        if g.acked >= self.live:
+            self._granting = None
+            return self._run_ok()
+        if not send:
+            return []
+        g.sent_at = now
+        return [self._fence_msg(n) for n in sorted(self.live - g.acked)]
+
+    def _run_ok(self) -> list:
+        """Coordinator: tell the nodes that asked that the current run may begin, after the steps
+        decided before its fence (they become visible: the new run's ``latest()`` includes them)."""
+        decided = sorted(self.recorded | self.deciding.keys())[-MAX_PENDING:]
+        out = []
+        for n in sorted(self._requesters):
+            if n == self.rank:
+                self._granted, self._awaiting = self.fence, frozenset(decided)
+            else:
+                out.append(Send(n, {"t": "run_ok", "run": self.run, "f": self.fence, "steps": decided, "e": self.epoch}))
+        self._requesters = set()
+        return out
+
+    def _fence_msg(self, dest: int) -> Send:
+        return Send(dest, {"t": "fence", "run": self.run or "", "f": self.fence, "old": self.retired[-RETIRED:],
+                           "e": self.epoch})
+
+    def _on_fence_req(self, src: int, m: dict, now: float) -> list:
+        if self.coordinator != self.rank or self.syncing:
+            return []  # not ours to grant, or we first learn the team's fence: the node asks again
+        return self._grant(m["run"], now, src)
+
+    def _on_fence(self, src: int, m: dict, now: float) -> list:
+        if m["f"] < self.fence:
+            return [self._fence_msg(src)]  # the sender missed a later fence: pass it on
+        return self._adopt(m["run"], m["f"], m["old"]) + [Send(src, {"t": "fenced", "f": m["f"], "e": m["e"]})]
+
+    def _on_fenced(self, src: int, m: dict, now: float) -> list:
+        g = self._granting
+        if g is None or m["f"] != self.fence or m["e"] != self.epoch or src not in self.live:
+            return []  # stale, duplicated, or from before the current view
+        g.acked.add(src)
+        return self._advance_grant(now, send=False)
+
+    def _on_run_ok(self, src: int, m: dict, now: float) -> list:
+        out = self._adopt(m["run"], m["f"], ()) if m["f"] > self.fence else []
+        if m["run"] == self.want and m["run"] == self.run:  # (a fence we hold for it may be numbered apart)
+            self._granted, self._awaiting = self.fence, frozenset(m["steps"])
+        return out
+
+    def _adopt(self, run: str, f: int, old: Iterable[str]) -> list:
+        """Fence ``f`` makes ``run`` current: earlier runs retire, their undecided reports go (here
+        and, on the coordinator, from every node), and the driver abandons their parts (``Fence``)."""
+        if f < self.fence or (f == self.fence and (run != self.run or f == 0)):
+            return []  # an older fence, or the same number given to another run by a dead coordinator
+        for r in old:
+            if r != run and r not in self.retired:
+                self.retired.append(r)
+        if f == self.fence:
+            return []
+        if self.run is not None and self.run != run and self.run not in self.retired:
+            self.retired.append(self.run)
+        del self.retired[:-RETIRED]
+        self.run, self.fence = run, f
+        self._granting = None  # a grant of ours in progress was for an earlier run
+        for step in [s for s, rep in self.mine.items() if rep[2] != run]:
+            del self.mine[step]
+            self._unacked.pop(step, None)
+        for step in [s for s in self.reports if s not in self.deciding]:
+            per = self.reports[step]
+            for node in [n for n, rep in per.items() if rep[2] != run]:
+                del per[node]
+            self._cover.pop(step, None)
+            if per:
+                self._cover[step] = _union(per.values())
+            else:
+                del self.reports[step]
+        return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
+
+
+class CommitNode(_RunFences):
     """This node's side of the global commit protocol. Not thread-safe: the driver serializes.
 
     Every event method returns a list of ``Send``/``Decided``/``Commit``/``Fence`` outputs, in the order
@@ -144,13 +285,6 @@ class CommitNode:
             return sorted(chain(self._visible, self._archive))
         return sorted(nlargest(limit, chain(self._visible, self._archive[-limit:])))
 
-    def run_ready(self, run: str) -> bool | None:
-        """Whether ``run`` is the job's current run here, with every step decided before its fence
-        visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""
-        if run in self.retired:
-            return None
-        return self.run == run and self._granted == self.fence and all(self.is_committed(s) for s in self._awaiting)
-
     def pending(self) -> dict:
         """A JSON-able summary for ``ucpd status``."""
         return {
@@ -193,20 +327,6 @@ class CommitNode:
             self._unacked[step] = now
             out.append(self._protected_msg(step))
         return out
-
-    def on_run(self, run: str | None, now: float) -> list:
-        """Trainers of ``run`` (the job's incarnation) begin on this node. Unless it is already the
-        current run, ask the coordinator to fence the earlier runs: once the ``fence`` is here,
-        their undecided parts are abandoned everywhere and never commit (``run_ready``)."""
-        try:
-            run = run_id("run", run or "")
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from None
-        self._clock(now)
-        if self.run_ready(run) is not False or (self.want == run and now - self._want_sent < self.resend_after):
-            return []  # (asked already: on_tick asks again)
-        self.want = run
-        return self._ask_fence(now)
 
     def on_message(self, src: int, m: dict, now: float) -> list:
         """A message from peer ``src``, as ``ucpd.protocol.COMMIT_MESSAGE`` decoded it (the
@@ -414,115 +534,6 @@ class CommitNode:
         world, ranks, run = self.mine[step]
         return Send(self.coordinator, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
                                        "run": run, "e": self.epoch})
-
-    # --- runs of the job: fences ---------------------------------------------------------------
-
-    def _current(self, run: str) -> bool:
-        """Whether a part of ``run`` may still count: the current run, or any before the first fence."""
-        return run == self.run if self.run is not None else run not in self.retired
-
-    def _ask_fence(self, now: float) -> list:
-        """Ask the coordinator to make ``want`` the current run (we are it: grant it ourselves)."""
-        self._want_sent = now
-        if self.coordinator == self.rank:
-            return [] if self.syncing else self._grant(self.want, now, self.rank)
-        return [Send(self.coordinator, {"t": "fence_req", "run": self.want, "e": self.epoch})]
-
-    def _grant(self, run: str, now: float, src: int) -> list:
-        """Coordinator: ``run`` begins at node ``src``. A run we know as superseded is told so (the
-        current fence); a new run gets the next fence, which every live node must acknowledge
-        before ``src`` hears ``run_ok``; the current run, once acknowledged, gets ``run_ok`` now."""
-        if run in self.retired:
-            return [] if src == self.rank else [self._fence_msg(src)]
-        out: list = []
-        if run != self.run:
-            out += self._adopt(run, self.fence + 1, ())
-            self._granting = _Decision(1, {self.rank})
-            self._requesters = set()
-        self._requesters.add(src)
-        if self._granting is None:
-            return out + self._run_ok()
-        return out + self._advance_grant(now, send=run != self.run or src == self.rank)
-
-    def _advance_grant(self, now: float, send: bool = True) -> list:
-        """Coordinator: once every live node adopted the fence, the nodes that asked hear ``run_ok``."""
-        g = self._granting
-        if g.acked >= self.live:
-            self._granting = None
-            return self._run_ok()
-        if not send:
-            return []
-        g.sent_at = now
-        return [self._fence_msg(n) for n in sorted(self.live - g.acked)]
-
-    def _run_ok(self) -> list:
-        """Coordinator: tell the nodes that asked that the current run may begin, after the steps
-        decided before its fence (they become visible: the new run's ``latest()`` includes them)."""
-        decided = sorted(self.recorded | self.deciding.keys())[-MAX_PENDING:]
-        out = []
-        for n in sorted(self._requesters):
-            if n == self.rank:
-                self._granted, self._awaiting = self.fence, frozenset(decided)
-            else:
-                out.append(Send(n, {"t": "run_ok", "run": self.run, "f": self.fence, "steps": decided, "e": self.epoch}))
-        self._requesters = set()
-        return out
-
-    def _fence_msg(self, dest: int) -> Send:
-        return Send(dest, {"t": "fence", "run": self.run or "", "f": self.fence, "old": self.retired[-RETIRED:],
-                           "e": self.epoch})
-
-    def _on_fence_req(self, src: int, m: dict, now: float) -> list:
-        if self.coordinator != self.rank or self.syncing:
-            return []  # not ours to grant, or we first learn the team's fence: the node asks again
-        return self._grant(m["run"], now, src)
-
-    def _on_fence(self, src: int, m: dict, now: float) -> list:
-        if m["f"] < self.fence:
-            return [self._fence_msg(src)]  # the sender missed a later fence: pass it on
-        return self._adopt(m["run"], m["f"], m["old"]) + [Send(src, {"t": "fenced", "f": m["f"], "e": m["e"]})]
-
-    def _on_fenced(self, src: int, m: dict, now: float) -> list:
-        g = self._granting
-        if g is None or m["f"] != self.fence or m["e"] != self.epoch or src not in self.live:
-            return []  # stale, duplicated, or from before the current view
-        g.acked.add(src)
-        return self._advance_grant(now, send=False)
-
-    def _on_run_ok(self, src: int, m: dict, now: float) -> list:
-        out = self._adopt(m["run"], m["f"], ()) if m["f"] > self.fence else []
-        if m["run"] == self.want and m["run"] == self.run:  # (a fence we hold for it may be numbered apart)
-            self._granted, self._awaiting = self.fence, frozenset(m["steps"])
-        return out
-
-    def _adopt(self, run: str, f: int, old: Iterable[str]) -> list:
-        """Fence ``f`` makes ``run`` current: earlier runs retire, their undecided reports go (here
-        and, on the coordinator, from every node), and the driver abandons their parts (``Fence``)."""
-        if f < self.fence or (f == self.fence and (run != self.run or f == 0)):
-            return []  # an older fence, or the same number given to another run by a dead coordinator
-        for r in old:
-            if r != run and r not in self.retired:
-                self.retired.append(r)
-        if f == self.fence:
-            return []
-        if self.run is not None and self.run != run and self.run not in self.retired:
-            self.retired.append(self.run)
-        del self.retired[:-RETIRED]
-        self.run, self.fence = run, f
-        self._granting = None  # a grant of ours in progress was for an earlier run
-        for step in [s for s, rep in self.mine.items() if rep[2] != run]:
-            del self.mine[step]
-            self._unacked.pop(step, None)
-        for step in [s for s in self.reports if s not in self.deciding]:
-            per = self.reports[step]
-            for node in [n for n, rep in per.items() if rep[2] != run]:
-                del per[node]
-            self._cover.pop(step, None)
-            if per:
-                self._cover[step] = _union(per.values())
-            else:
-                del self.reports[step]
-        return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
 
     def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], run: str, now: float) -> list:
         if self.is_committed(step) or not self._current(run):
