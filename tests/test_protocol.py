@@ -537,3 +537,30 @@ def test_every_commit_message_decodes_with_its_tag_and_typed_fields():
 def test_a_malformed_commit_message_is_a_protocol_error_naming_what_is_wrong(m, words):
     with pytest.raises(ProtocolError, match=words):
         protocol.validate_peer("commit", {"m": m})
+
+
+def test_a_one_way_peer_message_is_checked_before_it_leaves_and_on_arrival():
+    """A one-way message has no reply to say what is wrong with it: a transport given the
+    schemas refuses to send a malformed one; its receiver decodes the good one by its record."""
+    import queue
+
+    from ucpd.team.transport import PeerTransport
+
+    got: queue.Queue = queue.Queue()
+    nodes = [PeerTransport(rank, "tcp://127.0.0.1:0", None, schemas=protocol.PEER_REQUESTS,
+                           on_message=lambda src, t, body, frames: got.put(protocol.validate_peer(t, body)),
+                           on_request=lambda *a: ({}, []))
+             for rank in range(2)]
+    try:
+        addresses = [t.bind() for t in nodes]
+        for t in nodes:
+            t.start(addresses)
+        bad = {"t": "protected", "step": 1, "world": 1, "ranks": [1], "run": "", "e": 1}
+        with pytest.raises(ProtocolError, match=r"commit.m.protected: ranks must lie in 0..0"):
+            nodes[0].send(1, "commit", {"m": bad})
+        nodes[0].send(1, "commit", {"m": dict(bad, ranks=[0])})
+        assert got.get(timeout=30)["m"]["ranks"] == frozenset({0})
+        assert got.empty()  # the malformed one never left
+    finally:
+        for t in nodes:
+            t.close()

@@ -256,10 +256,10 @@ def fuzz_peer(data: bytes) -> None:
     """A peer message as the transport receives it: header, then the body's schema (for the
     commit protocol, its message's record), then a commit node handles what the record decoded."""
     from ucpd.team import commit
-    from ucpd.team.transport import _parse_header
+    from ucpd.team.frames import parse_header
 
     try:
-        h = _parse_header(data)
+        h = parse_header(data)
         if h["t"] in protocol.PEER_REQUESTS:
             b = protocol.validate_peer(h["t"], h["b"])
             if h["t"] == "commit":
