@@ -95,7 +95,7 @@ def test_every_message_type_says_what_answers_it():
     assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is None} == {"unpin", "commit", "hello"}
     assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply_payload} == {"fetch", "parity_block", "blob_unit"}
     assert {n for n, s in protocol.PEER_REQUESTS.items() if s.payload} == {"replica_data", "parity_unit"}
-    assert protocol.REQUESTS["status"].reply is protocol._dict  # a free map: the status tree is not specified
+    assert protocol.REQUESTS["status"].reply is protocol.any_map  # a free map: the status tree is not specified
     assert set(GOOD_REPLIES) == set(protocol.REQUESTS)
     assert set(GOOD_PEER_REPLIES) == {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is not None}
 
@@ -423,6 +423,144 @@ def test_peer_replies_are_checked_by_the_sender_and_by_the_requester():
         # a peer that does not check: the requester refuses the reply
         with pytest.raises(ProtocolError, match=r"node 2 answered 'holdings' with a malformed reply: holdings reply"):
             checked.request(2, "holdings", {})
+    finally:
+        for t in nodes:
+            t.close()
+
+
+# --- the one-pass twins of two records agree with their schemas ----------------------------------
+
+_TEXTS = st.one_of(st.text(max_size=3), st.just("x" * protocol.MAX_NAME_LEN), st.just("x" * (protocol.MAX_NAME_LEN + 1)),
+                   st.integers(), st.none(), st.binary(max_size=2))
+_INTS = st.one_of(st.integers(-2, 3), st.sampled_from([protocol.MAX_INT, protocol.MAX_INT + 1, 0xFFFFFFFF, 1 << 32]),
+                  st.booleans(), st.floats(0, 2), st.none(), st.text(max_size=1))
+_INT_LISTS = st.one_of(st.lists(_INTS, max_size=3), st.lists(st.integers(0, 9), min_size=16, max_size=17),
+                       st.tuples(st.integers(0, 3)), st.text(max_size=2), st.none())
+_MAPS = st.one_of(st.dictionaries(st.text(max_size=2), st.integers(), max_size=2), st.lists(st.integers(), max_size=1),
+                  st.none())
+_FLAGS = st.one_of(st.booleans(), st.none(), st.integers(0, 1))
+
+
+@st.composite
+def _near(draw, record, fields: dict, valid: dict):
+    """A map near a record's schema: every field valid (an exact type, as msgpack decodes it)
+    but one drawn from values that may break it; sometimes a field missing or one too many."""
+    broken = draw(st.sampled_from([None, *fields]))
+    out = {}
+    for name, bad in fields.items():
+        if name == broken:
+            out[name] = draw(bad)
+        elif name in record.required or draw(st.booleans()):
+            out[name] = draw(valid[name])
+    if draw(st.integers(0, 9)) == 0:
+        out.pop(draw(st.sampled_from(sorted(fields))), None)
+    if draw(st.integers(0, 9)) == 0:
+        out[draw(st.sampled_from(["extra", *fields]))] = draw(_INTS)
+    return out
+
+
+_VALID = {
+    "name": st.text(min_size=1, max_size=4), "dtype": st.sampled_from(["float32", "bfloat16"]),
+    "shape": st.lists(st.integers(0, protocol.MAX_INT), max_size=16), "placement": st.just({"kind": "replicated"}),
+    "offset": st.integers(0, protocol.MAX_INT), "nbytes": st.integers(0, protocol.MAX_INT),
+    "crcs": st.lists(st.integers(0, 0xFFFFFFFF), max_size=3), "skipped": st.booleans(), "ref": st.booleans(),
+    "holder": st.integers(0, protocol.MAX_INT),
+}
+_TENSOR_FIELDS = {"name": _TEXTS, "dtype": _TEXTS, "shape": _INT_LISTS, "placement": _MAPS, "offset": _INTS,
+                  "nbytes": _INTS, "crcs": _INT_LISTS, "skipped": _FLAGS, "ref": _FLAGS, "holder": _INTS}
+_TARGET_FIELDS = {k: _TENSOR_FIELDS[k] for k in ("name", "dtype", "shape", "placement")}
+_TWINS = [
+    pytest.param(protocol.TENSOR_ENTRY, _TENSOR_FIELDS, id="tensor_entry"),
+    pytest.param(protocol.TARGET_ENTRY, _TARGET_FIELDS, id="target_entry"),
+]
+
+
+def _decode(record, item):
+    try:
+        return record("item", item)
+    except ProtocolError:
+        return ProtocolError
+
+
+@pytest.mark.parametrize("record, fields", _TWINS)
+@settings(max_examples=600, deadline=None)
+@given(data=st.data())
+def test_a_fast_twin_decodes_what_its_record_decodes_and_refuses_what_it_refuses(record, fields, data):
+    """``fast(item)`` returns the record's own decoding or None (the record then decodes, or
+    words the error): never a map the record would refuse, nor another decoding."""
+    item = data.draw(_near(record, fields, _VALID))
+    fast, slow = record.fast(item), _decode(record, item)
+    if slow is ProtocolError:
+        assert fast is None, item
+    elif fast is not None:
+        assert fast == slow, item
+
+
+@pytest.mark.parametrize("record, fields", _TWINS)
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_a_fast_twin_takes_every_valid_item_as_msgpack_decodes_it(record, fields, data):
+    required = set(record.required)
+    item = {k: data.draw(_VALID[k]) for k in fields if k in required or data.draw(st.booleans())}
+    item = msgpack.unpackb(msgpack.packb(item, use_bin_type=True), raw=False)
+    assert record.fast(item) is not None and record.fast(item) == record("item", item)
+
+
+def test_a_list_of_records_decodes_through_the_fast_twin_and_words_errors_through_the_schema():
+    good = {"name": "w", "dtype": "float32", "shape": [4], "placement": {}}
+    assert protocol.list_of(protocol.TARGET_ENTRY)("targets", [good]) == [dict(good, shape=(4,))]
+    with pytest.raises(ProtocolError, match=r"targets\[1\].shape"):
+        protocol.list_of(protocol.TARGET_ENTRY)("targets", [good, dict(good, shape=[-1])])
+
+
+# --- the commit protocol's messages (ucpd.team.commit), records of the peer protocol ---------------
+
+def test_every_commit_message_decodes_with_its_tag_and_typed_fields():
+    m = protocol.validate_peer("commit", {"m": {"t": "protected", "step": 3, "world": 4, "ranks": [3, 1], "run": "",
+                                                "e": 9}})["m"]
+    assert m == {"t": "protected", "step": 3, "world": 4, "ranks": frozenset({1, 3}), "run": "", "e": 9}
+    state = {"t": "state", "e": 1, "committed": [1], "recorded": [2], "protected": [[3, 2, [0], "a"]], "run": "a",
+             "fence": 2, "old": ["z"]}
+    assert protocol.validate_peer("commit", {"m": state})["m"]["protected"] == [(3, 2, frozenset({0}), "a")]
+    assert set(protocol.COMMIT_MESSAGES) == {"protected", "protected_ack", "record", "recorded", "commit", "committed",
+                                             "state_req", "state", "catch_up", "fence_req", "fence", "fenced", "run_ok"}
+
+
+@pytest.mark.parametrize("m, words", [
+    ({"t": "protected", "step": 3, "world": 2, "ranks": [2], "run": "", "e": 1}, "ranks must lie in 0..1"),
+    ({"t": "protected_ack", "step": 3, "world": 2, "n": 3, "e": 1}, "n must be at most world"),
+    ({"t": "state", "e": 0, "committed": [], "recorded": [], "protected": [[1, 2, [2], ""]], "run": "", "fence": 0,
+      "old": []}, r"protected\[0\]: ranks must lie"),
+    ({"t": "record", "step": 1}, "missing field 'e'"),
+    ({"t": "nope", "e": 1}, "'t' is one of"),
+])
+def test_a_malformed_commit_message_is_a_protocol_error_naming_what_is_wrong(m, words):
+    with pytest.raises(ProtocolError, match=words):
+        protocol.validate_peer("commit", {"m": m})
+
+
+def test_a_one_way_peer_message_is_checked_before_it_leaves_and_on_arrival():
+    """A one-way message has no reply to say what is wrong with it: a transport given the
+    schemas refuses to send a malformed one; its receiver decodes the good one by its record."""
+    import queue
+
+    from ucpd.team.transport import PeerTransport
+
+    got: queue.Queue = queue.Queue()
+    nodes = [PeerTransport(rank, "tcp://127.0.0.1:0", None, schemas=protocol.PEER_REQUESTS,
+                           on_message=lambda src, t, body, frames: got.put(protocol.validate_peer(t, body)),
+                           on_request=lambda *a: ({}, []))
+             for rank in range(2)]
+    try:
+        addresses = [t.bind() for t in nodes]
+        for t in nodes:
+            t.start(addresses)
+        bad = {"t": "protected", "step": 1, "world": 1, "ranks": [1], "run": "", "e": 1}
+        with pytest.raises(ProtocolError, match=r"commit.m.protected: ranks must lie in 0..0"):
+            nodes[0].send(1, "commit", {"m": bad})
+        nodes[0].send(1, "commit", {"m": dict(bad, ranks=[0])})
+        assert got.get(timeout=30)["m"]["ranks"] == frozenset({0})
+        assert got.empty()  # the malformed one never left
     finally:
         for t in nodes:
             t.close()

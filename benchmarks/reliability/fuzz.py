@@ -152,7 +152,7 @@ def main() -> None:
 
     from helpers.fuzz_targets import SEEDS, TARGETS
     import ucpd.daemon.index, ucpd.format.header, ucpd.format.safe_unpickle, ucpd.format.spec  # noqa: E401,F401
-    import ucpd.team.commit, ucpd.team.transport  # noqa: E401,F401
+    import ucpd.team.commit, ucpd.team.frames, ucpd.team.transport  # noqa: E401,F401
 
     atheris.instrument_all()  # the editable install's custom loader defeats instrument_imports
     fn = _daemon_target(os.environ["UCPD_FUZZ_RUN"]) if o.target == "daemon" else TARGETS[o.target]

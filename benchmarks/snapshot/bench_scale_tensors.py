@@ -250,7 +250,7 @@ def measure_plan(count: int, nbytes: int, reps: int, ranks: int = 64) -> dict[st
                 f"experts.{e}.w", "float32", (rows // tp, cols), {**half, "index": t_rank}, offset, n, [0] * -(-n // (1 << 20))
             ))
             offset += (n + 63) // 64 * 64
-        entries = [validate_entry(t, 1 << 62, r) for t in protocol._list_of(protocol.TENSOR_ENTRY)("tensors", manifest)]
+        entries = [validate_entry(t, 1 << 62, r) for t in protocol.list_of(protocol.TENSOR_ENTRY)("tensors", manifest)]
         version.parts[r] = RankPart(r, r, entries, b"")
     targets = [
         {"name": f"experts.{e}.w", "dtype": "float32", "shape": (rows, cols // 2), "placement": {"kind": "shard", "dim": 1, "index": 0, "parts": 2}}

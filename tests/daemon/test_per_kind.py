@@ -30,7 +30,7 @@ def version(ranks: int, names: list[str], shape=(8, 6), placement=lambda r: {**S
                 [] if skipped else [r], skipped=skipped,
             ))
             offset += n
-        entries = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", manifest)
+        entries = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", manifest)
         v.parts[r] = RankPart(r, r, [validate_entry(t, 1 << 30, r) for t in entries], b"")
     return v
 
@@ -87,7 +87,7 @@ def test_index_columns_give_back_the_wire_entries():
     v = version(2, ["a", "b", "c"], skip={(1, "b")})
     for part in v.parts.values():
         cols = index._unpack(index.pack_tensors(part.tensors))
-        back = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", index._from_columns(cols))
+        back = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", index._from_columns(cols))
         assert [TensorEntry.from_wire(t) for t in back] == part.tensors
 
 

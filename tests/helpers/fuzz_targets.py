@@ -105,8 +105,9 @@ def _peer_seeds() -> list[bytes]:
         ("waiting", {}),
         ("parity_manifest_of", {"origin": 2, "step": 1}),
         ("parity_unit", {"step": 1, "inc": "a", "row": 0, "pos": 1, "index": 0}),
-        ("commit", {"m": {"t": "protected", "step": 1, "world": 2, "ranks": [0, 1], "e": 7}}),
-        ("commit", {"m": {"t": "state", "e": 1, "committed": [1], "recorded": [], "protected": [[2, 2, [0]]]}}),
+        ("commit", {"m": {"t": "protected", "step": 1, "world": 2, "ranks": [0, 1], "run": "", "e": 7}}),
+        ("commit", {"m": {"t": "state", "e": 1, "committed": [1], "recorded": [], "protected": [[2, 2, [0], "a"]],
+                          "run": "a", "fence": 1, "old": []}}),
         ("hello", {"domain": "rack-1"}),
     ]
     out = []
@@ -252,17 +253,17 @@ def _peer_reply_seeds() -> list[bytes]:
 
 
 def fuzz_peer(data: bytes) -> None:
-    """A peer message as the transport receives it: header, then the body's schema, then (for
-    the commit protocol) the commit message."""
+    """A peer message as the transport receives it: header, then the body's schema (for the
+    commit protocol, its message's record), then a commit node handles what the record decoded."""
     from ucpd.team import commit
-    from ucpd.team.transport import _parse_header
+    from ucpd.team.frames import parse_header
 
     try:
-        h = _parse_header(data)
+        h = parse_header(data)
         if h["t"] in protocol.PEER_REQUESTS:
             b = protocol.validate_peer(h["t"], h["b"])
             if h["t"] == "commit":
-                commit.parse(b["m"])
+                commit.CommitNode(0, 3).on_message(1, b["m"], 1.0)
     except ProtocolError:
         pass
 

@@ -18,6 +18,7 @@ import zmq
 from ucpd.errors import AuthError, DaemonUnreachable, UcpdError, VersionNotFound
 from ucpd.native import crc32c
 from ucpd.team import transport as tr
+from ucpd.team.frames import derive_key
 from ucpd.team.transport import PeerTransport
 
 SECRET = b"job-secret-for-tests"
@@ -260,7 +261,7 @@ def test_junk_from_a_raw_dealer_is_refused_and_counted(caplog):
         good = capture()
         inject([b"junk"])  # no mac frame
         inject([b"\xc1not msgpack", b"x" * 32])  # unsigned garbage: the MAC check comes first
-        key = tr.derive_key(SECRET)
+        key = derive_key(SECRET)
         inject(sign(key, b"\xc1\xc1"))  # signed, undecodable
         inject(sign(key, msgpack.packb([1, 2, 3])))  # signed, not a header map
         inject(forged(key, v=2))  # signed, wrong protocol version
@@ -274,7 +275,7 @@ def test_wrong_secret_and_unsigned_messages_are_refused():
     with relay() as (s, v, capture, inject):
         s.t.send(1, "good", {})
         good = capture()
-        inject(forged(tr.derive_key(b"another job's secret")))
+        inject(forged(derive_key(b"another job's secret")))
         inject(forged(None))
         inject([good[0], b""])  # a genuine header with its MAC stripped
         assert_refused_then_serves(v, "auth_failures", good, inject, expected=3)
@@ -293,13 +294,13 @@ def test_replayed_message_is_refused():
         inject(good)  # a later message replayed too
         wait_until(lambda: v.t.counters["replays"] == 2)
         # an unknown incarnation must be fresh: an old message of a forgotten process is refused
-        inject(forged(tr.derive_key(SECRET), inc="long-gone", ts=time.time() - 3600))
+        inject(forged(derive_key(SECRET), inc="long-gone", ts=time.time() - 3600))
         wait_until(lambda: v.t.counters["replays"] == 3)
         assert v.messages.empty()
 
 
 def test_misrouted_messages_are_refused():
-    key = tr.derive_key(SECRET)
+    key = derive_key(SECRET)
     with relay() as (s, v, capture, inject):
         s.t.send(1, "good", {})
         good = capture()
@@ -375,7 +376,7 @@ def test_without_secret_only_loopback_is_allowed():
         assert b.next_message()[:3] == (0, "plain", {"ok": True})
         raw = zmq.Context.instance().socket(zmq.DEALER)
         raw.connect(b.address)
-        raw.send_multipart(forged(tr.derive_key(SECRET)))  # signed, but this node has no secret
+        raw.send_multipart(forged(derive_key(SECRET)))  # signed, but this node has no secret
         wait_until(lambda: b.t.counters["auth_failures"] == 1)
         raw.close(0)
 

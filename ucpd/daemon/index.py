@@ -236,7 +236,7 @@ def _decode(data: bytes) -> dict:
                 packed = _from_columns(_unpack(rp["tensor_columns"]))
             else:
                 packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
-            tensors = protocol._list_of(protocol.TENSOR_ENTRY)("tensors", packed)
+            tensors = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", packed)
             for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
                 holder = t["holder"]  # an incremental snapshot's reference: its bytes are in that slot
                 _need(bool(t["ref"]) == (holder is not None) and holder != sid, f"tensor {t['name']!r}: a malformed reference")

@@ -4,7 +4,12 @@ The transport (``ucpd.team.transport``) signs and frames them; tensor bytes trav
 frames beside the body, each with its CRC32C in the signed header. ``PEER_REQUESTS`` maps
 every type to its ``MessageType``: the request's schema and, for requests, the reply's (one-way
 messages have none). The receiver of a message checks it (``validate_peer``); the transport,
-given these schemas, checks every reply before sending it and on receipt.
+given these schemas, checks every reply before sending it and on receipt, and every one-way
+message before sending it.
+
+The commit protocol (``ucpd.team.commit``) travels inside the one-way ``commit`` message as
+``{"m": <one of COMMIT_MESSAGES>}``, a map whose ``t`` names it; docs/PROTOCOL.md gives what
+each one means and the safety argument.
 """
 
 from __future__ import annotations
@@ -13,49 +18,122 @@ from typing import Any
 
 from ..errors import ProtocolError
 from .trainer import EMPTY, TENSOR_ENTRY
-from .wire import MAX_RANKS, MessageType, Record, _bytes, _crc, _dict, _int, _list_of, _str, validate_fields
+from .wire import (
+    MAX_RANKS, MessageType, Record, any_map, binary, by_tag, crc32, integer, list_of, set_of, text, tuple_of,
+    validate_fields,
+)
 
 # One rank's part of a version as a node holds it: its manifest, with offsets inside its slot.
 PART = Record(
     {
-        "rank": _int(0, MAX_RANKS),
-        "tensors": _list_of(TENSOR_ENTRY),
-        "objects": _bytes,
-        "used": _int(),  # bytes of the slot that the tensors occupy (what a replica copies)
+        "rank": integer(0, MAX_RANKS),
+        "tensors": list_of(TENSOR_ENTRY),
+        "objects": binary,
+        "used": integer(),  # bytes of the slot that the tensors occupy (what a replica copies)
     },
-    {"objects_crc": _crc, "layout": _dict},
+    {"objects_crc": crc32, "layout": any_map},
 )
 # What a node holds of one version: its own ranks' parts (origin = itself) or a replica.
 HOLDING = Record(
-    {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "ranks": _list_of(_int(0, MAX_RANKS))},
+    {"origin": integer(0, MAX_RANKS), "step": integer(), "world_size": integer(1, MAX_RANKS), "ranks": list_of(integer(0, MAX_RANKS))},
     # via: "parity" when the parts are not held but can be rebuilt from the group's parity;
     # run: the run of the job that wrote them (a version is read from one run only)
-    {"parts": _list_of(PART), "via": _str, "run": _str},
+    {"parts": list_of(PART), "via": text, "run": text},
 )
 
 # A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
 WAITING_ITEM = Record(
-    {"job": _str, "step": _int(), "world_size": _int(1, MAX_RANKS), "local_size": _int(1, MAX_RANKS),
-     "ranks": _list_of(_int(0, MAX_RANKS))},
+    {"job": text, "step": integer(), "world_size": integer(1, MAX_RANKS), "local_size": integer(1, MAX_RANKS),
+     "ranks": list_of(integer(0, MAX_RANKS))},
 )
 
-MANIFEST_FIELDS = {"origin": _int(0, MAX_RANKS), "step": _int(), "inc": _str, "world_size": _int(1, MAX_RANKS),
-                   "size": _int(), "bases": _list_of(_int()), "parts": _list_of(PART)}
-MANIFEST_OPTIONAL = {"held": _list_of(_int(0, MAX_RANKS))}
+MANIFEST_FIELDS = {"origin": integer(0, MAX_RANKS), "step": integer(), "inc": text, "world_size": integer(1, MAX_RANKS),
+                   "size": integer(), "bases": list_of(integer()), "parts": list_of(PART)}
+MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS))}
+
+# --- the commit protocol (ucpd.team.commit) --------------------------------------------------
+
+WINDOW = 64
+"""Newest committed steps carried by a ``state`` or ``catch_up`` message (keeps them O(1))."""
+MAX_PENDING = 1024
+"""Protected-but-undecided steps kept per node; beyond it the oldest are dropped."""
+MAX_WORLD = 1 << 24
+MAX_STEP = (1 << 63) - 1
+MAX_RUN = 1024  # as the trainer protocol bounds a job id (wire.MAX_NAME_LEN)
+"""The longest run id (the job's incarnation: ``Checkpointer(job_id=...)``) a message carries."""
+RETIRED = 16
+"""Superseded runs remembered (and carried by ``fence`` and ``state``): a straggler of one is refused."""
+
+STEP = integer(0, MAX_STEP)  # also epochs ("e") and fence numbers ("f")
+WORLD = integer(1, MAX_WORLD)
+RANKS = set_of(integer(0, MAX_WORLD - 1), 1, MAX_WORLD)  # decoded as a frozenset
+
+
+def run_id(field: str, v: Any) -> str:
+    """The job's run (``""``: a job that names none)."""
+    if not isinstance(v, str) or len(v) > MAX_RUN:
+        raise ProtocolError(f"field {field!r} must be a string of at most {MAX_RUN} characters, got {v!r:.80}")
+    return v
+
+
+def _ranks_in_world(where: str, m: dict) -> None:
+    if max(m["ranks"]) >= m["world"]:
+        raise ProtocolError(f"{where}: ranks must lie in 0..{m['world'] - 1} (world {m['world']})")
+
+
+def _n_in_world(where: str, m: dict) -> None:
+    if m["n"] > m["world"]:
+        raise ProtocolError(f"{where}: n must be at most world ({m['world']}), got {m['n']}")
+
+
+_REPORT = tuple_of(STEP, WORLD, RANKS, run_id)
+
+
+def report(field: str, v: Any) -> tuple[int, int, frozenset, str]:
+    """A node's report of its protected part of a step, ``[step, world, ranks, run]``."""
+    out = _REPORT(field, v)
+    _ranks_in_world(field, {"world": out[1], "ranks": out[2]})
+    return out
+
+
+_STEP_E = {"step": STEP, "e": STEP}
+# One record per message; "e" is the sender's epoch (a reply echoes the request's).
+COMMIT_MESSAGES: dict[str, Record] = {
+    # node -> coordinator: my part of step (of run) is protected
+    "protected": Record({"step": STEP, "world": WORLD, "ranks": RANKS, "run": run_id, "e": STEP}, rule=_ranks_in_world),
+    # coordinator -> node: the report of n ranks is stored
+    "protected_ack": Record({"step": STEP, "world": WORLD, "n": integer(1, MAX_WORLD), "e": STEP}, rule=_n_in_world),
+    "record": Record(_STEP_E),  # coordinator -> node: record the decision to commit step (node -> coordinator: pass on)
+    "recorded": Record(_STEP_E),
+    "commit": Record(_STEP_E),  # coordinator -> node: make step visible
+    "committed": Record(_STEP_E),
+    "state_req": Record({"e": STEP}),  # new coordinator -> node: send me your state
+    "state": Record({  # node -> coordinator: what I know
+        "e": STEP, "committed": list_of(STEP, WINDOW), "recorded": list_of(STEP, MAX_PENDING),
+        "protected": list_of(report, MAX_PENDING), "run": run_id, "fence": STEP, "old": list_of(run_id, RETIRED)}),
+    "catch_up": Record({"steps": list_of(STEP, WINDOW), "e": STEP}),  # coordinator -> node: committed steps you lack
+    "fence_req": Record({"run": run_id, "e": STEP}),  # node -> coordinator: a run begins here; fence the earlier ones
+    "fence": Record({"run": run_id, "f": STEP, "old": list_of(run_id, RETIRED), "e": STEP}),  # run is current from f on
+    "fenced": Record({"f": STEP, "e": STEP}),  # node -> coordinator: adopted fence f
+    # coordinator -> node: every live node adopted it; begin once steps are visible
+    "run_ok": Record({"run": run_id, "f": STEP, "steps": list_of(STEP, MAX_PENDING), "e": STEP}),
+}
+COMMIT_MESSAGE = by_tag("t", COMMIT_MESSAGES)
+
 
 PEER_REQUESTS: dict[str, MessageType] = {
     m.name: m
     for m in [
         MessageType(
             "replica_begin",
-            {"origin": _int(0, MAX_RANKS), "step": _int(), "world_size": _int(1, MAX_RANKS), "parts": _list_of(PART)},
-            {"run": _str},
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "world_size": integer(1, MAX_RANKS), "parts": list_of(PART)},
+            {"run": text},
             "hold a copy of origin's part of step (of the job's run `run`): make room for its parts (laid out one after another); reply: {}",
             EMPTY,
         ),
         MessageType(
             "replica_data",
-            {"origin": _int(0, MAX_RANKS), "step": _int(), "rank": _int(0, MAX_RANKS), "offset": _int()},
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer()},
             {},
             "payload: bytes of rank's slot from offset on; reply: {} once copied (every one before replica_end)",
             EMPTY,
@@ -63,7 +141,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "replica_end",
-            {"origin": _int(0, MAX_RANKS), "step": _int(), "frames": _int()},
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "frames": integer()},
             {},
             "every byte sent (`frames` replica_data messages): verify each chunk's CRC and keep it; reply: {}",
             EMPTY,
@@ -71,10 +149,10 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "holdings",
             {},
-            {"step": _int()},
+            {"step": integer()},
             "what versions this node holds (own parts and replicas); with step: that step's manifests; "
             "reply: {node, items: [HOLDING]}",
-            Record({"node": _int(0, MAX_RANKS), "items": _list_of(HOLDING)}),
+            Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)}),
         ),
         MessageType(
             "waiting",
@@ -82,11 +160,11 @@ PEER_REQUESTS: dict[str, MessageType] = {
             {},
             "the versions this node waits for ranks of (some sealed, not all its local size); "
             "reply: {node, items: [WAITING_ITEM]}",
-            Record({"node": _int(0, MAX_RANKS), "items": _list_of(WAITING_ITEM)}),
+            Record({"node": integer(0, MAX_RANKS), "items": list_of(WAITING_ITEM)}),
         ),
         MessageType(
             "fetch",
-            {"origin": _int(0, MAX_RANKS), "step": _int(), "rank": _int(0, MAX_RANKS), "ranges": _list_of(_list_of(_int(), 2))},
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "ranges": list_of(list_of(integer(), 2))},
             {},
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot; reply payload: one buffer per range",
             EMPTY,
@@ -94,13 +172,13 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "pin",
-            {"lease": _str, "origin": _int(0, MAX_RANKS), "step": _int()},
+            {"lease": text, "origin": integer(0, MAX_RANKS), "step": integer()},
             {},
             "keep origin's part of step (own RAM or a replica) until `unpin` of the lease, or until the lease "
             "expires or its holder is declared dead (a flush or restore reading it); reply: {}",
             EMPTY,
         ),
-        MessageType("unpin", {"lease": _str}, {}, "release what a `pin` of this lease kept; one-way", None),
+        MessageType("unpin", {"lease": text}, {}, "release what a `pin` of this lease kept; one-way", None),
         MessageType(
             "parity_manifest",
             MANIFEST_FIELDS,
@@ -111,7 +189,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "parity_manifest_of",
-            {"origin": _int(0, MAX_RANKS), "step": _int()},
+            {"origin": integer(0, MAX_RANKS), "step": integer()},
             {},
             "the manifest of origin's step we keep (a replacement node rebuilding its own lost part has none); "
             "reply: the manifest, as `parity_manifest` carries it",
@@ -119,7 +197,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "parity_unit",
-            {"step": _int(), "inc": _str, "row": _int(), "pos": _int(0, 255), "index": _int(0, 255)},
+            {"step": integer(), "inc": text, "row": integer(), "pos": integer(0, 255), "index": integer(0, 255)},
             {},
             "payload: a data unit at `pos` of parity `row`; add it to our parity block `index`; reply: {}",
             EMPTY,
@@ -127,16 +205,17 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "parity_block",
-            {"step": _int(), "inc": _str, "row": _int()},
+            {"step": integer(), "inc": text, "row": integer()},
             {},
             "reply payload: our parity block of `row` (zeros if none arrived)",
             EMPTY,
             reply_payload=True,
         ),
-        MessageType("blob_unit", {"step": _int(), "u": _int()}, {}, "reply payload: unit `u` of our own blob of `step`",
+        MessageType("blob_unit", {"step": integer(), "u": integer()}, {}, "reply payload: unit `u` of our own blob of `step`",
                     EMPTY, reply_payload=True),
-        MessageType("commit", {"m": _dict}, {}, "a message of the commit protocol (ucpd.team.commit); one-way", None),
-        MessageType("hello", {"domain": _str}, {}, "the sender's failure domain (--domain); one-way", None),
+        MessageType("commit", {"m": COMMIT_MESSAGE}, {}, "a message of the commit protocol (COMMIT_MESSAGES); one-way",
+                    None),
+        MessageType("hello", {"domain": text}, {}, "the sender's failure domain (--domain); one-way", None),
     ]
 }
 

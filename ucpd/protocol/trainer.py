@@ -21,55 +21,14 @@ from typing import Any, ClassVar, NamedTuple
 
 from ..errors import ProtocolError, UcpdError
 from .wire import (
-    BIG_FRAME, MAX_INT, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, MessageType, Record, _bool, _bytes, _crc, _dict, _float,
-    _int, _list_of, _map_of, _nullable, _one_of, _path, _shape, _str, gc_paused, job_name, pack, reply_from_wire,
+    BIG_FRAME, MAX_INT, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, MessageType, Record, boolean, binary, crc32, any_map, number,
+    integer, list_of, map_of, nullable, one_of, file_path, shape, text, gc_paused, job_name, pack, reply_from_wire,
     reply_to_wire, unpack_envelope, validate_fields,
 )
 
 log = logging.getLogger("ucpd.protocol")
 
 # --- records inside requests ---------------------------------------------------------------------
-
-# A tensor as a snapshot lays it out in its slot.
-TENSOR_ENTRY = Record(
-    {
-        "name": _str,
-        "dtype": _str,
-        "shape": _shape,
-        "placement": _dict,
-        "offset": _int(),
-        "nbytes": _int(),
-        "crcs": _list_of(_crc),
-    },
-    # skipped: this rank did not write the tensor because a lower rank writes the same
-    # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
-    # ref (an incremental snapshot): the tensor's bytes are those of the same name in the
-    # `begin`'s base version of this rank (nbytes and crcs given, offset 0); the daemon records
-    # where they live: holder, the slot that holds them, at offset (never sent by a client).
-    {"skipped": _bool, "ref": _bool, "holder": _int()},
-)
-
-
-def tensor_entry(
-    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False,
-    ref: bool = False, holder: int | None = None,
-) -> dict:
-    """A TENSOR_ENTRY record: the one builder of it (the trainer's commit manifest, the daemon's
-    ``TensorEntry.to_wire`` for the index and the peers)."""
-    out = {
-        "name": name, "dtype": dtype, "shape": list(shape), "placement": placement, "offset": offset,
-        "nbytes": nbytes, "crcs": list(crcs), "skipped": skipped,
-    }
-    if ref:
-        out["ref"] = True
-    if holder is not None:
-        out["holder"] = holder
-    return out
-
-
-# A tensor a restore wants filled.
-TARGET_ENTRY = Record({"name": _str, "dtype": _str, "shape": _shape, "placement": _dict})
-
 
 # One-pass checks of the records that come 10^5 at a time (a commit's manifest, a restore's
 # targets): the same rules as their schemas, on exact types, returning the same map; None
@@ -121,14 +80,54 @@ def _target_entry_fast(x: Any) -> dict | None:
     return None
 
 
-TENSOR_ENTRY.fast = _tensor_entry_fast
-TARGET_ENTRY.fast = _target_entry_fast
+# A tensor as a snapshot lays it out in its slot.
+TENSOR_ENTRY = Record(
+    {
+        "name": text,
+        "dtype": text,
+        "shape": shape,
+        "placement": any_map,
+        "offset": integer(),
+        "nbytes": integer(),
+        "crcs": list_of(crc32),
+    },
+    # skipped: this rank did not write the tensor because a lower rank writes the same
+    # global elements (the daemon said so in its `begin` reply); offset/nbytes/crcs are 0/0/[].
+    # ref (an incremental snapshot): the tensor's bytes are those of the same name in the
+    # `begin`'s base version of this rank (nbytes and crcs given, offset 0); the daemon records
+    # where they live: holder, the slot that holds them, at offset (never sent by a client).
+    {"skipped": boolean, "ref": boolean, "holder": integer()},
+    fast=_tensor_entry_fast,
+)
 
 
-def _avoid_entry(field: str, v: Any) -> tuple[int, str]:
+def tensor_entry(
+    name: str, dtype: str, shape, placement: dict, offset: int = 0, nbytes: int = 0, crcs=(), skipped: bool = False,
+    ref: bool = False, holder: int | None = None,
+) -> dict:
+    """A TENSOR_ENTRY record: the one builder of it (the trainer's commit manifest, the daemon's
+    ``TensorEntry.to_wire`` for the index and the peers)."""
+    out = {
+        "name": name, "dtype": dtype, "shape": list(shape), "placement": placement, "offset": offset,
+        "nbytes": nbytes, "crcs": list(crcs), "skipped": skipped,
+    }
+    if ref:
+        out["ref"] = True
+    if holder is not None:
+        out["holder"] = holder
+    return out
+
+
+# A tensor a restore wants filled.
+TARGET_ENTRY = Record({"name": text, "dtype": text, "shape": shape, "placement": any_map}, fast=_target_entry_fast)
+
+
+
+
+def avoid_entry(field: str, v: Any) -> tuple[int, str]:
     if not (isinstance(v, (list, tuple)) and len(v) == 2 and v[1] in ("ram", "disk")):
         raise ProtocolError(f"field {field!r} must be [step, \"ram\" | \"disk\"]")
-    return _int()(field, v[0]), v[1]
+    return integer()(field, v[0]), v[1]
 
 
 # --- the restore plan ------------------------------------------------------------------------------
@@ -230,8 +229,8 @@ class _Bad(Exception):
 _new = tuple.__new__
 
 
-_SOURCE = Record({"path": _path, "offset": _int(), "nbytes": _int(), "dtype": _str, "crcs": _list_of(_crc),
-                  "chunk": _int(1)})
+_SOURCE = Record({"path": file_path, "offset": integer(), "nbytes": integer(), "dtype": text, "crcs": list_of(crc32),
+                  "chunk": integer(1)})
 
 
 def _sources_from_wire(raw: list, where: str) -> tuple:
@@ -330,7 +329,7 @@ def _explain_tensor(at: str, t: Any, sources: int) -> ProtocolError:
         return ProtocolError(f"{at}: missing field {sorted(missing)[0]!r}" if missing else
                              f"{at}: unknown fields {sorted(unknown, key=repr)}")
     try:
-        _str(f"{at}.name", t["name"])
+        text(f"{at}.name", t["name"])
     except ProtocolError as exc:
         return exc
     if type(t["copies"]) is not list or type(t["fills"]) is not list:
@@ -355,19 +354,19 @@ def _explain_tensor(at: str, t: Any, sources: int) -> ProtocolError:
 # --- replies ---------------------------------------------------------------------------------------
 
 EMPTY = Record({})
-RANK = _int(0, MAX_RANKS)
+RANK = integer(0, MAX_RANKS)
 # a version's plain values by the rank that saved them (pickles), and their CRC32C
-OBJECTS = _map_of(RANK, _bytes)
-OBJECTS_CRCS = _map_of(RANK, _nullable(_crc))
-WHERE = _one_of("ram", "disk")  # where a restore reads a version: some node's RAM, or the flush dir
+OBJECTS = map_of(RANK, binary)
+OBJECTS_CRCS = map_of(RANK, nullable(crc32))
+WHERE = one_of("ram", "disk")  # where a restore reads a version: some node's RAM, or the flush dir
 VERSION_STATES = ("writing", "complete", "protected", "committed", "flushed", "evicted", "abandoned")  # daemon.versions.VersionState
 
 # Why a step is still pending (the `wait` reply's `waiting`, ucpd.daemon.stalls): the ranks this
 # node's daemon holds, the local size it was told, what the team has seen of the step by node,
 # the ranks no node has seen, and what to do (empty before any rank of the step sealed here).
 WAITING = Record(
-    {"world_size": _int(1, MAX_RANKS), "local_size": _int(1, MAX_RANKS), "sealed": _list_of(RANK)},
-    {"seen": _map_of(RANK, _list_of(RANK)), "missing": _list_of(RANK), "advice": _str, "node": RANK, "age": _float},
+    {"world_size": integer(1, MAX_RANKS), "local_size": integer(1, MAX_RANKS), "sealed": list_of(RANK)},
+    {"seen": map_of(RANK, list_of(RANK)), "missing": list_of(RANK), "advice": text, "node": RANK, "age": number},
 )
 
 REQUESTS: dict[str, MessageType] = {
@@ -375,96 +374,96 @@ REQUESTS: dict[str, MessageType] = {
     for m in [
         MessageType(
             "hello",
-            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "pid": _int()},
-            {"host": _str},
+            {"rank": integer(0, MAX_RANKS), "world_size": integer(1, MAX_RANKS), "pid": integer()},
+            {"host": text},
             "introduce a trainer rank; reply: daemon identity and limits",
-            Record({"pid": _int(), "node_rank": RANK, "nodes": _int(1, MAX_RANKS), "shm_dir": _path,
-                    "mem_limit": _int(), "protocol": _int()}),
+            Record({"pid": integer(), "node_rank": RANK, "nodes": integer(1, MAX_RANKS), "shm_dir": file_path,
+                    "mem_limit": integer(), "protocol": integer()}),
         ),
         MessageType(
             "begin",
-            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "step": _int(), "nbytes": _int()},
+            {"rank": integer(0, MAX_RANKS), "world_size": integer(1, MAX_RANKS), "step": integer(), "nbytes": integer()},
             # base: the step an incremental snapshot's `ref` tensors point into (this rank's part of
             # it); the reply's `base` is that step when it can be used, else None (copy everything)
-            {"incarnation": _str, "local_world_size": _int(1, MAX_RANKS), "job": job_name, "base": _int()},
+            {"incarnation": text, "local_world_size": integer(1, MAX_RANKS), "job": job_name, "base": integer()},
             "ask for a free slot of at least nbytes for step; reply: the slot (id, file, size), the tensors a "
             "lower rank holds (skip), the rank's warm free slots to map ahead (spares), the base its references "
             "may point into (base: None when it cannot be used)",
-            Record({"slot": _int(), "path": _path, "size": _int(), "skip": _list_of(_str), "spares": _list_of(_path)},
-                   {"base": _int()}),
+            Record({"slot": integer(), "path": file_path, "size": integer(), "skip": list_of(text), "spares": list_of(file_path)},
+                   {"base": integer()}),
         ),
         MessageType(
             "commit",
             {
-                "rank": _int(0, MAX_RANKS),
-                "world_size": _int(1, MAX_RANKS),
-                "step": _int(),
-                "slot": _int(),
-                "tensors": _list_of(TENSOR_ENTRY),
-                "objects": _bytes,
+                "rank": integer(0, MAX_RANKS),
+                "world_size": integer(1, MAX_RANKS),
+                "step": integer(),
+                "slot": integer(),
+                "tensors": list_of(TENSOR_ENTRY),
+                "objects": binary,
             },
             # local_world_size: the job's ranks on this node (torchrun's LOCAL_WORLD_SIZE); in a
             # team of daemons a version is complete on a node when that many ranks sealed it
-            {"layout": _dict, "incarnation": _str, "objects_crc": _crc, "local_world_size": _int(1, MAX_RANKS),
+            {"layout": any_map, "incarnation": text, "objects_crc": crc32, "local_world_size": integer(1, MAX_RANKS),
              "job": job_name},
             "seal a written slot as this rank's part of step; reply: the version's state, the rank's warm free slots",
-            Record({"state": _one_of(*VERSION_STATES), "spares": _list_of(_path)}),
+            Record({"state": one_of(*VERSION_STATES), "spares": list_of(file_path)}),
         ),
         MessageType(
             "abort",
-            {"rank": _int(0, MAX_RANKS), "step": _int(), "slot": _int()},
+            {"rank": integer(0, MAX_RANKS), "step": integer(), "slot": integer()},
             {"job": job_name},
             "give back a slot whose snapshot failed before commit",
             EMPTY,
         ),
         MessageType(
             "wait",
-            {"step": _int(), "seconds": _float},
+            {"step": integer(), "seconds": number},
             {"job": job_name},
             "reply once step is committed (or failed, or `seconds` passed: state pending, with why it waits)",
-            Record({"state": _one_of("committed", "flushed", "evicted", "pending"), "step": _int()},
+            Record({"state": one_of("committed", "flushed", "evicted", "pending"), "step": integer()},
                    {"waiting": WAITING}),
         ),
         MessageType(
             # incarnation: the run of the job asking (a team fences the earlier runs before it answers)
-            "latest", {}, {"job": job_name, "incarnation": _str}, "reply: {step} of the job's newest committed version, or None",
-            Record({"step": _nullable(_int())}),
+            "latest", {}, {"job": job_name, "incarnation": text}, "reply: {step} of the job's newest committed version, or None",
+            Record({"step": nullable(integer())}),
         ),
         MessageType(
             "restore",
-            {"rank": _int(0, MAX_RANKS), "world_size": _int(1, MAX_RANKS), "targets": _list_of(TARGET_ENTRY)},
+            {"rank": integer(0, MAX_RANKS), "world_size": integer(1, MAX_RANKS), "targets": list_of(TARGET_ENTRY)},
             # avoid: [[step, "ram" | "disk"], ...] copies that failed their checksums at this client
             # (a retry): the daemon plans from the next source, or the previous version
-            {"step": _int(), "job": job_name, "pid": _int(), "pidns": _str, "avoid": _list_of(_avoid_entry, 16),
-             "incarnation": _str},
+            {"step": integer(), "job": job_name, "pid": integer(), "pidns": text, "avoid": list_of(avoid_entry, 16),
+             "incarnation": text},
             "plan the copies that fill these targets; reply: the lease to release, the step and where it is read, "
             "the plain values by rank, and the RestorePlan (its fields inline); "
             "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died",
-            Record({"lease": _int(), "step": _int(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS},
+            Record({"lease": integer(), "step": integer(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS},
                    inline={"plan": RestorePlan}),
         ),
         MessageType(
             "describe",
             {},
-            {"step": _int(), "job": job_name, "incarnation": _str},
+            {"step": integer(), "job": job_name, "incarnation": text},
             "what a version holds: {step, where, tensors: {name: {dtype, shape}}, objects by rank}",
-            Record({"step": _int(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS,
-                    "tensors": _map_of(_str, Record({"dtype": _str, "shape": _list_of(_int(), 16)}))}),
+            Record({"step": integer(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS,
+                    "tensors": map_of(text, Record({"dtype": text, "shape": list_of(integer(), 16)}))}),
         ),
         MessageType(
             "release",
-            {"lease": _int()},
+            {"lease": integer()},
             # damaged: a source failed its checksums at the client (nothing was written); the
             # daemon counts it and serves the next restore of that step from another source
-            {"damaged": _bool},
+            {"damaged": boolean},
             "the client finished reading a restore's sources",
             EMPTY,
         ),
         # the status tree is for people and dashboards (docs: `ucpd status`), not a contract
-        MessageType("status", {}, {}, "reply: the daemon's state as a free JSON-able map", _dict),
+        MessageType("status", {}, {}, "reply: the daemon's state as a free JSON-able map", any_map),
         MessageType(
             "drop", {"job": job_name}, {}, "free every version of a job on this node; reply: {job, steps, bytes}",
-            Record({"job": job_name, "steps": _list_of(_int()), "bytes": _int()}),
+            Record({"job": job_name, "steps": list_of(integer()), "bytes": integer()}),
         ),
         MessageType("shutdown", {}, {}, "stop the daemon (keeps shm segments for re-adoption)", EMPTY),
     ]

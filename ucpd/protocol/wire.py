@@ -41,7 +41,7 @@ Check = Callable[[str, Any], Any]
 # --- field validators: each returns the value or raises ProtocolError ------------------------
 
 
-def _int(lo: int = 0, hi: int = MAX_INT) -> Check:
+def integer(lo: int = 0, hi: int = MAX_INT) -> Check:
     def check(field: str, v: Any) -> int:
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
             raise ProtocolError(f"field {field!r} must be an integer in [{lo}, {hi}], got {v!r}")
@@ -50,16 +50,16 @@ def _int(lo: int = 0, hi: int = MAX_INT) -> Check:
     return check
 
 
-_crc = _int(0, 0xFFFFFFFF)
+crc32 = integer(0, 0xFFFFFFFF)
 
 
-def _str(field: str, v: Any) -> str:
+def text(field: str, v: Any) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME_LEN:
         raise ProtocolError(f"field {field!r} must be a non-empty string of at most {MAX_NAME_LEN} characters")
     return v
 
 
-def _path(field: str, v: Any) -> str:
+def file_path(field: str, v: Any) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_PATH_LEN:
         raise ProtocolError(f"field {field!r} must be a file path of 1 to {MAX_PATH_LEN} characters")
     return v
@@ -78,37 +78,37 @@ def job_name(field: str, v: Any) -> str:
     return v
 
 
-def _bytes(field: str, v: Any) -> bytes:
+def binary(field: str, v: Any) -> bytes:
     if not isinstance(v, (bytes, bytearray)):
         raise ProtocolError(f"field {field!r} must be bytes")
     return bytes(v)
 
 
-def _dict(field: str, v: Any) -> dict:
+def any_map(field: str, v: Any) -> dict:
     if not isinstance(v, dict):
         raise ProtocolError(f"field {field!r} must be a map")
     return v
 
 
-def _bool(field: str, v: Any) -> bool:
+def boolean(field: str, v: Any) -> bool:
     if not isinstance(v, bool):
         raise ProtocolError(f"field {field!r} must be true or false")
     return v
 
 
-def _float(field: str, v: Any) -> float:
+def number(field: str, v: Any) -> float:
     if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < 1e9:
         raise ProtocolError(f"field {field!r} must be a finite non-negative number")
     return float(v)
 
 
-def _shape(field: str, v: Any) -> tuple[int, ...]:
+def shape(field: str, v: Any) -> tuple[int, ...]:
     if not isinstance(v, (list, tuple)) or len(v) > 16:
         raise ProtocolError(f"field {field!r} must be a list of at most 16 dimensions")
-    return tuple(_int()(field, d) for d in v)
+    return tuple(integer()(field, d) for d in v)
 
 
-def _list_of(item: Check, max_len: int = MAX_ITEMS) -> Check:
+def list_of(item: Check, max_len: int = MAX_ITEMS) -> Check:
     fast = getattr(item, "fast", None)  # a record's one-pass check (None where it declines an item)
 
     def check(field: str, v: Any) -> list:
@@ -123,7 +123,33 @@ def _list_of(item: Check, max_len: int = MAX_ITEMS) -> Check:
     return check
 
 
-def _map_of(key: Check, value: Check, max_len: int = MAX_ITEMS) -> Check:
+def set_of(item: Check, min_len: int = 0, max_len: int = MAX_ITEMS) -> Check:
+    """A list of ``min_len`` to ``max_len`` distinct items, decoded as a frozenset."""
+
+    def check(field: str, v: Any) -> frozenset:
+        if not isinstance(v, (list, tuple)) or not min_len <= len(v) <= max_len:
+            raise ProtocolError(f"field {field!r} must be a list of {min_len} to {max_len} distinct items")
+        out = frozenset(item(f"{field}[{i}]", x) for i, x in enumerate(v))
+        if len(out) != len(v):
+            raise ProtocolError(f"field {field!r} repeats an item")
+        return out
+
+    return check
+
+
+def tuple_of(*items: Check) -> Check:
+    """A list of exactly ``len(items)`` values, each checked by its own validator, decoded as a
+    tuple (a record kept short on the wire: ``[step, world, ranks, run]``)."""
+
+    def check(field: str, v: Any) -> tuple:
+        if not isinstance(v, (list, tuple)) or len(v) != len(items):
+            raise ProtocolError(f"field {field!r} must be a list of exactly {len(items)} items")
+        return tuple(c(f"{field}[{i}]", x) for i, (c, x) in enumerate(zip(items, v)))
+
+    return check
+
+
+def map_of(key: Check, value: Check, max_len: int = MAX_ITEMS) -> Check:
     """A map whose keys and values each pass their validator."""
 
     def check(field: str, v: Any) -> dict:
@@ -134,16 +160,16 @@ def _map_of(key: Check, value: Check, max_len: int = MAX_ITEMS) -> Check:
     return check
 
 
-def _nullable(check: Check) -> Check:
+def nullable(check: Check) -> Check:
     """``check``, or nil (a required field whose answer may be "none", like ``latest``'s step)."""
 
-    def nullable(field: str, v: Any) -> Any:
+    def maybe(field: str, v: Any) -> Any:
         return None if v is None else check(field, v)
 
-    return nullable
+    return maybe
 
 
-def _one_of(*values: str) -> Check:
+def one_of(*values: str) -> Check:
     def check(field: str, v: Any) -> str:
         if v not in values:
             raise ProtocolError(f"field {field!r} must be one of {', '.join(map(repr, values))}, got {v!r}")
@@ -178,13 +204,18 @@ class Record:
     same map on the wire, and which are one typed value in Python: decoding puts
     ``from_wire(body)`` under the name, encoding writes the instance's ``to_wire()`` fields."""
 
-    __slots__ = ("required", "optional", "inline", "_also", "fast")
+    __slots__ = ("required", "optional", "inline", "_also", "rule", "fast")
 
-    def __init__(self, required: dict, optional: dict | None = None, inline: dict | None = None):
+    def __init__(self, required: dict, optional: dict | None = None, inline: dict | None = None, *,
+                 rule: Callable[[str, dict], None] | None = None, fast: Callable[[Any], dict | None] | None = None):
         self.required, self.optional, self.inline = required, optional or {}, inline or {}
+        # rule(where, decoded): a constraint across fields (a rank below the world size); raises
+        # ProtocolError
+        self.rule = rule
         # fast(item) -> the decoded map, or None to let the schema decode (and word the error):
-        # a one-pass check for records that arrive 10^5 at a time (set where they are defined)
-        self.fast = None
+        # a one-pass check for records that arrive 10^5 at a time; tests/test_protocol.py checks
+        # that it agrees with the schema, on valid and invalid items
+        self.fast = fast
         self._also = tuple(f for cls in self.inline.values() for f in cls.FIELDS)
 
     def __call__(self, where: str, body: Any) -> dict:
@@ -192,6 +223,8 @@ class Record:
         out = validate_fields(where, body, self.required, self.optional, self._also)
         for name, cls in self.inline.items():
             out[name] = cls.from_wire(body, where)
+        if self.rule is not None:
+            self.rule(where, out)
         return out
 
     def to_wire(self, where: str, body: Any) -> dict:
@@ -199,7 +232,9 @@ class Record:
         inline record is checked by its type: its fields were made by ``to_wire``'s own code,
         and the receiving end checks every one of them in ``from_wire``."""
         if not self.inline:
-            validate_fields(where, body, self.required, self.optional)
+            out = validate_fields(where, body, self.required, self.optional)
+            if self.rule is not None:
+                self.rule(where, out)
             return body
         if not isinstance(body, dict):
             raise ProtocolError(f"{where}: body must be a map")
@@ -214,9 +249,25 @@ class Record:
         return plain
 
 
-def _record(schema: dict[str, Check], optional: dict | None = None) -> Record:
+def record(schema: dict[str, Check], optional: dict | None = None) -> Record:
     """A nested map with its own schema (missing optional fields become None)."""
     return Record(schema, optional)
+
+
+def by_tag(tag: str, records: dict[str, Record]) -> Check:
+    """A map whose field ``tag`` names its record among ``records`` (the commit protocol's
+    messages: ``{"t": "record", "step": 4, "e": 17}``); decoded with the tag kept."""
+
+    def check(field: str, v: Any) -> dict:
+        kind = v.get(tag) if isinstance(v, dict) else None
+        spec = records.get(kind) if isinstance(kind, str) else None
+        if spec is None:
+            raise ProtocolError(f"field {field!r} must be a map whose {tag!r} is one of {sorted(records)}")
+        out = spec(f"{field}.{kind}", {k: x for k, x in v.items() if k != tag})
+        out[tag] = kind
+        return out
+
+    return check
 
 
 def to_wire(check: Check, where: str, body: Any) -> Any:
@@ -233,7 +284,7 @@ def to_wire(check: Check, where: str, body: Any) -> Any:
 @dataclass(frozen=True)
 class MessageType:
     """One message type: its body schema (required, optional fields), what it is for, and what
-    answers it. ``reply`` is the reply body's validator (a ``Record``, or ``_dict`` for a free
+    answers it. ``reply`` is the reply body's validator (a ``Record``, or ``any_map`` for a free
     map), or None for a one-way message (no reply). ``payload`` / ``reply_payload``: the
     request / the reply carries payload frames beside its body (peer messages only; a reply
     without ``reply_payload`` must have none)."""

@@ -1,7 +1,10 @@
 """The scale simulator: N daemons' real protocol code in one process, no sockets.
 
 - ``cluster`` — :class:`SimCluster`: one ``CommitNode`` (and optionally ``Membership``) per node,
-  an event loop, fault injection, and the safety observer of docs/PROTOCOL.md.
+  an event loop, fault injection (random and scripted: one simulator for random schedules and
+  named cases).
+- ``observer`` — the safety observer of docs/PROTOCOL.md that ``SimCluster`` is.
+- ``schedule`` — seeded random fault schedules.
 - ``network`` — racks, per-link latency and bandwidth, loss, duplication, reordering (seeded).
 - ``control`` — control-plane cost per version at a given N (messages, bytes, coordinator work,
   commit latency, per-node protocol state).
@@ -15,7 +18,8 @@
 small N in CI.
 """
 
-from .cluster import SafetyViolation, SimCluster, wire_bytes
+from .cluster import SimCluster, wire_bytes
 from .network import NetModel, Network, Topology
+from .observer import SafetyViolation
 
 __all__ = ["NetModel", "Network", "SafetyViolation", "SimCluster", "Topology", "wire_bytes"]

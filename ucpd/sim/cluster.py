@@ -4,19 +4,20 @@
 run, unchanged) and, in ``membership="heartbeat"`` mode, one ``ucpd.team.membership.Membership``
 per node fed by heartbeats sent over the simulated network. It plays the part of
 ``ucpd.team.team.Team`` (the glue): it delivers messages at the times ``ucpd.sim.network`` gives,
-ticks every node, carries out ``Send``/``Record``/``Commit``, and injects faults (node and rack
+ticks every node, carries out ``Send``/``Decided``/``Commit``, and injects faults (node and rack
 crashes, fresh restarts, loss, duplication, reordering), all from one seed.
 
 Every message goes through the project's wire encoding: the body ``{"m": msg}`` that
 ``Team._apply`` sends, inside the transport's signed msgpack header (``ucpd.team.transport``),
-so the byte counts are those of real messages, and the state machine receives what msgpack
-gives back.
+so the byte counts are those of real messages. The peer protocol's record of the message
+(``ucpd.protocol.COMMIT_MESSAGES``) checks it at both ends, as the transport does: before it
+leaves, and on arrival, where the state machine receives what the record decodes.
 
-An observer checks the safety properties of docs/PROTOCOL.md on every output, as
-tests/team/test_commit_protocol.py does (P1 coverage, P2 recorded before visible, P3 no step
-committed twice and ``latest()`` = newest committed); :meth:`SimCluster.check_settled` checks
-agreement (P3) and liveness (P4) after a quiet period. A violation raises
-:class:`SafetyViolation` naming the seed and the time.
+The cluster is its own safety observer (``ucpd.sim.observer``): the properties of
+docs/PROTOCOL.md are checked on every output, and by :meth:`check_settled` after a quiet
+period. Named cases script what they need: ``crash_at`` (a node dies part-way through its
+outputs), ``install_view`` (a view, right or wrong), ``deliver`` (a message now, through its
+record's check), ``forget``; tests/team/test_commit_protocol.py runs them.
 
 Membership. ``"oracle"`` (any N): a crash is seen by each live node ``detect_after`` seconds
 later (plus a per-node spread), a restart after ``rejoin_after`` (its first heartbeats); a node
@@ -34,20 +35,18 @@ from collections import defaultdict
 
 import msgpack
 
-from ..team.commit import Commit, CommitNode, Fence, Record, Send
+from ..protocol import validate_peer
+from ..team.commit import Commit, CommitNode, Decided, Fence, Send
 from ..team.membership import Membership
 from .network import NetModel, Network, Topology
+from .observer import SafetyObserver
 
-__all__ = ["SafetyViolation", "SimCluster", "wire_bytes"]
+__all__ = ["SimCluster", "wire_bytes"]
 
 _ARRIVE, _HANDLE, _PROTECT, _VIEW, _TICK, _HEARTBEAT, _CALL, _HB, _RUN = range(9)
 _TIMERS = (_TICK, _HEARTBEAT, _HB)  # background: not counted when asking whether anything is in flight
 _HEADER_FIELDS = dict(v=1, id=None, re=None, inc="0123456789abcdef", seq=1 << 40, ts=1.8e9, p=[], e=None)
 MAC_BYTES = 32  # HMAC-SHA256 frame
-
-
-class SafetyViolation(AssertionError):
-    """A property of docs/PROTOCOL.md failed; the message names the seed and the time."""
 
 
 def wire_bytes(src: int, dst: int, body: bytes, msg_type: str = "commit") -> int:
@@ -73,7 +72,7 @@ class Stats:
         self.events = 0
 
 
-class SimCluster:
+class SimCluster(SafetyObserver):
     """N simulated daemons; see the module docstring. Times are simulated seconds."""
 
     def __init__(self, nodes: int, *, seed: int = 0, rack_size: int = 32, net: NetModel | None = None,
@@ -102,17 +101,8 @@ class SimCluster:
         self._busy = 0  # scheduled events other than ticks and heartbeats
         self._cpu_free = [0.0] * nodes
         self.stats = Stats(nodes)
-        # --- the observer's ground truth ---
-        self.reported: dict[int, dict[tuple[int, str], set[int]]] = {}  # step -> (world, run) -> ranks ever reported
-        self.reports_of: list[dict[int, tuple[int, set[int], str]]] = [{} for _ in range(nodes)]  # live incarnations
-        self.runs: list[str] = []  # the job's runs, oldest first (begin_run)
-        self.ready_at: dict[str, float] = {}  # run -> when it could first begin on some node
-        self.knows: list[set[int]] = [set() for _ in range(nodes)]  # recorded or committed
-        self.visible: list[set[int]] = [set() for _ in range(nodes)]
-        self.ever_visible: set[int] = set()
-        self.protected_at: dict[int, float] = {}  # step -> time of its last report
-        self.decided_at: dict[int, float] = {}  # step -> first Record anywhere
-        self.visible_at: dict[int, dict[int, float]] = {}  # step -> node -> time of Commit (measure)
+        self._crash: tuple[int, object] | None = None  # crash_at's scripted crash
+        self._observe(nodes)
         self._push(tick, _TICK)
         if membership == "heartbeat":
             self._push(0.0, _HEARTBEAT)
@@ -166,6 +156,18 @@ class SimCluster:
     def run_for(self, dt: float) -> None:
         self.run_until(self.t + dt)
 
+    def run_until_quiet(self, limit: float = 60.0, stop=None) -> bool:
+        """Process events (timers included) until nothing but timers is scheduled, or until
+        ``stop()`` holds after an instant's events (returns True then)."""
+        end = self.t + limit
+        while not self.quiet():
+            if self._events[0][0] > end:
+                self.check(False, f"not quiet after {limit} s: {self.pending_summary()}")
+            self.run_until(self._events[0][0])
+            if stop is not None and stop():
+                return True
+        return False
+
     def at(self, when: float, fn) -> None:
         """Call ``fn()`` at simulated time ``when``."""
         self._push(when, _CALL, fn)
@@ -176,19 +178,6 @@ class SimCluster:
 
     # --- carrying out a state machine's outputs ------------------------------------------------
 
-    def check(self, cond: bool, what) -> None:
-        """Raise SafetyViolation unless ``cond``; ``what`` is the message, or a callable making it
-        (the checks run on every output: formatting must wait for a failure)."""
-        if not cond:
-            raise SafetyViolation(f"seed {self.seed} at t={self.t:.6f}: {what() if callable(what) else what}")
-
-    def covered(self, step: int) -> bool:
-        """Whether the reports of one run cover every rank of ``step`` (P1: never two runs' parts)."""
-        return bool(self.covering_runs(step))
-
-    def covering_runs(self, step: int) -> set[str]:
-        return {run for (world, run), ranks in self.reported.get(step, {}).items() if len(ranks) == world}
-
     def _call(self, i: int, fn, *args) -> list:
         if not self.measure:
             return fn(*args)
@@ -198,7 +187,17 @@ class SimCluster:
         return out
 
     def _apply(self, i: int, outs: list) -> None:
-        """Carry out node i's outputs in order, as ``Team._apply`` does."""
+        """Carry out node i's outputs in order, as ``Team._apply`` does (up to a scripted crash)."""
+        if self._crash is not None and self._crash[0] == i:
+            kept = self._crash[1](outs)
+            if kept is not None:
+                self._crash = None
+                self._carry_out(i, kept, dying=True)
+                self.kill(i)
+                return
+        self._carry_out(i, outs)
+
+    def _carry_out(self, i: int, outs: list, dying: bool = False) -> None:
         committed = False
         cpu = self.model.cpu_per_msg
         start = max(self.t, self._cpu_free[i])
@@ -206,14 +205,10 @@ class SimCluster:
             if isinstance(o, Send):
                 start += cpu  # the daemon's CPU encodes, signs and queues each message in turn
                 self._send(i, o.dest, o.msg, start)
-            elif isinstance(o, Record):
-                self.check(o.step not in self.knows[i], lambda: f"node {i} recorded step {o.step} twice or after committing it")
-                self.knows[i].add(o.step)
-                if o.step not in self.decided_at:
-                    self.decided_at[o.step] = self.t
-                    self._check_fenced(o.step)
+            elif isinstance(o, Decided):
+                self._on_decided(i, o.step)
             elif isinstance(o, Fence):
-                pass  # the driver abandons the parts of other runs: the sim holds no parts
+                self.fences[i].append(o)  # the driver abandons the parts of other runs: the sim holds no parts
             else:
                 assert isinstance(o, Commit), o
                 self._on_commit(i, o.step)
@@ -222,40 +217,14 @@ class SimCluster:
         if self.runs and self.runs[-1] not in self.ready_at and self.nodes[i] is not None \
                 and self.nodes[i].run_ready(self.runs[-1]):
             self.ready_at[self.runs[-1]] = self.t
-        if committed:
+        if committed and not dying:  # (a dying node's state machine went on past what happened)
             node = self.nodes[i]
             self.check(node.latest() == max(self.visible[i], default=None),
                        lambda: f"P3: node {i}: latest() {node.latest()} but committed {sorted(self.visible[i])[-5:]}")
 
-    def _check_fenced(self, s: int) -> None:
-        """P5: a step is decided only from a run that no later run had superseded: once a run could
-        begin (``run_ready`` on some node), no step of an earlier run is decided any more."""
-        runs = self.covering_runs(s)
-        if not self.strict or not runs or "" in runs:
-            return
-        newest = max(self.runs.index(r) for r in runs if r in self.runs)
-        later = [r for r in self.runs[newest + 1:] if r in self.ready_at]
-        self.check(not later, lambda: f"P5: step {s} of run {self.runs[newest]} decided after run {later[0]} "
-                                      f"began (at t={self.ready_at[later[0]]:.6f})")
-
-    def _on_commit(self, i: int, s: int) -> None:
-        self.check(s not in self.visible[i], lambda: f"P3: node {i} committed step {s} twice")
-        self.check(self.covered(s), lambda: f"P1: node {i} committed step {s}, reports cover only {self.reported.get(s)}")
-        if s not in self.ever_visible:
-            node = self.nodes[i]
-            # every node of the committing node's view, of an incarnation that started before
-            # that view (so it was asked in this epoch), must hold the decision
-            behind = [j for j in node.live if j != i and self.nodes[j] is not None
-                      and self.born[j] <= self.view_at[i] and s not in self.knows[j]]
-            self.check(not self.strict or not behind, lambda: f"P2: step {s} visible on node {i} before {behind[:8]} recorded it")
-            self.ever_visible.add(s)
-        self.visible[i].add(s)
-        self.knows[i].add(s)
-        if self.measure:
-            self.visible_at.setdefault(s, {})[i] = self.t
-
     def _send(self, src: int, dst: int, msg: dict, at: float) -> None:
         self.check(dst != src and 0 <= dst < self.n, lambda: f"node {src} sends to node {dst}")
+        validate_peer("commit", {"m": msg})  # the sending end's check (a bug of ours if it fails)
         body = msgpack.packb({"m": msg}, use_bin_type=True)
         nbytes = wire_bytes(src, dst, body)
         st = self.stats
@@ -282,8 +251,14 @@ class SimCluster:
         node = self.nodes[dst]
         if node is None or self.inc[dst] != inc:
             return
-        msg = msgpack.unpackb(body, raw=False)["m"]
-        self._apply(dst, self._call(dst, node.on_message, src, msg, self.t))
+        self.deliver(dst, src, msgpack.unpackb(body, raw=False, strict_map_key=False))
+
+    def deliver(self, dst: int, src: int, body) -> None:
+        """Node ``dst`` receives a ``commit`` message's body from ``src`` now, as the transport
+        hands it on (decoded from msgpack): the record checks it (a malformed one raises
+        ProtocolError before the node sees it), then the node handles it."""
+        msg = validate_peer("commit", body)["m"]
+        self._apply(dst, self._call(dst, self.nodes[dst].on_message, src, msg, self.t))
 
     def _tick(self) -> None:
         for i, node in enumerate(self.nodes):
@@ -292,7 +267,7 @@ class SimCluster:
             if self.mode == "heartbeat":
                 view = self.members[i].on_tick(self.t)
                 if view is not None:
-                    self._install(i, view.live)
+                    self.install_view(i, view.live)
                     if self.nodes[i] is None:
                         continue
             self._apply(i, self._call(i, node.on_tick, self.t))
@@ -300,8 +275,12 @@ class SimCluster:
 
     # --- membership ----------------------------------------------------------------------------
 
-    def _install(self, i: int, live) -> None:
+    def install_view(self, i: int, live) -> None:
+        """Node i installs the view ``live`` now (right or wrong: a test may make it believe a
+        live node dead); the oracle's later notices start from it."""
         self.view_at[i] = self.t
+        if self.mode == "oracle":
+            self.perceived[i] = set(live)
         self._apply(i, self._call(i, self.nodes[i].on_view, frozenset(live), self.t))
 
     def _view_event(self, i: int, inc_i: int, kind: str, x: int, inc_x: int) -> None:
@@ -321,7 +300,7 @@ class SimCluster:
             seen.intersection_update(self.live)
             if seen == set(self.nodes[i].live):
                 return
-        self._install(i, seen)
+        self.install_view(i, seen)
 
     def _heartbeats(self) -> None:
         """Heartbeat mode: every live node heartbeats every other (what transport.py does)."""
@@ -350,7 +329,7 @@ class SimCluster:
     def _protect(self, i: int, inc: int, step: int, ranks: tuple, world: int, run: str) -> None:
         if self.nodes[i] is None or self.inc[i] != inc:
             return
-        if run and self.nodes[i].run_ready(run) is False:
+        if run in self.runs and self.nodes[i].run_ready(run) is False:
             return  # its trainers still wait for the fence (a superseded run's part may be reported late)
         self.reported.setdefault(step, {}).setdefault((world, run), set()).update(ranks)
         old = self.reports_of[i].get(step)
@@ -362,7 +341,8 @@ class SimCluster:
     def begin_run(self, run: str, nodes=None, at: float | None = None, spread: float = 0.0) -> None:
         """A new run of the job (a restart) begins on ``nodes`` (default: all live) within
         ``spread`` seconds after ``at``: each asks for its fence (``CommitNode.on_run``)."""
-        self.runs.append(run)
+        if run not in self.runs:
+            self.runs.append(run)
         t0 = self.t if at is None else at
         for i in sorted(self.live if nodes is None else nodes):
             self._push(t0 + (self.rng.uniform(0.0, spread) if spread else 0.0), _RUN, i, self.inc[i], run)
@@ -382,6 +362,15 @@ class SimCluster:
             when = t0 + (self.rng.uniform(0.0, spread) if spread else 0.0)
             self.protect(i, step, range(k * ranks_per_node, (k + 1) * ranks_per_node), world, when)
         return world
+
+    def forget(self, i: int, step: int) -> None:
+        """Node i's RAM of ``step`` is gone (evicted or dropped): its protocol forgets it."""
+        self.nodes[i].forget(step)
+
+    def crash_at(self, i: int, cut) -> None:
+        """Node i dies at the first of its events whose outputs ``cut(outputs)`` cuts: it returns
+        the outputs that still happen before the crash (None: not this event)."""
+        self._crash = (i, cut)
 
     def kill(self, i: int) -> None:
         """Node i's daemon dies now with its state; the others notice after ``detect_after``."""
@@ -436,43 +425,6 @@ class SimCluster:
             sent = self.stats.msgs
             self.run_for(step)
             quiet = quiet + step if self.stats.msgs == sent and self.quiet() else 0.0
-
-    def pending_summary(self) -> dict:
-        out = {}
-        for i in self.live:
-            p = self.nodes[i].pending()
-            if p["recorded"] or p["deciding"] or p["forwarded"] or p["syncing"]:
-                out[i] = {k: p[k] for k in ("coordinator", "recorded", "forwarded", "syncing")}
-            if len(out) >= 4:
-                break
-        return out
-
-    def check_settled(self) -> None:
-        """After :meth:`settle`: P3 agreement (every live node committed the same steps, no
-        decision half done, nothing recorded on a live node left uncommitted) and P4 liveness
-        (every step whose reports by live nodes cover its ranks is committed)."""
-        live = self.live
-        first = self.visible[live[0]]
-        for i in live:
-            node = self.nodes[i]
-            self.check(self.visible[i] == first, f"P3: nodes {live[0]} and {i} committed different steps: "
-                       f"{sorted(first ^ self.visible[i])[:8]} differ")
-            self.check(node.committed_steps() == sorted(self.visible[i]), f"node {i}: committed_steps() disagrees")
-            p = node.pending()
-            self.check(not p["recorded"] and not p["deciding"] and not p["forwarded"],
-                       f"node {i}: decisions left half done: recorded {p['recorded']}, forwarded {p['forwarded']}")
-        known = set().union(*(self.knows[i] for i in live))
-        self.check(known <= first, f"P3: steps {sorted(known - first)[:8]} recorded on a live node, never committed")
-        current = {self.nodes[i].run for i in live}
-        for step in {s for i in live for s in self.reports_of[i]}:
-            got: dict[tuple[int, str], set[int]] = {}
-            for i in live:
-                if step in self.reports_of[i]:
-                    world, ranks, run = self.reports_of[i][step]
-                    if run in current or self.nodes[i].run is None:  # parts of a fenced-off run are abandoned
-                        got.setdefault((world, run), set()).update(ranks)
-            if any(len(r) == w for (w, _run), r in got.items()):
-                self.check(step in first, f"P4: step {step} is protected on the live nodes but not committed")
 
     def reset_stats(self) -> None:
         self.stats = Stats(self.n)

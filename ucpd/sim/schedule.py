@@ -1,10 +1,11 @@
 """Seeded random fault schedules for ``SimCluster``: jobs snapshot while nodes and racks crash
 and restart on a lossy, reordering network; then the network heals and the checks run.
 
-:func:`random_schedule` generalises tests/team/test_commit_protocol.py's ``run_schedule``: racks
-and whole-rack failures, jobs restarted on the survivors with another world size, per-link
-latency, and (optionally) the real heartbeat membership. A failure names its seed; replay it
-with ``random_schedule(seed, ...)``.
+:func:`random_schedule` draws jobs of any world size on some of the live nodes, lossy and
+duplicating links with per-link latency, node and whole-rack crashes, fresh restarts, steps
+evicted from a node's RAM, (optionally) job restarts, and the real heartbeat membership. A
+failure names its seed; replay it with ``random_schedule(seed, ...)``. The named cases of
+tests/team/test_commit_protocol.py run on the same ``SimCluster``.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ __all__ = ["random_schedule"]
 
 
 def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), membership: str = "oracle",
-                    rounds: tuple[int, int] = (15, 35), cluster=SimCluster, runs: bool = False) -> SimCluster:
+                    rounds: tuple[int, int] = (15, 35), cluster=SimCluster, runs: bool = False,
+                    forgets: bool = False) -> SimCluster:
     """Run one schedule; returns the settled cluster (``check_settled`` passed). ``runs``: the
     job also restarts (a new run, fenced, that resumes after the newest committed step and
-    snapshots the step numbers an earlier run may have left half done)."""
+    snapshots the step numbers an earlier run may have left half done). ``forgets``: nodes also
+    lose committed steps from RAM (``CommitNode.forget``: they must stay committed)."""
     rng = random.Random(seed)
     if runs:
         rounds = (rounds[0] * 3, rounds[1] * 3)  # a run first waits for its fence: give each time to commit
@@ -61,6 +64,10 @@ def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), memb
             c.kill_rack(rng.randrange(c.topo.racks))
         elif r < 0.47 and len(live) < n:
             c.restart(rng.choice([i for i in range(n) if c.nodes[i] is None]))
+        elif forgets and r < 0.50 and live:  # a node's RAM of a committed step goes (evicted): it stays committed
+            i = rng.choice(live)
+            if c.visible[i]:
+                c.forget(i, rng.choice(sorted(c.visible[i])))
         if not c.live:
             c.restart(rng.randrange(n))
     c.settle(quiet_for=max(1.0, 2 * c.detect_after + 0.6))

@@ -3,15 +3,19 @@
 One :class:`CommitNode` runs in every daemon of the team. The driver (``team.Team``) feeds it
 local events (a version became protected here, membership changed, time passed) and peer
 messages, and carries out what it returns: ``Send`` a message to a peer (best effort: it may be
-lost, duplicated, delayed or reordered, and the driver does not retry), ``Record`` a decision,
+lost, duplicated, delayed or reordered, and the driver does not retry), note a ``Decided`` step,
 ``Commit`` a step (make it visible). No sockets, threads or clocks in here: time is ``now``.
 
 A step is committed when the ranks that the nodes report protected cover ``range(world_size)``.
 The coordinator (lowest live node rank) collects the reports, records its decision on every
 live node (``record`` → ``recorded``), then makes it visible everywhere (``commit`` →
 ``committed``). A new coordinator first asks every live node for its state and finishes any
-decision a survivor recorded. docs/PROTOCOL.md gives the messages, the crash cases and the
-safety argument; tests/team/test_commit_protocol.py checks them under a random simulation.
+decision a survivor recorded. A restarted job is a new run: the coordinator fences the
+earlier runs on every live node before the new one snapshots (``_RunFences``, the class's
+second job). The messages are records of the peer protocol
+(``ucpd.protocol.COMMIT_MESSAGES``): the driver hands ``on_message`` what they decoded.
+docs/PROTOCOL.md gives the crash cases and the safety argument; tests/team/test_commit_protocol.py
+checks them on ``ucpd.sim`` (named cases and random schedules).
 """
 
 from __future__ import annotations
@@ -24,20 +28,9 @@ from heapq import nlargest
 from itertools import chain
 
 from ..errors import ProtocolError
+from ..protocol import MAX_PENDING, RETIRED, WINDOW, report, run_id
 
-__all__ = ["Commit", "CommitNode", "Fence", "Record", "Send", "WINDOW", "MAX_PENDING", "MAX_RUN"]
-
-WINDOW = 64
-"""Newest committed steps carried by a ``state`` or ``catch_up`` message (keeps them O(1))."""
-MAX_PENDING = 1024
-"""Protected-but-undecided steps kept per node; beyond it the oldest are dropped."""
-MAX_WORLD = 1 << 24
-MAX_STEP = (1 << 63) - 1
-MAX_RUN = 1024  # as the trainer protocol bounds a job id (wire.MAX_NAME_LEN)
-"""The longest run id (the job's incarnation: ``Checkpointer(job_id=...)``) a message carries."""
-RETIRED = 16
-"""Superseded runs remembered (and carried by ``fence`` and ``state``): a straggler of one is refused."""
-
+__all__ = ["Commit", "CommitNode", "Decided", "Fence", "Send"]
 
 @dataclass(frozen=True)
 class Send:
@@ -55,7 +48,7 @@ class Commit:
 
 
 @dataclass(frozen=True)
-class Record:
+class Decided:
     """Output (action): this node recorded the decision to commit ``step``; not visible yet."""
 
     step: int
@@ -80,105 +73,151 @@ class _Decision:
     sent_at: float = 0.0
 
 
-# --- message validation ----------------------------------------------------------------------
-
-def _int(v, what: str, lo: int, hi: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ProtocolError(f"commit message: {what} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _steps(v, what: str, most: int) -> tuple[int, ...]:
-    if not isinstance(v, (list, tuple)) or len(v) > most:
-        raise ProtocolError(f"commit message: {what} must be a list of at most {most} steps")
-    return tuple(_int(s, what, 0, MAX_STEP) for s in v)
-
-
-def _run(v, what: str = "run") -> str:
-    if not isinstance(v, str) or len(v) > MAX_RUN:
-        raise ProtocolError(f"commit message: {what} must be a string of at most {MAX_RUN} characters, got {v!r:.80}")
-    return v
-
-
-def _runs(v, what: str) -> tuple[str, ...]:
-    if not isinstance(v, (list, tuple)) or len(v) > RETIRED:
-        raise ProtocolError(f"commit message: {what} must be a list of at most {RETIRED} runs")
-    return tuple(_run(r, what) for r in v)
-
-
-def _report(step, world, ranks, run="") -> tuple[int, int, frozenset[int], str]:
-    step, world = _int(step, "step", 0, MAX_STEP), _int(world, "world", 1, MAX_WORLD)
-    if not isinstance(ranks, (list, tuple)) or not 0 < len(ranks) <= world:
-        raise ProtocolError(f"commit message: ranks must be a non-empty list of at most {world} ranks")
-    got = frozenset(_int(r, "rank", 0, world - 1) for r in ranks)
-    if len(got) != len(ranks):
-        raise ProtocolError("commit message: ranks repeat a rank")
-    return step, world, got, _run(run)
-
-
-_FIELDS = {
-    "protected": {"step", "world", "ranks", "run", "e"},  # node -> coordinator: my part of step (of run) is protected
-    "protected_ack": {"step", "world", "n", "e"},  # coordinator -> node: report of n ranks stored
-    "record": {"step", "e"},  # coordinator -> node: record the decision to commit step
-    "recorded": {"step", "e"},
-    "commit": {"step", "e"},  # coordinator -> node: make step visible
-    "committed": {"step", "e"},
-    "state_req": {"e"},  # new coordinator -> node: send me your state
-    "state": {"e", "committed", "recorded", "protected", "run", "fence", "old"},
-    "catch_up": {"steps", "e"},  # coordinator -> node: steps committed that you lack
-    "fence_req": {"run", "e"},  # node -> coordinator: a run of the job begins here; fence the earlier ones
-    "fence": {"run", "f", "old", "e"},  # coordinator -> node: run is current from fence f on
-    "fenced": {"f", "e"},  # node -> coordinator: adopted fence f (ack of fence)
-    "run_ok": {"run", "f", "steps", "e"},  # coordinator -> node: every live node adopted it; begin after steps
-}
-
-
-def parse(msg) -> dict:
-    """Validate a peer message; return it with fields normalized. Raises ProtocolError."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("t"), str) or msg["t"] not in _FIELDS:
-        raise ProtocolError(f"commit message must be a map whose 't' is one of {sorted(_FIELDS)}")
-    t = msg["t"]
-    if set(msg) != _FIELDS[t] | {"t"}:
-        raise ProtocolError(f"commit message {t!r} must have exactly the fields {sorted(_FIELDS[t])}")
-    out = {"t": t}
-    if "e" in msg:
-        out["e"] = _int(msg["e"], "e", 0, MAX_STEP)
-    if "step" in msg:
-        out["step"] = _int(msg["step"], "step", 0, MAX_STEP)
-    if "run" in msg:
-        out["run"] = _run(msg["run"])
-    if t == "protected":
-        out["step"], out["world"], out["ranks"], out["run"] = _report(msg["step"], msg["world"], msg["ranks"], msg["run"])
-    elif t == "protected_ack":
-        out["world"] = _int(msg["world"], "world", 1, MAX_WORLD)
-        out["n"] = _int(msg["n"], "n", 1, out["world"])
-    if t == "state":
-        out["committed"] = _steps(msg["committed"], "committed", WINDOW)
-        out["recorded"] = _steps(msg["recorded"], "recorded", MAX_PENDING)
-        prot = msg["protected"]
-        if not isinstance(prot, (list, tuple)) or len(prot) > MAX_PENDING:
-            raise ProtocolError(f"commit message: protected must be a list of at most {MAX_PENDING} reports")
-        if not all(isinstance(p, (list, tuple)) and len(p) == 4 for p in prot):
-            raise ProtocolError("commit message: each protected report must be [step, world, ranks, run]")
-        out["protected"] = tuple(_report(*p) for p in prot)
-    if t in ("state", "fence"):
-        out["old"] = _runs(msg["old"], "old")
-    if "f" in msg or "fence" in msg:
-        key = "f" if "f" in msg else "fence"
-        out[key] = _int(msg[key], "fence", 0, MAX_STEP)
-    if t == "run_ok":
-        out["steps"] = _steps(msg["steps"], "steps", MAX_PENDING)
-    if t == "catch_up":
-        out["steps"] = _steps(msg["steps"], "steps", WINDOW)
-    return out
-
-
 # --- the state machine -----------------------------------------------------------------------
 
-class CommitNode:
+class _RunFences:
+    """The runs of the job, ``CommitNode``'s second job: a restarted job is a new run, and before
+    its trainers snapshot, the coordinator fences the earlier runs on every live node (their
+    undecided parts never commit; a straggler's report of one is refused). Reads and writes the
+    node's state (``run``, ``fence``, ``retired``, ``want``, its reports and decisions)."""
+
+    # --- queries and events ------------------------------------------------------------------
+
+    def run_ready(self, run: str) -> bool | None:
+        """Whether ``run`` is the job's current run here, with every step decided before its fence
+        visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""
+        if run in self.retired:
+            return None
+        return self.run == run and self._granted == self.fence and all(self.is_committed(s) for s in self._awaiting)
+
+    def on_run(self, run: str | None, now: float) -> list:
+        """Trainers of ``run`` (the job's incarnation) begin on this node. Unless it is already the
+        current run, ask the coordinator to fence the earlier runs: once the ``fence`` is here,
+        their undecided parts are abandoned everywhere and never commit (``run_ready``)."""
+        try:
+            run = run_id("run", run or "")
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
+        self._clock(now)
+        if self.run_ready(run) is not False or (self.want == run and now - self._want_sent < self.resend_after):
+            return []  # (asked already: on_tick asks again)
+        self.want = run
+        return self._ask_fence(now)
+
+    # --- fences ---------------------------------------------------------------------------------
+
+    def _current(self, run: str) -> bool:
+        """Whether a part of ``run`` may still count: the current run, or any before the first fence."""
+        return run == self.run if self.run is not None else run not in self.retired
+
+    def _ask_fence(self, now: float) -> list:
+        """Ask the coordinator to make ``want`` the current run (we are it: grant it ourselves)."""
+        self._want_sent = now
+        if self.coordinator == self.rank:
+            return [] if self.syncing else self._grant(self.want, now, self.rank)
+        return [Send(self.coordinator, {"t": "fence_req", "run": self.want, "e": self.epoch})]
+
+    def _grant(self, run: str, now: float, src: int) -> list:
+        """Coordinator: ``run`` begins at node ``src``. A run we know as superseded is told so (the
+        current fence); a new run gets the next fence, which every live node must acknowledge
+        before ``src`` hears ``run_ok``; the current run, once acknowledged, gets ``run_ok`` now."""
+        if run in self.retired:
+            return [] if src == self.rank else [self._fence_msg(src)]
+        out: list = []
+        if run != self.run:
+            out += self._adopt(run, self.fence + 1, ())
+            self._granting = _Decision(1, {self.rank})
+            self._requesters = set()
+        self._requesters.add(src)
+        if self._granting is None:
+            return out + self._run_ok()
+        return out + self._advance_grant(now, send=run != self.run or src == self.rank)
+
+    def _advance_grant(self, now: float, send: bool = True) -> list:
+        """Coordinator: once every live node adopted the fence, the nodes that asked hear ``run_ok``."""
+        g = self._granting
+        if g.acked >= self.live:
+            self._granting = None
+            return self._run_ok()
+        if not send:
+            return []
+        g.sent_at = now
+        return [self._fence_msg(n) for n in sorted(self.live - g.acked)]
+
+    def _run_ok(self) -> list:
+        """Coordinator: tell the nodes that asked that the current run may begin, after the steps
+        decided before its fence (they become visible: the new run's ``latest()`` includes them)."""
+        decided = sorted(self.recorded | self.deciding.keys())[-MAX_PENDING:]
+        out = []
+        for n in sorted(self._requesters):
+            if n == self.rank:
+                self._granted, self._awaiting = self.fence, frozenset(decided)
+            else:
+                out.append(Send(n, {"t": "run_ok", "run": self.run, "f": self.fence, "steps": decided, "e": self.epoch}))
+        self._requesters = set()
+        return out
+
+    def _fence_msg(self, dest: int) -> Send:
+        return Send(dest, {"t": "fence", "run": self.run or "", "f": self.fence, "old": self.retired[-RETIRED:],
+                           "e": self.epoch})
+
+    def _on_fence_req(self, src: int, m: dict, now: float) -> list:
+        if self.coordinator != self.rank or self.syncing:
+            return []  # not ours to grant, or we first learn the team's fence: the node asks again
+        return self._grant(m["run"], now, src)
+
+    def _on_fence(self, src: int, m: dict, now: float) -> list:
+        if m["f"] < self.fence:
+            return [self._fence_msg(src)]  # the sender missed a later fence: pass it on
+        return self._adopt(m["run"], m["f"], m["old"]) + [Send(src, {"t": "fenced", "f": m["f"], "e": m["e"]})]
+
+    def _on_fenced(self, src: int, m: dict, now: float) -> list:
+        g = self._granting
+        if g is None or m["f"] != self.fence or m["e"] != self.epoch or src not in self.live:
+            return []  # stale, duplicated, or from before the current view
+        g.acked.add(src)
+        return self._advance_grant(now, send=False)
+
+    def _on_run_ok(self, src: int, m: dict, now: float) -> list:
+        out = self._adopt(m["run"], m["f"], ()) if m["f"] > self.fence else []
+        if m["run"] == self.want and m["run"] == self.run:  # (a fence we hold for it may be numbered apart)
+            self._granted, self._awaiting = self.fence, frozenset(m["steps"])
+        return out
+
+    def _adopt(self, run: str, f: int, old: Iterable[str]) -> list:
+        """Fence ``f`` makes ``run`` current: earlier runs retire, their undecided reports go (here
+        and, on the coordinator, from every node), and the driver abandons their parts (``Fence``)."""
+        if f < self.fence or (f == self.fence and (run != self.run or f == 0)):
+            return []  # an older fence, or the same number given to another run by a dead coordinator
+        for r in old:
+            if r != run and r not in self.retired:
+                self.retired.append(r)
+        if f == self.fence:
+            return []
+        if self.run is not None and self.run != run and self.run not in self.retired:
+            self.retired.append(self.run)
+        del self.retired[:-RETIRED]
+        self.run, self.fence = run, f
+        self._granting = None  # a grant of ours in progress was for an earlier run
+        for step in [s for s, rep in self.mine.items() if rep[2] != run]:
+            del self.mine[step]
+            self._unacked.pop(step, None)
+        for step in [s for s in self.reports if s not in self.deciding]:
+            per = self.reports[step]
+            for node in [n for n, rep in per.items() if rep[2] != run]:
+                del per[node]
+            self._cover.pop(step, None)
+            if per:
+                self._cover[step] = _union(per.values())
+            else:
+                del self.reports[step]
+        return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
+
+
+class CommitNode(_RunFences):
     """This node's side of the global commit protocol. Not thread-safe: the driver serializes.
 
-    Every event method returns a list of ``Send``/``Record``/``Commit`` outputs, in the order
+    Every event method returns a list of ``Send``/``Decided``/``Commit``/``Fence`` outputs, in the order
     the driver must carry them out.
     """
 
@@ -246,13 +285,6 @@ class CommitNode:
             return sorted(chain(self._visible, self._archive))
         return sorted(nlargest(limit, chain(self._visible, self._archive[-limit:])))
 
-    def run_ready(self, run: str) -> bool | None:
-        """Whether ``run`` is the job's current run here, with every step decided before its fence
-        visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""
-        if run in self.retired:
-            return None
-        return self.run == run and self._granted == self.fence and all(self.is_committed(s) for s in self._awaiting)
-
     def pending(self) -> dict:
         """A JSON-able summary for ``ucpd status``."""
         return {
@@ -278,7 +310,7 @@ class CommitNode:
         the coordinator. Repeated reports of the same world size and run add ranks; another world
         size or run replaces them. A part of a run that is not the current one is not reported."""
         try:
-            step, world, got, run = _report(step, world_size, list(ranks), run or "")
+            step, world, got, run = report("protected", [step, world_size, list(ranks), run or ""])
         except ProtocolError as exc:
             raise ValueError(str(exc)) from None
         self._clock(now)
@@ -296,25 +328,12 @@ class CommitNode:
             out.append(self._protected_msg(step))
         return out
 
-    def on_run(self, run: str | None, now: float) -> list:
-        """Trainers of ``run`` (the job's incarnation) begin on this node. Unless it is already the
-        current run, ask the coordinator to fence the earlier runs: once the ``fence`` is here,
-        their undecided parts are abandoned everywhere and never commit (``run_ready``)."""
-        try:
-            run = _run(run or "")
-        except ProtocolError as exc:
-            raise ValueError(str(exc)) from None
-        self._clock(now)
-        if self.run_ready(run) is not False or (self.want == run and now - self._want_sent < self.resend_after):
-            return []  # (asked already: on_tick asks again)
-        self.want = run
-        return self._ask_fence(now)
-
-    def on_message(self, src: int, msg: dict, now: float) -> list:
-        """A message from peer ``src``. A malformed one raises ProtocolError and changes nothing."""
+    def on_message(self, src: int, m: dict, now: float) -> list:
+        """A message from peer ``src``, as ``ucpd.protocol.COMMIT_MESSAGE`` decoded it (the
+        driver's transport checks it against its record: ranks a frozenset, every bound held).
+        A message from no peer raises ProtocolError and changes nothing."""
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.nodes or src == self.rank:
             raise ProtocolError(f"commit message from node {src!r}: not a peer of node {self.rank}")
-        m = parse(msg)
         self._clock(now)
         return getattr(self, "_on_" + m["t"])(src, m, now)
 
@@ -516,115 +535,6 @@ class CommitNode:
         return Send(self.coordinator, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
                                        "run": run, "e": self.epoch})
 
-    # --- runs of the job: fences ---------------------------------------------------------------
-
-    def _current(self, run: str) -> bool:
-        """Whether a part of ``run`` may still count: the current run, or any before the first fence."""
-        return run == self.run if self.run is not None else run not in self.retired
-
-    def _ask_fence(self, now: float) -> list:
-        """Ask the coordinator to make ``want`` the current run (we are it: grant it ourselves)."""
-        self._want_sent = now
-        if self.coordinator == self.rank:
-            return [] if self.syncing else self._grant(self.want, now, self.rank)
-        return [Send(self.coordinator, {"t": "fence_req", "run": self.want, "e": self.epoch})]
-
-    def _grant(self, run: str, now: float, src: int) -> list:
-        """Coordinator: ``run`` begins at node ``src``. A run we know as superseded is told so (the
-        current fence); a new run gets the next fence, which every live node must acknowledge
-        before ``src`` hears ``run_ok``; the current run, once acknowledged, gets ``run_ok`` now."""
-        if run in self.retired:
-            return [] if src == self.rank else [self._fence_msg(src)]
-        out: list = []
-        if run != self.run:
-            out += self._adopt(run, self.fence + 1, ())
-            self._granting = _Decision(1, {self.rank})
-            self._requesters = set()
-        self._requesters.add(src)
-        if self._granting is None:
-            return out + self._run_ok()
-        return out + self._advance_grant(now, send=run != self.run or src == self.rank)
-
-    def _advance_grant(self, now: float, send: bool = True) -> list:
-        """Coordinator: once every live node adopted the fence, the nodes that asked hear ``run_ok``."""
-        g = self._granting
-        if g.acked >= self.live:
-            self._granting = None
-            return self._run_ok()
-        if not send:
-            return []
-        g.sent_at = now
-        return [self._fence_msg(n) for n in sorted(self.live - g.acked)]
-
-    def _run_ok(self) -> list:
-        """Coordinator: tell the nodes that asked that the current run may begin, after the steps
-        decided before its fence (they become visible: the new run's ``latest()`` includes them)."""
-        decided = sorted(self.recorded | self.deciding.keys())[-MAX_PENDING:]
-        out = []
-        for n in sorted(self._requesters):
-            if n == self.rank:
-                self._granted, self._awaiting = self.fence, frozenset(decided)
-            else:
-                out.append(Send(n, {"t": "run_ok", "run": self.run, "f": self.fence, "steps": decided, "e": self.epoch}))
-        self._requesters = set()
-        return out
-
-    def _fence_msg(self, dest: int) -> Send:
-        return Send(dest, {"t": "fence", "run": self.run or "", "f": self.fence, "old": self.retired[-RETIRED:],
-                           "e": self.epoch})
-
-    def _on_fence_req(self, src: int, m: dict, now: float) -> list:
-        if self.coordinator != self.rank or self.syncing:
-            return []  # not ours to grant, or we first learn the team's fence: the node asks again
-        return self._grant(m["run"], now, src)
-
-    def _on_fence(self, src: int, m: dict, now: float) -> list:
-        if m["f"] < self.fence:
-            return [self._fence_msg(src)]  # the sender missed a later fence: pass it on
-        return self._adopt(m["run"], m["f"], m["old"]) + [Send(src, {"t": "fenced", "f": m["f"], "e": m["e"]})]
-
-    def _on_fenced(self, src: int, m: dict, now: float) -> list:
-        g = self._granting
-        if g is None or m["f"] != self.fence or m["e"] != self.epoch or src not in self.live:
-            return []  # stale, duplicated, or from before the current view
-        g.acked.add(src)
-        return self._advance_grant(now, send=False)
-
-    def _on_run_ok(self, src: int, m: dict, now: float) -> list:
-        out = self._adopt(m["run"], m["f"], ()) if m["f"] > self.fence else []
-        if m["run"] == self.want and m["run"] == self.run:  # (a fence we hold for it may be numbered apart)
-            self._granted, self._awaiting = self.fence, frozenset(m["steps"])
-        return out
-
-    def _adopt(self, run: str, f: int, old: Iterable[str]) -> list:
-        """Fence ``f`` makes ``run`` current: earlier runs retire, their undecided reports go (here
-        and, on the coordinator, from every node), and the driver abandons their parts (``Fence``)."""
-        if f < self.fence or (f == self.fence and (run != self.run or f == 0)):
-            return []  # an older fence, or the same number given to another run by a dead coordinator
-        for r in old:
-            if r != run and r not in self.retired:
-                self.retired.append(r)
-        if f == self.fence:
-            return []
-        if self.run is not None and self.run != run and self.run not in self.retired:
-            self.retired.append(self.run)
-        del self.retired[:-RETIRED]
-        self.run, self.fence = run, f
-        self._granting = None  # a grant of ours in progress was for an earlier run
-        for step in [s for s, rep in self.mine.items() if rep[2] != run]:
-            del self.mine[step]
-            self._unacked.pop(step, None)
-        for step in [s for s in self.reports if s not in self.deciding]:
-            per = self.reports[step]
-            for node in [n for n, rep in per.items() if rep[2] != run]:
-                del per[node]
-            self._cover.pop(step, None)
-            if per:
-                self._cover[step] = _union(per.values())
-            else:
-                del self.reports[step]
-        return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
-
     def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], run: str, now: float) -> list:
         if self.is_committed(step) or not self._current(run):
             return []
@@ -698,7 +608,7 @@ class CommitNode:
         if self.is_committed(step) or step in self.recorded:
             return []
         self.recorded.add(step)
-        return [Record(step)]
+        return [Decided(step)]
 
     def _make_visible(self, step: int) -> list:
         if self.is_committed(step):

@@ -35,7 +35,7 @@ from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version
 from ..errors import ChecksumMismatch, DaemonUnreachable, SnapshotRejected, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from . import placement
-from .commit import Commit, CommitNode, Fence, Record, Send
+from .commit import Commit, CommitNode, Decided as Record, Fence, Send
 from .config import TeamConfig
 from .membership import Membership
 from .replicas import ReplicaStore, verify_part_crcs

@@ -4,22 +4,8 @@ Topology: every node binds one ROUTER on its ``--listen`` address and only recei
 connects one DEALER to every peer's ROUTER and only sends on those. Every message, replies
 included, travels sender DEALER -> destination ROUTER: a link is one TCP stream per direction.
 
-Wire layout of a message (ZeroMQ multipart)::
-
-    [header, mac, payload frame 0, payload frame 1, ...]
-
-``header`` is a msgpack map ``{"v": 1, "src", "dst", "t": type, "id": request id | nil,
-"re": id replied to | nil, "inc": sender incarnation, "seq": per-sender counter, "ts": wall
-clock, "b": msgpack body, "p": [[length, crc32c(, blake2b)] per payload frame], "e": [code,
-message] | nil}``. ``mac`` is HMAC-SHA256 of the header bytes under ``derive_key(secret)``
-(empty without a secret). Payload bytes are *not* MAC'd, for speed: they are bound to the
-signed header by their length and CRC32C, which stops corruption but not an on-path attacker
-able to rewrite TCP streams (a CRC is easy to forge). ``UCPD_PEER_PAYLOAD_MAC=1`` (or
-``payload_mac=True``) adds a keyed BLAKE2b per frame to the signed header; receivers check
-any such MAC, and those with the knob on refuse payload frames without one (it costs about
-1 s of one core per GB on each side). A payload buffer is cut into frames of at most
-``frame_bytes`` (at least one frame per buffer, empty buffers included); the receiver gets the
-flat list of frames in order and holds them all at once.
+Every message is ``[header, mac, payload frames...]``, signed and checked by ``ucpd.team.frames``
+(its docstring gives the layout).
 
 Replies: given ``schemas`` (``{type: ucpd.protocol.MessageType}``; the team passes
 ``protocol.PEER_REQUESTS``), only those types may be requested, and every reply is checked
@@ -28,13 +14,12 @@ breaks it is a bug there: logged, counted in ``callback_errors``, and answered w
 ProtocolError instead) and by the requester on receipt (``request`` raises ProtocolError
 naming the type and the field).
 
-Receivers refuse, count and log (rate-limited) any message with a bad or missing MAC
-(``auth_failures``), a wrong destination or unknown source (``misrouted``), a sequence number
-not above the last one seen from that sender incarnation, or a first message of an unknown
-incarnation older than ``REPLAY_WINDOW_S`` (``replays``; clocks must agree within that
-window), an undecodable header (``malformed``) or a payload CRC mismatch
-(``checksum_errors``). Nothing refused reaches a callback. Without a secret only loopback
-addresses are allowed.
+Receivers refuse, count and log (rate-limited) any message ``frames.Framer.check`` refuses
+(``auth_failures``, ``misrouted``, ``replays``, ``malformed``, ``checksum_errors``). Nothing
+refused reaches a callback. Without a secret only loopback addresses are allowed.
+
+One-way messages have no reply to carry an error back: given ``schemas``, ``send`` checks the
+body of a one-way type before it leaves (a malformed one is our bug: ProtocolError).
 
 Threading: one I/O thread owns every socket. ``send`` and ``request`` may be called from any
 thread; they prepare frames (CRC, optional payload MAC) on the caller's thread and hand them
@@ -60,8 +45,6 @@ valid and unmodified until ZeroMQ releases them (``send(..., track=True)`` retur
 from __future__ import annotations
 
 import collections
-import hashlib
-import hmac
 import ipaddress
 import itertools
 import logging
@@ -78,18 +61,16 @@ from typing import Any, Callable, Mapping, Sequence
 import msgpack
 import zmq
 
-from .. import knobs
 from ..errors import AuthError, DaemonUnreachable, ProtocolError, UcpdError, error_from_code
-from ..native import crc32c
-from ..protocol import MessageType, reply_from_wire, reply_to_wire
+from ..protocol import MessageType, reply_from_wire, reply_to_wire, validate_peer
+from .frames import Framer, Refused
+from .links import Link, Outgoing, TokenBucket, pump
 
 log = logging.getLogger(__name__)
 
 Buffer = Any  # anything exporting a C-contiguous buffer (bytes, numpy array, memoryview of an mmap)
 
-PROTOCOL_VERSION = 1
 HEADER_MARGIN = 64 << 10  # MAXMSGSIZE = frame_bytes + this; also the header-size slack
-REPLAY_WINDOW_S = 60.0
 HEARTBEAT = "_hb"
 SEND_TIMEOUT_S = 30.0  # a send() still queued (peer unreachable) after this long is dropped
 LINGER_MS = 100
@@ -97,24 +78,12 @@ LINGER_MS = 100
 # and what a peer can make us buffer is bounded by HWM x message size
 HWM = 16
 WARN_EVERY_S = 5.0
-INCARNATIONS_KEPT = 8  # per source: sequence state of its most recent incarnations
-_HEADER_KEYS = frozenset({"v", "src", "dst", "t", "id", "re", "inc", "seq", "ts", "b", "p", "e"})
 _COUNTERS = ("messages_sent", "bytes_sent", "messages_received", "bytes_received", "heartbeats_sent",
              "heartbeats_received", "auth_failures", "replays", "malformed", "checksum_errors",
              "misrouted", "dropped", "late_replies", "callback_errors")
 
 OnMessage = Callable[[int, str, dict, "list[memoryview]"], None]
 OnRequest = Callable[[int, str, dict, "list[memoryview]"], "tuple[dict, list]"]
-
-
-def derive_key(secret: bytes, label: bytes = b"ucpd-peer-v1") -> bytes:
-    """The 32-byte key for ``label`` derived from the job secret."""
-    return hmac.new(secret, label, hashlib.sha256).digest()
-
-
-def payload_mac_enabled() -> bool:
-    """Whether ``UCPD_PEER_PAYLOAD_MAC`` asks for keyed BLAKE2b over payload bytes."""
-    return knobs._get("UCPD_PEER_PAYLOAD_MAC", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
 def is_local_address(address: str) -> bool:
@@ -131,54 +100,6 @@ def is_local_address(address: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
-
-
-class _Out:
-    """One message waiting on the I/O thread; header fields are filled in when it is sent."""
-
-    __slots__ = ("dest", "msg_type", "body", "frames", "entries", "req_id", "reply_to", "err", "deadline", "pos")
-
-    def __init__(self, dest, msg_type, body, frames, entries, req_id, reply_to, err, deadline):
-        self.dest, self.msg_type, self.body, self.frames, self.entries = dest, msg_type, body, frames, entries
-        self.req_id, self.reply_to, self.err, self.deadline, self.pos = req_id, reply_to, err, deadline, -1
-
-
-class _Link:
-    """The DEALER to one peer and what waits to go through it (I/O thread only)."""
-
-    def __init__(self, rank: int, address: str, sock: zmq.Socket):
-        self.rank, self.address, self.sock = rank, address, sock
-        self.control: collections.deque[_Out] = collections.deque()  # no payload: jump the bucket
-        self.bulk: collections.deque[_Out] = collections.deque()
-        self.current: _Out | None = None  # partly sent multipart: the link is busy until it ends
-        self.blocked = False  # last send hit EAGAIN (no connection, or HWM): wait for POLLOUT
-        self.polled = False  # registered for POLLOUT
-
-    def queued(self) -> bool:
-        return bool(self.current or self.control or self.bulk)
-
-
-class _TokenBucket:
-    """Bytes per second with a small burst; a frame larger than the burst goes into debt."""
-
-    def __init__(self, rate: float):
-        self.rate = rate
-        self.capacity = max(rate * 0.05, 64 << 10)
-        self.tokens, self.stamp = self.capacity, time.monotonic()
-
-    def wait(self, nbytes: int) -> float:
-        """Seconds until ``nbytes`` may go (0: now)."""
-        if self.rate <= 0:
-            return 0.0
-        now = time.monotonic()
-        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        need = min(nbytes, self.capacity)
-        return 0.0 if self.tokens >= need else (need - self.tokens) / self.rate
-
-    def take(self, nbytes: int) -> None:
-        if self.rate > 0:
-            self.tokens -= nbytes
 
 
 class PeerTransport:
@@ -219,25 +140,21 @@ class PeerTransport:
         self.max_message = frame_bytes + HEADER_MARGIN
         self._on_message, self._on_request, self._on_heartbeat = on_message, on_request, on_heartbeat
         self._schemas = schemas
-        self._key = derive_key(secret) if secret else None
-        self._mac = hmac.new(self._key, digestmod=hashlib.sha256) if self._key else None
-        want_pmac = payload_mac_enabled() if payload_mac is None else payload_mac
-        self._pkey = derive_key(secret, b"ucpd-peer-payload-v1") if secret else None
-        self.payload_mac = self._pkey is not None and want_pmac  # sign payloads, and require it
-        self._bucket = _TokenBucket(net_limit)
+        self._framer = Framer(rank, secret, frame_bytes, payload_mac)
+        self.payload_mac = self._framer.payload_mac  # sign payloads, and require it
+        self._bucket = TokenBucket(net_limit)
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._ctx = zmq.Context(io_threads)
         self._ctx.set(zmq.MAX_SOCKETS, 1 << 16)  # one DEALER per peer: beyond the default 1023
         self._router: zmq.Socket | None = None
-        self._links: dict[int, _Link] = {}
-        self._inbox: collections.deque[_Out] = collections.deque()
+        self._links: dict[int, Link] = {}
+        self._inbox: collections.deque[Outgoing] = collections.deque()
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         # closed only when the object goes: a send() racing close() must never hit a reused fd
         weakref.finalize(self, _close_fds, self._wake_r, self._wake_w)
         self._pending: dict[int, tuple[int, Future]] = {}
         self._req_ids = itertools.count(1)
         self._seq = 0
-        self._seen: dict[int, collections.OrderedDict[str, int]] = {}
         self._last_warn: dict[str, float] = {}
         self._thread: threading.Thread | None = None
         self._io_ident: int | None = None
@@ -256,7 +173,7 @@ class PeerTransport:
         sock.setsockopt(zmq.LINGER, LINGER_MS)
         sock.setsockopt(zmq.RCVHWM, HWM)
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message)
-        self._keepalive(sock)
+        _keepalive(sock)
         address = self.listen[:-2] + ":*" if self.listen.endswith(":0") else self.listen
         try:
             sock.bind(address)
@@ -287,13 +204,13 @@ class PeerTransport:
             for opt, value in ((zmq.IPV6, "[" in address), (zmq.LINGER, LINGER_MS), (zmq.SNDHWM, HWM),
                                (zmq.IMMEDIATE, 1), (zmq.RECONNECT_IVL, 100), (zmq.RECONNECT_IVL_MAX, 1000)):
                 sock.setsockopt(opt, value)
-            self._keepalive(sock)
-            self._links[i] = _Link(i, address, sock)
+            _keepalive(sock)
+            self._links[i] = Link(i, address, sock)
             try:
                 sock.connect(address)
             except zmq.ZMQError as exc:
                 raise ValueError(f"bad address {address!r} for peer node {i}: {exc}") from None
-        self._seen = {i: collections.OrderedDict() for i in self._links}
+        self._framer.start(self._links)
         self._thread = threading.Thread(target=self._run, name=f"ucpd-peer-io-{self.rank}", daemon=True)
         self._thread.start()
 
@@ -329,6 +246,9 @@ class PeerTransport:
         within ``timeout`` seconds (peer unreachable) is dropped and counted.
         """
         self._check_type(msg_type)
+        spec = self._schemas.get(msg_type) if self._schemas is not None else None
+        if spec is not None and spec.reply is None:
+            validate_peer(msg_type, body)  # a one-way message: no reply could say what is wrong with it
         out, tracker = self._prepare(dest, msg_type, body, payload, track=track, timeout=timeout)
         self._enqueue(out)
         return tracker
@@ -402,26 +322,14 @@ class PeerTransport:
         if not isinstance(body, dict):
             raise TypeError(f"message body must be a dict, got {type(body).__name__}")
         packed = msgpack.packb(body, use_bin_type=True)
-        frames, entries = [], []
-        for buf in payload:
-            view = memoryview(buf)
-            if not view.c_contiguous:
-                raise ValueError("payload buffers must be C-contiguous")
-            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
-            for start in range(0, max(len(view), 1), self.frame_bytes):
-                chunk = view[start:start + self.frame_bytes]
-                entry = [len(chunk), crc32c(chunk)]
-                if self.payload_mac:
-                    entry.append(hashlib.blake2b(chunk, key=self._pkey, digest_size=32).digest())
-                frames.append(zmq.Frame(chunk, track=track))
-                entries.append(entry)
+        frames, entries = self._framer.cut(payload, track)
         if len(packed) + 48 * len(entries) + 512 > self.max_message:
             raise ValueError(f"message body of {len(packed)} bytes with {len(entries)} frames does not fit one "
                              f"{self.max_message}-byte header: send bulk data as payload, or in several messages")
-        out = _Out(dest, msg_type, packed, frames, entries, req_id, reply_to, err, time.monotonic() + timeout)
+        out = Outgoing(dest, msg_type, packed, frames, entries, req_id, reply_to, err, time.monotonic() + timeout)
         return out, (zmq.MessageTracker(*frames) if track else None)
 
-    def _enqueue(self, out: _Out) -> None:
+    def _enqueue(self, out: Outgoing) -> None:
         self._inbox.append(out)
         self._wake()
 
@@ -432,16 +340,10 @@ class PeerTransport:
             pass
 
     def _require_secret_for(self, address: str, what: str) -> None:
-        if self._key is None and not is_local_address(address if "://" in address else f"tcp://{address}"):
+        if self._framer.key is None and not is_local_address(address if "://" in address else f"tcp://{address}"):
             raise AuthError(f"{what} address {address} is not loopback, and links between daemons on different "
                             "hosts must be authenticated: pass --secret-file FILE (or $UCPD_SECRET_FILE) with a "
                             "secret shared by every daemon of the job")
-
-    @staticmethod
-    def _keepalive(sock: zmq.Socket) -> None:
-        for opt, value in ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 30), (zmq.TCP_KEEPALIVE_INTVL, 5),
-                           (zmq.TCP_KEEPALIVE_CNT, 3)):
-            sock.setsockopt(opt, value)
 
     # --- the I/O thread ------------------------------------------------------------------------
 
@@ -459,9 +361,8 @@ class PeerTransport:
                     next_hb = now + self.heartbeat_interval
                 while self._inbox:
                     out = self._inbox.popleft()
-                    link = self._links[out.dest]
-                    (link.bulk if out.frames else link.control).append(out)
-                token_wait = self._pump()
+                    self._links[out.dest].route(out)
+                token_wait = pump(self._links.values(), self._bucket, self._send_head, self.counters)
                 if now >= next_expiry:
                     next_expiry = now + (0.05 if self._expire(now) else 1.0)
                 timeout = min(next_hb, next_expiry) - now
@@ -492,8 +393,7 @@ class PeerTransport:
     def _teardown(self) -> None:
         self._inbox.clear()
         for link in self._links.values():  # unsent buffers are released: their trackers finish
-            link.control.clear(), link.bulk.clear()
-            link.current = None
+            link.clear()
         for _, future in list(self._pending.values()):
             if not future.done():
                 future.set_exception(DaemonUnreachable("the peer transport was closed before the reply came"))
@@ -507,71 +407,16 @@ class PeerTransport:
     def _queue_heartbeats(self, now: float) -> None:
         for link in self._links.values():
             if not any(out.msg_type == HEARTBEAT for out in link.control):
-                link.control.append(_Out(link.rank, HEARTBEAT, b"\x80", [], [], None, None, None,
-                                         now + self.heartbeat_interval))
+                link.control.append(Outgoing(link.rank, HEARTBEAT, b"\x80", [], [], None, None, None,
+                                             now + self.heartbeat_interval))
 
-    def _pump(self) -> float:
-        """Send whatever may go now; returns seconds until the bucket allows the next frame."""
-        while True:  # round robin: one paced payload frame per link per round
-            progress, wait = False, float("inf")
-            for link in self._links.values():
-                if link.blocked:
-                    continue
-                try:
-                    sent, link_wait = self._step(link)
-                except zmq.Again:
-                    link.blocked = True
-                    continue
-                progress |= sent
-                wait = min(wait, link_wait)
-            if not progress:
-                return wait
-
-    def _step(self, link: _Link) -> tuple[bool, float]:
-        sent = False
-        if link.current is None:
-            while link.control:
-                self._send_head(link, link.control[0])
-                link.control.popleft()
-                sent = True
-            if not link.bulk:
-                return sent, float("inf")
-            wait = self._bucket.wait(link.bulk[0].entries[0][0])
-            if wait > 0:
-                return sent, wait
-            self._send_head(link, link.bulk[0])
-            link.current = link.bulk.popleft()
-        out = link.current
-        while True:
-            size = out.entries[out.pos][0]
-            wait = self._bucket.wait(size)
-            if wait > 0:
-                return sent, wait
-            last = out.pos == len(out.frames) - 1
-            link.sock.send(out.frames[out.pos], zmq.NOBLOCK | (0 if last else zmq.SNDMORE), copy=False)
-            self._bucket.take(size)
-            out.frames[out.pos] = None  # release the caller's buffer as soon as ZeroMQ has it
-            self.counters["bytes_sent"] += size
-            out.pos += 1
-            sent = True
-            if last:
-                link.current = None
-                return sent, 0.0
-            if self._bucket.rate > 0:
-                return sent, 0.0
-
-    def _send_head(self, link: _Link, out: _Out) -> None:
+    def _send_head(self, link: Link, out: Outgoing) -> None:
         """Sign and send the header and MAC frames (raises zmq.Again before anything is sent)."""
         self._seq += 1
-        header = msgpack.packb({"v": PROTOCOL_VERSION, "src": self.rank, "dst": out.dest, "t": out.msg_type,
-                                "id": out.req_id, "re": out.reply_to, "inc": self.incarnation, "seq": self._seq,
-                                "ts": time.time(), "b": out.body, "p": out.entries, "e": out.err},
-                               use_bin_type=True)
-        mac = b""
-        if self._mac is not None:
-            h = self._mac.copy()
-            h.update(header)
-            mac = h.digest()
+        header, mac = self._framer.sign({
+            "src": self.rank, "dst": out.dest, "t": out.msg_type, "id": out.req_id, "re": out.reply_to,
+            "inc": self.incarnation, "seq": self._seq, "ts": time.time(), "b": out.body, "p": out.entries,
+            "e": out.err})
         more = zmq.SNDMORE if out.frames else 0
         link.sock.send(header, zmq.NOBLOCK | zmq.SNDMORE)
         link.sock.send(mac, zmq.NOBLOCK | more)
@@ -584,16 +429,10 @@ class PeerTransport:
     def _expire(self, now: float) -> bool:
         """Drop queued messages past their deadline; True if anything is still queued."""
         for link in self._links.values():
-            for name in ("control", "bulk"):
-                queue = getattr(link, name)
-                if any(out.deadline < now for out in queue):
-                    for out in queue:
-                        if out.deadline < now:
-                            self._drop(link, out)
-                    setattr(link, name, collections.deque(out for out in queue if out.deadline >= now))
+            link.expire(now, self._drop)
         return any(link.queued() for link in self._links.values())
 
-    def _drop(self, link: _Link, out: _Out) -> None:
+    def _drop(self, link: Link, out: Outgoing) -> None:
         if out.msg_type == HEARTBEAT:
             return
         self.counters["dropped"] += 1
@@ -626,51 +465,13 @@ class PeerTransport:
                         self.rank, origin, counter, self.counters[counter], why)
 
     def _accept(self, frames: list) -> None:
-        if len(frames) < 2:
-            return self._refuse("malformed", frames, "fewer than two frames (header, mac)")
-        header, mac, payload = frames[0].bytes, frames[1].bytes, frames[2:]
-        if self._mac is not None:
-            h = self._mac.copy()
-            h.update(header)
-            if not hmac.compare_digest(h.digest(), mac):
-                return self._refuse("auth_failures", frames, "missing or wrong MAC (a different job secret?)")
-        elif mac:
-            return self._refuse("auth_failures", frames, "the peer signs its messages but this daemon has no secret")
         try:
-            h = _parse_header(header)
-        except ProtocolError as exc:
-            return self._refuse("malformed", frames, str(exc))
-        src = h["src"]
-        if h["dst"] != self.rank or src not in self._links:
-            return self._refuse("misrouted", frames, f"message from node {src} to node {h['dst']} reached node "
-                                f"{self.rank}: do all daemons have the same --peers list?")
-        seen = self._seen[src]
-        last = seen.get(h["inc"])
-        if last is not None and h["seq"] <= last:
-            return self._refuse("replays", frames, f"sequence {h['seq']} from node {src} already seen")
-        if last is None and not abs(time.time() - h["ts"]) <= REPLAY_WINDOW_S:
-            return self._refuse("replays", frames, f"first message of a new incarnation of node {src} is "
-                                f"{time.time() - h['ts']:.0f} s old (a replay, or clocks out of sync)")
-        if len(payload) != len(h["p"]):
-            return self._refuse("malformed", frames, f"{len(payload)} payload frames, header lists {len(h['p'])}")
-        for frame, entry in zip(payload, h["p"]):
-            view = frame.buffer
-            if len(view) != entry[0] or crc32c(view) != entry[1]:
-                return self._refuse("checksum_errors", frames, f"payload frame from node {src} fails its CRC32C")
-            if len(entry) == 3:
-                if self._pkey is None or not hmac.compare_digest(
-                        hashlib.blake2b(view, key=self._pkey, digest_size=32).digest(), entry[2]):
-                    return self._refuse("auth_failures", frames, f"payload frame from node {src} fails its MAC")
-            elif self.payload_mac:
-                return self._refuse("auth_failures", frames, f"payload frame from node {src} has no MAC: set "
-                                    "UCPD_PEER_PAYLOAD_MAC=1 on every daemon of the job")
-        seen[h["inc"]] = h["seq"]
-        seen.move_to_end(h["inc"])
-        if len(seen) > INCARNATIONS_KEPT:
-            seen.popitem(last=False)
+            h, payload = self._framer.check(frames, self._links)
+        except Refused as exc:
+            return self._refuse(exc.counter, frames, exc.why)
         self.counters["messages_received"] += 1
         self.counters["bytes_received"] += sum(len(f) for f in frames)
-        self._dispatch(src, h, [f.buffer for f in payload])
+        self._dispatch(h["src"], h, payload)
 
     def _dispatch(self, src: int, h: dict, payload: list[memoryview]) -> None:
         msg_type, body = h["t"], h["b"]
@@ -710,7 +511,7 @@ class PeerTransport:
             done.set_result(result)
             self._inbox.append(self._reply(src, req_id, msg_type, done))
 
-    def _reply(self, src: int, req_id: int, msg_type: str, result: Future) -> _Out:
+    def _reply(self, src: int, req_id: int, msg_type: str, result: Future) -> Outgoing:
         try:
             reply, reply_payload = result.result()
             if self._schemas is not None:
@@ -742,6 +543,12 @@ class PeerTransport:
                 f"node {self.rank} built a malformed {msg_type!r} reply (a ucpd bug, please report it): {exc}") from None
 
 
+def _keepalive(sock: zmq.Socket) -> None:
+    for opt, value in ((zmq.TCP_KEEPALIVE, 1), (zmq.TCP_KEEPALIVE_IDLE, 30), (zmq.TCP_KEEPALIVE_INTVL, 5),
+                       (zmq.TCP_KEEPALIVE_CNT, 3)):
+        sock.setsockopt(opt, value)
+
+
 def _ensure_fd_limit(needed: int) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
@@ -754,35 +561,3 @@ def _ensure_fd_limit(needed: int) -> None:
 def _close_fds(*fds: int) -> None:
     for fd in fds:
         os.close(fd)
-
-
-def _parse_header(raw: bytes) -> dict:
-    """Decode and type-check a header; the body is decoded too. Raises ProtocolError."""
-    try:
-        h = msgpack.unpackb(raw, raw=False, max_array_len=1 << 20, max_map_len=64)
-        if not isinstance(h, dict) or set(h) != _HEADER_KEYS:
-            raise ProtocolError("header is not a map with the expected keys")
-        h["b"] = msgpack.unpackb(h["b"], raw=False, strict_map_key=False) if isinstance(h["b"], bytes) else None
-    except ProtocolError:
-        raise
-    except Exception as exc:  # msgpack raises many unrelated types for bad bytes
-        raise ProtocolError(f"header is not valid msgpack: {exc}") from None
-
-    def is_int(v: Any, optional: bool = False) -> bool:
-        return (optional and v is None) or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)
-
-    if h["v"] != PROTOCOL_VERSION:
-        raise ProtocolError(f"peer protocol version {h['v']!r} is not {PROTOCOL_VERSION}: mixed ucpd releases")
-    if not (is_int(h["src"]) and is_int(h["dst"]) and is_int(h["seq"]) and is_int(h["id"], True)
-            and is_int(h["re"], True) and isinstance(h["t"], str)
-            and isinstance(h["inc"], str) and len(h["inc"]) <= 64
-            and isinstance(h["ts"], (int, float)) and isinstance(h["b"], dict) and isinstance(h["p"], list)):
-        raise ProtocolError("header fields have the wrong types")
-    for entry in h["p"]:
-        if not (isinstance(entry, list) and len(entry) in (2, 3) and is_int(entry[0]) and is_int(entry[1])
-                and (len(entry) == 2 or isinstance(entry[2], bytes))):
-            raise ProtocolError("payload entries must be [length, crc32c(, mac)]")
-    e = h["e"]
-    if e is not None and not (isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e)):
-        raise ProtocolError("error field must be [code, message]")
-    return h
