@@ -225,7 +225,7 @@ def test_a_daemon_that_dies_gives_daemon_unreachable_not_a_hang(make_daemon):
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.ones(4)}).wait()
         d.kill()
-        ckpt._conn()._c.timeout = 2.0
+        ckpt.session.conn().connection.timeout = 2.0
         with pytest.raises(DaemonUnreachable):  # after the 2 s timeout (a hang fails by pytest-timeout)
             ckpt.latest()
         d.start()  # a restarted daemon re-adopts step 1 and the same connection works again
