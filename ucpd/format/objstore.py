@@ -116,6 +116,18 @@ class _Pace:
         return max(0.0, self.done / self.rate - (time.monotonic() - self.t0)) if self.rate > 0 else 0.0
 
 
+def _marked_sizes(vdir_url: str, marker: dict, meta: spec.Meta) -> dict[str, int]:
+    """The files of a version a commit marker lists besides ``ucp.json``, with their sizes;
+    FormatError for one ``ucp.json`` does not list or records at another size."""
+    sizes = {n: int(size) for n, size in marker["files"].items() if n != spec.META_FILE}
+    for n, size in sizes.items():
+        if n not in meta.files and n != spec.OBJECTS_FILE:
+            raise FormatError(f"{vdir_url}/{n}: in the commit marker, not in ucp.json")
+        if n in meta.files and size != meta.files[n].size:
+            raise FormatError(f"{vdir_url}/{n}: the commit marker records {size} bytes, ucp.json {meta.files[n].size}")
+    return sizes
+
+
 class ObjectRoot:
     """One checkpoint root at an fsspec URL. Methods raise StorageError when the store fails a
     request after its retries (naming the URL), FormatError for a malformed version, and
@@ -477,15 +489,8 @@ class ObjectRoot:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            names = [n for n in marker["files"] if n != spec.META_FILE]
-            for n in names:
-                if n not in meta.files and n != spec.OBJECTS_FILE:
-                    raise FormatError(f"{self._u(spec.step_dirname(step), n)}: in the commit marker, not in ucp.json")
-            sizes = {n: int(marker["files"][n]) for n in names}
-            for n in names:
-                if n in meta.files and sizes[n] != meta.files[n].size:
-                    raise FormatError(f"{self._u(spec.step_dirname(step), n)}: the commit marker records {sizes[n]} "
-                                      f"bytes, ucp.json {meta.files[n].size}")
+            sizes = _marked_sizes(self._u(spec.step_dirname(step)), marker, meta)
+            names = list(sizes)
             self._run(self._download, [(self._p(spec.step_dirname(step), n), tmp / n, sizes[n]) for n in names],
                       _Pace(sum(sizes.values()), None, progress))
             (tmp / spec.META_FILE).write_bytes(meta_bytes)
