@@ -6,7 +6,7 @@ its chunk CRCs); ``RankPart`` is a rank's sealed part (its slot, tensors, plain 
 (``placement_key``, ``fragments_of``, ``shared_geometry``) resolves each (placement, shape)
 once: a job snapshots the same layout every step, and a mixture-of-experts rank holds 10^4-10^5
 tensors of a few shapes, so commit validation, coverage, indexing and restore planning share it.
-``pack_tensors`` / ``tensorstensors_from_columns`` are a part's manifest as the on-shm index keeps it.
+``pack_tensors`` / ``tensors_from_columns``: a part's manifest as the on-shm index keeps it.
 
 The lifecycle of the versions that hold these parts is ``versions.py``.
 """
