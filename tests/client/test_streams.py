@@ -9,7 +9,6 @@ GPU: ``tests/gpu/test_gpu_streams.py``.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 

@@ -20,7 +20,6 @@ The daemon flushes versions to the universal format in the background.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
