@@ -56,10 +56,3 @@ def dtype(name: str) -> DType:
         raise PlacementMismatch(
             f"unknown dtype {name!r}; supported: {', '.join(sorted(BY_NAME))}"
         ) from None
-
-
-def from_safetensors(code: str) -> DType:
-    try:
-        return BY_SAFETENSORS[code]
-    except KeyError:
-        raise PlacementMismatch(f"unknown safetensors dtype {code!r}") from None

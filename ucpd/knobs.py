@@ -63,6 +63,11 @@ def shm_dir(node_rank: int = 0, run_dir_path: str | None = None) -> str:
     return _get("UCPD_SHM_DIR", f"/dev/shm/ucpd-{user()}-{tag}-{node_rank}")
 
 
+def named_shm_dir() -> str | None:
+    """``$UCPD_SHM_DIR`` when one is named (an embedded daemon is started with it), else None."""
+    return get("UCPD_SHM_DIR") or None
+
+
 def parity_unit() -> int:
     """Bytes of a parity unit (``--parity``): each row of a group's parity encodes one unit per member."""
     return max(64, parse_size(_get("UCPD_PARITY_UNIT", "4M")) // 64 * 64)

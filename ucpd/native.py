@@ -711,10 +711,6 @@ class Event:
         """True when the captured work has finished (never blocks)."""
         return bool(_cuda_call(_native.event_query, self._handle))
 
-    def elapsed_ms(self, end: "Event") -> float:
-        """Milliseconds between this event and ``end`` (both recorded, timing enabled)."""
-        return float(_cuda_call(_native.event_elapsed_ms, self._handle, end._handle))
-
     def close(self) -> None:
         if self._handle:
             _native.event_destroy(self._handle)

@@ -40,7 +40,8 @@ def cpu_reps(fn, reps: int) -> tuple[list[float], object]:
 def measure(count: int, reps: int) -> dict[str, float]:
     from ucpd import protocol
     from ucpd.daemon import restore
-    from ucpd.daemon.versions import RankPart, TensorEntry, Version, VersionState
+    from ucpd.daemon.manifest import RankPart, TensorEntry
+    from ucpd.daemon.versions import Version, VersionState
 
     numel = 64
     entries = [

@@ -234,7 +234,8 @@ def measure_plan(count: int, nbytes: int, reps: int, ranks: int = 64) -> dict[st
         from ucpd.gcpause import paused  # as the daemon plans (absent before it existed)
     except ImportError:
         from contextlib import nullcontext as paused
-    from ucpd.daemon.versions import RankPart, Version, validate_entry
+    from ucpd.daemon.manifest import RankPart, validate_entry
+    from ucpd.daemon.versions import Version
 
     ep, tp = ranks // 2, 2
     rows = 16

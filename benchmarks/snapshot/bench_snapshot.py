@@ -381,9 +381,9 @@ class RestoreProbe:
     )
 
     def __init__(self):
-        from ucpd_client import checkpointer as cp_mod, restore as r_mod
+        from ucpd_client import restore as r_mod, session as session_mod
 
-        self.r_mod, self.cp_mod = r_mod, cp_mod
+        self.r_mod, self.session_mod = r_mod, session_mod
         self.acc: dict[str, float] = {"restore RPC (daemon plans)": 0.0, "map sources": 0.0}
         self._saved = []
 
@@ -413,7 +413,7 @@ class RestoreProbe:
             elif not hasattr(owner, name):
                 continue
             self._wrap(owner, name, phase)
-        conn_cls = self.cp_mod._Conn
+        conn_cls = self.session_mod.DaemonConn
         orig_call = conn_cls.call
         self._saved.append((conn_cls, "call", orig_call))
         acc = self.acc

@@ -14,7 +14,6 @@ talks to the daemon has its own connection.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -29,30 +28,18 @@ from typing import Any, Mapping
 import torch
 
 from ucpd import faults, gcpause, knobs, native
-from ucpd.errors import InvalidPlacement, ProtocolError, UcpdError
+from ucpd.errors import ProtocolError, UcpdError
 from ucpd.protocol import job_name, tensor_entry
-from ucpd.rpc import Connection
-from ucpd.ucl import Replicated
 
 from . import embedded as embedded_daemon, launchers, restore as restore_mod, state as state_mod
 from .errors import CommitTimeout, InvalidJobName
 from .incremental import Tracker
-from .mapping import Mappings
-from .staging import CudaStager, Entry, copy_to_slot_cpu, layout, window_crcs
-from .streams import TORCH_CUDA, DeviceStreams, Fence, devices_of
+from .session import DaemonSession
+from .staging import CudaStager, Entry, copy_to_slot_cpu, entry_of, layout
+from .streams import DeviceStreams, Fence, devices_of
 
 
-_REPLICATED = Replicated().to_dict()
 log = logging.getLogger("ucpd.client")
-
-
-@functools.lru_cache(maxsize=1)
-def _dtensor_class() -> type:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return type(None)
-    return DTensor
 
 
 def _as_job_name(text: str) -> str:
@@ -135,6 +122,10 @@ class SnapshotHandle:
         self._staged.set()
         self._sealed.set()
 
+    def _set_staged(self) -> None:
+        self.timings["staged"] = time.perf_counter()
+        self._staged.set()
+
     def staged(self, timeout: float | None = None) -> "SnapshotHandle":
         """Block until this rank's tensors are copied out (safe to modify). Raises on failure."""
         if not self._staged.wait(timeout):
@@ -194,7 +185,7 @@ class SnapshotHandle:
 
     def _ask(self, timeout: float) -> dict | None:
         """One ``wait`` call; returns the daemon's ``waiting`` record while the step is pending."""
-        reply = self._ckpt._conn().call_wait(self.step, timeout)
+        reply = self._ckpt.session.conn().call_wait(self.step, timeout)
         if reply.get("state") != "pending":
             self._committed = True
             self.timings["committed"] = time.perf_counter()
@@ -249,30 +240,23 @@ class Checkpointer:
         self.rank = r if rank is None else rank
         self.world_size = w if world_size is None else world_size
         self.run_dir = run_dir or knobs.run_dir()
-        self._local = threading.local()
         self._hello = {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(), "host": socket.gethostname()}
         conn, self.daemon_info = embedded_daemon.connect_or_start(self.run_dir, self._hello, embedded)
         conn.timeout = knobs.rpc_timeout()  # hello used a short one to detect a missing daemon
-        self._local.conn = conn
-        self._conns = [conn]
-        self._maps = Mappings(on_drop=self._drop_stager)
+        self.session = DaemonSession(self.run_dir, self.rank, self.world_size, self.job, self.job_id, conn,
+                                     on_drop=self._drop_stager)
+        self._maps = self.session.maps  # the snapshot's slots
         self._jobs: queue.Queue = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"ucpd-snapshot-r{self.rank}", daemon=True)
         self._worker.start()
         self._stagers: dict[str, CudaStager] = {}  # one per slot path: its registration
-        self._cuda = TORCH_CUDA  # the CUDA backend (tests without a GPU put a model of streams here)
         self._streams: DeviceStreams | None = None  # one staging stream per device, made when first needed
-        self._restore_streams: DeviceStreams | None = None  # and one restore stream per device
         self._stager_lock = threading.Lock()
         self._ahead: queue.Queue | None = None  # slots to get ready between snapshots (_map_ahead)
-        self._pinned: dict[str, int | None] = {}  # restore sources registered (address), or that refused (None)
-        self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
         self._last: SnapshotHandle | None = None
         self._closed = False
         self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
-        # the last restore's {"step", "where"}: "ram" (this node's or the team's) or "disk" (the flush dir)
-        self.last_restore: dict | None = None
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
         # a team of daemons copies parts by their slot bytes: it never takes references
         self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
@@ -294,14 +278,16 @@ class Checkpointer:
                 "launch with torchrun, srun or mpirun, or pass Checkpointer(local_world_size=...)",
                 self.rank, self.world_size, self.daemon_info.get("nodes"))
 
-    # --- connections ---------------------------------------------------------------------------
+    @property
+    def last_restore(self) -> dict | None:
+        """Where the last restore came from: ``{"step": N, "where": "ram" | "disk"}`` (with
+        ``"damaged"``: the ``(step, where)`` of each source that failed its checksums first)."""
+        return self.session.last_restore
 
-    def _conn(self) -> "_Conn":
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            conn = self._local.conn = Connection(self.run_dir, timeout=knobs.rpc_timeout())
-            self._conns.append(conn)
-        return _Conn(conn, self.job, self.job_id)
+    @property
+    def last_device_restore(self) -> dict | None:
+        """The last restore into CUDA tensors: its windows, bytes and pieces."""
+        return self.session.last_device_restore
 
     # --- snapshot ------------------------------------------------------------------------------
 
@@ -321,9 +307,9 @@ class Checkpointer:
         with gcpause.paused():  # 10^5 tensors: as many entries, never scanned by the collector
             tensors, values = state_mod.split(dict(state))
             places = placements or {}
-            entries = [self._entry(name, t, places.get(name), detach=False) for name, t in tensors.items()]
-            devices = devices_of([e.tensor for e in entries], self._cuda)
-            fence = Fence.record(devices, self._cuda) if devices else None
+            entries = [entry_of(name, t, places.get(name), detach=False) for name, t in tensors.items()]
+            devices = devices_of([e.tensor for e in entries], self.session.cuda)
+            fence = Fence.record(devices, self.session.cuda) if devices else None
         unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
@@ -334,22 +320,6 @@ class Checkpointer:
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
-
-    def _entry(self, name: str, t: torch.Tensor, placement, detach: bool = True) -> Entry:
-        """``detach``: hold the tensor detached from autograd (a restore writes into it; a
-        snapshot only reads it, and detaches where it copies through torch)."""
-        if type(t) is not torch.Tensor and isinstance(t, _dtensor_class()):
-            from .placement import from_dtensor
-
-            placement = placement or from_dtensor(t)
-            t = t.to_local()
-        if detach:
-            t = t.detach()
-        if placement is None:
-            return Entry(name, t, _REPLICATED)
-        if not hasattr(placement, "to_dict"):
-            raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {placement!r}")
-        return Entry(name, t, placement.to_dict())
 
     def _work(self) -> None:
         while True:
@@ -365,28 +335,11 @@ class Checkpointer:
                     self._incremental.forget()
                 handle._fail(exc)
 
-    def _drop_stager(self, path: str, writable: bool = True) -> None:
-        """A mapping goes: its CUDA registration first (the slot's stager, or a restore source's)."""
-        if not writable:
-            address = self._pinned.pop(path, None)
-            if address is not None:
-                self._cuda.host_unregister(address)
-            return
+    def _drop_stager(self, path: str) -> None:
+        """A slot's mapping goes: its stager's CUDA registration first."""
         stager = self._stagers.pop(path, None)
         if stager is not None:
             stager.close()
-
-    def _pin_source(self, path: str, whole) -> bool:
-        """Page-lock a restore source's read-only mapping once (kept while it is mapped): True,
-        or False when the driver refuses (a file on disk; its copies then come from pageable
-        memory, piece by piece)."""
-        if path not in self._pinned:
-            try:
-                self._cuda.host_register(whole.ctypes.data, whole.nbytes, read_only=True)
-                self._pinned[path] = whole.ctypes.data
-            except Exception:
-                self._pinned[path] = None
-        return self._pinned[path] is not None
 
     def _begin(self, conn, step: int, entries: list[Entry], refs: dict) -> tuple[dict, list[Entry], set[str], dict]:
         """Get a slot for the tensors this rank must write. Tensors the daemon says a lower rank
@@ -427,14 +380,14 @@ class Checkpointer:
         if stager is None:
             with self._stager_lock:
                 if self._streams is None:
-                    self._streams = DeviceStreams(self._cuda)
+                    self._streams = DeviceStreams(self.session.cuda)
                 stager = self._stagers.get(path)
                 if stager is None:
                     stager = self._stagers[path] = CudaStager(slot, self._streams)
         return stager
 
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
-        conn = self._conn()
+        conn = self.session.conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         incr = self._incremental
         seen = incr.observe(entries) if incr is not None else []
@@ -446,22 +399,16 @@ class Checkpointer:
         self._maps.forget_missing()  # slots the daemon deleted: give their pages back
         slot = self._maps.get(reply["path"], writable=True)
         try:
-            on = self._cuda.device_of
+            on = self.session.cuda.device_of
             cpu = [e for e in write if on(e.tensor) < 0] if fence is not None else write
             gpu = [e for e in write if on(e.tensor) >= 0] if fence is not None else []
-            windows = self._stager(reply["path"], slot).queue(gpu, fence) if gpu else []
+            stager = self._stager(reply["path"], slot) if gpu else None
+            windows = stager.queue(gpu, fence) if stager is not None else []
             crcs = dict(zip([e.name for e in cpu], copy_to_slot_cpu(cpu, slot))) if cpu else {}
-            threads = knobs.copy_threads()
-            for i, (event, pieces) in enumerate(windows):  # each window's CRCs while the next is in flight
-                self._cuda.synchronize(event)
-                if i == len(windows) - 1:
-                    handle.timings["staged"] = time.perf_counter()
-                    handle._staged.set()
-                for (e, _, _), got in zip(pieces, window_crcs(slot, pieces, threads)):
-                    crcs.setdefault(e.name, []).extend(got)
-            if not windows:
-                handle.timings["staged"] = time.perf_counter()
-                handle._staged.set()
+            if windows:
+                crcs.update(stager.landed_crcs(windows, handle._set_staged))
+            else:
+                handle._set_staged()
         except BaseException:
             conn.call("abort", rank=self.rank, step=handle.step, slot=reply["slot"])
             raise
@@ -531,7 +478,14 @@ class Checkpointer:
 
     def latest(self) -> int | None:
         """The newest committed step of this job (in RAM or flushed), or None."""
-        return self._conn().call("latest")["step"]
+        return self.session.conn().call("latest")["step"]
+
+    def describe(self, step: int | None = None) -> dict:
+        """What committed version ``step`` (None: the newest) of this job holds, without
+        reading it: ``{"step", "where": "ram" | "disk", "tensors": {name: {"dtype", "shape"}},
+        "objects": {rank: pickled plain values}, "objects_crcs": {rank: CRC32C}}`` (the
+        ``describe`` reply of ``ucpd.protocol``). Raises VersionNotFound."""
+        return self.session.describe(step)
 
     def restore(self, target_state: Mapping[str, Any], step: int | None = None, placements: Mapping[str, Any] | None = None) -> int:
         """Fill the tensors of ``target_state`` in place from ``step`` (default: the newest
@@ -547,10 +501,10 @@ class Checkpointer:
         unchanged — with ``UCPD_RESTORE_VERIFY=window`` the windows before the damage are
         written; restore another step, or from the flush directory).
         """
-        return restore_mod.restore(self, target_state, step, placements)
+        return restore_mod.restore(self.session, target_state, step, placements)
 
     def status(self) -> dict:
-        return self._conn().call("status")
+        return self.session.conn().call("status")
 
     def close(self) -> None:
         """Finish queued snapshots and drop the connections (the daemon keeps running)."""
@@ -563,9 +517,7 @@ class Checkpointer:
         if self._ahead is not None:
             self._ahead.put(None)
             self._ahead.join()
-        for c in self._conns:
-            c.close()
-        self._maps.close()  # also unregisters the CUDA stagers of those slots
+        self.session.close()  # its mappings' CUDA registrations (the slots' stagers) go first
 
     def __enter__(self) -> "Checkpointer":
         return self
@@ -573,24 +525,3 @@ class Checkpointer:
     def __exit__(self, *exc) -> None:
         self.close()
 
-
-class _Conn:
-    """A connection with the calls the client makes, typed; each call about versions names the job."""
-
-    JOB_SCOPED = frozenset({"begin", "commit", "abort", "wait", "latest", "restore", "describe"})
-    RUN_SCOPED = frozenset({"latest", "restore", "describe"})  # a team fences earlier runs before answering
-
-    def __init__(self, conn: Connection, job: str, run: str | None = None):
-        self._c = conn
-        self._jobname = job
-        self._run = run
-
-    def call(self, msg_type: str, **body):
-        if msg_type in self.JOB_SCOPED:
-            body.setdefault("job", self._jobname)
-        if self._run and msg_type in self.RUN_SCOPED:
-            body.setdefault("incarnation", self._run)
-        return self._c.call(msg_type, **body)
-
-    def call_wait(self, step: int, timeout: float) -> dict:
-        return self._c.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout, job=self._jobname)

@@ -161,7 +161,7 @@ class UcpdStorageReader(StorageReader):
 
     def __init__(self, checkpointer, step: int | None = None):
         super().__init__()
-        self.ckpt = checkpointer
+        self.session = checkpointer.session
         self.step = step
         self._bytes: dict[str, bytes] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
@@ -177,10 +177,9 @@ class UcpdStorageReader(StorageReader):
         return UcpdStorageWriter.validate_checkpoint_id(checkpoint_id)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        body = {} if self.step is None else {"step": self.step}
-        desc = self.ckpt._conn().call("describe", **body)
+        desc = self.session.describe(self.step)
         self.step = desc["step"]
-        values = restore_mod.merged_values(desc["objects"], self.ckpt.rank, desc.get("objects_crcs"))
+        values = restore_mod.merged_values(desc["objects"], self.session.rank, desc.get("objects_crcs"))
         self._bytes = {}
         for name, value in values.items():
             if name.startswith("__dcp_bytes__."):
@@ -221,7 +220,7 @@ class UcpdStorageReader(StorageReader):
             entries.append(Entry(fqn, into, box.to_dict()))
             items.append((item, target, into))
         if entries:
-            restore_mod.restore_entries(self.ckpt, entries, self.step)
+            restore_mod.restore_entries(self.session, entries, self.step)
         for item, target, into in items:
             if into is not target:
                 target.copy_(into.view(target.shape))

@@ -21,8 +21,9 @@ from ucpd.rpc import Connection
 def start(run_dir: str, extra_args: list[str] | None = None) -> subprocess.Popen:
     os.makedirs(run_dir, mode=0o700, exist_ok=True)
     args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", run_dir, "--idle-exit", str(knobs.embedded_idle_exit())]
-    if os.environ.get("UCPD_SHM_DIR"):
-        args += ["--shm-dir", os.environ["UCPD_SHM_DIR"]]
+    shm_dir = knobs.named_shm_dir()
+    if shm_dir:
+        args += ["--shm-dir", shm_dir]
     with open(os.path.join(run_dir, "ucpd-embedded.log"), "ab") as log:
         return subprocess.Popen(
             args + (extra_args or []), stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True

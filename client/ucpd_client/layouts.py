@@ -1,12 +1,30 @@
-"""Placements for common parallel layouts: ``ucpd.ucl.layouts``, re-exported for trainers.
+"""Placements for common parallel layouts, for trainers: Megatron-style tensor, pipeline and
+expert parallelism, ZeRO partitions (``from ucpd_client import layouts as L``).
 
-The helpers are pure UCL and live in ``ucpd/ucl/layouts.py`` (spec files use them too);
-``from ucpd_client import layouts as L`` keeps working and gives the same names — the helpers
-and what that module itself offers (``L.Replicated``, ``L.Shard``, ``L.InvalidPlacement``, ...).
+The helpers are pure UCL and live in ``ucpd.ucl.layouts`` (spec files use them too); this module
+names them for the trainer library. The placement classes themselves are ``ucpd_client.placement``.
 """
 
-from ucpd.ucl import layouts as _impl
-from ucpd.ucl.layouts import __all__  # noqa: F401
+from ucpd.ucl.layouts import (
+    MegatronLayout,
+    ParamSpec,
+    column_parallel,
+    expert,
+    expert_index,
+    fused_gate_up,
+    fused_qkv,
+    global_layer_name,
+    padded_vocab,
+    padded_vocab_size,
+    pipeline_layer_offset,
+    row_parallel,
+    zero3_param,
+    zero_buffer,
+    zero_partitions,
+)
 
-globals().update({k: v for k, v in vars(_impl).items() if not k.startswith("__")})
-del _impl
+__all__ = [
+    "MegatronLayout", "ParamSpec", "column_parallel", "expert", "expert_index", "fused_gate_up", "fused_qkv",
+    "global_layer_name", "padded_vocab", "padded_vocab_size", "pipeline_layer_offset", "row_parallel",
+    "zero3_param", "zero_buffer", "zero_partitions",
+]

@@ -10,6 +10,7 @@ builds placements from Megatron-style ranks and ZeRO partition tables.
 
 from __future__ import annotations
 
+import functools
 from itertools import permutations
 from math import prod
 from typing import Any, Sequence
@@ -92,6 +93,16 @@ def chunk_box(
                 offsets[d] += off
                 lengths[d] = length
     return tuple(offsets), tuple(lengths)
+
+
+@functools.lru_cache(maxsize=1)
+def dtensor_class() -> type:
+    """torch's ``DTensor`` class (``type(None)`` where torch has no distributed), looked up once."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return type(None)
+    return DTensor
 
 
 def from_dtensor(obj: Any, *, coordinate: Sequence[int] | None = None) -> Placement:

@@ -8,6 +8,10 @@ the target tensors — one copy from the daemon's RAM to the trainer's memory, w
 in between for CPU targets; CUDA targets are filled by DMA straight from the registered
 source (``ucpd_client.device_restore``). The copying and verifying (fused copy+CRC where the
 windows allow) is ``ucpd.checked.CheckedCopier``, in windows when ``UCPD_RESTORE_VERIFY=window``.
+
+A restore runs in a ``DaemonSession`` (``ucpd_client.session``): its connection, its mappings
+of the sources, its CUDA backend; it records where the data came from in the session
+(``last_restore``, ``last_device_restore``).
 """
 
 from __future__ import annotations
@@ -28,8 +32,8 @@ from ucpd.protocol import PlanSource, RestorePlan
 
 from . import state as state_mod
 from .device_restore import DeviceRestore
-from .staging import dtype_name
-from .streams import DeviceStreams
+from .session import DaemonSession
+from .staging import dtype_name, entry_of
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -77,12 +81,13 @@ def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, in
     return out
 
 
-def restore(ckpt, target_state: Mapping[str, Any], step: int | None, placements: Mapping[str, Any] | None) -> int:
+def restore(session: DaemonSession, target_state: Mapping[str, Any], step: int | None,
+            placements: Mapping[str, Any] | None) -> int:
     """Fill the tensors of a nested state in place and put its plain values back."""
     with gcpause.paused():
         tensors, _ = state_mod.split(dict(target_state))
-        entries = [ckpt._entry(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
-        step, values = restore_entries(ckpt, entries, step)
+        entries = [entry_of(name, t, (placements or {}).get(name)) for name, t in tensors.items()]
+        step, values = restore_entries(session, entries, step)
     state_mod.assign_values(target_state, values)  # type: ignore[arg-type]
     return step
 
@@ -98,14 +103,14 @@ def process_id() -> dict:
 MAX_SOURCES_TRIED = 4  # a restore whose source fails its checksums asks the daemon for the next one
 
 
-def restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
+def restore_entries(session: DaemonSession, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """``_restore_entries`` with the cyclic garbage collector paused (``ucpd.gcpause``): the plan
     of 10^5 tensors is millions of short-lived objects."""
     with gcpause.paused():
-        return _restore_entries(ckpt, entries, step)
+        return _restore_entries(session, entries, step)
 
 
-def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
+def _restore_entries(session: DaemonSession, entries: list, step: int | None) -> tuple[int, dict[str, Any]]:
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
     global elements its placement names. Returns (step, the version's plain values).
 
@@ -121,8 +126,8 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
     ]
-    conn = ckpt._conn()
-    body = {"rank": ckpt.rank, "world_size": ckpt.world_size, "targets": targets, **process_id()}
+    conn = session.conn()
+    body = {"rank": session.rank, "world_size": session.world_size, "targets": targets, **process_id()}
     if step is not None:
         body["step"] = step
     tried: list[tuple[int, str]] = []
@@ -137,7 +142,7 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
         damaged = False
         try:
             faults.point("client.restore", reply["step"])  # test-only crash points (inert in production)
-            values = _apply_plan(ckpt, entries, reply["plan"], reply)
+            values = _apply_plan(session, entries, reply["plan"], reply)
             faults.point("client.restored", reply["step"])
         except ChecksumMismatch as exc:
             damaged = True
@@ -150,13 +155,13 @@ def _restore_entries(ckpt, entries: list, step: int | None) -> tuple[int, dict[s
         finally:
             conn.call("release", lease=reply["lease"], **({"damaged": True} if damaged else {}))
         break
-    ckpt.last_restore = {"step": reply["step"], "where": reply["where"]}
+    session.last_restore = {"step": reply["step"], "where": reply["where"]}
     if tried:
-        ckpt.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
+        session.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
     return reply["step"], values
 
 
-def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
+def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
     """Verify the source chunks the plan reads and the plain values, then copy and fill.
 
     ``knobs.restore_verify()``: ``all`` (default) checks every chunk before the first target
@@ -170,19 +175,18 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
             "in their order; client and daemon disagree (different ucpd releases?)"
         )
     mode, window = knobs.restore_verify(), knobs.restore_window()
-    sources, hosts = _sources(ckpt, plan.sources)
+    sources, hosts = _sources(session, plan.sources)
     threads = knobs.copy_threads()
     cpu = _Windows(sources, window if mode == "window" else 0, threads)
     device = None
     finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
-    on = ckpt._cuda.device_of
+    on = session.cuda.device_of
     for e, t in zip(entries, plan.tensors):
         target = e.tensor
         if on(target) >= 0:
             if device is None:
-                if ckpt._restore_streams is None:
-                    ckpt._restore_streams = DeviceStreams(ckpt._cuda)
-                device = DeviceRestore(ckpt._cuda, ckpt._restore_streams, sources, hosts, ckpt._pin_source, window, mode, threads)
+                device = DeviceRestore(session.cuda, session.restore_streams(), sources, hosts, session.pin_source, window,
+                                       mode, threads)
             device.add(target, t.copies, t.fills, lambda host, copies: _add_copies(cpu, host, copies))
             continue
         host = target if target.is_cpu and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
@@ -190,7 +194,7 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
             _add_copies(cpu, host, t.copies)
         if t.fills or host is not target:
             finish.append((target, host, t.fills))
-    values = merged_values(reply["objects"], ckpt.rank, reply["objects_crcs"])  # checked before any write
+    values = merged_values(reply["objects"], session.rank, reply["objects_crcs"])  # checked before any write
     if mode == "all":  # every chunk the copies read, before the first byte lands in a target
         cpu.verify_all()
         if device is not None:
@@ -205,7 +209,7 @@ def _apply_plan(ckpt, entries: list, plan: RestorePlan, reply: dict) -> dict[str
         raise
     if device is not None:
         device.finish()
-        ckpt.last_device_restore = dict(device.stats)
+        session.last_device_restore = dict(device.stats)
     for target, host, fills in finish:
         flat = host.view(-1)
         for view, value in fills:
@@ -259,11 +263,11 @@ class _Windows:
                 run.run_verified()  # each chunk checked, then copied while in cache
 
 
-def _sources(ckpt, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], dict[int, tuple[str, np.ndarray]]]:
+def _sources(session: DaemonSession, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], dict[int, tuple[str, np.ndarray]]]:
     """The plan's source table over the mapped files, each file mapped once (every tensor of
     a slot names the same one); arrays are made only where a copy needs one. Also, per source,
     the path and array of the file it lies in (a GPU restore registers the file)."""
-    ckpt._maps.forget_missing()
+    session.maps.forget_missing()
     files: dict[str, tuple[np.ndarray, int]] = {}
     out = []
     hosts: dict[int, tuple[str, np.ndarray]] = {}
@@ -272,7 +276,7 @@ def _sources(ckpt, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], d
         got = files.get(path)
         if got is None:
             try:
-                whole = ckpt._maps.get(path, writable=False)
+                whole = session.maps.get(path, writable=False)
             except (OSError, ValueError) as exc:  # gone, or truncated to nothing (mmap refuses 0 bytes)
                 raise ChecksumMismatch(f"restore source {path} cannot be read ({exc})") from None
             got = files[path] = (whole, whole.ctypes.data)

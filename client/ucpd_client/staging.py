@@ -4,17 +4,25 @@ CPU tensors go in one native batched copy (all tensors, one GIL release, a threa
 of every chunk computed in the same pass). CUDA tensors go device-to-host into the page-locked
 slot, each device's on a staging stream of that device that first waits on the snapshot's fence
 (``ucpd_client.streams``: the rule for streams and devices); the copies are only queued, and
-``staged`` completes when their events fire.
+``staged`` completes when their events fire. Either way the chunk CRCs of the manifest are
+computed here: in the CPU copy's pass, or window by window as the device copies land.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from ucpd import knobs, native
+from ucpd.errors import InvalidPlacement
+from ucpd.ucl import Replicated
 
+from .placement import dtensor_class, from_dtensor
 from .streams import DeviceStreams, Fence, by_device
+
+_REPLICATED = Replicated().to_dict()
 
 
 _DTYPE_NAMES: dict = {}
@@ -52,6 +60,23 @@ class Entry:
         if self._signature is None:
             self._signature = (dtype_name(self.tensor), tuple(self.tensor.shape), repr(self.placement))
         return self._signature
+
+
+def entry_of(name: str, t: torch.Tensor, placement, detach: bool = True) -> Entry:
+    """The entry of a snapshot's or a restore's tensor: a DTensor's local shard under its own
+    placement (unless one is given), an unplaced tensor replicated. ``detach``: hold the tensor
+    detached from autograd (a restore writes into it; a snapshot only reads it, and detaches
+    where it copies through torch)."""
+    if type(t) is not torch.Tensor and isinstance(t, dtensor_class()):
+        placement = placement or from_dtensor(t)
+        t = t.to_local()
+    if detach:
+        t = t.detach()
+    if placement is None:
+        return Entry(name, t, _REPLICATED)
+    if not hasattr(placement, "to_dict"):
+        raise InvalidPlacement(f"placement of {name!r} must be a ucpd_client.placement object, got {placement!r}")
+    return Entry(name, t, placement.to_dict())
 
 
 def layout(entries: list[Entry], align: int) -> int:
@@ -159,6 +184,20 @@ class CudaStager:
                     out.append((self.cuda.record(stream), pieces))
         self._inflight = inflight
         return out
+
+    def landed_crcs(self, windows: list[tuple], staged: Callable[[], None]) -> dict[str, list[int]]:
+        """The chunk CRCs of every tensor ``queue`` queued, by name: each window's computed as
+        soon as its bytes are in the slot, while the next is in flight; ``staged()`` is called
+        once the last window landed (the tensors may change from then on)."""
+        crcs: dict[str, list[int]] = {}
+        threads = knobs.copy_threads()
+        for i, (event, pieces) in enumerate(windows):
+            self.cuda.synchronize(event)
+            if i == len(windows) - 1:
+                staged()
+            for (e, _, _), got in zip(pieces, window_crcs(self.slot, pieces, threads)):
+                crcs.setdefault(e.name, []).extend(got)
+        return crcs
 
     def close(self) -> None:
         self._inflight = []

@@ -253,11 +253,6 @@ bool event_query(uintptr_t e) {
   check(r, "cudaEventQuery");
   return true;
 }
-float event_elapsed_ms(uintptr_t a, uintptr_t b) {
-  float ms = 0;
-  check(cudaEventElapsedTime(&ms, as_event(a), as_event(b)), "cudaEventElapsedTime");
-  return ms;
-}
 
 BatchStats pack_d2h(const std::vector<BatchItem>& items, void* host_base, std::size_t host_nbytes,
                     uintptr_t stream, std::size_t small_threshold) {

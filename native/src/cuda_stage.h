@@ -31,7 +31,6 @@ void event_destroy(uintptr_t event);
 void event_record(uintptr_t event, uintptr_t stream);
 void event_synchronize(uintptr_t event);
 bool event_query(uintptr_t event);
-float event_elapsed_ms(uintptr_t start, uintptr_t end);
 
 // One tensor of a batched copy: `dev` is a device address; `host_offset` is relative to the
 // page-locked host buffer passed with the batch.

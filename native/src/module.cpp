@@ -449,8 +449,6 @@ NB_MODULE(_native, m) {
     cu::event_synchronize(e);
   }, "event"_a);
   m.def("event_query", [](uintptr_t e) { return cu::event_query(e); }, "event"_a);
-  m.def("event_elapsed_ms", [](uintptr_t a, uintptr_t b) { return cu::event_elapsed_ms(a, b); },
-        "start"_a, "end"_a);
   auto batch = [](bool to_host, nb::handle items, uintptr_t base, uintptr_t stream,
                   std::size_t small, std::size_t host_nbytes) {
     std::vector<cu::BatchItem> v;

@@ -115,6 +115,25 @@ def test_missing_step_is_version_not_found(daemon):
             ckpt.restore({"w": torch.zeros(1)}, step=42)
 
 
+def test_describe_names_a_committed_version_s_tensors_and_values_without_reading_them(daemon):
+    from ucpd_client.restore import merged_values
+    from ucpd_client.state import split as state_split
+
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        for step in (1, 2):
+            ckpt.snapshot(step, _state(step)).wait()
+        newest, first = ckpt.describe(), ckpt.describe(1)
+        assert (newest["step"], first["step"]) == (2, 1) and newest["where"] == "ram"
+        assert newest["tensors"]["model.w"] == {"dtype": "float32", "shape": [64, 33]}
+        assert newest["tensors"]["model.b"]["dtype"] == "bfloat16"
+        # every tensor with elements, named as a snapshot names it (a zero-element one holds nothing to describe)
+        assert set(newest["tensors"]) == {n for n, t in state_split(_state(2))[0].items() if t.numel()}
+        values = merged_values(first["objects"], 0, first["objects_crcs"])  # CRC-checked, then unpickled
+        assert values["step"] == 1 and values["loader.offset"] == 1234
+        with pytest.raises(VersionNotFound):
+            ckpt.describe(99)
+
+
 def test_over_memory_limit_is_refused_and_committed_version_survives(make_daemon):
     d = make_daemon("--mem-limit", "64M", "--keep", "1")
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
@@ -225,7 +244,7 @@ def test_a_daemon_that_dies_gives_daemon_unreachable_not_a_hang(make_daemon):
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(1, {"w": torch.ones(4)}).wait()
         d.kill()
-        ckpt._conn()._c.timeout = 2.0
+        ckpt.session.conn().connection.timeout = 2.0
         with pytest.raises(DaemonUnreachable):  # after the 2 s timeout (a hang fails by pytest-timeout)
             ckpt.latest()
         d.start()  # a restarted daemon re-adopts step 1 and the same connection works again

@@ -45,7 +45,7 @@ def ckpt_fake(daemon):
     fake = FakeCuda(devices=2)
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False) as ckpt:
         ckpt.snapshot(1, state()).wait()  # from CPU tensors: the fake only sees the restores
-        ckpt._cuda = fake
+        ckpt.session.cuda = fake
         yield ckpt, fake
 
 
@@ -85,7 +85,7 @@ def test_a_same_layout_restore_goes_from_the_registered_slot_to_the_device_with_
     (reg,) = fake.log("host_register")
     ckpt.restore(on(fake, 0, want))  # the registration is kept with the mapping
     assert len(fake.log("host_register")) == 1
-    ckpt._maps.close()  # mappings go: their registrations first
+    ckpt.session.maps.close()  # mappings go: their registrations first
     assert fake.registered == {}
 
 

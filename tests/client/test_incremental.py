@@ -243,7 +243,7 @@ def test_a_base_dropped_before_the_next_begin_means_a_full_copy(make_daemon):
     state = {"frozen": frozen_tensor(), "x": torch.randn(10)}
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as c:
         c.snapshot(1, state).wait()
-        assert c._conn().call("drop", job=TEST_JOB)["steps"] == [1]
+        assert c.session.conn().call("drop", job=TEST_JOB)["steps"] == [1]
         h = c.snapshot(2, state).wait()
         assert h.shared == 0 and h.copied_bytes == state["frozen"].nbytes + state["x"].nbytes
         assert c.snapshot(3, state).wait().shared == 1  # step 2 is the base now (x is small: always copied)

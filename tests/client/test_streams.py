@@ -9,7 +9,6 @@ GPU: ``tests/gpu/test_gpu_streams.py``.
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 
@@ -27,7 +26,7 @@ from ucpd_client.streams import DeviceStreams, Fence, by_device, devices_of
 def ckpt_fake(daemon):
     fake = FakeCuda(devices=2)
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False) as ckpt:
-        ckpt._cuda = fake
+        ckpt.session.cuda = fake
         yield ckpt, fake
 
 
@@ -220,11 +219,11 @@ def test_the_spare_slots_are_registered_ahead_once_cuda_tensors_were_staged(ckpt
 
 def test_cuda_tensors_are_staged_in_windows_whose_crcs_are_computed_while_the_next_is_in_flight(ckpt_fake, monkeypatch):
     from ucpd import knobs
-    from ucpd_client import checkpointer as cp_mod
+    from ucpd_client import staging
 
     ckpt, fake = ckpt_fake
-    real = cp_mod.window_crcs
-    monkeypatch.setattr(cp_mod, "window_crcs", lambda *a: (fake._call("crc", len(a[1])), real(*a))[1])
+    real = staging.window_crcs
+    monkeypatch.setattr(staging, "window_crcs", lambda *a: (fake._call("crc", len(a[1])), real(*a))[1])
     g = torch.Generator().manual_seed(5)
     state = {"big": fake.place(torch.randn(5 << 18, generator=g), 0),  # 5 MiB: cut at chunk bounds
              "b2": fake.place(torch.randn(3 << 18, generator=g), 1), "s": fake.place(torch.randn(10, generator=g), 0),

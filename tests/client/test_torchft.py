@@ -231,7 +231,7 @@ def test_a_dtensor_off_this_processs_mesh_travels_as_it_is(daemon):
             sender, receiver = UcpdTransport(c0), UcpdTransport(c1)
             sender.send_checkpoint([1], 3, {"user": {"off": off, "on": on, "n": 1}}, T)
             sender.last_handle.wait()
-            assert any(n.endswith("off@rank0") for n in c0._conn().call("describe", step=3)["tensors"])
+            assert any(n.endswith("off@rank0") for n in c0.describe(3)["tensors"])
             got = receiver.recv_checkpoint(0, sender.metadata(), 3, T)
         assert type(got["user"]["off"]) is type(off) and got["user"]["off"]._spec == off._spec
         assert torch.equal(got["user"]["off"]._local_tensor, off._local_tensor)

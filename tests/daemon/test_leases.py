@@ -32,7 +32,7 @@ def test_a_reader_killed_mid_restore_does_not_pin_the_version_for_the_lease_time
         deadline = time.monotonic() + 15
         while True:  # a pinned job cannot be dropped; the lease of a dead reader ends within ~1 s
             try:
-                out = ck._conn().call("drop", job=TEST_JOB)
+                out = ck.session.conn().call("drop", job=TEST_JOB)
                 break
             except SnapshotRejected:
                 assert time.monotonic() < deadline, "the dead reader's lease still pins the version"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from ucpd import protocol
 from ucpd.daemon.parking import Parked, Parking, begin_reply
-from ucpd.daemon.versions import RankPart, TensorEntry, VersionTable
+from ucpd.daemon.manifest import RankPart, TensorEntry
+from ucpd.daemon.versions import VersionTable
 from ucpd.errors import VersionNotFound
 
 

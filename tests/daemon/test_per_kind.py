@@ -9,8 +9,9 @@ import dataclasses
 import pytest
 
 from ucpd import protocol
-from ucpd.daemon import coverage, index, restore
-from ucpd.daemon.versions import RankPart, TensorEntry, Version, _entry, fragments_of, placement_key, validate_entry
+from ucpd.daemon import coverage, index, manifest, restore
+from ucpd.daemon.manifest import RankPart, TensorEntry, fragments_of, make_entry, placement_key, validate_entry
+from ucpd.daemon.versions import Version
 from ucpd.errors import PlacementMismatch
 from ucpd.ucl.plan import plan_restore
 
@@ -40,7 +41,7 @@ def test_the_fast_entry_is_the_dataclass():
     args = dict(name="w", dtype="float32", shape=(4,), placement={"kind": "replicated"}, offset=0, nbytes=16,
                 crcs=(1,), skipped=False, holder=None, pkey="k", frags=None, shared=False)
     assert set(args) == set(fields)
-    fast, slow = _entry(**args), TensorEntry(**args)
+    fast, slow = make_entry(**args), TensorEntry(**args)
     assert fast == slow and list(vars(fast)) == fields and repr(fast) == repr(slow)
     with pytest.raises(dataclasses.FrozenInstanceError):
         fast.name = "x"
@@ -86,8 +87,8 @@ def test_skipped_replicas_are_covered_and_duplicates_are_found_once_per_version(
 def test_index_columns_give_back_the_wire_entries():
     v = version(2, ["a", "b", "c"], skip={(1, "b")})
     for part in v.parts.values():
-        cols = index._unpack(index.pack_tensors(part.tensors))
-        back = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", index._from_columns(cols))
+        cols = index._unpack(manifest.pack_tensors(part.tensors))
+        back = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", manifest.tensors_from_columns(cols))
         assert [TensorEntry.from_wire(t) for t in back] == part.tensors
 
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from ucpd.daemon.versions import (
-    InvalidTransition, RankPart, TensorEntry, Version, VersionState, VersionTable,
-)
+from ucpd.daemon.manifest import RankPart, TensorEntry
+from ucpd.daemon.versions import InvalidTransition, Version, VersionState, VersionTable
 from ucpd.errors import PlacementMismatch, VersionNotFound
 from helpers.policies import HoldAll
 

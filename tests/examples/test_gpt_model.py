@@ -14,8 +14,9 @@ import torch.nn.functional as F
 from gpt import GPTConfig, RunSpec, TrainConfig, Trainer
 from gpt.model import Comm, Dropout, GPTStage, _VocabParallelCrossEntropy, global_init, global_shapes
 from gpt.trainer import WarmupCosine, ZeroAdamW
+from ucpd.errors import InvalidPlacement
 from ucpd.ucl import execute, plan_consolidate, resolve, sources_from
-from ucpd_client import layouts as L
+from ucpd_client import layouts as L, placement as P
 
 
 def consolidate(name, gshape, rank_locals):
@@ -72,7 +73,7 @@ def test_zero_adamw_matches_torch_adamw():
     b = torch.nn.Parameter(torch.randn(4))
     w_ref, b_ref = (torch.nn.Parameter(p.detach().clone()) for p in (w, b))
     cfg = TrainConfig()
-    opt = ZeroAdamW([("w", w), ("b", b)], {"w": L.Replicated(), "b": L.Replicated()}, lay, Comm(lay), cfg, 1)
+    opt = ZeroAdamW([("w", w), ("b", b)], {"w": P.Replicated(), "b": P.Replicated()}, lay, Comm(lay), cfg, 1)
     ref = torch.optim.AdamW([{"params": [w_ref], "weight_decay": cfg.weight_decay}, {"params": [b_ref], "weight_decay": 0.0}],
                             lr=1e-2, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
     for i in range(5):
@@ -124,7 +125,7 @@ def test_megatron_layout_of_rank_and_groups():
     assert lay.describe() == "TP2xPP2xDP2"
     parts = L.zero_partitions([("a", (3, 3)), ("b", (5,))], 2)
     assert lay.zero([("a", (3, 3)), ("b", (5,))]) == parts[0]
-    with pytest.raises(L.InvalidPlacement, match="rank 8"):
+    with pytest.raises(InvalidPlacement, match="rank 8"):
         L.MegatronLayout.of_rank(8, tp=2, pp=2, dp=2)
 
 

@@ -16,12 +16,12 @@ from ucpd.format.convert import (
     dcp_to_universal,
     deepspeed_ucp_to_universal,
     flatten_state,
-    tensor_from_array,
     torch_to_universal,
     universal_to_dcp,
     universal_to_safetensors,
     universal_to_universal,
 )
+from ucpd.format.torch_bytes import tensor_from_array
 
 
 def state_dict():
@@ -170,7 +170,7 @@ def test_a_converted_torch_save_file_names_everything_as_a_snapshot_of_the_same_
         converted_values = set(torch.load(io.BytesIO(r.objects["global"]), weights_only=True))
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(9, state).wait()
-        described = ckpt._conn().call("describe")
+        described = ckpt.describe()
     from ucpd_client.restore import merged_values
 
     assert converted_tensors == set(described["tensors"])

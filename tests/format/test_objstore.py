@@ -14,7 +14,7 @@ import pytest
 
 from helpers.s3server import Rule, moto_server, s3  # noqa: F401  (fixtures)
 from ucpd.cli import main
-from ucpd.errors import StorageError, VersionNotFound
+from ucpd.errors import FormatError, StorageError, VersionNotFound
 from ucpd.format import list_versions, open_version, read_latest, retain, validate, write_version
 from ucpd.format.objstore import ObjectRoot
 
@@ -244,3 +244,19 @@ def test_objects_of_another_write_of_the_step_are_never_taken_for_this_one(s3):
     assert [(v.step, v.state) for v in list_versions(s3.url)] == [(2, "complete")]
     assert_reads_back(s3.url, 2, again)
     assert validate(s3.url) == []
+
+
+@pytest.mark.parametrize("change,says", [
+    (lambda files: files.update({"stray.safetensors": 16}), "stray.safetensors: in the commit marker, not in ucp.json"),
+    (lambda files: files.update({n: files[n] + 1 for n in files if n.endswith(".safetensors")}), "the commit marker records"),
+])
+def test_a_commit_marker_that_disagrees_with_ucp_json_is_refused_naming_the_file(tmp_path, change, says):
+    url = f"file://{tmp_path}/root"
+    write(url, 4, state(4))
+    marker_path = tmp_path / "root" / "step-4.committed"
+    marker = json.loads(marker_path.read_text())
+    change(marker["files"])
+    marker_path.write_text(json.dumps(marker))
+    with pytest.raises(FormatError, match=says):
+        ObjectRoot(url).fetch(4, tmp_path / "copy")
+    assert not (tmp_path / "copy" / "step-4").exists()  # nothing half-fetched is left to be taken for a copy

@@ -38,7 +38,7 @@ def test_plain_safetensors_opens_consolidated_tensors(tmp_path):
         "i": torch.arange(10, dtype=torch.int64),
     }
     from ucpd.format import REPLICATED, TensorSource
-    from ucpd.format.convert import dtype_name, tensor_bytes
+    from ucpd.format.torch_bytes import dtype_name, tensor_bytes
 
     srcs = [TensorSource(n, dtype_name(t), tuple(t.shape), REPLICATED, tensor_bytes(t)) for n, t in tensors.items()]
     path = write_version(tmp_path, 1, srcs, shard_bytes=1024)

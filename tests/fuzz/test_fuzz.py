@@ -255,16 +255,18 @@ def test_pickled_bytearrays_still_load():
 
 
 @pytest.mark.parametrize("doc", [
-    {"index_version": 1, "chunk_bytes": 1 << 20},  # no slots: a KeyError took the daemon down at start
-    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [{"id": "x"}], "versions": []},
-    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [{"id": 1, "path": "../../etc/passwd", "size": 1}], "versions": []},
-    {"index_version": 1, "chunk_bytes": 1 << 20, "slots": [], "versions": [{"parts": [{"rank": 0}]}]},
+    {"chunk_bytes": 1 << 20},  # no slots: a KeyError took the daemon down at start
+    {"chunk_bytes": 1 << 20, "slots": [{"id": "x"}], "versions": []},
+    {"chunk_bytes": 1 << 20, "slots": [{"id": 1, "path": "../../etc/passwd", "size": 1}], "versions": []},
+    {"chunk_bytes": 1 << 20, "slots": [], "versions": [{"parts": [{"rank": 0}]}]},
 ])
 def test_a_malformed_index_starts_the_store_empty(tmp_path, doc):
-    from ucpd.daemon.index import INDEX_NAME
+    from ucpd.daemon.index import INDEX_NAME, INDEX_VERSION
     from ucpd.daemon.store import NodeStore
+    from ucpd.native import crc32c
 
-    (tmp_path / INDEX_NAME).write_bytes(msgpack.packb(doc))
+    body = msgpack.packb(doc)  # a sound envelope around a malformed document: the fields are checked
+    (tmp_path / INDEX_NAME).write_bytes(msgpack.packb({"index_version": INDEX_VERSION, "crc32c": crc32c(body), "body": body}))
     store = NodeStore(str(tmp_path), 64 << 20, keep=2)
     assert store.adopted.index_damaged and not list(store.versions())
     store.close()

@@ -119,27 +119,21 @@ def _peer_seeds() -> list[bytes]:
 
 
 def _index_seeds() -> list[bytes]:
+    from ucpd.daemon.manifest import TensorEntry, pack_tensors  # each part's manifest as columns
+
     doc = {
-        "index_version": 2, "chunk_bytes": CHUNK_BYTES, "next_slot": 3, "team_job": None,
+        "chunk_bytes": CHUNK_BYTES, "next_slot": 3, "team_job": None,
         "slots": [{"id": 1, "path": "slot-1", "size": 4096}, {"id": 2, "path": "slot-2", "size": 4096}],
         "versions": [{
             "step": 5, "job": "default", "world_size": 1, "state": "committed", "created": 1.0, "committed_at": 2.0,
-            "on_disk": False,
             "parts": [{"rank": 0, "slot": 1, "objects": b"", "objects_crc": crc32c(b""), "layout": None,
-                       "tensors_packed": msgpack.packb([_ENTRY], use_bin_type=True)}],
+                       "tensor_columns": pack_tensors([TensorEntry.from_wire(_ENTRY)])}],
         }],
     }
     body = msgpack.packb(doc, use_bin_type=True)
-    v2 = msgpack.packb({"index_version": 2, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
-    doc1 = dict(doc, index_version=1)
-    from ucpd.daemon.index import pack_tensors  # version 3: each part's manifest as columns
-    from ucpd.daemon.versions import TensorEntry
-
-    part3 = {k: v for k, v in doc["versions"][0]["parts"][0].items() if k != "tensors_packed"}
-    part3["tensor_columns"] = pack_tensors([TensorEntry.from_wire(_ENTRY)])
-    body3 = msgpack.packb(dict(doc, index_version=3, versions=[dict(doc["versions"][0], parts=[part3])]), use_bin_type=True)
-    v3 = msgpack.packb({"index_version": 3, "crc32c": crc32c(body3), "body": body3}, use_bin_type=True)
-    return [v3, v2, msgpack.packb(doc1, use_bin_type=True)]
+    current = msgpack.packb({"index_version": 3, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
+    other = msgpack.packb({"index_version": 2, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
+    return [current, other]
 
 
 def _meta_seeds() -> list[bytes]:

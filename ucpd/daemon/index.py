@@ -1,9 +1,9 @@
 """The daemon's on-shm index, so that a restarted daemon re-adopts the segments it left.
 
 ``<shm-dir>/index.msgpack`` lists the slots (id, file, size) and the sealed versions of every
-job with every rank's manifest (each packed once, as a msgpack blob of its own). It is rewritten whole on each change that matters, to a temporary
-file that is then renamed over the old one: a crash mid-update leaves the old index or the
-new one, never a torn one. Slots that were being written (or spare) when the daemon died are
+job with every rank's manifest (each packed once, as a msgpack blob of its own). It is
+rewritten whole on each change that matters, to a temporary file that is then renamed over the
+old one: a crash mid-update leaves the old index or the new one, never a torn one. Slots that were being written (or spare) when the daemon died are
 deleted, never lent again: a trainer that outlived the daemon may still be writing into one.
 Versions that were not complete come back as nothing. An incremental snapshot's reference
 names its holder slot: a holder whose own version is gone stays held for it, and a version whose
@@ -14,10 +14,10 @@ byte or a cut anywhere fails the checksum (or the decode), and every field of th
 checked (types, slot ids, each tensor inside its slot) before anything is re-adopted. A damaged
 index is never trusted: the daemon starts empty, removes the segments, and says so
 (``Adopted.index_damaged``, counted as a checksum failure in ``index``); restores then come
-from the flush dir. A part's manifest is kept as columns (``pack_tensors``: one list per field,
+from the flush dir; so is an index of any other ``index_version`` (this daemon reads its own
+only). A part's manifest is kept as columns (``manifest.pack_tensors``: one list per field,
 each distinct placement once), which packs 10^5 tensors in a third of the time of one map per
-tensor; version 2 files (a map per tensor) and version 1 files (no checksum) are still read,
-and checked.
+tensor.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import msgpack
 from .. import faults, protocol
 from ..native import CHUNK_BYTES, crc32c
 
+from .manifest import RankPart, TensorEntry, tensors_from_columns
 from .slots import SlotState, SlotStore
-from .versions import DEFAULT_JOB, SEALED, RankPart, TensorEntry, Version, VersionState
+from .versions import DEFAULT_JOB, SEALED, Version, VersionState
 
 INDEX_NAME = "index.msgpack"
 INDEX_VERSION = 3
@@ -54,7 +55,6 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
                 "state": (VersionState.COMPLETE if v.state is VersionState.PROTECTED else v.state).value,
                 "created": v.created,
                 "committed_at": v.committed_at,
-                "on_disk": v.on_disk,
                 "parts": [
                     {
                         "rank": p.rank,
@@ -85,52 +85,6 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
         os.fsync(f.fileno())
     faults.point("index.tmp", max((v["step"] for v in versions if v["state"] != "complete"), default=None))
     os.replace(tmp, path)
-
-
-_COLUMNS = ("name", "dtype", "shape", "placement", "offset", "nbytes", "crcs", "skipped")
-
-
-def pack_tensors(tensors) -> bytes:
-    """A part's manifest (``TensorEntry`` list) as the index keeps it: msgpack of one list per
-    ``TENSOR_ENTRY`` field, ``placement`` holding indices into ``placements`` (each distinct
-    placement once)."""
-    index: dict[str, int] = {}
-    placements, which = [], []
-    for t in tensors:
-        key = t.key()
-        i = index.get(key)
-        if i is None:
-            i = index[key] = len(placements)
-            placements.append(t.placement)
-        which.append(i)
-    cols = {
-        "name": [t.name for t in tensors], "dtype": [t.dtype for t in tensors], "shape": [t.shape for t in tensors],
-        "placement": which, "placements": placements, "offset": [t.offset for t in tensors],
-        "nbytes": [t.nbytes for t in tensors], "crcs": [t.crcs for t in tensors], "skipped": [t.skipped for t in tensors],
-    }
-    holders = [t.holder for t in tensors]
-    if any(h is not None for h in holders):  # incremental snapshots' references: the slot of their bytes
-        cols["holder"] = holders
-    return msgpack.packb(cols, use_bin_type=True)
-
-
-def _from_columns(cols) -> list[dict]:
-    """``pack_tensors``'s columns back as wire ``TENSOR_ENTRY`` maps (checked by the schema next)."""
-    _need(isinstance(cols, dict) and set(cols) - {"holder"} == {*_COLUMNS, "placements"}, "tensor columns are not the expected map")
-    n = len(cols["name"]) if isinstance(cols["name"], list) else -1
-    _need(all(isinstance(cols[k], list) and len(cols[k]) == n for k in (*_COLUMNS, *(("holder",) if "holder" in cols else ()))),
-          "tensor columns differ in length")
-    places = cols["placements"]
-    _need(isinstance(places, list) and all(isinstance(p, dict) for p in places), "placements are not maps")
-    _need(all(type(i) is int and 0 <= i < len(places) for i in cols["placement"]), "a placement index is out of range")
-    out = [
-        {"name": a, "dtype": b, "shape": c, "placement": places[d], "offset": e, "nbytes": f, "crcs": g, "skipped": h}
-        for a, b, c, d, e, f, g, h in zip(*(cols[k] for k in _COLUMNS))
-    ]
-    for t, holder in zip(out, cols.get("holder") or ()):
-        if holder is not None:
-            t["ref"], t["holder"] = True, holder
-    return out
 
 
 @dataclass
@@ -179,22 +133,19 @@ def decode(data: bytes) -> dict:
 def _decode(data: bytes) -> dict:
     """Decode and check an index file's bytes; raises ValueError (any damage) or returns the
     document with every field checked: ``slots`` [{id, path, size}], ``versions`` [{step, job,
-    world_size, state, created, committed_at, on_disk, parts: [{rank, slot, objects,
+    world_size, state, created, committed_at, parts: [{rank, slot, objects,
     objects_crc, layout, tensors: [wire TENSOR_ENTRY]}]}], ``next_slot``, ``team_job``."""
     _need(len(data) <= MAX_INDEX_BYTES, "larger than the limit")
     outer = _unpack(data)
     _need(isinstance(outer, dict), "not a map")
     version = outer.get("index_version")
-    if version in (2, 3):
-        body = outer.get("body")
-        _need(set(outer) == {"index_version", "crc32c", "body"} and isinstance(body, bytes), "malformed envelope")
-        _need(crc32c(body) == outer["crc32c"], "its CRC32C does not match (flipped or cut bytes)")
-        doc = _unpack(body)
-        _need(isinstance(doc, dict), "body is not a map")
-    elif version == 1:  # written by an older daemon: no checksum, checked field by field below
-        doc = outer
-    else:
-        raise ValueError(f"unknown index version {version!r}")
+    if version != INDEX_VERSION:
+        raise ValueError(f"index version {version!r}, this daemon reads version {INDEX_VERSION} only")
+    body = outer.get("body")
+    _need(set(outer) == {"index_version", "crc32c", "body"} and isinstance(body, bytes), "malformed envelope")
+    _need(crc32c(body) == outer["crc32c"], "its CRC32C does not match (flipped or cut bytes)")
+    doc = _unpack(body)
+    _need(isinstance(doc, dict), "body is not a map")
     _need(doc.get("chunk_bytes") == CHUNK_BYTES, f"its checksums use {doc.get('chunk_bytes')}-byte chunks, this build {CHUNK_BYTES}")
     out = {"next_slot": _int(doc.get("next_slot", 1), "next_slot")}
     team_job = doc.get("team_job")
@@ -218,7 +169,6 @@ def _decode(data: bytes) -> dict:
             "world_size": _int(raw.get("world_size"), "world_size"),
             "run": raw.get("run"),
             "state": VersionState(raw.get("state")),
-            "on_disk": bool(raw.get("on_disk", False)),
         }
         _need(v["run"] is None or (isinstance(v["run"], str) and 0 < len(v["run"]) <= protocol.MAX_NAME_LEN),
               "run is not a job id")
@@ -232,10 +182,7 @@ def _decode(data: bytes) -> dict:
             _need(isinstance(rp, dict), "a part is not a map")
             rank, sid = _int(rp.get("rank"), "rank"), _int(rp.get("slot"), "part slot")
             _need(rank < v["world_size"], f"rank {rank} outside a world of {v['world_size']}")
-            if "tensor_columns" in rp:
-                packed = _from_columns(_unpack(rp["tensor_columns"]))
-            else:
-                packed = rp["tensors"] if "tensors" in rp else _unpack(rp.get("tensors_packed"))
+            packed = tensors_from_columns(_unpack(rp.get("tensor_columns")))
             tensors = protocol.list_of(protocol.TENSOR_ENTRY)("tensors", packed)
             for t in tensors:  # a part whose slot is gone is dropped below, whatever its offsets
                 holder = t["holder"]  # an incremental snapshot's reference: its bytes are in that slot
@@ -306,10 +253,7 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                 if raw["step"] in store.table_of(job).versions:
                     dropped.append(f"step {raw['step']} of job {job!r} listed twice")
                     continue
-                state = raw["state"]
-                if state is VersionState.COMMITTED and raw["on_disk"]:
-                    state = VersionState.FLUSHED  # an index of an older daemon kept the two apart
-                v = Version(raw["step"], raw["world_size"], state, parts, raw["created"], raw["committed_at"], job=job)
+                v = Version(raw["step"], raw["world_size"], raw["state"], parts, raw["created"], raw["committed_at"], job=job)
                 v.incarnation = raw["run"]
                 store.table_of(job).adopt(v)
                 for p in parts.values():

@@ -22,7 +22,7 @@ from ..native import CHUNK_BYTES
 from ..protocol import PlanCopy, PlanFill, PlanSource, PlanTensor, RestorePlan
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import CopyPlan, SourcePiece, plan_restore
-from .versions import _ANY, _geometry, fragments_of, placement_key
+from .manifest import ANY_NAME, fragments_of, placement_key, shared_geometry
 
 
 @dataclass
@@ -36,7 +36,8 @@ class SourceSet:
     same: Mapping[tuple, Any] = field(default_factory=dict)
 
 
-def _signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
+def tensor_signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
+    """A key of ``SourceSet.same``: a tensor's name, dtype, shape and placement key."""
     return (name, dtype, tuple(shape), placement if isinstance(placement, str) else placement_key(placement))
 
 
@@ -176,7 +177,7 @@ def from_disk(reader) -> SourceSet:
         globals_[name] = (info.dtype, shape, pieces)
         path = str(reader.path / info.file)
         tensors[name] = PlanSource(path, info.data_offset, info.nbytes, info.dtype, tuple(info.crcs), reader.meta.chunk_bytes)
-        same[_signature(name, info.dtype, shape, {"kind": "replicated"})] = name
+        same[tensor_signature(name, info.dtype, shape, {"kind": "replicated"})] = name
     return SourceSet(globals_, tensors, same)
 
 
@@ -206,7 +207,7 @@ class Planner:
         kind = self._kinds.get(k)
         if kind is None:
             pkey = placement_key(t["placement"])
-            kind = self._kinds[k] = (pkey, _geometry(pkey, shape))
+            kind = self._kinds[k] = (pkey, shared_geometry(pkey, shape))
         pkey, shared = kind
         twin = self.sources.same.get((t["name"], t["dtype"], shape, pkey))
         if twin is not None:
@@ -243,7 +244,7 @@ class Planner:
         if cp is None:
             at = range(len(keys)) if type(at) is int else at
             try:
-                cp = plan_restore(shared, {_ANY: [SourcePiece(i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)]})
+                cp = plan_restore(shared, {ANY_NAME: [SourcePiece(i, s.view, s.box, s.global_shape) for i, s in zip(at, pieces)]})
             except PlacementMismatch:
                 cp = plan_restore(fragments_of(t["name"], pkey, shape), {name: pieces})  # raises, naming the sources
                 return cp.copies, cp.fills

@@ -21,10 +21,9 @@ from ..errors import ProtocolError, SnapshotRejected, VersionNotFound
 from . import index
 from .slot_refs import SlotRefs
 from .slots import Slot, SlotState, SlotStore, allocate_file, shm_free_bytes
-from .versions import (
-    DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, RankPart, Version, VersionState, VersionTable, _entry, duplicates,
-    validate_entry,
-)
+from .coverage import duplicates
+from .manifest import RankPart, make_entry, validate_entry
+from .versions import DEFAULT_JOB, RESTORABLE, SEALED, CommitPolicy, Version, VersionState, VersionTable
 
 log = logging.getLogger("ucpd.store")
 
@@ -588,7 +587,7 @@ class NodeStore:
                     f"{base} holds {'no such tensor' if b is None else 'another dtype, shape, placement or bytes'}"
                 )
             holder = part.slot if b.holder is None else b.holder
-            out.append(_entry(e.name, e.dtype, e.shape, e.placement, b.offset, e.nbytes, e.crcs, False, e.pkey, e.frags,
+            out.append(make_entry(e.name, e.dtype, e.shape, e.placement, b.offset, e.nbytes, e.crcs, False, e.pkey, e.frags,
                               e.shared, holder))
         return out
 

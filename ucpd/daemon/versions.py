@@ -21,81 +21,24 @@ on disk).
 caches a version keeps (``InvalidTransition`` otherwise: a bug, never a user's mistake). Nothing
 else assigns ``Version.state``; ``NodeStore`` calls them and frees the slots.
 
+What each part holds (its manifest, checked on arrival) is ``manifest.py``.
+
 Thread-safety: callers hold the daemon's state lock.
 """
 
 from __future__ import annotations
 
 import enum
-import functools
-import json
 import time
 from dataclasses import dataclass, field
-from math import prod
 from typing import TYPE_CHECKING, Protocol
 
-from ..dtypes import dtype as lookup_dtype
-from ..errors import ProtocolError, UcpdError, VersionNotFound
-from ..native import CHUNK_BYTES
-from ..protocol import tensor_entry
-from ..ucl import Fragment, placement_from_dict, resolve
-from . import coverage
+from ..errors import UcpdError, VersionNotFound
 from .coverage import GlobalTensor, check_covered, check_replicas_agree, check_skipped_covered, globals_of
-
-
-duplicates = coverage.duplicates  # the store reaches it through here
+from .manifest import RankPart
 
 if TYPE_CHECKING:
     from .restore import SourceSet
-
-
-@functools.lru_cache(maxsize=65536)
-def _fragments(name: str, placement_json: str, shape: tuple[int, ...]):
-    return tuple(resolve(name, placement_from_dict(json.loads(placement_json)), shape))
-
-
-_ANY = "\0"  # a name no tensor has: geometry resolved under it is the same for every name
-
-
-@functools.lru_cache(maxsize=65536)
-def _geometry(placement_json: str, shape: tuple[int, ...]):
-    """The fragments of any tensor of this placement and shape, or None when they depend on the
-    name (a placement that renames) or the pair is invalid (resolved again under the real name,
-    so the error names the tensor). Mixture-of-experts ranks hold 10^4-10^5 tensors of a few
-    shapes: this is resolved once per shape, not once per tensor."""
-    try:
-        frags = tuple(resolve(_ANY, placement_from_dict(json.loads(placement_json)), shape))
-    except Exception:
-        return None
-    return frags if all(f.name == _ANY for f in frags) else None
-
-
-_KEYS: dict[str, str] = {}  # repr of a wire placement -> its canonical key
-
-
-def placement_key(placement: dict) -> str:
-    """A wire placement as a canonical string (a cache and comparison key). Memoised by the
-    dict's ``repr`` (C-fast; one dict per tensor arrives with every commit): the sorted JSON is
-    made once per distinct placement."""
-    raw = repr(placement)
-    key = _KEYS.get(raw)
-    if key is None:
-        if len(_KEYS) > 1 << 16:
-            _KEYS.clear()
-        key = _KEYS[raw] = json.dumps(placement, sort_keys=True, separators=(",", ":"))
-    return key
-
-
-def fragments_of(name: str, placement: dict | str, shape: tuple[int, ...]):
-    """``resolve`` of a wire placement (or its ``placement_key``), memoised: a job snapshots the
-    same layout every step, so commit validation, indexing and restore planning resolve each
-    tensor once."""
-    key = placement if isinstance(placement, str) else placement_key(placement)
-    shape = tuple(shape)
-    same = _geometry(key, shape)
-    if same is None:
-        return _fragments(name, key, shape)
-    return tuple(Fragment(name, f.global_shape, f.pieces, f.fills) for f in same)
 
 
 class VersionState(enum.Enum):
@@ -119,87 +62,6 @@ class InvalidTransition(RuntimeError):
     caused it gets an internal error; the daemon keeps serving)."""
 
 DEFAULT_JOB = "default"  # the job of a client that names none (older clients)
-
-
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of one rank's part, as laid out in that rank's slot."""
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    placement: dict
-    offset: int
-    nbytes: int
-    crcs: tuple[int, ...]
-    skipped: bool = False  # not written: a lower rank holds the same global elements
-    # an incremental snapshot's reference: the slot that holds the bytes (at ``offset``), a
-    # previous version's; None: the part's own slot
-    holder: int | None = None
-    # computed once when the entry is validated: the placement's canonical key, its fragments
-    pkey: str = field(default="", compare=False, repr=False)
-    frags: tuple | None = field(default=None, compare=False, repr=False)
-    # the fragments of any tensor of this placement and shape (``_geometry``); False: they
-    # depend on the name; None: not worked out yet
-    shared: tuple | bool | None = field(default=None, compare=False, repr=False)
-
-    def geometry(self) -> tuple | None:
-        """This tensor's fragments as any tensor of its placement and shape has them, named
-        ``"\\0"`` (shared by every such tensor: read the name from the entry), or None when
-        they depend on the name (``fragments()`` has them)."""
-        if self.shared is None:
-            object.__setattr__(self, "shared", _geometry(self.key(), self.shape) or False)
-        return self.shared or None
-
-    def fragments(self) -> tuple:
-        """What this tensor holds of which global tensors (``fragments_of``, kept with the entry)."""
-        if self.frags is None:
-            object.__setattr__(self, "frags", fragments_of(self.name, self.key(), self.shape))
-        return self.frags
-
-    def key(self) -> str:
-        """``placement_key`` of the placement (kept with the entry)."""
-        if not self.pkey:
-            object.__setattr__(self, "pkey", placement_key(self.placement))
-        return self.pkey
-
-    @classmethod
-    def from_wire(cls, raw: dict, pkey: str = "", frags: tuple | None = None) -> "TensorEntry":
-        """An entry from its wire record (``protocol.TENSOR_ENTRY``, already validated by the
-        schema): a commit's manifest, the index, a peer's part."""
-        return cls(
-            raw["name"], raw["dtype"], tuple(raw["shape"]), raw["placement"], raw["offset"], raw["nbytes"],
-            tuple(raw["crcs"]), bool(raw.get("skipped")), raw.get("holder"), pkey, frags,
-        )
-
-    def to_wire(self) -> dict:
-        return tensor_entry(
-            self.name, self.dtype, self.shape, self.placement, self.offset, self.nbytes, self.crcs, self.skipped,
-            ref=self.holder is not None, holder=self.holder,
-        )
-
-
-@dataclass
-class RankPart:
-    rank: int
-    slot: int
-    tensors: list[TensorEntry]
-    objects: bytes
-    layout: dict | None = None
-    objects_crc: int | None = None  # CRC32C of ``objects``, checked by the client that unpickles them
-
-    # a part's tensors never change once sealed: their sum and wire form are computed once
-    @functools.cached_property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
-
-    @functools.cached_property
-    def packed_tensors(self) -> bytes:
-        """The manifest as the index keeps it (``index.pack_tensors``), packed once: the index is
-        rewritten on every commit and would otherwise pack every kept version's every tensor again."""
-        from .index import pack_tensors
-
-        return pack_tensors(self.tensors)
 
 
 @dataclass
@@ -423,67 +285,3 @@ class VersionTable:
         return [v for v in self.versions.values() if v.step < step and v.state in UNDECIDED and not v.pins]
 
 
-_KINDS: dict[tuple, tuple] = {}  # (dtype, shape, repr(placement)) -> (nbytes, chunks, placement key, geometry)
-
-
-def _kind(dtype: str, shape: tuple[int, ...], placement: dict) -> tuple:
-    """What every tensor of this dtype, shape and placement has: its byte size, its number of
-    chunks, its placement key and ``_geometry`` (False when it depends on the name or the pair
-    is invalid). Worked out once per kind: an expert layer's 10^4 tensors are one kind."""
-    k = (dtype, shape, repr(placement))
-    got = _KINDS.get(k)
-    if got is None:
-        nbytes = prod(shape) * lookup_dtype(dtype).itemsize
-        key = placement_key(placement)
-        got = (nbytes, -(-nbytes // CHUNK_BYTES), key, _geometry(key, shape) or False)
-        if len(_KINDS) >= 1 << 16:
-            _KINDS.clear()
-        _KINDS[k] = got
-    return got
-
-
-def validate_entry(raw: dict, slot_size: int, rank: int) -> TensorEntry:
-    """Check a tensor entry of a commit against its slot: dtype, shape, bytes, offsets, crcs."""
-    name, dtype = raw["name"], raw["dtype"]
-    shape = tuple(raw["shape"])
-    nbytes, chunks, key, shared = _kind(dtype, shape, raw["placement"])
-    skipped = bool(raw.get("skipped"))
-    ref = bool(raw.get("ref"))
-    if raw.get("holder") is not None:
-        raise ProtocolError(f"rank {rank}: tensor {name!r} names a holder slot; only the daemon records where a reference's bytes live")
-    if ref and (skipped or raw["offset"]):
-        raise ProtocolError(f"rank {rank}: reference {name!r} must have offset 0 and not be skipped")
-    if skipped:
-        if raw["nbytes"] or raw["crcs"]:
-            raise ProtocolError(f"rank {rank}: skipped tensor {name!r} must have nbytes 0 and no checksums")
-        offset = 0
-    else:
-        offset = raw["offset"]
-        if nbytes != raw["nbytes"]:
-            raise ProtocolError(
-                f"rank {rank}: tensor {name!r} is {dtype}{list(shape)} = {nbytes} bytes, but the entry says {raw['nbytes']}"
-            )
-        if not ref and offset + nbytes > slot_size:  # a reference's bytes are in its base's slot
-            raise ProtocolError(
-                f"rank {rank}: tensor {name!r} at offset {offset} with {nbytes} bytes ends outside its {slot_size}-byte slot"
-            )
-        if len(raw["crcs"]) != chunks:
-            raise ProtocolError(f"rank {rank}: tensor {name!r} needs {chunks} chunk checksums, got {len(raw['crcs'])}")
-    # shape must agree with the placement: a shared geometry says it does; else resolving under
-    # the name says so, or raises naming the tensor
-    frags = None if shared else fragments_of(name, key, shape)
-    return _entry(name, dtype, shape, raw["placement"], offset, raw["nbytes"], tuple(raw["crcs"]), skipped, key, frags, shared)
-
-
-def _entry(name, dtype, shape, placement, offset, nbytes, crcs, skipped, pkey, frags, shared, holder=None) -> TensorEntry:
-    """``TensorEntry(...)`` in a third of the time (a frozen dataclass sets its fields one call
-    at a time, and a commit makes 10^5 of them). Every field is given."""
-    e = _new(TensorEntry)
-    _set(e, "__dict__", {
-        "name": name, "dtype": dtype, "shape": shape, "placement": placement, "offset": offset, "nbytes": nbytes,
-        "crcs": crcs, "skipped": skipped, "holder": holder, "pkey": pkey, "frags": frags, "shared": shared,
-    })
-    return e
-
-
-_new, _set = object.__new__, object.__setattr__

@@ -7,8 +7,8 @@ Byte-level spec: ``docs/FORMAT.md``. The core imports no torch (only ``convert``
 from __future__ import annotations
 
 from .reader import VersionReader
-from .root import VersionSummary, list_versions, open_version, read_latest, retain, write_latest
-from .spec import CHUNK_BYTES, DEFAULT_SHARD_BYTES, FORMAT_VERSION, BlobInfo, FileInfo, Meta, TensorInfo
+from .root import list_versions, open_version, read_latest, retain, write_latest
+from .spec import CHUNK_BYTES, DEFAULT_SHARD_BYTES, FORMAT_VERSION, BlobInfo, FileInfo, Meta, TensorInfo, VersionSummary
 from .validate import validate
 from .writer import REPLICATED, TensorSource, write_safetensors, write_version
 

@@ -1,6 +1,6 @@
 """Import and export: torch.save files, DCP directories, plain safetensors; the table of every
 conversion (``CONVERTERS``). DeepSpeed lives in ``ucpd.format.deepspeed``, Hugging Face in
-``ucpd.format.hf``. torch is imported here only, inside the functions.
+``ucpd.format.hf``. torch is imported inside the functions only (``torch_bytes.torch_module``).
 
 Non-tensor state imported from torch-based sources is stored as the global object, encoded with
 ``torch.save`` of a flat ``{key: value}`` dict (``layout["objects_encoding"] == "torch.save"``).
@@ -25,52 +25,18 @@ from ..errors import FormatError
 from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
 from .hf import universal_to_hf
 from .root import open_version
+from .torch_bytes import dtype_name, tensor_bytes, tensor_from_array, torch_module
 from .writer import REPLICATED, TensorSource, write_safetensors, write_version
 
 Progress = Callable[[int, int], None] | None
 UCPD_KEY = "__ucpd__"  # prefix of the entries that carry ucp.json facts through DCP
 
 
-def _torch():
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is present wherever conversions are used
-        raise FormatError("this conversion needs PyTorch (pip install torch)") from None
-    return torch
-
-
-def dtype_name(t: Any) -> str:
-    name = str(t.dtype).removeprefix("torch.")
-    if name not in BY_NAME:
-        raise FormatError(f"dtype {name} is not supported by the universal format")
-    return name
-
-
-def tensor_bytes(t: Any) -> np.ndarray:
-    """A zero-copy uint8 numpy view of a CPU tensor's bytes (made contiguous if needed)."""
-    torch = _torch()
-    if t.layout != torch.strided or t.is_quantized:
-        raise FormatError(f"only dense tensors can be stored, got layout {t.layout}")
-    t = t.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return np.empty(0, np.uint8)
-    return t.reshape(-1).view(torch.uint8).numpy()
-
-
-def tensor_from_array(arr: np.ndarray, dtype: str) -> Any:
-    """A zero-copy torch tensor over a (possibly read-only) storage-typed numpy array."""
-    torch = _torch()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only mmap views: we never write them
-        flat = np.ascontiguousarray(arr).reshape(-1)  # (ascontiguousarray makes 0-d arrays 1-d)
-        return torch.from_numpy(flat).view(getattr(torch, dtype)).reshape(arr.shape)
-
-
 def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str, Any]]:
     """Split a nested state into ``({flat_name: tensor}, {flat_name: other_value})``, named as
     a snapshot of the same state would be (``ucpd.state_names``). A state that is not a dict,
     list or tuple is one value named ``_``."""
-    torch = _torch()
+    torch = torch_module()
     is_tensor = lambda x: isinstance(x, torch.Tensor)  # noqa: E731
     tensors: dict[str, Any] = {}
     others: dict[str, Any] = {}
@@ -86,7 +52,7 @@ def flatten_state(obj: Any, prefix: str = "") -> tuple[dict[str, Any], dict[str,
 
 def _torch_save_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
-    _torch().save(obj, buf)
+    torch_module().save(obj, buf)
     return buf.getvalue()
 
 
@@ -99,7 +65,7 @@ def _guess_step(values: dict[str, Any], default: int = 0) -> int:
 
 
 def _load(path: Path, unsafe_pickle: bool) -> Any:
-    torch = _torch()
+    torch = torch_module()
     try:
         return torch.load(path, map_location="cpu", mmap=True, weights_only=not unsafe_pickle)
     except Exception as exc:
@@ -169,7 +135,7 @@ def dcp_to_universal(
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    torch = _torch()
+    torch = torch_module()
     src = Path(src)
     md = _dcp_metadata(src)
     tensor_md = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -271,7 +237,7 @@ def universal_to_dcp(
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
-    torch = _torch()
+    torch = torch_module()
     dst = Path(dst)
     with open_version(src, step) as r:
         state: dict[str, Any] = {}

@@ -49,6 +49,7 @@ from ..dtypes import BY_NAME
 from ..errors import FormatError
 from . import safe_unpickle
 from .root import open_version
+from .torch_bytes import dtype_name, tensor_bytes, tensor_from_array
 from .writer import REPLICATED, TensorSource, write_version
 
 Progress = Callable[[int, int], None] | None
@@ -117,8 +118,6 @@ def to_array(t: Any, where: str) -> Array:
             raise FormatError(f"{where}: dtype {t.dtype} is not supported by the universal format")
         return Array(t.dtype, t.shape, t.array())
     if type(t).__module__.startswith("torch") and hasattr(t, "dtype"):
-        from .convert import dtype_name, tensor_bytes
-
         name = dtype_name(t)
         return Array(name, tuple(t.shape), tensor_bytes(t).view(BY_NAME[name].storage).reshape(tuple(t.shape)))
     raise FormatError(f"{where}: expected a tensor, found {type(t).__name__}")
@@ -546,8 +545,6 @@ def universal_to_deepspeed_ucp(
     (``"model."`` for a state saved as ``{"model": model.state_dict(), ...}``). Returns the
     ``global_step<N>`` folder."""
     import torch
-
-    from .convert import tensor_from_array
 
     dst = Path(dst)
     with open_version(src, step) as r:

@@ -58,6 +58,7 @@ from typing import Any
 from .. import knobs
 from ..errors import FormatError, StorageError, UcpdError, VersionNotFound
 from . import spec
+from .reader import VersionReader
 
 log = logging.getLogger("ucpd.format")
 
@@ -113,6 +114,18 @@ class _Pace:
         if self.progress is not None:
             self.progress(self.done, self.total)
         return max(0.0, self.done / self.rate - (time.monotonic() - self.t0)) if self.rate > 0 else 0.0
+
+
+def _marked_sizes(vdir_url: str, marker: dict, meta: spec.Meta) -> dict[str, int]:
+    """The files of a version a commit marker lists besides ``ucp.json``, with their sizes;
+    FormatError for one ``ucp.json`` does not list or records at another size."""
+    sizes = {n: int(size) for n, size in marker["files"].items() if n != spec.META_FILE}
+    for n, size in sizes.items():
+        if n not in meta.files and n != spec.OBJECTS_FILE:
+            raise FormatError(f"{vdir_url}/{n}: in the commit marker, not in ucp.json")
+        if n in meta.files and size != meta.files[n].size:
+            raise FormatError(f"{vdir_url}/{n}: the commit marker records {size} bytes, ucp.json {meta.files[n].size}")
+    return sizes
 
 
 class ObjectRoot:
@@ -262,12 +275,10 @@ class ObjectRoot:
     # -- listing --------------------------------------------------------------------------------
 
     def list_versions(self) -> list:
-        """Every version under the root, by step, as ``root.VersionSummary`` (``path`` is the
+        """Every version under the root, by step, as ``spec.VersionSummary`` (``path`` is the
         version's URL): ``complete`` (marker, ``ucp.json`` matching it, every file there with its
         size), ``torn`` (a marker whose version is not so) or ``partial`` (objects of a version
         without a marker: an upload in progress, or left by a writer that died)."""
-        from .root import VersionSummary
-
         objects = self._listing()
         latest = self.read_latest()
         steps: dict[int, bool] = {}
@@ -284,7 +295,7 @@ class ObjectRoot:
         for step, marked in steps.items():
             url = self._u(spec.step_dirname(step))
             if not marked:
-                out.append(VersionSummary(step, url, "partial", problem="objects without a commit marker (an upload in "
+                out.append(spec.VersionSummary(step, url, "partial", problem="objects without a commit marker (an upload in "
                                           "progress, or left by a writer that died)"))
                 continue
             try:
@@ -297,9 +308,9 @@ class ObjectRoot:
                     if got != size:
                         raise FormatError(f"{url}/{name}: {got} bytes, the commit marker records {size}")
             except (FormatError, VersionNotFound) as exc:
-                out.append(VersionSummary(step, url, "torn", latest=step == latest, problem=str(exc)))
+                out.append(spec.VersionSummary(step, url, "torn", latest=step == latest, problem=str(exc)))
                 continue
-            out.append(VersionSummary(step, url, "complete", len(meta.tensors), meta.total_bytes, meta.created_unix,
+            out.append(spec.VersionSummary(step, url, "complete", len(meta.tensors), meta.total_bytes, meta.created_unix,
                                       step == latest))
         out.sort(key=lambda v: (v.step, v.state != "complete"))
         return out
@@ -462,8 +473,6 @@ class ObjectRoot:
         renamed into place) and return that folder. A complete copy already there is reused.
         ``verify``: check every chunk CRC32C of the copy against ``ucp.json`` (FormatError
         naming each problem, and the copy is removed)."""
-        from .validate import validate
-
         step = self.default_step() if step is None else step
         dest = Path(dest)
         final = dest / spec.step_dirname(step)
@@ -480,15 +489,8 @@ class ObjectRoot:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            names = [n for n in marker["files"] if n != spec.META_FILE]
-            for n in names:
-                if n not in meta.files and n != spec.OBJECTS_FILE:
-                    raise FormatError(f"{self._u(spec.step_dirname(step), n)}: in the commit marker, not in ucp.json")
-            sizes = {n: int(marker["files"][n]) for n in names}
-            for n in names:
-                if n in meta.files and sizes[n] != meta.files[n].size:
-                    raise FormatError(f"{self._u(spec.step_dirname(step), n)}: the commit marker records {sizes[n]} "
-                                      f"bytes, ucp.json {meta.files[n].size}")
+            sizes = _marked_sizes(self._u(spec.step_dirname(step)), marker, meta)
+            names = list(sizes)
             self._run(self._download, [(self._p(spec.step_dirname(step), n), tmp / n, sizes[n]) for n in names],
                       _Pace(sum(sizes.values()), None, progress))
             (tmp / spec.META_FILE).write_bytes(meta_bytes)
@@ -497,7 +499,11 @@ class ObjectRoot:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if verify:
-            problems = validate(dest, step, full=True)
+            try:
+                with VersionReader(final, meta) as r:
+                    problems = r.checksum_problems()
+            except FormatError as exc:
+                problems = [str(exc)]
             if problems:
                 shutil.rmtree(final, ignore_errors=True)
                 raise FormatError(f"{self._u(spec.step_dirname(step))}: the downloaded copy fails its checks: "
@@ -563,43 +569,3 @@ class ObjectRoot:
                 self._abort_stale_uploads(spec.step_dirname(v.step))
             removed.append(str(v.path))
         return removed
-
-    # -- validation -----------------------------------------------------------------------------
-
-    def validate(self, step: int | None = None, full: bool = True,
-                 progress: Callable[[int, int], None] | None = None) -> list[str]:
-        """``validate.validate`` for this root: every committed version (or ``step``) fetched
-        into a temporary folder and checked there (``full``: every checksum), plus the store's
-        own problems (torn versions, abandoned uploads, ``LATEST`` naming an uncommitted one)."""
-        import tempfile
-
-        from .validate import validate
-
-        problems: list[str] = []
-        try:
-            versions = self.list_versions()
-        except FileNotFoundError:
-            return [f"{self.url}: no such bucket or prefix"]
-        if step is not None:
-            versions = [v for v in versions if v.step == step]
-            if not versions:
-                return [f"{self._u(spec.step_dirname(step))}: no such version"]
-        latest = self.read_latest()
-        if (step is None or step == latest) and latest is not None:
-            if not any(v.step == latest and v.state == "complete" for v in self.list_versions()):
-                problems.append(f"{self._u(spec.LATEST_FILE)}: names step-{latest}, which is not committed")
-        for v in versions:
-            if v.state == "partial":
-                problems.append(f"{v.path}: {v.problem}")
-            elif v.state == "torn":
-                problems.append(f"{v.path}: torn version: {v.problem}")
-            else:
-                with tempfile.TemporaryDirectory(prefix="ucpd-fetch-") as tmp:
-                    try:
-                        self.fetch(v.step, tmp, verify=False)
-                    except (FormatError, VersionNotFound) as exc:
-                        problems.append(str(exc))
-                        continue
-                    problems += [p.replace(tmp, self.url) for p in validate(tmp, v.step, full=full, progress=progress)
-                                 if not p.startswith(str(Path(tmp) / spec.LATEST_FILE))]
-        return problems

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import mmap
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +210,26 @@ class VersionReader:
         from ..checked import damaged
 
         return damaged(self.checked_source(name), [(i, got) for i, _b, _e, got, _want in bad])
+
+    def checksum_problems(self, progress: Callable[[int], None] | None = None) -> list[str]:
+        """Every chunk of every tensor whose CRC32C differs from ``ucp.json``, and the objects
+        failing theirs, as readable lines naming the file (empty: every byte is sound).
+        ``progress(nbytes)`` after each tensor is checked."""
+        problems = []
+        for name, t in self.tensors.items():
+            try:
+                for i, b, e, got, want in self.bad_chunks(name):
+                    problems.append(f"{self.path / t.file}: tensor {name!r} chunk {i} (tensor bytes [{b}, {e})) has "
+                                    f"crc32c {got:#010x}, ucp.json records {want:#010x}")
+            except FormatError as exc:
+                problems.append(str(exc))
+            if progress is not None:
+                progress(t.nbytes)
+        try:
+            _ = self.objects  # reading the objects verifies their checksums
+        except (ChecksumMismatch, FormatError) as exc:
+            problems.append(str(exc))
+        return problems
 
     # -- non-tensor state -------------------------------------------------------------------
 

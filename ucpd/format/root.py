@@ -13,7 +13,6 @@ import logging
 import os
 import shutil
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import FormatError, VersionNotFound
@@ -21,11 +20,12 @@ from . import spec
 from ._fs import fsync_dir, write_file_atomic
 from .objstore import ObjectRoot, is_url
 from .reader import VersionReader, check_files_present, read_meta
+from .spec import VersionSummary
 
 log = logging.getLogger("ucpd.format")
 
 __all__ = [
-    "VersionSummary", "clean_temp", "list_versions", "maybe_update_latest", "open_version", "pid_alive",
+    "clean_temp", "list_versions", "maybe_update_latest", "open_version", "pid_alive",
     "point_latest", "read_latest", "retain", "write_latest",
 ]
 
@@ -57,37 +57,6 @@ def maybe_update_latest(root: Path, step: int, fsync: bool) -> None:
 
 
 # -- listing and opening --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class VersionSummary:
-    """One ``step-<N>`` folder (or a writer's temporary folder) under a root, cheaply checked.
-
-    ``state``: ``"complete"`` (ucp.json parses, every file is there with its recorded size),
-    ``"torn"`` (a ``step-<N>`` folder that is not; ``problem`` says why) or ``"partial"``
-    (``.step-<N>.tmp-<pid>``: a write in progress, or left by a writer that died).
-    """
-
-    step: int
-    path: Path
-    state: str
-    tensors: int = 0
-    nbytes: int = 0
-    created: float | None = None
-    latest: bool = False
-    problem: str | None = None
-
-    def to_dict(self) -> dict:
-        return {
-            "step": self.step,
-            "path": str(self.path),
-            "state": self.state,
-            "tensors": self.tensors,
-            "bytes": self.nbytes,
-            "created": self.created,
-            "latest": self.latest,
-            "problem": self.problem,
-        }
 
 
 def _summarize(path: Path, step: int, latest: int | None) -> VersionSummary:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..dtypes import BY_NAME, DType
@@ -339,3 +340,37 @@ def pattern_text(pattern: Any) -> str:
             v = f"[{len(v)} items]"
         args.append(f"{k}={v}")
     return f"{kind}({', '.join(args)})" if args else str(kind)
+
+
+# -- listing --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class VersionSummary:
+    """One ``step-<N>`` folder (or a writer's temporary folder) under a root, cheaply checked.
+
+    ``state``: ``"complete"`` (ucp.json parses, every file is there with its recorded size),
+    ``"torn"`` (a ``step-<N>`` folder that is not; ``problem`` says why) or ``"partial"``
+    (``.step-<N>.tmp-<pid>``: a write in progress, or left by a writer that died).
+    """
+
+    step: int
+    path: Path
+    state: str
+    tensors: int = 0
+    nbytes: int = 0
+    created: float | None = None
+    latest: bool = False
+    problem: str | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "step": self.step,
+            "path": str(self.path),
+            "state": self.state,
+            "tensors": self.tensors,
+            "bytes": self.nbytes,
+            "created": self.created,
+            "latest": self.latest,
+            "problem": self.problem,
+        }

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ..errors import ChecksumMismatch, FormatError, UcpdError
+from ..errors import FormatError, UcpdError, VersionNotFound
 from . import spec
+from .objstore import ObjectRoot, is_url, join
 from .reader import VersionReader, read_meta
 from .root import list_versions, read_latest
 
@@ -27,12 +29,10 @@ def validate(
     no unexpected files, LATEST naming a complete version); ``full`` also verifies every
     checksum chunk of every tensor and object. ``progress(bytes_done, bytes_total)`` follows
     the checksum pass. Each problem names the path and what is wrong. A URL root is checked
-    through ``ObjectRoot.validate`` (each version fetched, then checked as a folder).
+    through ``_validate_url`` (each version fetched, then checked as a folder).
     """
-    from .objstore import ObjectRoot, is_url
-
     if is_url(root):
-        return ObjectRoot(str(root)).validate(step, full, progress)
+        return _validate_url(ObjectRoot(str(root)), step, full, progress)
     root = Path(root)
     if not root.is_dir():
         return [f"{root}: not a directory"]
@@ -73,26 +73,50 @@ def validate(
 
     try:
         if full:
-            total = sum(r.meta.total_bytes for r in readers)
-            done = 0
+            total, done = sum(r.meta.total_bytes for r in readers), 0
+
+            def advance(n: int) -> None:
+                nonlocal done
+                done += n
+                progress(done, total)
+
             for r in readers:
-                for name, t in r.tensors.items():
-                    try:
-                        for i, b, e, got, want in r.bad_chunks(name):
-                            problems.append(
-                                f"{r.path / t.file}: tensor {name!r} chunk {i} (tensor bytes [{b}, {e})) has "
-                                f"crc32c {got:#010x}, ucp.json records {want:#010x}"
-                            )
-                    except FormatError as exc:
-                        problems.append(str(exc))
-                    done += t.nbytes
-                    if progress is not None:
-                        progress(done, total)
-                try:
-                    _ = r.objects  # reading the objects verifies their checksums
-                except (ChecksumMismatch, FormatError) as exc:
-                    problems.append(str(exc))
+                problems += r.checksum_problems(advance if progress is not None else None)
     finally:
         for r in readers:
             r.close()
+    return problems
+
+
+def _validate_url(store: ObjectRoot, step: int | None, full: bool, progress: Callable[[int, int], None] | None) -> list[str]:
+    """``validate`` of an object-store root: every committed version (or ``step``) fetched into
+    a temporary folder and checked there, plus the store's own problems (torn versions,
+    abandoned uploads, ``LATEST`` naming an uncommitted one)."""
+    problems: list[str] = []
+    try:
+        versions = store.list_versions()
+    except FileNotFoundError:
+        return [f"{store.url}: no such bucket or prefix"]
+    if step is not None:
+        versions = [v for v in versions if v.step == step]
+        if not versions:
+            return [f"{join(store.url, spec.step_dirname(step))}: no such version"]
+    latest = store.read_latest()
+    if (step is None or step == latest) and latest is not None:
+        if not any(v.step == latest and v.state == "complete" for v in store.list_versions()):
+            problems.append(f"{join(store.url, spec.LATEST_FILE)}: names step-{latest}, which is not committed")
+    for v in versions:
+        if v.state == "partial":
+            problems.append(f"{v.path}: {v.problem}")
+        elif v.state == "torn":
+            problems.append(f"{v.path}: torn version: {v.problem}")
+        else:
+            with tempfile.TemporaryDirectory(prefix="ucpd-fetch-") as tmp:
+                try:
+                    store.fetch(v.step, tmp, verify=False)
+                except (FormatError, VersionNotFound) as exc:
+                    problems.append(str(exc))
+                    continue
+                problems += [p.replace(tmp, store.url) for p in validate(tmp, v.step, full=full, progress=progress)
+                             if not p.startswith(str(Path(tmp) / spec.LATEST_FILE))]
     return problems

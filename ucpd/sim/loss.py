@@ -22,7 +22,7 @@ from math import comb
 
 import numpy as np
 
-from ..team.placement import _interleaved, parity_groups, replica_holders
+from ..team.placement import interleaved, parity_groups, replica_holders
 from .network import Topology
 
 __all__ = ["Scheme", "holders_table", "evaluate"]
@@ -49,7 +49,7 @@ def holders_table(topo: Topology, r: int, domain: bool, check: int = 32, seed: i
     ``replica_holders`` returns when consecutive ring nodes sit in different domains; checked
     against ``replica_holders`` itself for ``check`` random origins (it is O(N) per call)."""
     domains = topo.domains() if domain else None
-    ring = np.array(_interleaved(range(topo.nodes), domains))
+    ring = np.array(interleaved(range(topo.nodes), domains))
     pos = np.empty(topo.nodes, dtype=np.int64)
     pos[ring] = np.arange(topo.nodes)
     table = ring[(pos[:, None] + np.arange(1, r + 1)[None, :]) % topo.nodes]

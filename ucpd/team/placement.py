@@ -29,7 +29,7 @@ def _domain_key(node: int, domains: Mapping[int, str] | None) -> Hashable:
     return ("domain", domains[node])
 
 
-def _interleaved(nodes: Iterable[int], domains: Mapping[int, str] | None) -> list[int]:
+def interleaved(nodes: Iterable[int], domains: Mapping[int, str] | None) -> list[int]:
     """``nodes`` in ring order: sorted without domains, else round-robin over the domains.
 
     Domains are taken in order of their smallest node, and nodes in increasing order within a
@@ -70,7 +70,7 @@ def replica_holders(
         raise ValueError(f"replicas must be >= 0, got {replicas}")
     alive = set(live)
     alive.discard(origin)
-    ring = _interleaved(alive | {origin} | set(domains or ()), domains)
+    ring = interleaved(alive | {origin} | set(domains or ()), domains)
     at = ring.index(origin)
     candidates = [n for n in ring[at + 1 :] + ring[:at] if n in alive]
 

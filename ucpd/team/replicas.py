@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import native
 from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
-from ..daemon.versions import RankPart, TensorEntry
+from ..daemon.manifest import RankPart, TensorEntry
 
 log = logging.getLogger("ucpd.team.replicas")
 

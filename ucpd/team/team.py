@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 
 from .. import faults, knobs, native, protocol
 from ..daemon import stalls
-from ..daemon.restore import SourceSet, _signature
-from ..daemon.versions import RESTORABLE, SEALED, RankPart, TensorEntry, Version, VersionState
+from ..daemon.restore import SourceSet, tensor_signature
+from ..daemon.manifest import RankPart, TensorEntry
+from ..daemon.versions import RESTORABLE, SEALED, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, SnapshotRejected, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from . import placement
@@ -928,7 +929,7 @@ class Team:
                     continue
                 path, off = (a, b + t.offset) if kind == "local" else (f"peer:{a}:{b}:{rank}", t.offset)
                 tensors[(rank, idx)] = protocol.PlanSource(path, off, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-                same.setdefault(_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
+                same.setdefault(tensor_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
         globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in version.globals().items()}
         objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects)) for r, p in parts.items()}
         out = TeamSources(step, SourceSet(globals_, tensors, same), objects, pins, self)

@@ -2,7 +2,7 @@
 
 Megatron-style tensor/pipeline/expert parallelism::
 
-    from ucpd.ucl import layouts as L   # or, the same module, ``from ucpd_client import layouts as L``
+    from ucpd.ucl import layouts as L   # or ``from ucpd_client import layouts as L`` (the same helpers)
     L.column_parallel(tp_rank, tp)                 # fc1 / qkv weight [out, in]: split out
     L.row_parallel(tp_rank, tp)                    # fc2 / proj weight [out, in]: split in
     L.fused_qkv(tp_rank, tp, num_heads=32, num_kv_heads=8, head_dim=128)
@@ -22,7 +22,7 @@ A whole rank at once (its coordinates, groups, layer names and ZeRO partition)::
 
 Every helper returns ``ucpd.ucl`` placement objects (``ucpd_client.placement``). Pure UCL (it
 imports only ``ucpd.errors`` and ``ucpd.ucl.placements``): spec files (``ucpd.ucl.spec``) use it,
-and the trainer library re-exports it as ``ucpd_client.layouts``.
+and the trainer library names its helpers in ``ucpd_client.layouts``.
 """
 
 from __future__ import annotations

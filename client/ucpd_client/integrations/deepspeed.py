@@ -20,7 +20,6 @@ The daemon flushes versions to the universal format in the background.
 
 from __future__ import annotations
 
-import io
 import os
 import pickle
 import re
@@ -155,8 +154,7 @@ class UcpdCheckpointEngine(_Base):
 
     # -- ucpd --------------------------------------------------------------------------
     def _load_from_daemon(self, fname: str, step: int | None) -> Any:
-        body = {} if step is None else {"step": step}
-        desc = self.ckpt._conn().call("describe", **body)
+        desc = self.ckpt.describe(step)
         prefix = f"{PREFIX}/{fname}/"
         infos = {n[len(prefix):]: t for n, t in desc["tensors"].items() if n.startswith(prefix)}
         if "skeleton" not in infos:

@@ -185,7 +185,7 @@ class UcpdCallback(_Base):
         step = self.ckpt.latest()
         if step is None:
             return None
-        desc = self.ckpt._conn().call("describe", step=step)
+        desc = self.ckpt.describe(step)
         model: dict = {}
         opt_state: dict = {}
         for name, info in desc["tensors"].items():

@@ -158,7 +158,7 @@ class UcpdCheckpointIO(_Base):
                 f"{path} points to job {pointer['job']!r}'s step {pointer['step']}, and this Checkpointer serves job "
                 f"{self.ckpt.job!r}: pass UcpdCheckpointIO(Checkpointer(job={pointer['job']!r}, rank=0, world_size=1))")
         step = int(pointer["step"])
-        desc = self.ckpt._conn().call("describe", step=step)
+        desc = self.ckpt.describe(step)
         tensors = {name[len("tensors."):]: torch.empty(tuple(info["shape"]), dtype=getattr(torch, info["dtype"]))
                    for name, info in desc["tensors"].items() if name.startswith("tensors.")}
         target = {"tensors": tensors, "lightning": None}

@@ -67,7 +67,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from ..errors import DaemonUnreachable, UcpdError, VersionNotFound
-from ..checkpointer import _dtensor_class  # cached: torch.distributed imported once
+from ..placement import dtensor_class  # cached: torch.distributed imported once
+from ..restore import merged_values
 
 try:  # torchft's own abstract base class where torchft is installed; the same interface otherwise
     from torchft.checkpointing.transport import CheckpointTransport as _Base
@@ -114,7 +115,7 @@ def split_state(state_dict: Any, rank: int = 0) -> tuple[dict[str, torch.Tensor]
     """(named tensors to snapshot, the pickleable description of everything else). ``rank``:
     the sender's group rank, naming the local tensors of DTensors whose mesh it is not on."""
     leaves, spec = pytree.tree_flatten_with_path(state_dict)
-    DTensor = _dtensor_class()
+    DTensor = dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
     described: list = []
     for path, leaf in leaves:
@@ -215,8 +216,6 @@ class UcpdTransport(_Base, Generic[T]):
             self.received.append((int(step), "fallback"))
             return out
         desc = self._wait_committed(reader, int(step), deadline, meta)
-        from ..restore import merged_values
-
         values = merged_values(desc["objects"], reader.rank, desc.get("objects_crcs"))
         if META_KEY not in values:
             raise VersionNotFound(f"step {step} of job {meta['job']} was not written by a UcpdTransport "
@@ -245,7 +244,7 @@ class UcpdTransport(_Base, Generic[T]):
         latest = self.ckpt.latest()
         if latest is not None and latest >= step:
             try:  # the job has this step already (a snapshot of its own): serve that one
-                self.ckpt._conn().call("describe", step=step)
+                self.ckpt.describe(step)
                 return None
             except VersionNotFound:
                 raise UcpdError(f"job {self.ckpt.job} is at step {latest}; torchft asks to send step {step}: "
@@ -274,7 +273,7 @@ class UcpdTransport(_Base, Generic[T]):
     def _wait_committed(self, reader: Any, step: int, deadline: float, meta: dict) -> dict:
         while True:
             try:
-                return reader._conn().call("describe", step=step)
+                return reader.describe(step)
             except VersionNotFound as exc:
                 if time.monotonic() >= deadline:
                     raise VersionNotFound(f"step {step} of job {meta['job']} was not committed in "
@@ -286,7 +285,7 @@ class UcpdTransport(_Base, Generic[T]):
         if self._state_dict is not None:
             leaves, _ = pytree.tree_flatten_with_path(self._state_dict())
             template = {path_name(p): leaf for p, leaf in leaves if isinstance(leaf, torch.Tensor)}
-        DTensor = _dtensor_class()
+        DTensor = dtensor_class()
         targets: dict[str, torch.Tensor] = {}
         values: list = []
         for path, leaf in zip(described["paths"], described["leaves"]):
@@ -325,4 +324,4 @@ class _LocalDTensor:
 def _fits(t: torch.Tensor, leaf: _TensorLeaf) -> bool:
     if leaf.spec is not None:  # a DTensor: its global shape must agree; the template's layout is read
         return tuple(t.shape) == tuple(leaf.spec.shape)
-    return tuple(t.shape) == leaf.shape and not isinstance(t, _dtensor_class())
+    return tuple(t.shape) == leaf.shape and not isinstance(t, dtensor_class())

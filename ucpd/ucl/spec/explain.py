@@ -25,8 +25,8 @@ from typing import Any, Mapping
 from .errors import SpecError
 from .layout import BoundSpec
 from .patterns import NamePattern
-from .spec import Rule, Spec, _bind_symbols, _walk
-from .syntax import EvalError, PStacked, evaluate, format_expr, names_in, render
+from .spec import Rule, Spec, bind_symbols
+from .syntax import EvalError, PStacked, evaluate, format_expr, names_in, render, walk_placement
 
 _MAX_COMBOS = 4096  # rank combinations tried when deciding whether a rule is expected somewhere
 
@@ -104,7 +104,7 @@ def _template_regex(template: str, groups: Mapping[str, str]) -> re.Pattern:
 def _consolidated_patterns(rule: Rule) -> NamePattern:
     """The rule's pattern as the checkpoint names the tensor (a stacked index removed)."""
     pat = rule.pattern
-    for node in _walk(rule.placement):
+    for node in walk_placement(rule.placement):
         if isinstance(node, PStacked):
             if node.axis is not None:
                 by = node.by.id if node.by is not None else ("expert" if "expert" in pat.captures else pat.captures[0])
@@ -154,7 +154,7 @@ def explain(
         if symbols:
             env.update(symbols)
     else:
-        env = _bind_symbols(spec, dict(symbols or {}), partial=True)
+        env = bind_symbols(spec, dict(symbols or {}), partial=True)
     tensors = getattr(version, "tensors", version)
     out = Explanation(spec.name)
     states = spec.optimizer.states if spec.optimizer else ()
@@ -211,7 +211,7 @@ def bind_for_cli(spec_arg: str, sets: list[str] | None) -> tuple[Spec, dict[str,
 
     spec = load_spec(spec_arg)
     symbols = parse_assignments(sets)
-    _bind_symbols(spec, symbols, partial=True)  # unknown names are reported here
+    bind_symbols(spec, symbols, partial=True)  # unknown names are reported here
     return spec, symbols
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 from ...errors import InvalidPlacement, PlacementMismatch
 from .. import layouts as L
@@ -30,7 +30,6 @@ from ..placements import Box, Fused, Padded, Placement, Replicated, Shard, Stack
 from ..resolve import resolve
 from .errors import SpecError, SpecMismatch
 from .patterns import Match, drop_component, replace_component
-from .spec import STANDARD_AXES, Rule, Spec
 from .syntax import (
     Expr,
     Name,
@@ -43,6 +42,11 @@ from .syntax import (
     PStacked,
     names_in,
 )
+
+if TYPE_CHECKING:  # annotations only: a spec binds into a BoundSpec (``Spec.bind``), not the other way
+    from .spec import Rule, Spec
+
+STANDARD_AXES = ("tp", "pp", "dp", "ep", "cp")  # default to 1 when a spec does not bind them
 
 
 @dataclass(frozen=True)

@@ -23,9 +23,10 @@ import re
 import string
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
 from .errors import SpecError, TextError
+from .layout import STANDARD_AXES, BoundSpec
 from .patterns import Match, NamePattern, compile_pattern
 from .syntax import (
     EvalError,
@@ -33,25 +34,17 @@ from .syntax import (
     Name,
     Num,
     PAverage,
-    PBox,
-    PFused,
-    PPadded,
-    PReplicated,
-    PShard,
     PStacked,
     RuleText,
     evaluate,
     names_in,
     parse_expr,
     parse_rule,
+    walk_placement,
 )
-
-if TYPE_CHECKING:
-    from .layout import BoundSpec
 
 SPEC_VERSION = 1
 SPECS_DIR = Path(__file__).resolve().parent.parent / "specs"
-STANDARD_AXES = ("tp", "pp", "dp", "ep", "cp")  # default to 1 when a spec does not bind them
 _TOP = ("spec", "symbols", "coords", "names", "pipeline", "tied", "rules", "optimizer")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -352,7 +345,7 @@ class Spec:
         except TextError as exc:
             raise src.error(exc.reason, path, v, exc.offset) from None
         rule = Rule(i, pat, v, parsed, expect, note, src)
-        for node in _walk(parsed.placement):
+        for node in walk_placement(parsed.placement):
             if isinstance(node, PStacked) and node.axis is not None:
                 by = node.by.id if node.by is not None else ("expert" if "expert" in pat.captures else None)
                 if by is None and len(pat.captures) == 1:
@@ -461,7 +454,7 @@ class Spec:
         """Symbols used as parallel axes (``shard(0, tp)``, ZeRO group axes, ``..._rank``)."""
         out = set()
         for r in self.rules:
-            for node in _walk(r.parsed.placement):
+            for node in walk_placement(r.parsed.placement):
                 ax = getattr(node, "axis", None)
                 if isinstance(ax, Name):
                     out.add(ax.id)
@@ -476,14 +469,12 @@ class Spec:
             out.update(g.axis for g in self.optimizer.groups)
         return out
 
-    def bind(self, **symbols: Any) -> "BoundSpec":
+    def bind(self, **symbols: Any) -> BoundSpec:
         """Fix the run's configuration: parallel sizes (``tp``, ``pp``, ``dp``, ``ep``; 1 when
         not given) and model symbols (``vocab``, ``heads``, ...). Defaults come from
         ``[symbols]``. Raises SpecError for a symbol the spec needs and nobody gave (at its
         position in the file) or a name the spec does not know."""
-        from .layout import BoundSpec
-
-        return BoundSpec(self, _bind_symbols(self, symbols))
+        return BoundSpec(self, bind_symbols(self, symbols))
 
     # -- writing
 
@@ -510,21 +501,6 @@ def _in_shape(parsed: RuleText, n: Name) -> bool:
     return any(n is x for e in (parsed.shape or ()) for x in names_in(e))
 
 
-_PNODES = (PReplicated, PAverage, PShard, PBox, PFused, PPadded, PStacked)
-
-
-def _walk(p: Any):
-    """A placement node and all its inner placement nodes."""
-    if isinstance(p, tuple):
-        for x in p:
-            yield from _walk(x)
-        return
-    if not isinstance(p, _PNODES):
-        return
-    yield p
-    inner = getattr(p, "inner", None)
-    if inner is not None:
-        yield from _walk(inner)
 
 
 def known_symbols(spec: Spec) -> set[str]:
@@ -536,12 +512,12 @@ def known_symbols(spec: Spec) -> set[str]:
         known.update(n.id for n in names_in(loc.expr))
     for r in spec.rules:
         known -= set(r.pattern.captures)
-        if any(isinstance(n, PStacked) and n.axis is not None and n.count is None for n in _walk(r.placement)):
+        if any(isinstance(n, PStacked) and n.axis is not None and n.count is None for n in walk_placement(r.placement)):
             known.add("experts")  # stacked(dim, axis) counts its items with the symbol experts
     return {k for k in known if not k.endswith("_rank")}
 
 
-def _bind_symbols(spec: Spec, given: Mapping[str, Any], partial: bool = False) -> dict[str, int | float]:
+def bind_symbols(spec: Spec, given: Mapping[str, Any], partial: bool = False) -> dict[str, int | float]:
     env: dict[str, int | float] = {}
     known = known_symbols(spec)
     for k, v in given.items():

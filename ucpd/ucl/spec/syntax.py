@@ -34,6 +34,7 @@ errors found later (at binding or resolution) still point at the column.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
@@ -291,6 +292,22 @@ class PStacked:
 
 
 PNode = Union[PReplicated, PAverage, PShard, PBox, PFused, PPadded, PStacked]
+
+_PNODES = (PReplicated, PAverage, PShard, PBox, PFused, PPadded, PStacked)
+
+
+def walk_placement(p: Any) -> Iterator[PNode]:
+    """A placement node and all its inner placement nodes."""
+    if isinstance(p, tuple):
+        for x in p:
+            yield from walk_placement(x)
+        return
+    if not isinstance(p, _PNODES):
+        return
+    yield p
+    inner = getattr(p, "inner", None)
+    if inner is not None:
+        yield from walk_placement(inner)
 
 
 @dataclass(frozen=True)
