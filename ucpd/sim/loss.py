@@ -27,6 +27,8 @@ from .network import Topology
 
 __all__ = ["Scheme", "holders_table", "evaluate"]
 
+EXACT_UP_TO = 1024  # nodes: up to here holders_table calls replica_holders for every origin
+
 
 @dataclass(frozen=True)
 class Scheme:
@@ -49,12 +51,15 @@ def holders_table(topo: Topology, r: int, domain: bool, check: int = 32, seed: i
     ``replica_holders`` returns when consecutive ring nodes sit in different domains; checked
     against ``replica_holders`` itself for ``check`` random origins (it is O(N) per call)."""
     domains = topo.domains() if domain else None
+    live = list(range(topo.nodes))
+    if topo.nodes <= EXACT_UP_TO or (domain and r >= topo.racks):
+        # small teams, or as many copies as domains: the ring model does not hold, ask the real rule
+        return np.array([replica_holders(origin, live, r, domains) for origin in live])
     ring = np.array(interleaved(range(topo.nodes), domains))
     pos = np.empty(topo.nodes, dtype=np.int64)
     pos[ring] = np.arange(topo.nodes)
     table = ring[(pos[:, None] + np.arange(1, r + 1)[None, :]) % topo.nodes]
     rng = np.random.default_rng(seed)
-    live = list(range(topo.nodes))
     for origin in rng.choice(topo.nodes, size=min(check, topo.nodes), replace=False):
         real = replica_holders(int(origin), live, r, domains)
         assert list(table[origin]) == real, f"ring model disagrees with replica_holders for node {origin}: {real}"
