@@ -3,7 +3,7 @@
 ``Locator.find`` answers "where is step N of job J (or its newest committed version)": the RAM
 version wins unless the flush dir holds a newer one; copies a client found damaged (``avoid``)
 are skipped for the same step elsewhere, or for the version before. Flush dir lookups are
-bounded in time (``DISK_LOOKUP_SECONDS``): a hung file system never stalls ``latest`` or RAM
+bounded in time (``knobs.disk_lookup_seconds()``): a hung file system never stalls ``latest`` or RAM
 restores. Every "not found" names what the job does have, and whose a step is when another job
 has it.
 """
@@ -14,15 +14,31 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
-from .. import native
+from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
 from ..format.objstore import join
 from . import restore as restore_plan
 
 log = logging.getLogger("ucpd.locate")
 
-DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
+@dataclass
+class Found:
+    """Where a restore of ``job``'s ``step`` reads (``Locator.find``)."""
+
+    sources: object  # restore_plan.SourceSet: what each global tensor is made of, and where its bytes are
+    objects: dict  # rank -> (its non-tensor objects, their CRC32C)
+    step: int
+    job: str
+    where: str  # "ram" | "disk"
+    version: object | None = None  # this node's RAM version read (a lease pins it)
+    team: object | None = None  # the team's gathered sources (they hold their own pins; release())
+
+    def release(self) -> None:
+        """Nobody will read it after all (a failed plan, a describe): the team's pins go."""
+        if self.team is not None:
+            self.team.release()
 
 
 class Locator:
@@ -51,7 +67,7 @@ class Locator:
         return join(self.flush_dir, job) if self.flush_dir else None
 
     def disk_latest(self, job: str) -> int | None:
-        """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
+        """``_disk_latest_now`` within ``$UCPD_DISK_LOOKUP_SECONDS`` (2): a flush dir that stops answering
         (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
         does not return in time goes on in the background (one per job at a time) and the last
         answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
@@ -68,11 +84,11 @@ class Locator:
                     self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
                 fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
         try:
-            step = fut.result(timeout=DISK_LOOKUP_SECONDS)
+            step = fut.result(timeout=knobs.disk_lookup_seconds())
         except cf.TimeoutError:
             if not self.disk_unresponsive:
                 log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
-                            self.flush_dir, DISK_LOOKUP_SECONDS)
+                            self.flush_dir, knobs.disk_lookup_seconds())
             self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
             return self._disk_cache.get(job)
         except StorageError as exc:  # an object store that fails its requests: as one that does not answer
@@ -122,7 +138,7 @@ class Locator:
                 f"job {job!r} has no {what} on this node; step {step} here belongs to job(s) {owners}: a job never "
                 "restores another's versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote it)"
             )
-        others = sorted(j for j in self.store.tables if j != job and self.store.tables[j].latest_committed())
+        others = [j for j in self.store.jobs() if j != job and self.store.latest_committed(j)]
         hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
         return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
 
@@ -134,8 +150,7 @@ class Locator:
             return version
         if step is not None:
             return None
-        table = self.store.tables.get(job)
-        sound = [v for v in (table.committed() if table else []) if (job, v.step, "ram") not in avoid]
+        sound = [v for v in self.store.committed(job) if (job, v.step, "ram") not in avoid]
         return sound[-1] if sound else None
 
     def _disk_choice(self, job: str, avoid: set) -> int | None:
@@ -149,9 +164,8 @@ class Locator:
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
-    def find(self, step: int | None, job: str, avoid: set = frozenset()):
-        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
-        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer.
+    def find(self, step: int | None, job: str, avoid: set = frozenset()) -> Found:
+        """Where ``step`` of ``job`` (None: the newest committed) is. RAM wins unless disk is newer.
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
         (a retry): the same step from the other place, or (no step asked) the newest other version."""
         if self.team is not None:
@@ -161,7 +175,7 @@ class Locator:
         if version is not None and (disk is None or disk <= version.step):
             sources = self.ram_sources(version)
             objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
-            return sources, objects, version.step, version, "ram"
+            return Found(sources, objects, version.step, job, "ram", version=version)
         if step is None and disk is None and avoid:
             raise ChecksumMismatch(
                 f"job {job!r}: every version this daemon holds in RAM or in the flush dir that a restore tried "
@@ -197,7 +211,7 @@ class Locator:
             sources = restore_plan.from_disk(reader)
             # the reader checked these against the version's own checksums
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
+            return Found(sources, objects, reader.step, job, "disk")
 
     def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
         """``find`` across the team (a worker thread: it asks the peers). The team's
@@ -216,9 +230,9 @@ class Locator:
             got = None
         damaged = got is not None and (job, got.step, "ram") in avoid
         if got is not None and not damaged and (disk is None or disk <= got.step):
-            return got.sources, got.objects, got.step, got, "ram"
+            return Found(got.sources, got.objects, got.step, job, "ram", team=got)
         if got is not None:
-            with self.store.lock:
+            with self.store.atomic():
                 got.release()
         if damaged and ((job, got.step, "disk") in avoid or (step is None and disk is None)):
             raise ChecksumMismatch(f"job {job!r} step {got.step}: the team's copy failed its checksums at the client "
@@ -226,12 +240,12 @@ class Locator:
         with self.open_disk(got.step if damaged else step, job) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
+            return Found(sources, objects, reader.step, job, "disk")
 
     def ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""
         if version.restore_sources is None:
-            version.restore_sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+            version.restore_sources = restore_plan.from_ram(version, self.store.slot_path)
         return version.restore_sources
 
     def open_disk(self, step, job: str):
@@ -281,7 +295,6 @@ class Locator:
         except (VersionNotFound, FileNotFoundError) as exc:
             raise self.not_this_job(step, job, f"{self.job_flush_dir(job)}: {exc}") from None
         reader = open_version(local, step)
-        with self.store.lock:
-            reading = self.store.flushed_being_read(job) | {step}
+        reading = self.store.flushed_being_read(job) | {step}
         self.cache.prune(job, reading)
         return reader
