@@ -71,7 +71,7 @@ def row(r: dict) -> list[str]:
     det = (lambda xs: f"{xs[0]:.2f}–{xs[1]:.2f}") if model else spread
     return [f"{r['nodes']:,}", r["kind"], det(r["first"]), det(r["last"]), fps, sus,
             f"{statistics.median(r['msgs_per_node_s']):,.1f}", f"{statistics.median(r['bytes_per_node_s']) / 1e3:,.1f} KB",
-            f"{r['view_bytes'] / 1e3:,.1f} KB"]
+            f"{r['view_bytes']:,} B" if r["view_bytes"] < 10_000 else f"{r['view_bytes'] / 1e3:,.1f} KB"]
 
 
 def main() -> None:

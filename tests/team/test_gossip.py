@@ -57,16 +57,17 @@ def test_a_broken_link_between_two_nodes_is_bridged_by_indirect_probes():
         return {src, dst} == {2, 3}  # every message between 2 and 3 is lost, forever
 
     res = run(8, duration=20.0, drop=drop, seed=5)
-    assert res.false_drops == 0
+    assert res.false_drops == 0 and res.suspicions == 0
 
 
-def test_without_indirect_probes_the_same_broken_link_is_mistaken_for_a_death():
-    # the converse of the test above: it shows the bridge is what keeps 2 and 3 in the views
+def test_without_indirect_probes_the_same_broken_link_raises_suspicions():
+    # the converse of the test above: the bridge is what keeps 2 and 3 from suspecting each other
+    # (without it they are suspected, and refute)
     def drop(src, dst, t):
         return {src, dst} == {2, 3}
 
     res = run(8, duration=20.0, drop=drop, seed=5, config=GossipConfig(period=PERIOD, indirect=0))
-    assert res.false_drops > 0
+    assert res.suspicions > 0 and res.refutations > 0
 
 
 def test_a_restarted_node_is_rejoined_everywhere():
@@ -162,3 +163,49 @@ def test_the_view_is_a_bitmap_not_a_set_of_ints():
     g = Gossip(0, 8192, inc="a", gen=1.0, now=0.0)
     assert g.view.live.nbytes() == 1024
     assert len(g.view.live) == 8192 and 8191 in g.view.live
+
+
+def _a_death_that_reaches_b_only_by_sync(sync_every: int) -> str:
+    """Node 0 hears from node 3 that node 2 is dead; node 1 talks with node 0, but every rumour
+    on their pings and acks is lost: only a sync can tell it within 5 s (node 1's own probes
+    of node 2 make it a suspect, whose suspicion lasts at least 6 s without confirmations)."""
+    cfg = GossipConfig(period=PERIOD, fanout=0, sync_every=sync_every)
+    a = Gossip(0, 4, inc="a", gen=1.0, now=0.0, config=cfg, seed=1)
+    b = Gossip(1, 4, inc="b", gen=1.0, now=0.0, config=cfg, seed=2)
+    a.on_message(3, {"k": "g", "s": 0, "me": ["d", 1.0, 0], "u": [[2, DEAD, 3, "c", 1.0, 0]]}, now=0.0)
+    assert a.state(2) == "dead"
+    t = 0.0
+    for _ in range(100):
+        t += PERIOD / 5
+        a.on_tick(t)
+        b.on_tick(t)
+        for dst, body in a.take_sends():
+            if dst == 1:
+                b.on_message(0, body if body["k"] == "sync" else dict(body, u=[]), t)
+        for dst, body in b.take_sends():
+            if dst == 0:
+                a.on_message(1, dict(body, u=[]), t)
+    return b.state(2)
+
+
+def test_a_node_that_missed_every_rumour_learns_of_a_death_from_a_sync():
+    assert _a_death_that_reaches_b_only_by_sync(sync_every=2) == "dead"
+
+
+def test_without_syncs_the_same_node_has_not_learnt_in_that_time():
+    assert _a_death_that_reaches_b_only_by_sync(sync_every=10_000) != "dead"
+
+
+def test_a_death_reported_by_a_node_that_never_heard_the_dead_one_still_counts():
+    # node 3 never heard from node 2 (it names no process); node 0 knows node 2's process
+    a = Gossip(0, 4, inc="a", gen=1.0, now=0.0, seed=1)
+    a.on_message(2, {"k": "ping", "s": 1, "me": ["c", 5.0, 0], "u": []}, now=0.5)
+    a.on_message(3, {"k": "g", "s": 0, "me": ["d", 1.0, 0], "u": [[2, DEAD, 3, "", -1.0, 0]]}, now=1.0)
+    assert a.state(2) == "dead"
+
+
+def test_a_live_node_refutes_a_death_reported_without_its_process():
+    b = Gossip(1, 4, inc="b", gen=1.0, now=0.0, seed=1)
+    b.on_message(3, {"k": "ping", "s": 1, "me": ["d", 1.0, 0], "u": [[1, DEAD, 3, "", -1.0, 0]]}, now=1.0)
+    (dst, ack), = b.take_sends()
+    assert ack["me"] == ["b", 1.0, 1] and b.counters["refuted"] == 1

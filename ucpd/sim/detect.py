@@ -204,8 +204,9 @@ def run(nodes: int, *, kind: str = "gossip", duration: float = 10.0, crash: dict
     for i in range(nodes):
         if up[i]:
             s = members[i]
-            res.view_bytes = sys.getsizeof(s.view.live) + (
-                s.view.live.nbytes() if hasattr(s.view.live, "nbytes") else sum(sys.getsizeof(x) for x in s.view.live))
+            live = s.view.live
+            res.view_bytes = sys.getsizeof(live) + (
+                sys.getsizeof(live.mask) if isinstance(live, NodeSet) else sum(sys.getsizeof(x) for x in live))
             if kind == "gossip":
                 res.suspicions += s.counters["suspected"]
                 res.refutations += s.counters["refuted"]
