@@ -142,6 +142,12 @@ def disk_lookup_seconds() -> float:
     return float(_get("UCPD_DISK_LOOKUP_SECONDS", "") or 2.0)
 
 
+def disk_answer_seconds() -> float:
+    """Seconds ``latest``/a restore waits in all for the flush dir when RAM holds nothing of the
+    job (the flush dir's answer is then the only one); after that, a ``StorageError``."""
+    return float(_get("UCPD_DISK_ANSWER_SECONDS", "") or 60.0)
+
+
 def flush_stall_seconds() -> float:
     """Seconds a flush may write nothing before ``ucpd status`` calls it stalled."""
     return float(_get("UCPD_FLUSH_STALL_SECONDS", "") or 30.0)

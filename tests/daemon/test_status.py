@@ -94,8 +94,9 @@ def test_stop_purge_frees_the_shared_memory(make_daemon):
 
 
 def test_stop_purge_after_a_plain_stop_frees_what_the_daemon_left(make_daemon, monkeypatch):
+    # the daemon ran with its own --shm-dir, which `ucpd stop --purge` is not told: the run dir says it
     daemon = make_daemon("--mem-limit", "1G", flush=False)
-    monkeypatch.setenv("UCPD_SHM_DIR", daemon.shm_dir)  # where `ucpd stop --purge` looks with no daemon
+    monkeypatch.delenv("UCPD_SHM_DIR", raising=False)
     with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         ckpt.snapshot(5, {"w": torch.ones(1 << 20)}).wait()
     assert ucpd("stop", "--run-dir", daemon.run_dir).returncode == 0

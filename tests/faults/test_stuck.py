@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -106,6 +107,46 @@ def test_a_flush_dir_that_blocks_on_open_never_blocks_latest_or_restores(make_da
             os.close(fd)
     assert first < BOUND and took < BOUND and again < 1.0, (first, took, again)
     assert any("flush dir unresponsive" in line for line in st["degraded"]), st["degraded"]
+
+
+def test_latest_with_nothing_in_ram_waits_for_a_hung_flush_dir_and_never_answers_none(make_daemon, dirs, monkeypatch):
+    """With nothing in RAM, the flush dir's answer is the only one: "no version" would make the
+    trainer start afresh. A hung flush dir makes ``latest()`` wait (up to
+    $UCPD_DISK_ANSWER_SECONDS), then fail with StorageError, never answer None."""
+    from ucpd_client import Checkpointer
+    from ucpd_client.errors import StorageError
+
+    d = make_daemon("--mem-limit", "256M", "--keep", "2", "--flush-every", "1")
+    with Checkpointer(d.run_dir, embedded=False) as ckpt:
+        _snap(ckpt, 1)
+        fk._wait(lambda: ckpt.status()["flush"]["last_flushed"] == 1, "step 1 flushed")
+    d.stop()
+    subprocess.run([sys.executable, "-m", "ucpd", "stop", "--run-dir", d.run_dir, "--purge"], check=True,
+                   capture_output=True)  # the daemon's RAM is gone; the flush dir keeps step 1
+    fifo = os.path.join(dirs["flushed"], "LATEST")
+    os.unlink(fifo)
+    os.mkfifo(fifo)  # opening LATEST now blocks in the kernel until a writer comes
+    monkeypatch.setenv("UCPD_DISK_ANSWER_SECONDS", "4")
+    d.start()
+
+    def answer_later():
+        time.sleep(1.0)  # the second latest() is waiting on the lookup by now (the first took 4 s)
+        fd = os.open(fifo, os.O_WRONLY)
+        os.write(fd, b"step-1\n")
+        os.close(fd)
+
+    with Checkpointer(d.run_dir, embedded=False) as ckpt:
+        t0 = time.monotonic()
+        with pytest.raises(StorageError, match="did not answer within 4 s.*unknown"):
+            ckpt.latest()
+        failed_after = time.monotonic() - t0
+        writer = threading.Thread(target=answer_later)
+        writer.start()
+        try:
+            assert ckpt.latest() == 1
+        finally:
+            writer.join(timeout=30)
+    assert 3.5 < failed_after < BOUND, failed_after
 
 
 @pytest.fixture

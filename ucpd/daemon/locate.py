@@ -66,35 +66,50 @@ class Locator:
         """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
         return join(self.flush_dir, job) if self.flush_dir else None
 
-    def disk_latest(self, job: str) -> int | None:
+    def disk_latest(self, job: str, needed: bool = False) -> int | None:
         """``_disk_latest_now`` within ``$UCPD_DISK_LOOKUP_SECONDS`` (2): a flush dir that stops answering
         (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
         does not return in time goes on in the background (one per job at a time) and the last
-        answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
+        answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive.
+
+        ``needed``: RAM holds nothing of the job, so the flush dir's answer is the only one, and
+        "none" would tell a trainer to start afresh. With no answer read before, the lookup is
+        then waited for up to ``$UCPD_DISK_ANSWER_SECONDS`` (60) in all, and ``StorageError``
+        says the flush dir did not answer."""
         if self.job_flush_dir(job) is None:
             return None
         import concurrent.futures as cf
 
         with self._disk_guard:
             fut = self._disk_pending.get(job)
-            if fut is not None and not fut.done():
+            if fut is not None and not fut.done() and (not needed or job in self._disk_cache):
                 return self._disk_cache.get(job)  # still hung: no second wait
             if fut is None:
                 if self._disk_pool is None:
                     self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
                 fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
+        started = time.monotonic()
         try:
-            step = fut.result(timeout=knobs.disk_lookup_seconds())
-        except cf.TimeoutError:
-            if not self.disk_unresponsive:
-                log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
-                            self.flush_dir, knobs.disk_lookup_seconds())
-            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
-            return self._disk_cache.get(job)
+            try:
+                step = fut.result(timeout=knobs.disk_lookup_seconds())
+            except cf.TimeoutError:
+                self._note_unresponsive("did not answer within %.0f s" % knobs.disk_lookup_seconds())
+                if not needed or job in self._disk_cache:
+                    return self._disk_cache.get(job)
+                left = knobs.disk_answer_seconds() - (time.monotonic() - started)
+                try:
+                    step = fut.result(timeout=max(0.0, left))
+                except cf.TimeoutError:
+                    raise StorageError(
+                        f"the flush dir {self.flush_dir} did not answer within {knobs.disk_answer_seconds():.0f} s, and "
+                        f"this daemon's RAM holds no version of job {job!r}: whether a flushed version exists is unknown "
+                        "(not 'none'). Check the flush dir (`ucpd status` says since when it hangs) and retry, or raise "
+                        "$UCPD_DISK_ANSWER_SECONDS"
+                    ) from None
         except StorageError as exc:  # an object store that fails its requests: as one that does not answer
-            if not self.disk_unresponsive:
-                log.warning("the flush dir %s failed a lookup (%s); answering from RAM meanwhile", self.flush_dir, exc)
-            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
+            self._note_unresponsive(f"failed a lookup ({exc})")
+            if needed and job not in self._disk_cache:
+                raise
             return self._disk_cache.get(job)
         finally:
             with self._disk_guard:
@@ -103,6 +118,11 @@ class Locator:
         self.disk_unresponsive = None
         self._disk_cache[job] = step
         return step
+
+    def _note_unresponsive(self, what: str) -> None:
+        if not self.disk_unresponsive:
+            log.warning("the flush dir %s %s; answering from RAM meanwhile", self.flush_dir, what)
+            self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}"
 
     def _disk_latest_now(self, job: str) -> int | None:
         """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
@@ -153,9 +173,10 @@ class Locator:
         sound = [v for v in self.store.committed(job) if (job, v.step, "ram") not in avoid]
         return sound[-1] if sound else None
 
-    def _disk_choice(self, job: str, avoid: set) -> int | None:
-        """The newest complete flushed step of ``job`` that no client found damaged."""
-        newest = self.disk_latest(job)
+    def _disk_choice(self, job: str, avoid: set, needed: bool = False) -> int | None:
+        """The newest complete flushed step of ``job`` that no client found damaged (``needed``:
+        as for ``disk_latest``)."""
+        newest = self.disk_latest(job, needed)
         if newest is None or (job, newest, "disk") not in avoid:
             return newest
         from ..format import list_versions
@@ -171,7 +192,7 @@ class Locator:
         if self.team is not None:
             return self._team_find(step, job, avoid)
         version = self._ram_choice(step, job, avoid)
-        disk = self._disk_choice(job, avoid) if step is None else None
+        disk = self._disk_choice(job, avoid, needed=version is None) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             sources = self.ram_sources(version)
             objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
@@ -221,13 +242,19 @@ class Locator:
                 f"this team of daemons serves job {self.store.team_job!r}, not {job!r}: a job never restores another's "
                 "versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote them)"
             )
-        disk = self.disk_latest(job) if step is None else None
         try:
             got = self.team.restore_sources(step)
         except VersionNotFound:
             if not self.flush_dir:
                 raise
             got = None
+        try:
+            disk = self.disk_latest(job, needed=got is None) if step is None else None
+        except StorageError:
+            if got is not None:
+                with self.store.atomic():
+                    got.release()
+            raise
         damaged = got is not None and (job, got.step, "ram") in avoid
         if got is not None and not damaged and (disk is None or disk <= got.step):
             return Found(got.sources, got.objects, got.step, job, "ram", team=got)
@@ -269,7 +296,7 @@ class Locator:
         if self.cache is None or self.team is not None:
             return None
         version = self._ram_choice(step, job, avoid)
-        disk = self._disk_choice(job, avoid) if step is None else None
+        disk = self._disk_choice(job, avoid, needed=version is None) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             return None
         target = step if step is not None else disk

@@ -2,8 +2,10 @@
 
 ``DirLocks(run_dir, shm_dir)`` makes both directories (0700, or checks an existing one is ours
 and private) and takes an exclusive ``flock`` on a lock file in each; the run dir's lock file
-holds the daemon's pid (``ucpd run`` and the tests read it). A second daemon on either gets
-``AlreadyRunning`` saying what to pass instead. The locks go with the process.
+holds the daemon's pid (``ucpd run`` and the tests read it), and ``SHM_NOTE`` in the run dir the
+shm dir it keeps its segments in (``ucpd stop --purge`` frees that one when no daemon runs any
+more). A second daemon on either gets ``AlreadyRunning`` saying what to pass instead. The locks
+go with the process.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import stat
 from ..errors import AlreadyRunning
 
 LOCK_NAME = "ucpd.lock"
+SHM_NOTE = "ucpd.shm-dir"  # in the run dir: the shm dir of the daemon that last served it
 
 
 def ensure_private_dir(path: str) -> None:
@@ -53,7 +56,20 @@ class DirLocks:
         except BaseException:
             os.close(self.run_fd)
             raise
+        note = os.path.join(run_dir, SHM_NOTE)
+        with open(note + ".tmp", "w") as f:
+            f.write(os.path.abspath(shm_dir) + "\n")
+        os.replace(note + ".tmp", note)
 
     def release(self) -> None:
         os.close(self.shm_fd)
         os.close(self.run_fd)
+
+
+def last_shm_dir(run_dir: str) -> str | None:
+    """The shm dir the last daemon of ``run_dir`` used (None: none noted)."""
+    try:
+        with open(os.path.join(run_dir, SHM_NOTE)) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None

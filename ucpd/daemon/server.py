@@ -303,14 +303,14 @@ class Daemon:
         job = _job(body)
         if self.team is not None:
             if self.store.team_job is not None and job != self.store.team_job:
-                return {"step": self.locate.disk_latest(job)}  # another job's versions are not this team's
+                return {"step": self.locate.disk_latest(job, needed=True)}  # another job's versions are not this team's
             return self._workers.defer(ident, req_id, "latest", self._joined(body, lambda: self._latest(job, self.team.latest())))
         v = self.store.version_for_restore(None, job)
         return self._latest(job, v.step if v is not None else None)
 
     def _latest(self, job: str, ram: int | None) -> dict:
         """The ``latest`` reply: the newest committed step in RAM (``ram``), or on disk if newer."""
-        disk = self.locate.disk_latest(job)
+        disk = self.locate.disk_latest(job, needed=ram is None)
         return {"step": disk if disk is not None and (ram is None or disk > ram) else ram}
 
     @property

@@ -17,7 +17,7 @@ import time
 from typing import Iterator
 
 from .. import knobs
-from .runtime import LOCK_NAME
+from .runtime import LOCK_NAME, last_shm_dir
 
 
 @contextlib.contextmanager
@@ -91,12 +91,17 @@ def purge(shm_dir: str) -> tuple[int, int]:
 
 
 def default_shm_dirs(run_dir: str) -> list[str]:
-    """The shm dirs that daemons of ``run_dir`` use by default (one per node rank), or
-    ``$UCPD_SHM_DIR``: what ``ucpd stop --purge`` frees when no daemon answers."""
+    """What ``ucpd stop --purge`` frees when no daemon answers: the shm dir the last daemon of
+    ``run_dir`` noted (its ``--shm-dir``), and the ones daemons of ``run_dir`` use by default (one
+    per node rank), or ``$UCPD_SHM_DIR``."""
+    noted = last_shm_dir(run_dir)
+    found = [noted] if noted and os.path.isdir(noted) else []
     if knobs.get("UCPD_SHM_DIR"):
-        return [knobs.shm_dir(0, run_dir)]
-    stem = knobs.shm_dir(0, run_dir).rsplit("-", 1)[0]
-    return sorted(d for d in glob.glob(f"{glob.escape(stem)}-*") if d.rsplit("-", 1)[1].isdigit())
+        defaults = [knobs.shm_dir(0, run_dir)]
+    else:
+        stem = knobs.shm_dir(0, run_dir).rsplit("-", 1)[0]
+        defaults = sorted(d for d in glob.glob(f"{glob.escape(stem)}-*") if d.rsplit("-", 1)[1].isdigit())
+    return found + [d for d in defaults if d != noted]
 
 
 def describe(status: dict, run_dir: str, files: int, nbytes: int) -> str:
