@@ -22,7 +22,7 @@ from math import comb
 
 import numpy as np
 
-from ..team.placement import _interleaved, parity_groups, replica_holders
+from ..team.holders import _interleaved, parity_groups, replica_holders
 from .network import Topology
 
 __all__ = ["Scheme", "holders_table", "evaluate"]

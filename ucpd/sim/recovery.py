@@ -27,7 +27,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..team.placement import replica_holders
+from ..team.holders import replica_holders
 from ..ucl.placements import Box
 from ..ucl.plan import SourcePiece, plan_restore
 from ..ucl.resolve import resolve

@@ -17,7 +17,7 @@ import logging
 from .. import faults, native, protocol
 from ..daemon.versions import SEALED
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
-from .placement import group_of, parity_groups
+from .holders import group_of, parity_groups
 from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
 
 log = logging.getLogger("ucpd.team.parity")
