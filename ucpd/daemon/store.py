@@ -10,6 +10,7 @@ sockets, so the rules are testable on their own. The server calls these methods 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import sys
@@ -27,6 +28,17 @@ from .versions import (
 )
 
 log = logging.getLogger("ucpd.store")
+
+
+def _locked(method):
+    """The method runs holding the store's lock (re-entrant: a method may call another)."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 @dataclass
@@ -80,8 +92,168 @@ class NodeStore:
         # team): ``commit``.
         self.commit_listeners: list = []
 
+    # --- the face: what other modules ask and tell the store ----------------------------------------
+    # Each method takes the store's lock itself (re-entrant). An entry point that needs several
+    # calls to see and change the store as one (a daemon handler, the team's apply, the flusher,
+    # the peer handler) wraps them in ``with store.atomic():``.
+
+    def atomic(self):
+        """A context in which several calls see and change the store as one (its re-entrant lock)."""
+        return self.lock
+
+    def condition(self) -> threading.Condition:
+        """A condition on the store's lock: waiting lets the store go (the flusher waits on one)."""
+        return threading.Condition(self.lock)
+
+    @_locked
+    def add_commit_listener(self, listener) -> None:
+        """Call ``listener(version)`` (store lock held) with each version that becomes committed."""
+        self.commit_listeners.append(listener)
+
+    def _job_or_team(self, job: str | None) -> str:
+        return job if job is not None else (self.team_job or DEFAULT_JOB)
+
+    @_locked
+    def jobs(self) -> list[str]:
+        """The jobs that have a version table on this node, sorted."""
+        return sorted(self.tables)
+
+    @_locked
+    def version(self, step: int, job: str | None = None) -> Version | None:
+        """``job``'s version of ``step`` in any state (job None: the team's job, or the default
+        one), or None."""
+        t = self.tables.get(self._job_or_team(job))
+        return t.find(step) if t is not None else None
+
+    @_locked
+    def sealed(self, step: int, job: str | None = None) -> Version | None:
+        """``job``'s version of ``step`` if this node holds sealed parts of it (complete,
+        protected, committed or flushed), else None."""
+        v = self.version(step, job)
+        return v if v is not None and v.parts and v.state in SEALED else None
+
+    @_locked
+    def versions_in(self, states, job: str | None = None) -> list[Version]:
+        """``job``'s versions whose state is one of ``states``, by step (job None: the team's)."""
+        t = self.tables.get(self._job_or_team(job))
+        return sorted((v for v in t.versions.values() if v.state in states), key=lambda v: v.step) if t else []
+
+    @_locked
+    def held_steps(self, job: str | None = None) -> set[int]:
+        """The steps ``job`` has a version of here, in any state (job None: the team's)."""
+        t = self.tables.get(self._job_or_team(job))
+        return set(t.versions) if t is not None else set()
+
+    @_locked
+    def latest_committed(self, job: str | None = None) -> Version | None:
+        """``job``'s newest committed version here (job None: the team's), or None."""
+        t = self.tables.get(self._job_or_team(job))
+        return t.latest_committed() if t is not None else None
+
+    @_locked
+    def committed(self, job: str | None = None) -> list[Version]:
+        """``job``'s committed versions here, oldest first (job None: the team's)."""
+        t = self.tables.get(self._job_or_team(job))
+        return t.committed() if t is not None else []
+
+    @_locked
+    def outcome(self, job: str, step: int) -> VersionState | None:
+        """How ``step`` of ``job`` ended (``VersionTable.outcome``), None while undecided."""
+        return self.table_of(job).outcome(step)
+
+    @_locked
+    def part(self, step: int, rank: int, job: str | None = None) -> RankPart | None:
+        """Rank ``rank``'s part of ``step`` held here (job None: the team's), or None."""
+        v = self.version(step, job)
+        return v.parts.get(rank) if v is not None else None
+
+    # slots
+
+    @_locked
+    def slot(self, sid: int) -> Slot | None:
+        """Slot ``sid``, or None when there is none (deleted, or never made)."""
+        return self.slots.slots.get(sid)
+
+    @_locked
+    def slot_path(self, sid: int) -> str:
+        """The file of slot ``sid`` (a trainer or a restore maps it)."""
+        return self.slots.slots[sid].path
+
+    @_locked
+    def slot_view(self, sid: int) -> memoryview:
+        """The daemon's read-write view of slot ``sid``'s bytes (raises ChecksumMismatch when its
+        file was cut short since)."""
+        return memoryview(self.slots.slots[sid].mapping())
+
+    @_locked
+    def assign_slot(self, sid: int, rank: int) -> None:
+        """Count slot ``sid`` in ``rank``'s rotation from now on (reserved or claimed for it)."""
+        self.slots.slots[sid].rank = rank
+
+    @_locked
+    def slot_counts(self) -> dict[str, int]:
+        """How many slots are in each state ({"free": n, "writing": n, "held": n})."""
+        out = {state.value: 0 for state in SlotState}
+        for s in self.slots.slots.values():
+            out[s.state.value] += 1
+        return out
+
+    @_locked
+    def rotation_of(self, rank: int, size: int) -> list[Slot]:
+        """``rank``'s slots that serve a snapshot of ``size`` bytes: ``size`` to twice that, and
+        not kept only for the bytes a newer version refers to (orphans)."""
+        return [s for s in self.slots.slots.values()
+                if s.rank == rank and size <= s.size <= 2 * size and s.id not in self.orphans]
+
+    @_locked
+    def free_slot_paths(self, rank: int) -> list[str]:
+        """The files of ``rank``'s free slots (its trainer maps them ahead of use)."""
+        return [s.path for s in self.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE]
+
+    @_locked
+    def delete_free_slots(self, rank: int, larger_than: int) -> int:
+        """Delete ``rank``'s free slots of more than ``larger_than`` bytes; how many went."""
+        big = [s.id for s in self.slots.slots.values()
+               if s.rank == rank and s.state is SlotState.FREE and s.size > larger_than]
+        for sid in big:
+            self.slots.delete(sid)
+        return len(big)
+
+    def copies_in_flight(self, window: float, now: float) -> int:
+        """Slots lent to trainers less than ``window`` seconds ago: (probably) being copied into
+        now. Read without the lock (background work polls it; a copy of the table's values is
+        taken without releasing the GIL)."""
+        return sum(1 for s in tuple(self.slots.slots.values())
+                   if s.state is SlotState.WRITING and s.step is not None and now - s.lent_at < window)
+
+    def unlent_ready(self, excluding: set[int]) -> bool:
+        """Whether a slot made for a waiting begin (writing, no step yet) is not lent yet, other
+        than those in ``excluding`` (read without the lock, as ``copies_in_flight``)."""
+        return any(s.state is SlotState.WRITING and s.step is None and s.id not in excluding
+                   for s in tuple(self.slots.slots.values()))
+
+    @property
+    @_locked
+    def used_bytes(self) -> int:
+        """Bytes of every slot (free, being written or held) against ``mem_limit``."""
+        return self.slots.used_bytes
+
+    @property
+    def mem_limit(self) -> int:
+        return self.slots.mem_limit
+
+    def round_size(self, nbytes: int) -> int:
+        """The size of a slot that holds ``nbytes`` (slots are made in whole rounding units)."""
+        return self.slots.round_size(nbytes)
+
+    @_locked
+    def fits(self, nbytes: int) -> bool:
+        """Whether a new slot of ``nbytes`` fits the memory limit as things are (nothing evicted)."""
+        return self.slots.fits(self.slots.round_size(nbytes))
+
     # --- jobs ------------------------------------------------------------------------------------
 
+    @_locked
     def table_of(self, job: str) -> VersionTable:
         """The version table of ``job`` (made on first use)."""
         t = self.tables.get(job)
@@ -96,6 +268,7 @@ class NodeStore:
         job = self.team_job or DEFAULT_JOB
         return self.tables.get(job) or VersionTable(self._policy, job)
 
+    @_locked
     def check_job(self, job: str) -> None:
         """A team serves one job: the first that snapshots claims it; another is refused."""
         if not self.single_job:
@@ -110,15 +283,17 @@ class NodeStore:
                 f"`ucpd drop {self.team_job}` on every node once that job is over"
             )
 
-    def versions(self):
+    @_locked
+    def versions(self) -> list[Version]:
         """Every version of every job on this node."""
-        for t in self.tables.values():
-            yield from t.versions.values()
+        return [v for t in self.tables.values() for v in t.versions.values()]
 
+    @_locked
     def job_bytes(self, job: str) -> int:
         """Bytes of slots the job holds or is writing into."""
         return sum(s.size for s in self.slots.slots.values() if s.job == job and s.state is not SlotState.FREE)
 
+    @_locked
     def drop(self, job: str) -> dict:
         """Free every version of ``job`` on this node (``ucpd drop JOB``); its flushed files stay.
         Refused while a restore or flush reads one of them."""
@@ -151,6 +326,7 @@ class NodeStore:
 
     # --- snapshot path --------------------------------------------------------------------------
 
+    @_locked
     def check_begin(
         self, rank: int, step: int, incarnation: str | None = None, world_size: int | None = None, job: str = DEFAULT_JOB
     ) -> None:
@@ -209,6 +385,7 @@ class NodeStore:
         self.table_of(v.job).detach(v)
         self._detached.add(id(v))
 
+    @_locked
     def abandon_runs(self, job: str, run: str, keep) -> list[int]:
         """A team fenced every run of ``job`` but ``run``: abandon the parts of other runs that were
         never decided (``keep(step)`` is True for a decided one); returns their steps."""
@@ -224,6 +401,7 @@ class NodeStore:
             self.save_index()
         return gone
 
+    @_locked
     def take_free_slot(self, rank: int, step: int, nbytes: int, job: str = DEFAULT_JOB) -> Slot | None:
         """A free slot of at least nbytes, lent to rank for step, or None if one must be made."""
         slot = self.slots.find_free(nbytes, rank)
@@ -234,6 +412,7 @@ class NodeStore:
             self.slots.lend(slot, rank, step, job)
         return slot
 
+    @_locked
     def within_quota(self, job: str, size: int) -> None:
         """Make room for ``size`` more bytes of ``job`` under ``job_limit`` by evicting the job's
         own old versions; refuse when even that is not enough."""
@@ -251,6 +430,7 @@ class NodeStore:
             "Raise --job-mem-limit, lower --keep, or snapshot less state; its last committed version is kept."
         )
 
+    @_locked
     def room_for(self, nbytes: int) -> bool:
         """Would a new slot of ``nbytes`` fit the memory limit once free slots are deleted and
         every version but the newest committed ones evicted? (Slots being reserved or warmed
@@ -260,6 +440,7 @@ class NodeStore:
         )
         return self.slots.used_bytes - reclaimable + self.slots.round_size(nbytes) <= self.slots.mem_limit
 
+    @_locked
     def reserve_new_slot(self, nbytes: int, job: str | None = None) -> tuple[int, str, int]:
         """Account for a new slot (id, path, size) that the caller then allocates; may evict.
         ``job``: the job whose rank waits for it (its quota is checked; None: a spare slot)."""
@@ -285,6 +466,7 @@ class NodeStore:
         self.slots.add(sid, path, size).state = SlotState.WRITING  # reserved until allocated
         return sid, path, size
 
+    @_locked
     def finish_new_slot(self, sid: int, rank: int, step: int | None, job: str | None = None) -> Slot:
         slot = self.slots.slots[sid]
         if step is None:
@@ -294,10 +476,12 @@ class NodeStore:
         self.save_index()
         return slot
 
+    @_locked
     def drop_new_slot(self, sid: int) -> None:
         if sid in self.slots.slots:
             self.slots.delete(sid)
 
+    @_locked
     def seal(self, body: dict) -> tuple[Version, list[Version]]:
         """Validate and seal a rank's commit; returns its version and any newly committed ones."""
         rank, step, sid = body["rank"], body["step"], body["slot"]
@@ -360,24 +544,28 @@ class NodeStore:
             self.save_index()  # a team may commit it later; a restarted daemon re-adopts it
         return version, committed
 
+    @_locked
     def protect(self, step: int, version: Version | None = None) -> bool:
         """This node's part of the team's ``step`` (that ``version``, if given) is held elsewhere
         too: COMPLETE -> PROTECTED (False when it moved on, or is not here)."""
-        v = self.table.versions.get(step)
-        return v is not None and (version is None or v is version) and self.table.protect(v)
+        v = version if version is not None else self.version(step)
+        t = self.tables.get(v.job) if v is not None else None
+        return t is not None and t.find(step) is v and t.protect(v)
 
+    @_locked
     def commit(self, step: int, job: str | None = None) -> Version | None:
         """The commit policy (a team) decided ``step`` of ``job`` (default: the team's) is committed:
         COMPLETE | PROTECTED -> COMMITTED here, then the same work as a local commit (None when
         this node holds no complete part of it — a job on fewer nodes, or a replacement node)."""
-        table = self.table_of(job) if job is not None else self.table
-        v = table.versions.get(step)
+        table = self.tables.get(self._job_or_team(job))
+        v = table.find(step) if table is not None else None
         if v is None or v.state not in (VersionState.COMPLETE, VersionState.PROTECTED):
             return None
         table.commit(v)
         self._after_commit(v)
         return v
 
+    @_locked
     def mark_flushed(self, v: Version) -> None:
         """The flush committed ``v`` on disk: COMMITTED -> FLUSHED (indexed, so a restarted
         daemon does not flush it again)."""
@@ -387,10 +575,12 @@ class NodeStore:
 
     # --- pins: the only writers of Version.pins and of the flushed steps being read --------------
 
+    @_locked
     def pin(self, v: Version) -> None:
         """Keep ``v`` in RAM while it is read (a restore, a flush, a copy to a peer)."""
         v.pins += 1
 
+    @_locked
     def unpin(self, v: Version) -> None:
         """The reader of ``v`` is done. (Callers run ``enforce_keep`` when what waited for the
         reader may go now.)"""
@@ -401,10 +591,19 @@ class NodeStore:
             self._detached.discard(id(v))
             self._evict(v)
 
+    @_locked
+    def read_done(self, v: Version) -> None:
+        """A reader of ``v`` is done: unpin it, and what waited for the reader goes now (the
+        ``--keep`` rule runs)."""
+        self.unpin(v)
+        self.enforce_keep()
+
+    @_locked
     def pin_flushed(self, job: str, step: int) -> None:
         """A restore reads ``job``'s flushed ``step``: retention leaves it on disk meanwhile."""
         self._disk_readers[(job, step)] = self._disk_readers.get((job, step), 0) + 1
 
+    @_locked
     def unpin_flushed(self, job: str, step: int) -> None:
         left = self._disk_readers.get((job, step), 1) - 1
         if left:
@@ -412,10 +611,12 @@ class NodeStore:
         else:
             self._disk_readers.pop((job, step), None)
 
+    @_locked
     def flushed_being_read(self, job: str) -> set[int]:
         """The flushed steps of ``job`` that restores are reading (retention keeps them)."""
         return {step for j, step in self._disk_readers if j == job}
 
+    @_locked
     def skip_for(self, rank: int, world_size: int, job: str = DEFAULT_JOB) -> list[str]:
         """Tensors this rank need not write: in the newest committed version of the same job
         shape, a lower rank held every global element of them (replicas stored once)."""
@@ -424,6 +625,7 @@ class NodeStore:
             return []
         return duplicates(v).get(rank, [])
 
+    @_locked
     def abort(self, rank: int, step: int, sid: int, job: str = DEFAULT_JOB) -> None:
         slot = self.slots.slots.get(sid)
         if slot is not None and slot.state is SlotState.WRITING and slot.rank == rank and slot.step == step and slot.job == job:
@@ -449,6 +651,7 @@ class NodeStore:
 
     # --- reading -------------------------------------------------------------------------------
 
+    @_locked
     def version_for_restore(self, step: int | None, job: str = DEFAULT_JOB) -> Version | None:
         """The RAM version of ``job`` to restore from (newest committed when step is None), or None."""
         table = self.tables.get(job)
@@ -459,6 +662,7 @@ class NodeStore:
         v = table.versions.get(step)
         return v if v is not None and v.state in RESTORABLE else None
 
+    @_locked
     def owners_of(self, step: int) -> list[str]:
         """The jobs that hold a committed ``step`` here (to say whose a version is)."""
         return sorted(j for j, t in self.tables.items() if (v := t.versions.get(step)) is not None and v.state in RESTORABLE)
@@ -478,6 +682,7 @@ class NodeStore:
             ]
         return sorted(out, key=lambda v: (v.created, v.step))
 
+    @_locked
     def enforce_keep(self) -> bool:
         """Evict committed versions older than the newest ``keep`` and incomplete ones that can
         never commit. A pinned old version (being flushed or read) waits for its unpinning; it
@@ -541,6 +746,7 @@ class NodeStore:
 
     # --- incremental snapshots: references to bytes in a previous version's slot ----------------
 
+    @_locked
     def begin_base(self, job: str, rank: int, step: int, base: int | None) -> int | None:
         """A rank begins ``step`` with references into its part of ``base``: returns ``base``
         when that part is in RAM (its slots then stay readable until this snapshot is sealed or
@@ -557,6 +763,7 @@ class NodeStore:
         self._bases[(job, rank)] = (step, base, part)
         return base
 
+    @_locked
     def end_base(self, job: str, rank: int, step: int | None = None) -> None:
         """The rank's snapshot (of ``step``, or any) with a base is sealed or given up (also
         when its begin failed: no slot for it)."""
@@ -623,6 +830,7 @@ class NodeStore:
 
     # --- persistence -----------------------------------------------------------------------------
 
+    @_locked
     def save_index(self) -> bool:
         """Rewrite the on-shm index; False (logged, counted) when it cannot be written — the
         daemon keeps serving, and slots of versions it could not drop from the index stay held."""
@@ -634,6 +842,7 @@ class NodeStore:
             log.error("cannot write the index in %s: %s", self.shm_dir, exc)
             return False
 
+    @_locked
     def close(self) -> None:
         self.slots.close()
 
