@@ -102,8 +102,7 @@ class Replicator:
 
     def _under_protected(self, live: frozenset[int]) -> bool:
         """Whether one of our protected versions has fewer live copies than the view allows."""
-        with self.store.lock:  # committed ones only: healing copies nothing else
-            committed = {s for s, v in self.store.table.versions.items() if v.state in RESTORABLE}
+        committed = {v.step for v in self.store.versions_in(RESTORABLE)}  # healing copies nothing else
         return under_protected(dict(self.pushed), committed, live, self.wanted)
 
     # --- the thread ------------------------------------------------------------------------------
@@ -123,15 +122,14 @@ class Replicator:
 
     def _protect(self, step: int) -> None:
         team = self.team
-        with self.store.lock:
-            v = self.store.table.versions.get(step)
-            if v is None or v.state not in SEALED or not v.parts:
-                return
-            ranks = tuple(sorted(v.parts))
-            run = run_of(v)
-            rec = self.pushed.get(step)
-            if rec is None or rec.run != run:  # (the copies of another run's part of the step hold other bytes)
-                rec = self.pushed[step] = Pushed(ranks, v.world_size, run)
+        v = self.store.sealed(step)
+        if v is None:
+            return
+        ranks = tuple(sorted(v.parts))
+        run = run_of(v)
+        rec = self.pushed.get(step)
+        if rec is None or rec.run != run:  # (the copies of another run's part of the step hold other bytes)
+            rec = self.pushed[step] = Pushed(ranks, v.world_size, run)
         tried: set[int] = set()
         if team.parity is not None:
             got = team.parity.protect(step)
@@ -161,27 +159,24 @@ class Replicator:
                 step, len(rec.holders), self.wanted, len(team.live()),
             )
         rec.protected = True
-        with self.store.lock:
-            self.store.protect(step, v)
+        self.store.protect(step, v)
         team.report_protected(step, ranks, rec.world_size, run)
         self._forget_old_pushes()
 
     def _push_own(self, holder: int, step: int) -> bool:
-        with self.store.lock:
-            v = self.store.table.versions.get(step)
-            if v is None or not v.parts or v.state not in SEALED:
+        with self.store.atomic():
+            v = self.store.sealed(step)
+            if v is None:
                 return False
             self.store.pin(v)
             parts = list(v.parts.values())
-            views = {p.rank: memoryview(self.store.slots.slots[p.slot].mapping()) for p in parts}
+            views = {p.rank: self.store.slot_view(p.slot) for p in parts}
             world, run = v.world_size, run_of(v)
         try:
             return self._push(holder, self.rank, step, world, parts, lambda r, off, n: views[r][off : off + n], run)
         finally:
             del views
-            with self.store.lock:
-                self.store.unpin(v)
-                self.store.enforce_keep()
+            self.store.read_done(v)
 
     def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read, run: str) -> bool:
         """Send origin's parts of step (written by the job's run ``run``) to ``holder``; True once
@@ -223,8 +218,7 @@ class Replicator:
         return True
 
     def _forget_old_pushes(self) -> None:
-        with self.store.lock:
-            held = set(self.store.table.versions)
+        held = self.store.held_steps()
         for step in [s for s in self.pushed if s not in held]:
             del self.pushed[step]
 
@@ -243,8 +237,7 @@ class Replicator:
         if not self.wanted:
             return
         live = sorted(team.live())
-        with self.store.lock:
-            own = [s for s, v in self.store.table.versions.items() if v.state in RESTORABLE and v.parts]
+        own = [v.step for v in self.store.versions_in(RESTORABLE) if v.parts]
         for step in own:
             rec = self.pushed.get(step)
             if rec is None:
@@ -278,7 +271,7 @@ class Replicator:
 
     def _push_replica(self, holder: int, origin: int, step: int) -> bool:
         replicas = self.team.replicas
-        with self.store.lock:
+        with self.store.atomic():
             rep = replicas.get(origin, step)
             if rep is None:
                 return False
@@ -292,8 +285,7 @@ class Replicator:
 
     def _stalled(self, now: float) -> bool:
         """Some version has waited here for half of $UCPD_STALL_WARN: time to ask the team."""
-        with self.store.lock:
-            waiting = stalls.waiting_versions(self.store.versions())
+        waiting = stalls.waiting_versions(self.store.versions())
         return any(now - v.created >= knobs.stall_warn() / 2 for v in waiting)
 
     def survey(self) -> None:

@@ -84,14 +84,15 @@ class TeamSources:
         self.leases = []
 
     def release(self) -> None:
-        """The client finished reading: unpin, delete fetched copies (caller holds the store lock)."""
+        """The client finished reading: unpin, delete fetched copies."""
         self.unpin_peers()
-        for p in self.pins:
-            if isinstance(p, Version):
-                self.reader.store.unpin(p)
-            else:
-                self.reader.replicas.unpin(p)
-        self.pins = []
+        with self.reader.store.atomic():
+            for p in self.pins:
+                if isinstance(p, Version):
+                    self.reader.store.unpin(p)
+                else:
+                    self.reader.replicas.unpin(p)
+            self.pins = []
         for f in self.files:
             _unlink(f)
         self.files = []
@@ -123,9 +124,9 @@ class VersionSources:
         """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items."""
         items = []
         store, parity = self.store, self.team.parity
-        with store.lock:
-            for v in store.table.versions.values():
-                if (step is None or v.step == step) and v.parts and v.state in SEALED:
+        with store.atomic():
+            for v in store.versions_in(SEALED):
+                if (step is None or v.step == step) and v.parts:
                     item = with_run({"origin": self.rank, "step": v.step, "world_size": v.world_size,
                                      "ranks": sorted(v.parts)}, run_of(v))
                     if step is not None:
@@ -172,8 +173,7 @@ class VersionSources:
                 self._lease_peers(got)
                 return got
             except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
-                with self.store.lock:
-                    got.release()
+                got.release()
                 if attempt == 2:
                     raise
                 log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
@@ -214,8 +214,7 @@ class VersionSources:
             rebuilt = {c.origin: self._rebuild(c.origin, step, out) for c, _ in chosen.values() if c.parity}
             self._sources(out, world, chosen, rebuilt)
         except BaseException:
-            with self.store.lock:
-                out.release()
+            out.release()
             raise
         return out
 
@@ -223,9 +222,9 @@ class VersionSources:
         """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
         the file and where each rank's bytes start in it."""
         parity = self.team.parity
-        with self.store.lock:
-            man = parity.manifests.get((origin, step))
-        if man is None:  # (we replaced the lost node: its manifests were in its RAM) a member has it
+        try:
+            man = parity.manifest_of(origin, step)
+        except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
             man = parity.fetch_manifest(origin, step)
         path = self._new_file(got)
         mm = _open_file(path, man["size"], [(0, man["size"])])
@@ -278,21 +277,21 @@ class VersionSources:
     def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict) -> None:
         """Fill ``out``: each rank's part, where it is read, and the version's source set."""
         step = out.step
-        with self.store.lock:
+        with self.store.atomic():
             for rank, (copy, p) in chosen.items():
                 part = out.parts[rank] = part_from_wire(p)
                 if copy.parity:  # (our own part too: a replacement node lost it)
                     path, bases = rebuilt[copy.origin]
                     out.where[rank] = LocalRead(path, bases[rank])
                 elif copy.node == self.rank and copy.origin == self.rank:
-                    v = self.store.table.versions.get(step)
+                    v = self.store.version(step)
                     own = v.parts.get(rank) if v is not None else None
                     if own is None:
                         raise VersionNotFound(f"step {step} left this node while restoring; ask again")
                     if v not in out.pins:
                         self.store.pin(v)
                         out.pins.append(v)
-                    out.where[rank] = LocalRead(self.store.slots.slots[own.slot].path, 0)
+                    out.where[rank] = LocalRead(self.store.slot_path(own.slot), 0)
                 elif copy.node == self.rank:
                     rep = self.replicas.get(copy.origin, step)
                     if rep is None:
@@ -380,8 +379,7 @@ class VersionSources:
             got.unpin_peers()
         except BaseException:
             opened.clear()
-            with self.store.lock:
-                got.release()
+            got.release()
             raise
 
         def buffer_of(rank):
@@ -396,8 +394,7 @@ class VersionSources:
 
         def release():
             opened.clear()
-            with self.store.lock:
-                got.release()
+            got.release()
 
         return got.version.globals(), got.parts, buffer_of, release
 
