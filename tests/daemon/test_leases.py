@@ -3,6 +3,7 @@ reader releases it, when it expires, or as soon as the reader's process is gone.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -50,6 +51,9 @@ class _Store:
         self.disk_readers = {}
         self.kept = 0
 
+    def atomic(self):
+        return contextlib.nullcontext()
+
     def pin(self, v):
         v.pins += 1
 
@@ -72,12 +76,18 @@ class _Version:
     pins = 0
 
 
+def _found(version=None, step=3, team=None):
+    from ucpd.daemon.locate import Found
+
+    return Found(None, {}, step, "j", "ram" if version is not None or team is not None else "disk", version, team)
+
+
 def test_a_lease_pins_a_ram_version_until_it_ends():
     from ucpd.daemon.leases import Leases
 
     store, v = _Store(), _Version()
     leases = Leases(store)
-    a, b = leases.grant(v, "j", 3, "ram"), leases.grant(v, "j", 3, "ram")
+    a, b = leases.grant(_found(v)), leases.grant(_found(v))
     assert a != b and v.pins == 2
     leases.end(a)
     leases.end(a)  # twice: nothing more
@@ -91,7 +101,7 @@ def test_a_lease_on_a_flushed_step_counts_its_readers():
 
     store = _Store()
     leases = Leases(store)
-    a, b = leases.grant(None, "j", 7, "disk"), leases.grant(None, "j", 7, "disk")
+    a, b = leases.grant(_found(step=7)), leases.grant(_found(step=7))
     assert store.disk_readers == {("j", 7): 2}
     leases.end(a)
     assert store.disk_readers == {("j", 7): 1}
@@ -105,9 +115,51 @@ def test_leases_end_on_expiry_or_when_their_reader_is_gone_in_our_pid_namespace(
     now = [100.0]
     alive = {11: True, 12: False, 13: False}
     leases = L.Leases(_Store(), clock=lambda: now[0], alive=lambda pid: alive[pid])
-    live = leases.grant(_Version(), "j", 1, "ram", pid=11, pidns=L.PIDNS)
-    dead = leases.grant(_Version(), "j", 1, "ram", pid=12, pidns=L.PIDNS)
-    elsewhere = leases.grant(_Version(), "j", 1, "ram", pid=13, pidns="pid:[other]")  # cannot be checked
+    live = leases.grant(_found(_Version(), 1), pid=11, pidns=L.PIDNS)
+    dead = leases.grant(_found(_Version(), 1), pid=12, pidns=L.PIDNS)
+    elsewhere = leases.grant(_found(_Version(), 1), pid=13, pidns="pid:[other]")  # cannot be checked
     assert leases.due() == [dead]
     now[0] += L.LEASE_SECONDS + 1
     assert sorted(leases.due()) == sorted([live, dead, elsewhere])
+
+
+class _Sources:
+    """A team restore's gathered sources: they hold their own pins until released."""
+
+    released = 0
+
+    def release(self):
+        self.released += 1
+
+
+def test_a_lease_on_a_team_restore_releases_its_gathered_sources_once():
+    from ucpd.daemon.leases import Leases
+
+    store, got = _Store(), _Sources()
+    leases = Leases(store)
+    a = leases.grant(_found(team=got))
+    assert leases.get(a).kind.value == "team" and got.released == 0
+    leases.end(a)
+    leases.end(a)
+    assert got.released == 1 and store.kept == 0  # nothing of this node's RAM was pinned by it
+
+
+def test_a_peer_lease_pins_until_unpinned_expired_or_its_node_is_dead():
+    from ucpd.daemon.leases import Leases
+
+    now = [0.0]
+    store, v, rep = _Store(), _Version(), _Sources()
+    leases = Leases(store, clock=lambda: now[0])
+    leases.grant_peer(1, "x", 5, 30.0, version=v)
+    leases.grant_peer(1, "x", 5, 30.0, release=rep.release)  # a second pin under the same lease
+    leases.grant_peer(2, "y", 5, 30.0, version=v)
+    leases.grant_peer(3, "z", 5, 30.0, version=v)
+    assert v.pins == 3
+    leases.end_peer(1, "x")
+    leases.end_peer(1, "x")  # twice: nothing more
+    assert v.pins == 2 and rep.released == 1 and store.kept == 1
+    assert leases.end_expired_peers(live={0, 2, 3}) == []
+    assert leases.end_expired_peers(live={0, 2}) == [(3, "z")]  # node 3 is dead
+    now[0] += 31
+    assert leases.end_expired_peers(live={0, 2}) == [(2, "y")]  # expired
+    assert v.pins == 0 and not leases

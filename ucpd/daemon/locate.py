@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from dataclasses import dataclass
 
 from .. import native
 from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
@@ -23,6 +24,24 @@ from . import restore as restore_plan
 log = logging.getLogger("ucpd.locate")
 
 DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
+
+
+@dataclass
+class Found:
+    """Where a restore of ``job``'s ``step`` reads (``Locator.find``)."""
+
+    sources: object  # restore_plan.SourceSet: what each global tensor is made of, and where its bytes are
+    objects: dict  # rank -> (its non-tensor objects, their CRC32C)
+    step: int
+    job: str
+    where: str  # "ram" | "disk"
+    version: object | None = None  # this node's RAM version read (a lease pins it)
+    team: object | None = None  # the team's gathered sources (they hold their own pins; release())
+
+    def release(self) -> None:
+        """Nobody will read it after all (a failed plan, a describe): the team's pins go."""
+        if self.team is not None:
+            self.team.release()
 
 
 class Locator:
@@ -149,9 +168,8 @@ class Locator:
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
-    def find(self, step: int | None, job: str, avoid: set = frozenset()):
-        """Where ``step`` of ``job`` (None: the newest committed) is: (sources, objects by rank,
-        step, the RAM version to pin or None, "ram" | "disk"). RAM wins unless disk is newer.
+    def find(self, step: int | None, job: str, avoid: set = frozenset()) -> Found:
+        """Where ``step`` of ``job`` (None: the newest committed) is. RAM wins unless disk is newer.
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
         (a retry): the same step from the other place, or (no step asked) the newest other version."""
         if self.team is not None:
@@ -161,7 +179,7 @@ class Locator:
         if version is not None and (disk is None or disk <= version.step):
             sources = self.ram_sources(version)
             objects = {r: (p.objects, p.objects_crc) for r, p in version.parts.items()}
-            return sources, objects, version.step, version, "ram"
+            return Found(sources, objects, version.step, job, "ram", version=version)
         if step is None and disk is None and avoid:
             raise ChecksumMismatch(
                 f"job {job!r}: every version this daemon holds in RAM or in the flush dir that a restore tried "
@@ -197,7 +215,7 @@ class Locator:
             sources = restore_plan.from_disk(reader)
             # the reader checked these against the version's own checksums
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
+            return Found(sources, objects, reader.step, job, "disk")
 
     def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
         """``find`` across the team (a worker thread: it asks the peers). The team's
@@ -216,9 +234,9 @@ class Locator:
             got = None
         damaged = got is not None and (job, got.step, "ram") in avoid
         if got is not None and not damaged and (disk is None or disk <= got.step):
-            return got.sources, got.objects, got.step, got, "ram"
+            return Found(got.sources, got.objects, got.step, job, "ram", team=got)
         if got is not None:
-            with self.store.lock:
+            with self.store.atomic():
                 got.release()
         if damaged and ((job, got.step, "disk") in avoid or (step is None and disk is None)):
             raise ChecksumMismatch(f"job {job!r} step {got.step}: the team's copy failed its checksums at the client "
@@ -226,7 +244,7 @@ class Locator:
         with self.open_disk(got.step if damaged else step, job) as reader:
             sources = restore_plan.from_disk(reader)
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
-            return sources, objects, reader.step, None, "disk"
+            return Found(sources, objects, reader.step, job, "disk")
 
     def ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""

@@ -452,27 +452,26 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        sources, objects, chosen, pin, where = self.locate.find(body.get("step"), job, avoid)
+        found = self.locate.find(body.get("step"), job, avoid)
         try:
-            plan = restore_plan.plan(sources, body["targets"])
-            if self.team is not None and pin is not None:
-                plan = self.team.localize(pin, plan)  # bytes that live on peers, fetched and checked
+            plan = restore_plan.plan(found.sources, body["targets"])
+            if found.team is not None:
+                plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
         except BaseException:
-            if hasattr(pin, "release"):
-                with self.store.lock:
-                    pin.release()
+            with self.store.atomic():
+                found.release()
             raise
-        with self.store.lock:
-            return self._lease_reply(body, objects, chosen, pin, where, plan)
+        with self.store.atomic():
+            return self._lease_reply(body, found, plan)
 
-    def _lease_reply(self, body, objects, chosen, pin, where, plan):
-        lease = self.leases.grant(pin, _job(body), chosen, where, body.get("pid"), body.get("pidns"))
+    def _lease_reply(self, body, found, plan):
+        lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
         self.store.counters.restores += 1
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )
-        faults.point("restore.planned", chosen)
-        return {"lease": lease, "step": chosen, "where": where, **_objects_body(objects), "plan": plan}
+        faults.point("restore.planned", found.step)
+        return {"lease": lease, "step": found.step, "where": found.where, **_objects_body(found.objects), "plan": plan}
 
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
@@ -483,12 +482,11 @@ class Daemon:
         return self._describe(body)
 
     def _describe(self, body):
-        sources, objects, chosen, pin, where = self.locate.find(body.get("step"), _job(body))
-        if hasattr(pin, "release"):
-            with self.store.lock:
-                pin.release()
-        tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in sources.globals.items()}
-        return {"step": chosen, "where": where, "tensors": tensors, **_objects_body(objects)}
+        found = self.locate.find(body.get("step"), _job(body))
+        with self.store.atomic():
+            found.release()
+        tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in found.sources.globals.items()}
+        return {"step": found.step, "where": found.where, "tensors": tensors, **_objects_body(found.objects)}
 
     def _on_release(self, ident, req_id, body):
         held = self.leases.get(body["lease"])
@@ -603,10 +601,9 @@ class Daemon:
     def _housekeeping(self) -> None:
         self._log_stalls()
         now = time.monotonic()
-        if self.leases.held:
-            with self.store.lock:
-                for lease in self.leases.due():
-                    self.leases.end(lease)
+        if self.leases:
+            for lease in self.leases.due():
+                self.leases.end(lease)
         idle = self.config.idle_exit
         if idle and now - self._last_activity > idle and not self.parking.waits and (self.flusher is None or self.flusher.idle()):
             log.info("idle for %.0f s: exiting", idle)
