@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults, protocol
 from ..daemon import stalls
-from ..daemon.versions import Version
 from ..errors import UcpdError, VersionNotFound
 from .parts import used_bytes
 
@@ -31,8 +30,9 @@ ONE_WAY = ("commit", "hello", "unpin")
 
 class PeerServer:
     """Answers the peers. ``team``: the driver (``team.Team``): this node's rank, store, replicas,
-    parity group, version sources, failure domains, counters, clock and the commit protocol's
-    inbox (``on_commit_message``); ``leases``: the node's leases (a peer's pin is one)."""
+    parity group, version sources, failure domains, counters and the commit protocol's inbox
+    (``on_commit_message``); ``leases``: the node's ``daemon.leases.Leases`` (a peer's pin is a
+    lease of its own kind there)."""
 
     def __init__(self, team, leases) -> None:
         self.team = team
@@ -134,17 +134,19 @@ class PeerServer:
     def _on_pin(self, src: int, b: dict, frames: list):
         """A peer reads our part (or our replica) of a step: keep it until it unpins the lease, the
         lease expires or the peer is declared dead."""
-        origin, step = b["origin"], b["step"]
+        origin, step, replicas = b["origin"], b["step"], self.team.replicas
         with self.team.store.atomic():
             if origin == self.rank:
-                obj = self.team.store.sealed(step)
-                if obj is None:
+                v = self.team.store.sealed(step)
+                if v is None:
                     raise VersionNotFound(f"node {self.rank} no longer holds its part of step {step}")
+                self.leases.grant_peer(src, b["lease"], step, PIN_LEASE, version=v)
             else:
-                obj = self.team.replicas.get(origin, step)
-                if obj is None:
+                rep = replicas.get(origin, step)
+                if rep is None:
                     raise VersionNotFound(f"node {self.rank} holds no copy of node {origin}'s step {step}")
-            self.leases.grant_peer(src, b["lease"], obj, self.team.clock() + PIN_LEASE)
+                replicas.pin(rep)
+                self.leases.grant_peer(src, b["lease"], step, PIN_LEASE, release=lambda: replicas.unpin(rep))
         return {}, []
 
     def _on_fetch(self, src: int, b: dict, frames: list):
@@ -169,35 +171,3 @@ class PeerServer:
                 raise VersionNotFound(f"node {self.rank} holds no copy of rank {rank} of step {step}")
             return {}, [rep.view(rank, off, n) for off, n in ranges]
 
-
-class PeerLeases:
-    """Peers' pins on our RAM: (peer, lease) -> what it keeps, until unpinned, expired or the
-    peer is declared dead (caller holds the store's lock where it says so)."""
-
-    def __init__(self, store, replicas) -> None:
-        self.store, self.replicas = store, replicas
-        self.held: dict[tuple[int, str], tuple[float, list]] = {}  # (node, lease) -> (expires, pinned)
-
-    def grant_peer(self, node: int, lease: str, obj, deadline: float) -> None:
-        if isinstance(obj, Version):
-            self.store.pin(obj)
-        else:
-            self.replicas.pin(obj)
-        _, pinned = self.held.setdefault((node, lease), (deadline, []))
-        pinned.append(obj)
-
-    def end_peer(self, node: int, lease: str) -> None:
-        with self.store.atomic():
-            _, pinned = self.held.pop((node, lease), (0.0, []))
-            for obj in pinned:
-                if isinstance(obj, Version):
-                    self.store.unpin(obj)
-                else:
-                    self.replicas.unpin(obj)
-            if pinned:
-                self.store.enforce_keep()  # what waited for the reader goes now
-
-    def expire_peers(self, now: float, live) -> None:
-        for node, lease in [k for k, (expires, _) in list(self.held.items()) if expires < now or k[0] not in live]:
-            log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", node)
-            self.end_peer(node, lease)

@@ -31,6 +31,7 @@ import time
 import uuid
 
 from .. import faults, knobs, protocol
+from ..daemon.leases import Leases
 from ..daemon.versions import RESTORABLE, Version, VersionState
 from ..errors import SnapshotRejected
 from .commit import Commit, CommitNode, Fence, Record, Send
@@ -40,7 +41,7 @@ from .parity_group import ParityGroup
 from .parts import run_of
 from .replicas import ReplicaStore
 from .replicate import Replicator
-from .serve import PeerLeases, PeerServer
+from .serve import PeerServer
 from .sources import FETCH_PREFIX, VersionSources
 from .status import team_status
 from .transport import PeerTransport
@@ -74,7 +75,7 @@ class Team:
                          "parity_checksum_errors": 0}
         self.store = None
         self.replicas: ReplicaStore | None = None
-        self.leases: PeerLeases | None = None
+        self.leases: Leases | None = None
         self.server: PeerServer | None = None
         self.transport = (link or PeerTransport)(
             self.rank,
@@ -94,13 +95,15 @@ class Team:
 
     # --- life cycle ----------------------------------------------------------------------------
 
-    def attach(self, store) -> None:
-        """Join: bind the peer port, connect to the peers, start the replication thread."""
+    def attach(self, store, leases: Leases | None = None) -> None:
+        """Join: bind the peer port, connect to the peers, start the replication thread.
+        ``leases``: the node's leases, where a peer's pin on our RAM is one (None: a table of
+        the team's own, on its clock)."""
         self.store = store
         held = store.versions_in((VersionState.COMPLETE, VersionState.PROTECTED, *RESTORABLE))
         self.commit = CommitNode(self.rank, self.config.nodes, committed=[v.step for v in held if v.state in RESTORABLE])
         self.replicas = ReplicaStore(self.shm_dir, store.atomic(), self.config.keep, self._room)
-        self.leases = PeerLeases(store, self.replicas)
+        self.leases = leases if leases is not None else Leases(store, clock=self.clock)
         self.server = PeerServer(self, self.leases)
         self.address = self.transport.bind()
         self.transport.start(self.config.peers)
@@ -147,7 +150,8 @@ class Team:
             out = self.commit.on_view(view.live, now) if view is not None else []
             out += self.commit.on_tick(now)
         self._apply(out)
-        self.leases.expire_peers(now, self.live())
+        for node, _ in self.leases.end_expired_peers(self.live()):
+            log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", node)
         if view is not None:
             log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
             for peer in set(range(self.config.nodes)) - set(view.live):
