@@ -10,11 +10,13 @@ where a restore reads a lost node's part, what error names a loss.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers.inproc_team import InProcTeam, rank_data
 from ucpd.daemon.versions import VersionState
-from ucpd.errors import VersionNotFound
+from ucpd.errors import ChecksumMismatch, VersionNotFound
 from ucpd.team.sources import PeerRead
 
 COMMITTED, PROTECTED = VersionState.COMMITTED, VersionState.PROTECTED
@@ -144,3 +146,49 @@ def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(mak
             kind, got = read_part(node, 1, rank)
             assert kind == "peer" or got == data[rank], f"node {node.rank}: rank {rank} differs after two losses"
     assert any(read_part(node, 1, 0)[0] == "local" for node in team[1:])  # node 0's part survived as a copy
+
+
+def plan_for(node, got, rank: int):
+    """The plan of a restore of rank ``rank``'s tensor (laid out as it was saved) from ``got``."""
+    from ucpd.daemon import restore as restore_plan
+
+    t = got.parts[rank].tensors[0]
+    target = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "placement": t.placement}
+    return restore_plan.plan(got.sources, [target])
+
+
+def test_a_peers_bytes_are_planned_at_a_local_file_and_fetched_there_checked(make_team):
+    team = make_team(2, replicas=0)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    got = team[0].team.restore_sources(1)
+    try:
+        assert isinstance(got.where[1], PeerRead) and got.where[1].node == 1
+        plan = team[0].team.localize(got, plan_for(team[0], got, 1))
+        (src,) = plan.sources
+        assert src.path == got.where[1].path and src.path.startswith(team[0].store.shm_dir)  # a file, never "peer:..."
+        with open(src.path, "rb") as f:
+            f.seek(src.offset)
+            assert f.read(src.nbytes) == data[1]
+        assert team[0].team.counters["fetched_bytes"] == src.nbytes
+    finally:
+        got.release()
+    assert not os.path.exists(src.path)  # the fetched copy goes with the lease
+
+
+def test_a_peers_bytes_damaged_in_its_ram_fail_their_check_on_arrival(make_team):
+    team = make_team(2, replicas=0)
+    seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    peer = team[1].store
+    with open(peer.slot_path(peer.part(1, 1).slot), "r+b") as f:  # a bit flips in node 1's RAM
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = team[0].team.restore_sources(1)
+    try:
+        with pytest.raises(ChecksumMismatch, match="bytes of rank 1 step 1 from node 1"):
+            team[0].team.localize(got, plan_for(team[0], got, 1))
+        assert team[0].team.counters["fetch_checksum_errors"] == 1
+    finally:
+        got.release()

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults, knobs, protocol
 from ..daemon import stalls
-from ..daemon.versions import RESTORABLE, SEALED, RankPart
+from ..daemon.versions import RESTORABLE, RankPart
 from ..errors import UcpdError
 from .decide import Pushed, orphan_heal_targets, own_heal_targets, under_protected
 from .holders import replica_holders
