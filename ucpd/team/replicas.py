@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from .. import native
 from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
+from ..daemon.slots import check_size
 from ..daemon.versions import RankPart
 from .parts import ALIGN, aligned, check_parts, part_from_wire
 
@@ -47,8 +48,6 @@ class Replica:
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
-        from ..daemon.slots import check_size
-
         check_size(self.path, self.size)  # a replica file cut short: lost, not read (SIGBUS)
         if self._map is None:
             fd = os.open(self.path, os.O_RDWR)

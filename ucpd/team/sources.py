@@ -211,7 +211,8 @@ class VersionSources:
             damaged |= bad
         out = TeamSources(step, self)
         try:
-            rebuilt = {c.origin: self._rebuild(c.origin, step, out) for c, _ in chosen.values() if c.parity}
+            lost = sorted({c.origin for c, _ in chosen.values() if c.parity})
+            rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
             self._sources(out, world, chosen, rebuilt)
         except BaseException:
             out.release()
