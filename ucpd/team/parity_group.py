@@ -6,14 +6,16 @@ the parity holders of its row (acknowledged requests). Holding: accumulate the u
 arrive into ``ParityBlocks`` and keep the members' manifests. Rebuilding a lost member's blob,
 row by row, from the survivors' data units and parity blocks, into a local file.
 
-Threads: the handlers (``on_*``) run on the transport's I/O thread and take ``store.atomic()``
-(the group's dicts live under the store's lock); ``protect`` and ``rebuild`` run on the
-replication thread or a request worker.
+Threads: the handlers (``on_*``) run on the transport's I/O thread; ``protect`` and ``rebuild``
+run on the replication thread or a request worker. The group's own dicts (blocks, manifests,
+what each member held) are guarded by its own lock, taken last (nothing else is taken under
+it); what is read of the store is read through its face.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from .. import faults, native, protocol
 from ..errors import UcpdError, VersionNotFound
@@ -79,6 +81,7 @@ class ParityGroup:
         self.seen: dict[tuple[int, int], dict] = {}  # (member, step) -> {member holding it: incarnation}
         self.acked: dict[int, dict] = {}  # our step -> {member holding our part: its incarnation then}
         self.keep = team.config.keep + 1
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +139,7 @@ class ParityGroup:
             store.read_done(v)  # what waited for this copy may go now
         if outcome != FAILED:
             held = store.held_steps()
-            with store.atomic():
+            with self._lock:
                 self.acked[step] = now
                 for old in [st for st in self.acked if st not in held]:
                     del self.acked[old]
@@ -165,7 +168,7 @@ class ParityGroup:
         now = self._members_now()
         held = body.get("held")
         seen = {g: now.get(g) for g in (held if held is not None else now) if g in now}
-        with self.team.store.atomic():
+        with self._lock:
             self.manifests[(body["origin"], body["step"])] = body
             self.seen[(body["origin"], body["step"])] = seen
             mine = sorted(st for (o, st) in self.manifests if o == body["origin"])
@@ -177,7 +180,7 @@ class ParityGroup:
         data = b"".join(bytes(f) for f in frames)
         if len(data) > self.stripes.unit:
             raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {self.stripes.unit}-byte unit")
-        with self.team.store.atomic():
+        with self._lock:
             key = (body["step"], body["inc"])
             pb = self.blocks.get(key)
             if pb is None:
@@ -187,7 +190,7 @@ class ParityGroup:
             pb.add(body["row"], body["pos"], data, body["index"])
 
     def on_block(self, body: dict) -> list:
-        with self.team.store.atomic():
+        with self._lock:
             pb = self.blocks.get((body["step"], body["inc"]))
             return [_flipped(pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit), body["step"])]
 
@@ -206,7 +209,7 @@ class ParityGroup:
         """The manifests we hold of other members (their parts can be rebuilt from parity)."""
         items = []
         now = self._members_now()
-        with self.team.store.atomic():
+        with self._lock:
             for (origin, st), m in self.manifests.items():
                 if origin == self.team.rank or (step is not None and st != step):
                     continue
@@ -225,7 +228,7 @@ class ParityGroup:
 
     def manifest_of(self, origin: int, step: int) -> dict:
         """The manifest of ``origin``'s ``step`` we keep (a peer asks: ``parity_manifest_of``)."""
-        with self.team.store.atomic():
+        with self._lock:
             m = self.manifests.get((origin, step))
         if m is None:
             raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
@@ -242,7 +245,7 @@ class ParityGroup:
                 log.info("team: node %d has no manifest of node %d step %d: %s", member, origin, step, exc)
                 continue
             if m["origin"] == origin and m["step"] == step:
-                with team.store.atomic():
+                with self._lock:
                     self.manifests[(origin, step)] = m
                 return m
         raise VersionNotFound(f"step {step}: no live member of the parity group keeps node {origin}'s manifest "
@@ -256,7 +259,7 @@ class ParityGroup:
         lost (a rebuild that failed its checksums is tried again without each member in turn).
         Raises VersionNotFound when more members of the group are lost than the code survives."""
         team, s = self.team, self.stripes
-        with team.store.atomic():
+        with self._lock:
             m = self.manifests.get((origin, step))
             sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
