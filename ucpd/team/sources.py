@@ -427,12 +427,17 @@ def _open_file(path: str, nbytes: int, ranges) -> mmap.mmap:
     """``path`` (a new private shm file of ``nbytes``) mapped writable, the byte ``ranges``
     (offset, length) reserved now: a full /dev/shm fails here, not with SIGBUS."""
     size = max(nbytes, 64)
+    spans: list[list[int]] = []  # the ranges, sorted, those less than a page apart joined (one call each)
+    for off, n in sorted(r for r in ranges if r[1]):
+        if spans and off <= spans[-1][1] + mmap.PAGESIZE:
+            spans[-1][1] = max(spans[-1][1], off + n)
+        else:
+            spans.append([off, off + n])
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.ftruncate(fd, size)
-        for off, n in ranges:
-            if n:
-                os.posix_fallocate(fd, off, n)
+        for lo, hi in spans:
+            os.posix_fallocate(fd, lo, hi - lo)
         return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
