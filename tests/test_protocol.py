@@ -351,11 +351,12 @@ def test_a_client_refuses_a_malformed_begin_reply_with_a_protocol_error(tmp_path
 def test_a_daemon_that_builds_a_bad_reply_answers_a_protocol_error_and_keeps_serving(tmp_path, monkeypatch):
     import threading
 
-    from ucpd.daemon.server import Daemon, DaemonConfig
+    from ucpd.daemon.cli import compose
+    from ucpd.daemon.server import DaemonConfig
     from ucpd.rpc import Connection
 
     run, shm = tmp_path / "run", tmp_path / "shm"
-    d = Daemon(DaemonConfig(run_dir=str(run), shm_dir=str(shm), mem_limit=64 << 20))
+    d = compose(DaemonConfig(run_dir=str(run), shm_dir=str(shm), mem_limit=64 << 20))
     monkeypatch.setattr(d, "_on_latest", lambda ident, req_id, body: {"step": "three"})
     ready = threading.Event()
     t = threading.Thread(target=d.serve, args=(ready,), daemon=True)

@@ -131,6 +131,22 @@ def stall_warn() -> float:
     return float(_get("UCPD_STALL_WARN", "10"))
 
 
+def disk_lookup_seconds() -> float:
+    """Seconds a lookup in the flush dir may take before ``latest``/restores answer from RAM
+    (a hung file system never stalls them; the lookup goes on in the background)."""
+    return float(_get("UCPD_DISK_LOOKUP_SECONDS", "") or 2.0)
+
+
+def flush_stall_seconds() -> float:
+    """Seconds a flush may write nothing before ``ucpd status`` calls it stalled."""
+    return float(_get("UCPD_FLUSH_STALL_SECONDS", "") or 30.0)
+
+
+def secret_file() -> str | None:
+    """The file holding the job secret a team's peers prove (``--secret-file`` wins)."""
+    return get("UCPD_SECRET_FILE") or None
+
+
 def embedded_start_timeout() -> float:
     """Seconds to wait for an embedded daemon to come up."""
     return float(_get("UCPD_EMBEDDED_TIMEOUT", "30"))

@@ -192,7 +192,7 @@ def measure_validate(count: int, nbytes: int, reps: int) -> dict[str, list[float
     stride = (n + 63) // 64 * 64
     shm = tempfile.mkdtemp(prefix="ucpd-bst-validate-", dir="/dev/shm")
     store = NodeStore(shm, 1 << 40, keep=2)
-    store.commit_listeners.append(lambda v: setattr(v, "restore_sources", restore.from_ram(v, lambda sid: store.slots.slots[sid].path)))
+    store.add_commit_listener(lambda v: setattr(v, "restore_sources", restore.from_ram(v, store.slot_path)))
     out: dict[str, list[float]] = {}
     try:
         for step in range(1, reps + 4):

@@ -105,10 +105,11 @@ def test_a_second_daemon_on_the_same_run_dir_is_refused(daemon, dirs):
 
 
 def test_daemon_class_raises_already_running(daemon, dirs):
-    from ucpd.daemon.server import Daemon, DaemonConfig
+    from ucpd.daemon.cli import compose
+    from ucpd.daemon.server import DaemonConfig
 
     with pytest.raises(AlreadyRunning):
-        Daemon(DaemonConfig(run_dir=daemon.run_dir, shm_dir=dirs["shm"] + "-3", mem_limit=1 << 30))
+        compose(DaemonConfig(run_dir=daemon.run_dir, shm_dir=dirs["shm"] + "-3", mem_limit=1 << 30))
 
 
 def test_a_flipped_byte_in_ram_is_a_checksum_mismatch(make_daemon, dirs):

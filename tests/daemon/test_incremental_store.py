@@ -75,12 +75,12 @@ def test_a_reference_names_the_slot_holding_the_bytes_and_keeps_it_past_its_vers
     assert base == 1
     assert where(v2, "w") == (holder, w_at) and where(v2, "x")[0] == v2.parts[0].slot
     assert v1.parts == {}  # keep 1: step 1 left RAM ...
-    assert store.slots.slots[holder].state is SlotState.HELD and holder in store.orphans  # ... its bytes did not
+    assert store.slot(holder).state is SlotState.HELD and holder in store.orphans()  # ... its bytes did not
     _, v3 = snapshot(store, 3, base=2, refs={"w"})
     assert where(v3, "w") == (holder, 0)  # a reference to a reference: the slot with the bytes
     assert store.counters.snapshot_shared_bytes == 32 and store.counters.snapshot_bytes == 16 * 4
     snapshot(store, 4)  # copies everything: once step 3 goes, nobody reads the holder
-    assert store.slots.slots[holder].state is SlotState.FREE and not store.orphans
+    assert store.slot(holder).state is SlotState.FREE and not store.orphans()
 
 
 def test_references_that_do_not_match_the_base_are_refused(shm):
@@ -125,10 +125,10 @@ def test_a_base_evicted_while_a_snapshot_refers_to_it_stays_until_that_snapshot_
     holder = v1.parts[0].slot
     base, slot = begin(store, 0, 2, 1)
     assert base == 1
-    store._evict(v1)  # memory pressure, say, between the begin and the commit
-    assert store.slots.slots[holder].state is SlotState.HELD
+    store._eviction.evict(v1)  # memory pressure, say, between the begin and the commit
+    assert store.slot(holder).state is SlotState.HELD
     store.abort(0, 2, slot.id)  # the snapshot is given up: nobody reads the holder now
-    assert store.slots.slots[holder].state is SlotState.FREE
+    assert store.slot(holder).state is SlotState.FREE
 
 
 def test_memory_that_eviction_would_free_leaves_out_slots_still_read(shm):
@@ -136,9 +136,10 @@ def test_memory_that_eviction_would_free_leaves_out_slots_still_read(shm):
     _, v1 = snapshot(store, 1)
     _, v2 = snapshot(store, 2, base=1, refs={"w"})
     snapshot(store, 3, base=2, refs={"w"})
-    assert store._reclaimable([v2]) == {v2.parts[0].slot}
-    assert store._reclaimable([v1]) == set()  # steps 2 and 3 read its slot
-    assert store._reclaimable([v1, v2]) == {v2.parts[0].slot}  # step 3 still reads it
+    reclaimable = store._incremental.reclaimable
+    assert reclaimable([v2]) == {v2.parts[0].slot}
+    assert reclaimable([v1]) == set()  # steps 2 and 3 read its slot
+    assert reclaimable([v1, v2]) == {v2.parts[0].slot}  # step 3 still reads it
 
 
 def test_a_restarted_store_re_adopts_references_and_their_holder(shm):
@@ -149,12 +150,12 @@ def test_a_restarted_store_re_adopts_references_and_their_holder(shm):
     snapshot(store, 3, base=2, refs={"w"})
     store.close()
     again = NodeStore(shm, 64 * MiB, keep=1)
-    v3 = again.table.versions[3]
+    v3 = again.version(3, JOB)
     assert where(v3, "w") == (holder, 0)
-    assert again.orphans == {holder} and again.slots.slots[holder].state is SlotState.HELD
+    assert again.orphans() == {holder} and again.slot(holder).state is SlotState.HELD
     assert again.begin_base(JOB, 0, 4, 3) == 3  # and it serves as a base
     again.close()
-    os.unlink(again.slots.slots[holder].path)  # the holder's bytes are lost
+    os.unlink(again.slot_path(holder))  # the holder's bytes are lost
     third = NodeStore(shm, 64 * MiB, keep=1)
-    assert 3 not in third.table.versions
+    assert third.version(3, JOB) is None
     assert any("step 3: a slot it needs is gone" in d for d in third.adopted.dropped)

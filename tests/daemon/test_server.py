@@ -11,7 +11,8 @@ import torch
 
 from conftest import TEST_JOB
 from ucpd.daemon.runtime import ensure_private_dir
-from ucpd.daemon.server import Daemon, DaemonConfig, make_store
+from ucpd.daemon.cli import compose, make_store
+from ucpd.daemon.server import Daemon, DaemonConfig
 from ucpd.daemon.versions import VersionState
 from ucpd_client import Checkpointer
 from helpers.policies import HoldAll
@@ -23,7 +24,7 @@ def serve(dirs):
 
     def start(**collaborators) -> Daemon:
         cfg = DaemonConfig(run_dir=dirs["run"], shm_dir=dirs["shm"], mem_limit=256 << 20)
-        d = Daemon(cfg, **collaborators)
+        d = compose(cfg, **collaborators)
         ready = threading.Event()
         t = threading.Thread(target=d.serve, args=(ready,), daemon=True)
         t.start()
@@ -33,7 +34,7 @@ def serve(dirs):
 
     yield start
     for d, t in running:
-        d._stop = True
+        d.stop()
         t.join(30)
 
 
@@ -47,8 +48,8 @@ def test_an_injected_policy_decides_when_a_complete_snapshot_commits(serve, dirs
         with pytest.raises(TimeoutError, match="not committed"):
             h.wait(timeout=1.0)  # complete, but the policy has not said so
         assert policy.completed == [1] and ck.latest() is None
-        with d.store.lock:
-            assert d.store.table_of(TEST_JOB).find(1).state is VersionState.COMPLETE
+        with d.store.atomic():
+            assert d.store.version(1, TEST_JOB).state is VersionState.COMPLETE
             assert d.store.commit(1, TEST_JOB).state is VersionState.COMMITTED
         h.wait(timeout=30)
         assert ck.latest() == 1
@@ -63,4 +64,4 @@ def test_a_store_passed_in_is_the_one_the_daemon_serves(serve, dirs):
     d = serve(store=store)
     with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False, job=TEST_JOB) as ck:
         ck.snapshot(4, {"w": torch.ones(10)}).wait(30)
-    assert d.store is store and store.table_of(TEST_JOB).latest_committed().step == 4
+    assert d.store is store and store.latest_committed(TEST_JOB).step == 4

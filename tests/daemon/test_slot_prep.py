@@ -12,7 +12,7 @@ import torch
 
 from ucpd.daemon import slot_prep
 from ucpd.daemon.slot_prep import copies_in_flight, yield_to_snapshots
-from ucpd.daemon.slots import TOUCH_PIECE, Slot, SlotState, allocate_file
+from ucpd.daemon.slots import TOUCH_PIECE, Slot, SlotState, SlotStore, allocate_file
 from ucpd_client import Checkpointer
 from ucpd_client import placement as P
 
@@ -114,8 +114,14 @@ def test_status_and_metrics_show_the_warm_up_and_the_flush_stepping_aside(make_d
 
 
 class _Store:
+    """A node store holding ``slots``, as background work polls it (``NodeStore.copies_in_flight``)."""
+
     def __init__(self, *slots):
-        self.slots = type("S", (), {"slots": {s.id: s for s in slots}})()
+        self._table = SlotStore("/nonexistent", 1 << 40)
+        self._table._by_id.update({s.id: s for s in slots})
+
+    def copies_in_flight(self, window, now):
+        return self._table.copies_in_flight(window, now)
 
 
 def lent(sid: int, age: float) -> Slot:

@@ -8,7 +8,7 @@ import pytest
 
 from ucpd.daemon.slots import SlotState
 from ucpd.daemon.store import NodeStore, prepare_slot_file
-from ucpd.daemon.versions import VersionState
+from ucpd.daemon.versions import DEFAULT_JOB, VersionState
 from ucpd.errors import PlacementMismatch, ProtocolError, SnapshotRejected
 
 MiB = 1 << 20
@@ -50,7 +50,7 @@ def test_a_version_commits_when_every_rank_sealed_it(shm):
     assert v.state is VersionState.WRITING and committed == []
     v, committed = seal(store, 1, 1, world=2, placement={"kind": "shard", "dim": 0, "index": 1, "parts": 2})
     assert v.state is VersionState.COMMITTED and committed == [v]
-    assert store.table.latest_committed() is v
+    assert store.latest_committed() is v
     assert v.globals()["w"].shape == (8,)
 
 
@@ -58,21 +58,21 @@ def test_slots_are_reused_and_keep_bounds_the_versions_in_ram(shm):
     store = NodeStore(shm, 64 * MiB, keep=2)
     for step in range(1, 6):
         seal(store, 0, step)
-    assert [v.step for v in store.table.committed()] == [4, 5]
-    assert len(store.slots.slots) == 3  # keep + 1 being written, reused round-robin
-    assert store.table.find(1).state is VersionState.EVICTED
+    assert [v.step for v in store.committed()] == [4, 5]
+    assert sum(store.slot_counts().values()) == 3  # keep + 1 being written, reused round-robin
+    assert store.table_of(DEFAULT_JOB).find(1).state is VersionState.EVICTED
 
 
 def test_a_pinned_old_version_never_makes_a_newer_one_go_in_its_place(shm):
     store = NodeStore(shm, 64 * MiB, keep=2)
     seal(store, 0, 1)
-    store.table.find(1).pins += 1  # being flushed, or read by a restore
+    store.pin(store.version(1))  # being flushed, or read by a restore
     seal(store, 0, 2)
     seal(store, 0, 3)
-    assert [v.step for v in store.table.committed()] == [1, 2, 3]  # 1 waits for its unpinning
-    store.table.find(1).pins -= 1
+    assert [v.step for v in store.committed()] == [1, 2, 3]  # 1 waits for its unpinning
+    store.unpin(store.version(1))
     store.enforce_keep()
-    assert [v.step for v in store.table.committed()] == [2, 3]
+    assert [v.step for v in store.committed()] == [2, 3]
 
 
 def test_memory_limit_refuses_and_keeps_the_newest_committed(shm):
@@ -81,7 +81,7 @@ def test_memory_limit_refuses_and_keeps_the_newest_committed(shm):
     seal(store, 0, 2)  # a second slot; step 1 is evicted, its slot freed
     with pytest.raises(SnapshotRejected, match="memory limit"):
         lend(store, 0, 3, nbytes=3 * MiB)
-    assert store.table.latest_committed().step == 2
+    assert store.latest_committed().step == 2
     assert store.counters.rejected == 1
 
 
@@ -97,7 +97,7 @@ def test_ranks_holding_a_replicated_tensor_with_different_bytes_are_refused(shm)
     seal(store, 0, 1, world=2, crc=0x1234)
     with pytest.raises(PlacementMismatch, match=r"'w' has the same placement on ranks 0 and 1 .* different bytes"):
         seal(store, 1, 1, world=2, crc=0x9999)
-    assert store.table.versions.get(1) is None  # nothing half-committed
+    assert store.version(1) is None  # nothing half-committed
     seal(store, 0, 2, world=2, crc=7)
     _, committed = seal(store, 1, 2, world=2, crc=7)  # equal replicas commit
     assert [v.step for v in committed] == [2]
@@ -114,8 +114,8 @@ def test_incomplete_versions_are_abandoned_when_a_newer_one_commits(shm):
     store = NodeStore(shm, 64 * MiB, keep=2)
     seal(store, 0, 1, world=2)  # rank 1 never seals step 1
     seal(store, 0, 2, world=1)  # a (re-started) job of one rank commits step 2
-    assert store.table.find(1).state is VersionState.ABANDONED
-    assert all(s.state is not SlotState.WRITING for s in store.slots.slots.values())
+    assert store.table_of(DEFAULT_JOB).find(1).state is VersionState.ABANDONED
+    assert store.slot_counts()["writing"] == 0
 
 
 def test_a_restarted_store_re_adopts_committed_versions_and_drops_the_rest(shm):
@@ -126,10 +126,10 @@ def test_a_restarted_store_re_adopts_committed_versions_and_drops_the_rest(shm):
     store.save_index()
     store.close()
     again = NodeStore(shm, 64 * MiB, keep=2)
-    assert [v.step for v in again.table.committed()] == [1, 2]
-    assert sorted(s.state.value for s in again.slots.slots.values()) == ["held", "held"]
+    assert [v.step for v in again.committed()] == [1, 2]
+    assert again.slot_counts() == {"free": 0, "writing": 0, "held": 2}
     assert not os.path.exists(writing.path)  # never lent again
-    assert again.slots.new_slot_path()[0] > writing.id  # nor is its name
+    assert again.reserve_new_slot(MiB)[0] > writing.id  # nor is its name
 
 
 def test_a_damaged_index_starts_empty_and_removes_stray_segments(shm):
@@ -139,7 +139,7 @@ def test_a_damaged_index_starts_empty_and_removes_stray_segments(shm):
     with open(os.path.join(shm, "index.msgpack"), "wb") as f:
         f.write(b"\x00garbage")
     again = NodeStore(shm, 64 * MiB, keep=2)
-    assert again.table.latest_committed() is None
+    assert again.latest_committed() is None
     assert not [n for n in os.listdir(shm) if n.startswith("slot-")]
     assert any("index unreadable" in d for d in again.adopted.dropped)
 
@@ -160,7 +160,7 @@ def test_a_smaller_restarted_job_abandons_the_old_unfinished_step(shm):
     seal(store, 0, 7, world=4)  # a 4-rank job died mid-step 7
     v, committed = seal(store, 0, 7, world=1)  # the 1-rank restart snapshots step 7 again
     assert committed == [v] and v.world_size == 1
-    assert all(s.state is not SlotState.WRITING for s in store.slots.slots.values())
+    assert store.slot_counts()["writing"] == 0
 
 
 def test_steps_must_increase_past_the_newest_committed(shm):

@@ -199,7 +199,7 @@ def team_config(o: dict, nodes: int, node_rank: int):
     if len(peers) != nodes:
         raise UcpdError(f"--nodes {nodes} but {len(peers)} peer addresses were given: list one per node, in node order")
     listen = o.get("listen") or peers[node_rank]
-    secret_file = o.get("secret_file") or os.environ.get("UCPD_SECRET_FILE")
+    secret_file = o.get("secret_file") or knobs.secret_file()
     secret = None
     if secret_file:
         with open(secret_file, "rb") as f:
@@ -238,9 +238,75 @@ def team_config(o: dict, nodes: int, node_rank: int):
     )
 
 
-def cmd_serve(args) -> int:
+# --- one node's process: the daemon composed with its store, team and flusher -----------------
+
+
+def compose(config, *, policy=None, store=None):
+    """One node's ``Daemon``, built from ``config``: the run-dir and shm-dir locks first (nothing
+    reads the shm dir before this process owns it), then the team (``--nodes > 1``), the store
+    (re-adopting what its index lists; ``store``: one a test made), the flush and the daemon.
+    ``policy`` decides commits (default: the team's, or one node's: complete is committed)."""
+    from .runtime import DirLocks
     from .server import Daemon
 
+    locks = DirLocks(config.run_dir, config.shm_dir)
+    try:
+        team = make_team(config)
+        store = store if store is not None else make_store(config, policy or team, single_job=team is not None)
+        cache = make_flush_cache(config)
+        flusher = make_flusher(config, store, team, cache)
+        return Daemon(config, locks=locks, store=store, team=team, flusher=flusher, flush_cache=cache)
+    except BaseException:
+        locks.release()
+        raise
+
+
+def make_team(config):
+    """The team of daemons this node belongs to (``--nodes > 1``), or None."""
+    if config.team is None:
+        return None
+    from ..team.team import Team
+
+    return Team(config.team, config.shm_dir)
+
+
+def make_store(config, policy=None, single_job: bool = False):
+    """The node's store (re-adopting what the index lists); ``single_job``: a team's node, which
+    serves one job."""
+    from .store import NodeStore
+
+    return NodeStore(
+        config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=policy,
+        job_limit=config.job_mem_limit, single_job=single_job, job=config.job,
+    )
+
+
+def make_flusher(config, store, team=None, cache=None):
+    """The background flush to ``--flush-dir``, or None (no flush dir, or a team node that does
+    not flush)."""
+    if not config.flush_dir or (team is not None and not team.flushes):
+        return None
+    from .flush import Flusher
+    from .flush_interval import FlushInterval
+
+    gather = team.gather_for_flush if team is not None else None
+    interval = FlushInterval(config.flush_every, config.mtbf)
+    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather, cache=cache)
+
+
+def make_flush_cache(config):
+    """The local folder of an object-store ``--flush-dir`` (a URL), or None for a directory."""
+    from ..format.objstore import is_url
+
+    if not is_url(config.flush_dir):
+        return None
+    from .flush_cache import FlushCache
+
+    cache_dir = config.flush_cache or os.path.join(config.run_dir, "flush-cache")
+    return FlushCache(config.flush_dir, cache_dir, config.flush_storage_options)
+
+
+def cmd_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), format="%(asctime)s ucpd %(levelname)s %(message)s")
     import gc
 
@@ -248,15 +314,15 @@ def cmd_serve(args) -> int:
     # jobs. At the default thresholds the collector walks them all several times per commit
     # (half its cost at 100k tensors, benchmarks/snapshot/bench_scale_tensors.py); these keep that rare.
     gc.set_threshold(50_000, 20, 10)
-    daemon = Daemon(config_from_args(args))
+    daemon = compose(config_from_args(args))
     for note in daemon.store.adopted.dropped:
         print(f"ucpd: re-adoption: {note}", file=sys.stderr)
     if daemon.store.adopted.versions:
-        print(f"ucpd: re-adopted {daemon.store.adopted.versions} version(s) of job(s) {sorted(daemon.store.tables)} "
+        print(f"ucpd: re-adopted {daemon.store.adopted.versions} version(s) of job(s) {daemon.store.jobs()} "
               f"from {daemon.config.shm_dir}", file=sys.stderr)
     import signal
 
-    signal.signal(signal.SIGTERM, lambda *_: setattr(daemon, "_stop", True))
+    signal.signal(signal.SIGTERM, lambda *_: daemon.stop())
     daemon.serve()
     return 0
 

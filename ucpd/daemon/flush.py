@@ -41,8 +41,6 @@ from .slot_prep import yield_to_snapshots
 
 log = logging.getLogger("ucpd.flush")
 
-STALL_SECONDS = float(os.environ.get("UCPD_FLUSH_STALL_SECONDS") or 30.0)
-
 
 @dataclass
 class FlushProgress:
@@ -78,7 +76,7 @@ class Flusher:
         self.keep_on_disk = keep_on_disk
         self.progress = FlushProgress()
         self._pending: dict = {}  # job -> the one version of it waiting to be flushed (pinned); newer replaces it
-        self._wake = threading.Condition(store.lock)
+        self._wake = store.condition()  # waiting lets the store go
         self._stopping = False
         self._committed_since: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
@@ -91,7 +89,7 @@ class Flusher:
         return join(self.flush_dir, job)
 
     def on_commit(self, version) -> None:
-        """Called under the store lock for each newly committed version. At most one version
+        """Called (store lock held) for each newly committed version. At most one version
         per job waits: when flushing is slower than snapshotting, the newer due version replaces
         the waiting one, so pins never pile up past ``--keep``."""
         self.interval.on_commit(version.job)
@@ -110,20 +108,22 @@ class Flusher:
         self._wake.notify()
 
     def forget(self, job: str) -> None:
-        """``ucpd drop``: a job's waiting version is not flushed (caller holds the store lock)."""
-        old = self._pending.pop(job, None)
-        if old is not None:
-            self.store.unpin(old)
-            self.interval.on_flush_failed(job)
-        self._committed_since.pop(job, None)
+        """``ucpd drop``: a job's waiting version is not flushed."""
+        with self._wake:
+            old = self._pending.pop(job, None)
+            if old is not None:
+                self.store.unpin(old)
+                self.interval.on_flush_failed(job)
+            self._committed_since.pop(job, None)
 
     def resume(self) -> None:
         """After a restart: flush each job's newest re-adopted committed version if it never
-        reached disk (the daemon died before or while flushing it). Caller holds the store lock."""
-        for table in self.store.tables.values():
-            newest = table.latest_committed()
-            if newest is not None and not newest.on_disk and newest.job not in self._pending:
-                self._queue(newest)
+        reached disk (the daemon died before or while flushing it)."""
+        with self._wake:
+            for job in self.store.jobs():
+                newest = self.store.latest_committed(job)
+                if newest is not None and not newest.on_disk and newest.job not in self._pending:
+                    self._queue(newest)
 
     def stop(self) -> None:
         with self._wake:
@@ -142,7 +142,7 @@ class Flusher:
         p = self.progress
         if p.step is not None:
             quiet = time.monotonic() - p.updated
-            return ("stalled" if quiet >= STALL_SECONDS else "writing"), quiet
+            return ("stalled" if quiet >= knobs.flush_stall_seconds() else "writing"), quiet
         return ("failing" if p.failing else "idle"), 0.0
 
     def _run(self) -> None:
@@ -171,10 +171,9 @@ class Flusher:
                 self.progress.failing += 1
                 self.interval.on_flush_failed(version.job)
             try:
-                with self.store.lock:
-                    self.store.unpin(version)
+                with self._wake:
+                    self.store.read_done(version)  # it may have outlived --keep while pinned
                     self.progress.step = None
-                    self.store.enforce_keep()  # it may have outlived --keep while pinned
             except Exception:  # never let the flush thread die with versions pinned
                 log.exception("after flushing step %s", version.step)
 
@@ -184,11 +183,11 @@ class Flusher:
         self.progress.yielded_s += yield_to_snapshots(self.store)
 
     def _local_parts(self, version):
-        with self.store.lock:
+        with self.store.atomic():
             globals_ = version.globals()
             parts = dict(version.parts)
-            slots = {r: self.store.slots.slots[p.slot] for r, p in parts.items()}
-            holders = {t.holder: self.store.slots.slots[t.holder] for p in parts.values() for t in p.tensors if t.holder is not None}
+            slots = {r: self.store.slot(p.slot) for r, p in parts.items()}
+            holders = {t.holder: self.store.slot(t.holder) for p in parts.values() for t in p.tensors if t.holder is not None}
 
         def buffer_of(rank, holder=None):  # holder: the slot of a reference's bytes (incremental snapshots)
             return (slots[rank] if holder is None else holders[holder]).mapping()
@@ -297,11 +296,8 @@ class Flusher:
             )
         faults.point("flush.done", version.step)
         if self.keep_on_disk:
-            with self.store.lock:
-                reading = self.store.flushed_being_read(version.job)
-            retain(root, self.keep_on_disk, protect=reading)
-        with self.store.lock:
-            self.store.mark_flushed(version)
+            retain(root, self.keep_on_disk, protect=self.store.flushed_being_read(version.job))
+        self.store.mark_flushed(version)
 
     def _write_remote(self, version, tensors, layout, objects, progress) -> None:
         """An object-store flush dir: the version is written as to a directory, into the job's
@@ -328,10 +324,8 @@ class Flusher:
             self.progress.bytes_done = 0  # now the upload's bytes
             store.publish(staged, step, progress=progress, rate=self.rate or None)
         faults.point("flush.done", step)
-        with self.store.lock:
-            reading = self.store.flushed_being_read(job)
+        reading = self.store.flushed_being_read(job)
         if self.keep_on_disk:
             store.retain(self.keep_on_disk, protect=reading)
         self.cache.prune(job, reading)
-        with self.store.lock:
-            self.store.mark_flushed(version)
+        self.store.mark_flushed(version)

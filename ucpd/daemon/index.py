@@ -72,7 +72,7 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
         "index_version": INDEX_VERSION,
         "chunk_bytes": CHUNK_BYTES,
         "next_slot": slots.next_id,  # never reused: a trainer may still map an old slot's path
-        "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots.slots.values()],
+        "slots": [{"id": s.id, "path": os.path.basename(s.path), "size": s.size} for s in slots],
         "versions": versions,
         "team_job": store.team_job,
     }
@@ -262,9 +262,9 @@ def _keep_holders(store, slots: SlotStore) -> None:
     for v in store.versions():
         for p in v.parts.values():
             for t in p.tensors:
-                slot = slots.slots[t.holder] if t.holder is not None else None
+                slot = slots.get(t.holder) if t.holder is not None else None
                 if slot is not None and slot.state is SlotState.FREE:
-                    slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, None, v.job
+                    slots.hold(slot, p.rank, None, v.job)
 
 
 def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
@@ -295,9 +295,9 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
         for raw in doc["versions"]:
             parts = {}
             for rp in raw["parts"]:
-                if rp["slot"] not in slots.slots or rp["rank"] in parts or slots.slots[rp["slot"]].state is SlotState.HELD:
+                if rp["slot"] not in slots or rp["rank"] in parts or slots.get(rp["slot"]).state is SlotState.HELD:
                     break
-                if any(t["holder"] is not None and t["holder"] not in slots.slots for t in rp["tensors"]):
+                if any(t["holder"] is not None and t["holder"] not in slots for t in rp["tensors"]):
                     break  # a reference whose bytes are gone
                 tensors = [TensorEntry.from_wire(t) for t in rp["tensors"]]
                 parts[rp["rank"]] = RankPart(rp["rank"], rp["slot"], tensors, rp["objects"], rp["layout"], rp["objects_crc"])
@@ -313,12 +313,11 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
                 v.incarnation = raw["run"]
                 store.table_of(job).adopt(v)
                 for p in parts.values():
-                    slot = slots.slots[p.slot]
-                    slot.state, slot.rank, slot.step, slot.job = SlotState.HELD, p.rank, v.step, job
+                    slots.hold(slots.get(p.slot), p.rank, v.step, job)
                 continue
             dropped.append(f"step {raw['step']}: a slot it needs is gone")
         _keep_holders(store, slots)
-    for slot in [s for s in slots.slots.values() if s.state is SlotState.FREE]:
+    for slot in [s for s in slots if s.state is SlotState.FREE]:
         # not holding a committed version: a trainer that outlived the old daemon may still be
         # writing into it, so it is never lent again (its mapping keeps the old inode alive)
         slots.delete(slot.id)
@@ -330,4 +329,4 @@ def load(shm_dir: str, slots: SlotStore, store) -> Adopted:
         if name.startswith("slot-") and name not in known:
             os.unlink(os.path.join(shm_dir, name))
             dropped.append(f"removed stray segment {name}")
-    return Adopted(len(slots.slots), sum(1 for _ in store.versions()), dropped, damaged)
+    return Adopted(len(slots), len(store.versions()), dropped, damaged)

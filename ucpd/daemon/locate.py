@@ -3,7 +3,7 @@
 ``Locator.find`` answers "where is step N of job J (or its newest committed version)": the RAM
 version wins unless the flush dir holds a newer one; copies a client found damaged (``avoid``)
 are skipped for the same step elsewhere, or for the version before. Flush dir lookups are
-bounded in time (``DISK_LOOKUP_SECONDS``): a hung file system never stalls ``latest`` or RAM
+bounded in time (``knobs.disk_lookup_seconds()``): a hung file system never stalls ``latest`` or RAM
 restores. Every "not found" names what the job does have, and whose a step is when another job
 has it.
 """
@@ -16,15 +16,12 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .. import native
+from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
 from ..format.objstore import join
 from . import restore as restore_plan
 
 log = logging.getLogger("ucpd.locate")
-
-DISK_LOOKUP_SECONDS = float(os.environ.get("UCPD_DISK_LOOKUP_SECONDS") or 2.0)
-
 
 @dataclass
 class Found:
@@ -70,7 +67,7 @@ class Locator:
         return join(self.flush_dir, job) if self.flush_dir else None
 
     def disk_latest(self, job: str) -> int | None:
-        """``_disk_latest_now`` within ``DISK_LOOKUP_SECONDS``: a flush dir that stops answering
+        """``_disk_latest_now`` within ``$UCPD_DISK_LOOKUP_SECONDS`` (2): a flush dir that stops answering
         (a hung network file system) must not stall ``latest`` and RAM restores. A lookup that
         does not return in time goes on in the background (one per job at a time) and the last
         answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive."""
@@ -87,11 +84,11 @@ class Locator:
                     self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
                 fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
         try:
-            step = fut.result(timeout=DISK_LOOKUP_SECONDS)
+            step = fut.result(timeout=knobs.disk_lookup_seconds())
         except cf.TimeoutError:
             if not self.disk_unresponsive:
                 log.warning("the flush dir %s did not answer within %.0f s; answering from RAM meanwhile",
-                            self.flush_dir, DISK_LOOKUP_SECONDS)
+                            self.flush_dir, knobs.disk_lookup_seconds())
             self.disk_unresponsive = f"since {time.strftime('%H:%M:%S')}" if not self.disk_unresponsive else self.disk_unresponsive
             return self._disk_cache.get(job)
         except StorageError as exc:  # an object store that fails its requests: as one that does not answer
@@ -141,7 +138,7 @@ class Locator:
                 f"job {job!r} has no {what} on this node; step {step} here belongs to job(s) {owners}: a job never "
                 "restores another's versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote it)"
             )
-        others = sorted(j for j in self.store.tables if j != job and self.store.tables[j].latest_committed())
+        others = [j for j in self.store.jobs() if j != job and self.store.latest_committed(j)]
         hint = f"; this node holds versions of job(s) {others}, not of {job!r}" if others else ""
         return VersionNotFound(f"job {job!r} has no {what} in RAM; {where}{hint}")
 
@@ -153,8 +150,7 @@ class Locator:
             return version
         if step is not None:
             return None
-        table = self.store.tables.get(job)
-        sound = [v for v in (table.committed() if table else []) if (job, v.step, "ram") not in avoid]
+        sound = [v for v in self.store.committed(job) if (job, v.step, "ram") not in avoid]
         return sound[-1] if sound else None
 
     def _disk_choice(self, job: str, avoid: set) -> int | None:
@@ -249,7 +245,7 @@ class Locator:
     def ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""
         if version.restore_sources is None:
-            version.restore_sources = restore_plan.from_ram(version, lambda sid: self.store.slots.slots[sid].path)
+            version.restore_sources = restore_plan.from_ram(version, self.store.slot_path)
         return version.restore_sources
 
     def open_disk(self, step, job: str):
@@ -299,7 +295,6 @@ class Locator:
         except (VersionNotFound, FileNotFoundError) as exc:
             raise self.not_this_job(step, job, f"{self.job_flush_dir(job)}: {exc}") from None
         reader = open_version(local, step)
-        with self.store.lock:
-            reading = self.store.flushed_being_read(job) | {step}
+        reading = self.store.flushed_being_read(job) | {step}
         self.cache.prune(job, reading)
         return reader

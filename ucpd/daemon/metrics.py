@@ -12,10 +12,10 @@ class _Collector:
 
     def collect(self):
         d = self.daemon
-        with d.store.lock:
+        with d.store.atomic():
             c = vars(d.store.counters).copy()
-            used, limit = d.store.slots.used_bytes, d.store.slots.mem_limit
-            latest = {j: t.latest_committed() for j, t in d.store.tables.items()}
+            used, limit = d.store.used_bytes, d.store.mem_limit
+            latest = {j: d.store.latest_committed(j) for j in d.store.jobs()}
             progress = d.flusher.progress if d.flusher else None
             team = d.team.status() if d.team is not None else None
             fstate = d.flusher.state() if d.flusher else None
@@ -23,7 +23,7 @@ class _Collector:
 
             reasons = degraded(d, {"state": fstate[0], "current_step": progress.step, "seconds_without_progress": fstate[1],
                                    "last_error": progress.last_error} if fstate else None, team)
-            damaged = d.checksum_failures()
+            damaged = d.damage.by_where(team)
         for name, value in c.items():
             yield CounterMetricFamily(f"ucpd_{name}", f"ucpd counter {name}", value=value)
         yield GaugeMetricFamily("ucpd_degraded", "1 while the daemon works with less than configured (see ucpd status)",

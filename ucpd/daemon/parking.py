@@ -1,13 +1,16 @@
-"""Replies that wait: a ``begin`` whose slot is being allocated, and a ``wait`` for a step that
-is not decided yet.
+"""Replies that wait: a ``begin`` whose slot is being allocated, a ``wait`` for a step that
+is not decided yet, and a request answered from a worker thread.
 
 The server parks such a request here and sends the frames these methods return when the
 condition is met (the slot is ready, the step committed or failed, the wait timed out). No
-sockets or threads inside: the rules are testable on their own. Callers hold the store lock.
+sockets inside: the rules are testable on their own. ``Parking`` is the server loop's alone;
+``Workers`` hands what a worker thread found back to the loop through its queue.
 """
 
 from __future__ import annotations
 
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import protocol
@@ -96,3 +99,35 @@ class Parking:
         gone = [w for w in self.waits if w.job == job]
         self.waits = [w for w in self.waits if w.job != job]
         return [(w.ident, protocol.error(w.req_id, VersionNotFound(f"job {job!r} was dropped on this node"))) for w in gone]
+
+
+class Workers:
+    """Requests answered from a worker thread: ``work`` asks other daemons or downloads, which
+    the server's loop must never wait for. What it returns goes to ``done`` (the loop's queue)
+    as ``("reply", ident, req_id, msg_type, result, exc)``; with ``then``, as ``("then", ident,
+    req_id, msg_type, then, None)``: the loop calls ``then()`` once ``work`` is done and answers
+    with what it returns."""
+
+    def __init__(self, done: queue.Queue, threads: int = 4) -> None:
+        self.done = done
+        self.threads = threads
+        self._pool: ThreadPoolExecutor | None = None  # made on first use
+
+    def defer(self, ident: bytes, req_id: int, msg_type: str, work, then=None) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="ucpd-worker")
+
+        def run():
+            try:
+                result = work()
+                self.done.put(("reply", ident, req_id, msg_type, result, None) if then is None
+                              else ("then", ident, req_id, msg_type, then, None))
+            except Exception as exc:
+                self.done.put(("reply", ident, req_id, msg_type, None, exc))
+
+        self._pool.submit(run)
+        return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)

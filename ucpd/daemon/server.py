@@ -29,12 +29,14 @@ from . import restore as restore_plan, stalls
 from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
-from .parking import Parked, Parking, begin_reply, wait_answer
+from .parking import Parked, Parking, Workers, begin_reply, wait_answer
 from .slot_prep import SlotPreparer
+from .status import ChecksumFailures
 from .store import NodeStore
-from .versions import DEFAULT_JOB, CommitPolicy
+from .versions import DEFAULT_JOB
 
 log = logging.getLogger("ucpd.server")
+CLIENT_SEEN_S = 3600.0  # a client not heard from for this long is no longer counted
 SLOW_REQUEST_S = 0.05  # a request handled slower than this is logged (with its wait for the lock)
 
 
@@ -71,81 +73,38 @@ def _objects_body(objects: dict) -> dict:
     return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
 
 
-def make_team(config: DaemonConfig):
-    """The team of daemons this node belongs to (``--nodes > 1``), or None."""
-    if config.team is None:
-        return None
-    from ..team.team import Team
-
-    return Team(config.team, config.shm_dir)
-
-
-def make_store(config: DaemonConfig, policy: CommitPolicy | None = None, team=None) -> NodeStore:
-    """The node's store (re-adopting what the index lists). ``policy`` decides commits (default:
-    the team's, or one node's: complete is committed)."""
-    return NodeStore(
-        config.shm_dir, config.mem_limit, config.keep, rounding=knobs.segment_rounding(), policy=policy or team,
-        job_limit=config.job_mem_limit, single_job=team is not None, job=config.job,
-    )
-
-
-def make_flusher(config: DaemonConfig, store: NodeStore, team=None, cache=None):
-    """The background flush to ``--flush-dir``, or None (no flush dir, or a team node that does
-    not flush)."""
-    if not config.flush_dir or (team is not None and not team.flushes):
-        return None
-    from .flush import Flusher
-    from .flush_interval import FlushInterval
-
-    gather = team.gather_for_flush if team is not None else None
-    interval = FlushInterval(config.flush_every, config.mtbf)
-    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather,
-                   cache=cache if cache is not None else make_flush_cache(config))
-
-
-def make_flush_cache(config: DaemonConfig):
-    """The local folder of an object-store ``--flush-dir`` (a URL), or None for a directory."""
-    from ..format.objstore import is_url
-
-    if not is_url(config.flush_dir):
-        return None
-    from .flush_cache import FlushCache
-
-    cache_dir = config.flush_cache or os.path.join(config.run_dir, "flush-cache")
-    return FlushCache(config.flush_dir, cache_dir, config.flush_storage_options)
-
-
 class Daemon:
-    """One node's daemon: the socket loop and the handlers. Its collaborators are built from
-    ``config`` unless passed in (tests pass fakes, or a ``CommitPolicy`` of their own): the team,
-    the store, the flusher. Those passed in belong to the daemon from then on (``close`` closes
-    them)."""
+    """One node's daemon: the socket loop and the handlers. Built where the process starts
+    (``cli.compose``) with its collaborators: the run-dir and shm-dir ``locks`` (taken before
+    the store read the shm dir), the store, the team (None: one node), the flusher (None: no
+    flush) and an object-store flush dir's local ``flush_cache``. They belong to the daemon from
+    then on (``close`` closes them)."""
 
     def __init__(
-        self, config: DaemonConfig, *, store: NodeStore | None = None, team=None, flusher=None,
-        policy: CommitPolicy | None = None,
+        self, config: DaemonConfig, *, locks: DirLocks, store: NodeStore, team=None, flusher=None, flush_cache=None,
     ):
         self.config = config
-        self._locks = DirLocks(config.run_dir, config.shm_dir)
-        self.team = team if team is not None else make_team(config)
-        self.store = store if store is not None else make_store(config, policy, self.team)
-        self.flush_cache = make_flush_cache(config)
-        self.locate = Locator(self.store, config.flush_dir, self.team, self.note_checksum_failure, self.flush_cache)
-        self.store.commit_listeners.append(self.locate.ram_sources)  # ready before anyone asks to restore it
-        self.flusher = flusher if flusher is not None else make_flusher(config, self.store, self.team, self.flush_cache)
+        self._locks = locks
+        self.team = team
+        self.store = store
+        self.flush_cache = flush_cache
+        self.damage = ChecksumFailures(index=1 if store.adopted.index_damaged else 0)
+        self.locate = Locator(self.store, config.flush_dir, self.team, self.damage.note, self.flush_cache)
+        self.store.add_commit_listener(self.locate.ram_sources)  # ready before anyone asks to restore it
+        self.flusher = flusher
         if self.flusher is not None:
-            self.store.commit_listeners.append(self.flusher.on_commit)
-            with self.store.lock:
-                self.flusher.resume()
+            self.store.add_commit_listener(self.flusher.on_commit)
+            self.flusher.resume()
+        self.leases = Leases(self.store)  # a client's restore, a peer reading our RAM
         if self.team is not None:
-            self.team.attach(self.store)
-        self._workers = None  # a thread pool for requests that wait on peers (team only)
+            self.team.attach(self.store, self.leases)
+        self._done: queue.Queue = queue.Queue()
+        self._workers = Workers(self._done)  # requests answered from a worker thread (asking peers, a download)
         self.metrics = None
         if config.metrics_port is not None:
             from .metrics import Metrics
 
             self.metrics = Metrics(self, config.metrics_port)
-        self._done: queue.Queue = queue.Queue()
         self.parking = Parking()  # begins waiting for a slot, waits for a step
         self._stall_log = stalls.StallLog(knobs.stall_warn())  # versions waiting for ranks, logged
         self._stalls_checked = 0.0
@@ -153,17 +112,10 @@ class Daemon:
         # more when a flush may pin an old version past --keep
         rotation = config.keep + 1 + (1 if self.flusher is not None else 0)
         self.prep = SlotPreparer(self.store, self._done, rotation, warm=config.prepare_spare)
-        self.leases = Leases(self.store)
-        # checksum failures detected by this daemon or reported by its clients, by where the
-        # damaged bytes were ("ram": a slot, "disk": a flushed file, "index": the shm index);
-        # the team's (replica, parity, peer, transport) are added by checksum_failures()
-        self._checksum_failures: dict[str, int] = {}
-        if self.store.adopted.index_damaged:
-            self._checksum_failures["index"] = 1
         self._clients: dict[int, float] = {}  # pid -> last seen
         self._last_activity = time.monotonic()
         self.started = time.time()
-        self._stop = False
+        self._stopping = False  # stop(): a plain flag, safe to set from a signal handler
         self.address = f"ipc://{os.path.join(config.run_dir, SOCKET_NAME)}"
 
     # --- loop ------------------------------------------------------------------------------------
@@ -186,7 +138,7 @@ class Daemon:
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         try:
-            while not self._stop:
+            while not self._stopping:
                 busy = self.parking or not self._done.empty() or self.team is not None
                 events = dict(poller.poll(10 if busy else 200))
                 if sock in events:
@@ -252,7 +204,7 @@ class Daemon:
         deferred), or with its error."""
         try:
             t0 = time.perf_counter()
-            with self.store.lock:
+            with self.store.atomic():
                 t1 = time.perf_counter()
                 reply = handler()
             t2 = time.perf_counter()
@@ -274,7 +226,7 @@ class Daemon:
 
     def _on_hello(self, ident, req_id, body):
         now = time.monotonic()
-        self._clients = {pid: t for pid, t in self._clients.items() if now - t < 3600}
+        self._clients = {pid: t for pid, t in self._clients.items() if now - t < CLIENT_SEEN_S}
         self._clients[body["pid"]] = now
         return {
             "pid": os.getpid(),
@@ -289,7 +241,7 @@ class Daemon:
         if self._team_run(body) and not self.team.run_ready(body.get("incarnation")):
             # a new run of the team's job: the team fences the earlier runs first (a worker waits
             # for it), then the begin goes on here, on the loop
-            return self._defer(ident, req_id, "begin", lambda: self.team.join_run(body.get("incarnation")),
+            return self._workers.defer(ident, req_id, "begin", lambda: self.team.join_run(body.get("incarnation")),
                                then=lambda: self._begin(ident, req_id, body))
         return self._begin(ident, req_id, body)
 
@@ -321,38 +273,14 @@ class Daemon:
             raise
 
     def _lend(self, ident, req_id, body, base):
-        rank, step, nbytes, job = body["rank"], body["step"], body["nbytes"], _job(body)
-        slot = self.store.take_free_slot(rank, step, nbytes, job)
-        if slot is None and not self._done.empty():
-            self._drain_done()  # a spare whose warming just ended is a free slot once drained (not a reason for a new one)
-            slot = self.store.take_free_slot(rank, step, nbytes, job)
+        rank, step, job = body["rank"], body["step"], _job(body)
+        slot, sid = self.prep.lend(rank, step, body["nbytes"], job, drain=self._drain_done)
         skip = self.store.skip_for(rank, body["world_size"], job)
         if slot is not None:
-            self.prep.warm(rank, self.store.slots.round_size(nbytes))  # what it needs now, not the slot's size
             faults.point("snapshot.lent", step)  # test-only crash points (ucpd.faults; inert in production)
             return begin_reply(slot, skip, self.prep.ready_spares(rank), base)
-        sid = self.prep.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
-        if sid is None and not self.store.room_for(nbytes):
-            sid = self._spares_make_room(rank, nbytes)
-        if sid is not None:
-            self.store.within_quota(job, self.store.slots.slots[sid].size)
-        else:
-            sid, path, size = self.store.reserve_new_slot(nbytes, job)
-            self.store.slots.slots[sid].rank = rank  # counted in its rotation from now on
-            self.prep.allocate_now(sid, path, size)
-            self.prep.warm(rank, size)  # the rest of the rotation, alongside
         self.parking.park_begin(sid, Parked(ident, req_id, step, job, rank=rank, skip=skip, base=base))
         return None
-
-    def _spares_make_room(self, rank: int, nbytes: int) -> int | None:
-        """A begin that does not fit the memory limit while spares are being warmed: it takes
-        another rank's spare that holds it (its id), else the spares not begun yet are given up
-        (None: the begin then reserves its own slot, or is refused if it still does not fit)."""
-        sid = self.prep.claim_any(rank, nbytes)
-        if sid is None:
-            for dropped in self.prep.give_up_queued():
-                self.store.drop_new_slot(dropped)
-        return sid
 
     def _on_commit(self, ident, req_id, body):
         version, _ = self.store.seal(body)
@@ -376,77 +304,27 @@ class Daemon:
         if self.team is not None:
             if self.store.team_job is not None and job != self.store.team_job:
                 return {"step": self.locate.disk_latest(job)}  # another job's versions are not this team's
-            return self._defer(ident, req_id, "latest", self._joined(body, lambda: self._team_latest(job)))
+            return self._workers.defer(ident, req_id, "latest", self._joined(body, lambda: self._latest(job, self.team.latest())))
         v = self.store.version_for_restore(None, job)
-        step = v.step if v is not None else None
+        return self._latest(job, v.step if v is not None else None)
+
+    def _latest(self, job: str, ram: int | None) -> dict:
+        """The ``latest`` reply: the newest committed step in RAM (``ram``), or on disk if newer."""
         disk = self.locate.disk_latest(job)
-        if disk is not None and (step is None or disk > step):
-            step = disk
-        return {"step": step}
-
-    def _team_latest(self, job: str) -> dict:
-        step = self.team.latest()
-        disk = self.locate.disk_latest(job)
-        if disk is not None and (step is None or disk > step):
-            step = disk
-        return {"step": step}
-
-    def _defer(self, ident: bytes, req_id: int, msg_type: str, work, then=None) -> None:
-        """Answer a request from a worker thread: ``work`` asks other daemons, which the loop
-        must never wait for. The reply goes out through the loop (``_drain_done``); with
-        ``then``, the loop calls it once ``work`` is done and answers with what it returns."""
-        if self._workers is None:
-            from concurrent.futures import ThreadPoolExecutor
-
-            self._workers = ThreadPoolExecutor(4, thread_name_prefix="ucpd-team-req")
-
-        def run():
-            try:
-                result = work()
-                self._done.put(("reply", ident, req_id, msg_type, result, None) if then is None
-                               else ("then", ident, req_id, msg_type, then, None))
-            except Exception as exc:
-                self._done.put(("reply", ident, req_id, msg_type, None, exc))
-
-        self._workers.submit(run)
-        return None
-
-    def job_flush_dir(self, job: str) -> str | None:
-        """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/``."""
-        return self.locate.job_flush_dir(job)
+        return {"step": disk if disk is not None and (ram is None or disk > ram) else ram}
 
     @property
-    def disk_unresponsive(self) -> str | None:
-        """Since when the flush dir has not answered a lookup in time (None: it answers)."""
-        return self.locate.disk_unresponsive
-
-    def note_checksum_failure(self, where: str, n: int = 1) -> None:
-        """Count ``n`` checksum failures of bytes kept in ``where`` (metrics, status)."""
-        self._checksum_failures[where] = self._checksum_failures.get(where, 0) + n
-
-    def checksum_failures(self) -> dict[str, int]:
-        """Checksum failures by where the damaged bytes were: this daemon's and its team's."""
-        out = dict(self._checksum_failures)
-        if self.team is not None:
-            st = self.team.counters
-            more = {
-                "replica": self.team.replicas.checksum_errors if self.team.replicas else 0,
-                "parity": st.get("parity_checksum_errors", 0),
-                "peer": st.get("fetch_checksum_errors", 0),
-                "transport": self.team.transport.counters.get("checksum_errors", 0),
-            }
-            for k, v in more.items():
-                if v:
-                    out[k] = out.get(k, 0) + v
-        return out
+    def clients(self) -> int:
+        """Trainer processes that said hello (those not heard from for an hour are forgotten)."""
+        return len(self._clients)
 
     def _on_restore(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
+            return self._workers.defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
         job = _job(body)
         fetch = self.locate.pending_fetch(body.get("step"), job, {(job, s, w) for s, w in body.get("avoid") or ()})
         if fetch is not None:  # a download from the object store first, on a worker: the loop keeps serving
-            return self._defer(ident, req_id, "restore", fetch, then=lambda: self._restore(body))
+            return self._workers.defer(ident, req_id, "restore", fetch, then=lambda: self._restore(body))
         return self._restore(body)
 
     def _restore(self, body):
@@ -475,10 +353,10 @@ class Daemon:
 
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:
-            return self._defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
+            return self._workers.defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
         fetch = self.locate.pending_fetch(body.get("step"), _job(body))
         if fetch is not None:
-            return self._defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
+            return self._workers.defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
         return self._describe(body)
 
     def _describe(self, body):
@@ -492,7 +370,7 @@ class Daemon:
         held = self.leases.get(body["lease"])
         if body.get("damaged") and held is not None:
             job, step, where = held.job, held.step, held.where
-            self.note_checksum_failure(where)
+            self.damage.note(where)
             log.error("job %r step %d: a client found its %s copy damaged (a chunk failed its CRC32C); "
                       "its retry reads another copy", job, step, where)
         self.leases.end(body["lease"])
@@ -520,8 +398,13 @@ class Daemon:
         return out
 
     def _on_shutdown(self, ident, req_id, body):
-        self._stop = True
+        self.stop()
         return {}
+
+    def stop(self) -> None:
+        """Leave the loop (from any thread or a signal handler): ``serve`` returns once the
+        loop's current turn is done, and closes everything."""
+        self._stopping = True
 
     # --- deferred work ---------------------------------------------------------------------------
 
@@ -538,26 +421,17 @@ class Daemon:
                 _, ident, req_id, msg_type, then, _ = item
                 self._run_handler(ident, req_id, msg_type, then)
                 continue
-            kind, sid, exc = item
+            _, sid, exc = item
             parked = self.parking.take_begin(sid)
-            with self.store.lock:
-                if sid not in self.store.slots.slots:
-                    continue  # dropped meanwhile (ucpd drop, a failed reservation)
-                rank = parked.rank if parked else self.store.slots.slots[sid].rank
-                if exc is not None:
-                    self.store.drop_new_slot(sid)
-                    if parked is not None:
-                        self.store.end_base(parked.job, parked.rank, parked.step)
-                        err = exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
-                        self._reply(parked.ident, protocol.error(parked.req_id, err))
-                    elif not isinstance(exc, UcpdError):
-                        log.warning("preparing a spare slot failed: %s", exc)
+            with self.store.atomic():
+                try:
+                    slot = self.prep.finish(sid, exc, parked)
+                except UcpdError as err:
+                    self._reply(parked.ident, protocol.error(parked.req_id, err))
                     continue
-                slot = self.store.finish_new_slot(sid, rank, parked.step if parked else None, parked.job if parked else None)
-                if parked is not None:
-                    self.prep.warm(rank, slot.size)  # the rest of its rotation, in the background
+                if slot is not None and parked is not None:
                     faults.point("snapshot.lent", parked.step)
-                    reply = begin_reply(slot, parked.skip, self.prep.ready_spares(rank), parked.base)
+                    reply = begin_reply(slot, parked.skip, self.prep.ready_spares(parked.rank), parked.base)
                     self._reply(parked.ident, protocol.ok("begin", parked.req_id, reply))
 
     def _deferred_reply(self, ident: bytes, req_id: int, msg_type: str, body, exc) -> None:
@@ -572,14 +446,14 @@ class Daemon:
     def _answer_waits(self) -> None:
         if not self.parking.waits:
             return
-        with self.store.lock:
+        with self.store.atomic():
             replies = self.parking.answer_waits(self.store.table_of, time.monotonic(), self._waiting)
         for ident, frame in replies:
             self._reply(ident, frame)
 
     def _waiting(self, job: str, step: int) -> dict | None:
         """Why ``step`` of ``job`` still waits (store lock held): a ``WAITING`` record, or None."""
-        v = self.store.table_of(job).versions.get(step)
+        v = self.store.version(step, job)
         if v is None or not stalls.waiting_versions([v]):
             return None
         seen = self.team.seen_waiting(job, step) if self.team is not None else None
@@ -592,7 +466,7 @@ class Daemon:
         if now < self._stalls_checked + 1.0:
             return
         self._stalls_checked = now
-        with self.store.lock:
+        with self.store.atomic():
             for v in self._stall_log.due(stalls.waiting_versions(self.store.versions()), now):
                 rec = self._waiting(v.job, v.step)
                 if rec is not None:
@@ -607,7 +481,7 @@ class Daemon:
         idle = self.config.idle_exit
         if idle and now - self._last_activity > idle and not self.parking.waits and (self.flusher is None or self.flusher.idle()):
             log.info("idle for %.0f s: exiting", idle)
-            self._stop = True
+            self.stop()
 
     def _team_tick(self) -> None:
         if self.team is not None:
@@ -617,14 +491,13 @@ class Daemon:
         self.prep.stop()
         if self.team is not None:
             self.team.close()
-        if self._workers is not None:
-            self._workers.shutdown(wait=False, cancel_futures=True)
+        self._workers.close()
         self.locate.close()
         if self.flusher is not None:
             self.flusher.stop()
         if self.metrics is not None:
             self.metrics.close()
-        with self.store.lock:
+        with self.store.atomic():
             self.store.save_index()
             self.store.close()
         try:

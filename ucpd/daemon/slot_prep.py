@@ -1,4 +1,5 @@
-"""Making slots ready before trainers need them: urgent allocations and the rotation's warm-up.
+"""Lending slots to trainers, and making them ready before trainers need them: urgent
+allocations and the rotation's warm-up.
 
 A fresh shared-memory segment costs several times a copy into a warm one (its pages must be
 allocated, zeroed and faulted in), so a trainer must never meet one after its first snapshot.
@@ -24,7 +25,7 @@ more when a flusher may pin an old version past ``--keep``.
   a fraction of what the first, full one did: its slots shrink).
 
 Results go to the server's ``done`` queue as ``("slot", sid, exc)``; the server finishes the
-slot under the store lock (lends it to a parked begin, or keeps it free for the rank).
+slot (lends it to a parked begin, or keeps it free for the rank).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ import time
 from dataclasses import dataclass
 
 from .. import faults
-from .slots import SlotState, touch_file
+from ..errors import UcpdError
+from .slots import Slot, SlotState, touch_file
 from .store import prepare_slot_file
 
 log = logging.getLogger("ucpd.slots")
@@ -50,13 +52,7 @@ YIELD_MAX_S = 2.0
 
 def copies_in_flight(store, now: float | None = None) -> int:
     """Slots lent to trainers that are (probably) being copied into right now."""
-    now = time.monotonic() if now is None else now
-    # tuple() of dict values runs without releasing the GIL: safe against the server thread
-    return sum(
-        1
-        for s in tuple(store.slots.slots.values())
-        if s.state is SlotState.WRITING and s.step is not None and now - s.lent_at < COPY_WINDOW_S
-    )
+    return store.copies_in_flight(COPY_WINDOW_S, time.monotonic() if now is None else now)
 
 
 def yield_to_snapshots(store, max_wait: float = YIELD_MAX_S, also=None) -> float:
@@ -87,7 +83,7 @@ class SlotPreparer:
     """Urgent slot allocations and the background warm-up of each rank's rotation.
 
     ``rotation``: how many slots of its size each rank rotates through. Methods other than the
-    thread's own are called by the server holding the store lock."""
+    thread's own are called by the server's loop."""
 
     def __init__(self, store, done: queue.Queue, rotation: int, warm: bool = True):
         self.store = store
@@ -101,6 +97,68 @@ class SlotPreparer:
         self._thread: threading.Thread | None = None
         self.yielded_s = 0.0  # seconds the warm-up stepped aside for snapshots (status)
         self._urgent = 0  # urgent allocations running: a spare waits for them (the page allocator is shared)
+
+    # --- lending (the server's loop) ------------------------------------------------------------
+
+    def lend(self, rank: int, step: int, nbytes: int, job: str, drain) -> tuple[Slot | None, int | None]:
+        """A slot for ``rank``'s snapshot of ``step`` (``nbytes``): a free one, lent now
+        (``(slot, None)``), or the id of the one the begin must wait for (``(None, sid)``): a
+        spare of the rank's on its way, another rank's under memory pressure, or a new one
+        allocated now. ``drain()`` finishes the slots whose preparation ended (the server's
+        queue): a spare whose warming just ended is a free slot once drained, not a reason for a
+        new one."""
+        slot = self.store.take_free_slot(rank, step, nbytes, job)
+        if slot is None and not self.done.empty():
+            drain()
+            slot = self.store.take_free_slot(rank, step, nbytes, job)
+        if slot is not None:
+            self.warm(rank, self.store.round_size(nbytes))  # what it needs now, not the slot's size
+            return slot, None
+        sid = self.claim(rank, nbytes)  # a spare of this rank's on its way: wait for it
+        if sid is None and not self.store.room_for(nbytes):
+            sid = self._spares_make_room(rank, nbytes)
+        if sid is not None:
+            self.store.within_quota(job, self.store.slot(sid).size)
+        else:
+            sid, path, size = self.store.reserve_new_slot(nbytes, job)
+            self.store.assign_slot(sid, rank)  # counted in its rotation from now on
+            self.allocate_now(sid, path, size)
+            self.warm(rank, size)  # the rest of the rotation, alongside
+        return None, sid
+
+    def _spares_make_room(self, rank: int, nbytes: int) -> int | None:
+        """A begin that does not fit the memory limit while spares are being warmed: it takes
+        another rank's spare that holds it (its id), else the spares not begun yet are given up
+        (None: the begin then reserves its own slot, or is refused if it still does not fit)."""
+        sid = self.claim_any(rank, nbytes)
+        if sid is None:
+            for dropped in self.give_up_queued():
+                self.store.drop_new_slot(dropped)
+        return sid
+
+    def finish(self, sid: int, exc: BaseException | None, begin=None) -> Slot | None:
+        """Slot ``sid``'s preparation ended (``exc``: how it failed). It is lent to the ``begin``
+        waiting for it (``Parked``: rank, step, job), or kept free for its rank, and returned;
+        None when it is gone (dropped meanwhile, or it failed). A failure a begin waits for is
+        raised, typed (the begin's base is given up)."""
+        with self.store.atomic():
+            slot = self.store.slot(sid)
+            if slot is None:
+                return None  # dropped meanwhile (ucpd drop, a failed reservation)
+            rank = begin.rank if begin is not None else slot.rank
+            if exc is not None:
+                self.store.drop_new_slot(sid)
+                if begin is not None:
+                    self.store.end_base(begin.job, begin.rank, begin.step)
+                    raise exc if isinstance(exc, UcpdError) else UcpdError(f"slot allocation failed: {exc}")
+                if not isinstance(exc, UcpdError):
+                    log.warning("preparing a spare slot failed: %s", exc)
+                return None
+            if begin is None:
+                return self.store.finish_new_slot(sid, rank, None, None)
+            slot = self.store.finish_new_slot(sid, rank, begin.step, begin.job)
+            self.warm(rank, slot.size)  # the rest of its rotation, in the background
+            return slot
 
     # --- urgent ---------------------------------------------------------------------------------
 
@@ -138,13 +196,13 @@ class SlotPreparer:
         self.trim(rank, size)
         queued = 0
         for _ in range(self.rotation - have):
-            if not self.store.slots.fits(self.store.slots.round_size(size)):
+            if not self.store.fits(size):
                 break
             try:
                 sid, path, rounded = self.store.reserve_new_slot(size)
             except Exception:  # no room: the next begin will evict or refuse
                 break
-            self.store.slots.slots[sid].rank = rank  # reserved for it: counted from now on
+            self.store.assign_slot(sid, rank)  # reserved for it: counted from now on
             with self._cv:
                 self._spares.append(_Spare(sid, path, rounded, rank))
                 self._cv.notify()
@@ -159,17 +217,11 @@ class SlotPreparer:
         ready = [s for s in self._rotation(rank, size) if not (s.state is SlotState.WRITING and s.step is None)]
         if len(ready) < self.rotation:
             return 0
-        slots = self.store.slots.slots
-        big = [s.id for s in slots.values() if s.rank == rank and s.state is SlotState.FREE and s.size > 2 * size]
-        for sid in big:
-            self.store.slots.delete(sid)
-        return len(big)
+        return self.store.delete_free_slots(rank, larger_than=2 * size)
 
     def _rotation(self, rank: int, size: int):
-        """The rank's slots that serve a snapshot of ``size``: ``size`` to twice that, and not
-        kept only for the bytes a newer version refers to (``NodeStore.orphans``)."""
-        orphans = self.store.orphans
-        return (s for s in self.store.slots.slots.values() if s.rank == rank and size <= s.size <= 2 * size and s.id not in orphans)
+        """The rank's slots that serve a snapshot of ``size`` (``NodeStore.rotation_of``)."""
+        return self.store.rotation_of(rank, size)
 
     def ready_spares(self, rank: int) -> list[str]:
         """Paths of the rank's free slots and of its spares whose space is reserved (being
@@ -179,7 +231,7 @@ class SlotPreparer:
         is done."""
         with self._cv:
             warming = [p.path for p in self._spares if p.rank == rank and p.reserved]
-        return [s.path for s in self.store.slots.slots.values() if s.rank == rank and s.state is SlotState.FREE] + warming
+        return self.store.free_slot_paths(rank) + warming
 
     def claim(self, rank: int, nbytes: int) -> int | None:
         """A spare on its way for ``rank`` that holds ``nbytes``: its id (a begin parks on it and
@@ -201,7 +253,7 @@ class SlotPreparer:
             for p in self._spares:
                 if p.size >= nbytes and not p.urgent:
                     p.rank, p.urgent = rank, True
-                    self.store.slots.slots[p.sid].rank = rank
+                    self.store.assign_slot(p.sid, rank)
                     self._spares.remove(p)
                     self._spares.insert(0, p)
                     return p.sid
@@ -289,7 +341,7 @@ class SlotPreparer:
         about to start."""
         with self._cv:
             ours = {p.sid for p in self._spares}
-        return any(s.state is SlotState.WRITING and s.step is None and s.id not in ours for s in tuple(self.store.slots.slots.values()))
+        return self.store.unlent_ready(excluding=ours)
 
     def _reserved(self, spare: _Spare) -> None:
         with self._cv:

@@ -7,8 +7,9 @@ copy into a warm one. A slot is ``free``, ``writing`` (lent to a rank for one st
 (its bytes belong to a sealed version). Every byte of every slot counts against the memory
 limit.
 
-Thread-safety: callers hold the daemon's state lock around every method except
-``allocate_file`` (the slow part, run without the lock, on a background thread if wanted).
+Thread-safety: ``NodeStore`` calls these holding its lock, except ``allocate_file`` (the slow
+part, run without the lock, on a background thread if wanted) and the reads that iterate over a
+copy of the table (``copies_in_flight``, ``unlent_ready``: background work polls them).
 """
 
 from __future__ import annotations
@@ -147,14 +148,50 @@ class SlotStore:
         self.shm_dir = shm_dir
         self.mem_limit = mem_limit
         self.rounding = rounding
-        self.slots: dict[int, Slot] = {}
+        self._by_id: dict[int, Slot] = {}
         self.next_id = 1
+
+    # --- reading ------------------------------------------------------------------------------
+
+    def get(self, sid: int) -> Slot | None:
+        return self._by_id.get(sid)
+
+    def __contains__(self, sid: int) -> bool:
+        return sid in self._by_id
+
+    def __iter__(self):
+        """Every slot (a copy of the table taken without releasing the GIL: safe to read from
+        another thread while the server changes it)."""
+        return iter(tuple(self._by_id.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def counts(self) -> dict[str, int]:
+        """How many slots are in each state ({"free": n, "writing": n, "held": n})."""
+        out = {state.value: 0 for state in SlotState}
+        for s in self._by_id.values():
+            out[s.state.value] += 1
+        return out
+
+    def copies_in_flight(self, window: float, now: float) -> int:
+        """Slots lent to a rank for a step less than ``window`` seconds ago."""
+        return sum(1 for s in self if s.state is SlotState.WRITING and s.step is not None and now - s.lent_at < window)
+
+    def unlent_ready(self, excluding: set[int]) -> bool:
+        """Whether a slot made for a waiting begin (writing, no step yet) is not lent yet,
+        other than those in ``excluding``."""
+        return any(s.state is SlotState.WRITING and s.step is None and s.id not in excluding for s in self)
+
+    def of_rank(self, rank: int, state: SlotState | None = None) -> list[Slot]:
+        """``rank``'s slots (in ``state``, if given)."""
+        return [s for s in self._by_id.values() if s.rank == rank and (state is None or s.state is state)]
 
     # --- accounting -------------------------------------------------------------------------
 
     @property
     def used_bytes(self) -> int:
-        return sum(s.size for s in self.slots.values())
+        return sum(s.size for s in self._by_id.values())
 
     def round_size(self, nbytes: int) -> int:
         r = self.rounding
@@ -176,12 +213,12 @@ class SlotStore:
 
     def add(self, sid: int, path: str, size: int) -> Slot:
         slot = Slot(sid, path, size)
-        self.slots[sid] = slot
+        self._by_id[sid] = slot
         self.next_id = max(self.next_id, sid + 1)
         return slot
 
     def delete(self, sid: int) -> None:
-        slot = self.slots.pop(sid)
+        slot = self._by_id.pop(sid)
         slot.close()
         try:
             os.unlink(slot.path)
@@ -190,26 +227,30 @@ class SlotStore:
 
     def find_free(self, nbytes: int, rank: int) -> Slot | None:
         """The smallest free slot that holds nbytes, preferring the rank's own (already mapped)."""
-        fitting = [s for s in self.slots.values() if s.state is SlotState.FREE and s.size >= nbytes]
+        fitting = [s for s in self._by_id.values() if s.state is SlotState.FREE and s.size >= nbytes]
         if not fitting:
             return None
         return min(fitting, key=lambda s: (s.rank != rank, s.size))
 
     def free_slots(self) -> list[Slot]:
-        return [s for s in self.slots.values() if s.state is SlotState.FREE]
+        return [s for s in self._by_id.values() if s.state is SlotState.FREE]
 
     def lend(self, slot: Slot, rank: int, step: int, job: str | None = None) -> None:
         slot.state, slot.rank, slot.step, slot.job = SlotState.WRITING, rank, step, job
         slot.lent_at = time.monotonic()
 
-    def hold(self, slot: Slot) -> None:
+    def hold(self, slot: Slot, rank: int | None = None, step: int | None = None, job: str | None = None) -> None:
+        """``slot`` holds bytes of a sealed version (``rank``, ``step``, ``job``: set when given,
+        as when re-adopting)."""
         slot.state = SlotState.HELD
+        if rank is not None:
+            slot.rank, slot.step, slot.job = rank, step, job
 
     def release(self, sid: int) -> None:
-        slot = self.slots.get(sid)
+        slot = self._by_id.get(sid)
         if slot is not None:
             slot.state, slot.step, slot.job = SlotState.FREE, None, None
 
     def close(self) -> None:
-        for slot in self.slots.values():
+        for slot in self._by_id.values():
             slot.close()

@@ -5,11 +5,38 @@ from __future__ import annotations
 import os
 import time
 
-from .slots import SlotState
+
+class ChecksumFailures:
+    """Checksum failures detected by this daemon or reported by its clients, by where the
+    damaged bytes were ("ram": a slot, "disk": a flushed file, "index": the shm index); a team's
+    (replica, parity, peer, transport) are added from its status."""
+
+    def __init__(self, index: int = 0) -> None:
+        self._counts: dict[str, int] = {"index": index} if index else {}
+
+    def note(self, where: str, n: int = 1) -> None:
+        """Count ``n`` checksum failures of bytes kept in ``where``."""
+        self._counts[where] = self._counts.get(where, 0) + n
+
+    def by_where(self, team: dict | None = None) -> dict[str, int]:
+        """This daemon's counts, and its team's as the team's ``status()`` (``team``) gives them."""
+        out = dict(self._counts)
+        if team is not None:
+            counters = team["counters"]
+            more = {
+                "replica": counters.get("replica_checksum_errors", 0),
+                "parity": counters.get("parity_checksum_errors", 0),
+                "peer": counters.get("fetch_checksum_errors", 0),
+                "transport": team["transport"].get("checksum_errors", 0),
+            }
+            for k, v in more.items():
+                if v:
+                    out[k] = out.get(k, 0) + v
+        return out
 
 
 def collect(daemon) -> dict:
-    """Snapshot of the daemon's state (caller holds the store lock)."""
+    """Snapshot of the daemon's state (caller makes it one: ``with store.atomic()``)."""
     store = daemon.store
     cfg = daemon.config
     versions = []
@@ -30,9 +57,7 @@ def collect(daemon) -> dict:
                 "age_s": round(time.time() - v.created, 1),
             }
         )
-    slots = {state.value: 0 for state in SlotState}
-    for s in store.slots.slots.values():
-        slots[s.state.value] += 1
+    slots = store.slot_counts()
     slots["warming"] = daemon.prep.pending()  # spares of the ranks' rotations being prepared
     warm_yielded_s = round(daemon.prep.yielded_s, 3)
     flush = None
@@ -41,7 +66,7 @@ def collect(daemon) -> dict:
         flush = {
             "dir": cfg.flush_dir,
             "every": cfg.flush_every if cfg.flush_every is not None else "auto",
-            "interval": {j: daemon.flusher.interval.explain(j) for j in sorted(store.tables)},
+            "interval": {j: daemon.flusher.interval.explain(j) for j in store.jobs()},
             "current_step": p.step,
             "bytes_done": p.bytes_done,
             "bytes_total": p.bytes_total,
@@ -55,23 +80,22 @@ def collect(daemon) -> dict:
             "yielded_s": round(p.yielded_s, 3),  # stepped aside for snapshot copies
         }
     jobs = []
-    for name, t in sorted(store.tables.items()):
-        newest = t.latest_committed()
+    for name in store.jobs():
+        newest = store.latest_committed(name)
         jobs.append(
             {
                 "job": name,
-                "versions": sum(1 for v in t.versions.values() if v.parts),
+                "versions": sum(1 for v in store.versions() if v.job == name and v.parts),
                 "latest_committed": newest.step if newest else None,
                 "bytes": store.job_bytes(name),
                 "quota": store.job_limit or None,
-                "flush_dir": daemon.job_flush_dir(name),
+                "flush_dir": daemon.locate.job_flush_dir(name),
             }
         )
     # the newest committed step of the team's job, or of the one job here (None with several)
-    only = store.tables.get(store.team_job) if store.team_job else (
-        next(iter(store.tables.values())) if len(store.tables) == 1 else None
-    )
-    latest = only.latest_committed() if only is not None else None
+    names = store.jobs()
+    only = store.team_job or (names[0] if len(names) == 1 else None)
+    latest = store.latest_committed(only) if only is not None else None
     team = daemon.team.status() if daemon.team is not None else None
     return {
         "pid": os.getpid(),
@@ -80,18 +104,18 @@ def collect(daemon) -> dict:
         "nodes": cfg.nodes,
         "run_dir": cfg.run_dir,
         "shm_dir": cfg.shm_dir,
-        "mem_limit": store.slots.mem_limit,
-        "mem_used": store.slots.used_bytes,
+        "mem_limit": store.mem_limit,
+        "mem_used": store.used_bytes,
         "keep": store.keep,
         "latest_committed": latest.step if latest else None,
-        "checksum_failures": daemon.checksum_failures(),
+        "checksum_failures": daemon.damage.by_where(team),
         "jobs": jobs,
         "team_job": store.team_job,
         "job_mem_limit": store.job_limit or None,
         "versions": versions,
         "slots": slots,
         "warm_yielded_s": warm_yielded_s,
-        "clients": len(daemon._clients),
+        "clients": daemon.clients,
         # where Prometheus scrapes /metrics (the bound port, also when --metrics-port 0 chose one)
         "metrics_port": daemon.metrics.port if daemon.metrics is not None else None,
         "flush": flush,
@@ -114,7 +138,7 @@ def degraded(daemon, flush: dict | None, team: dict | None) -> list[str]:
                    f"{flush['seconds_without_progress']:.0f} s (flush dir hung or very slow; snapshots go on in RAM)")
     if flush is not None and flush["state"] == "failing":
         out.append(f"flush failing: {flush['last_error']} (snapshots go on in RAM)")
-    slow = getattr(daemon, "disk_unresponsive", None)
+    slow = daemon.locate.disk_unresponsive
     if slow:
         out.append(f"flush dir unresponsive: a lookup in {daemon.config.flush_dir} did not return ({slow}); "
                    "latest/restore answer from RAM")
