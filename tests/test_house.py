@@ -149,13 +149,7 @@ STORE_INSIDES = [
 STORE_MODULES = {"ucpd/daemon/store.py", "ucpd/daemon/slots.py", "ucpd/daemon/versions.py"}
 
 
-OPEN_INSIDES = {"the slot table", "the store's lock"}
-
-
-@pytest.mark.parametrize(
-    "pattern,what", [pytest.param(p, w, marks=OPEN if w in OPEN_INSIDES else ()) for p, w in STORE_INSIDES],
-    ids=[w for _, w in STORE_INSIDES],
-)
+@pytest.mark.parametrize("pattern,what", STORE_INSIDES, ids=[w for _, w in STORE_INSIDES])
 def test_only_the_store_touches_its_insides(pattern, what):
     offenders = []
     for path in sorted((ROOT / "ucpd").rglob("*.py")):
