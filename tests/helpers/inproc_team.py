@@ -58,7 +58,7 @@ class Node:
     def seal(self, rank: int, world: int, step: int, run: int = 1) -> np.ndarray:
         """Rank ``rank`` of run ``run`` snapshots ``step`` on this node; returns its bytes."""
         data = rank_data(rank, step, run)
-        with self.store.lock:
+        with self.store.atomic():
             self.store.check_begin(rank, step, f"run{run}", world, JOB)
             slot = self.store.take_free_slot(rank, step, data.nbytes, JOB)
             if slot is None:
@@ -74,20 +74,18 @@ class Node:
         return data
 
     def state(self, step: int):
-        with self.store.lock:
-            v = self.store.table.find(step)
-            return v.state if v is not None else None
+        v = self.store.version(step)
+        return v.state if v is not None else None
 
     def status(self) -> dict:
-        with self.store.lock:
-            return self.team.status()
+        return self.team.status()
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
         self.team.close()
-        with self.store.lock:
+        with self.store.atomic():
             self.store.close()
 
 

@@ -14,6 +14,7 @@ from helpers.fake_link import wait_until
 from helpers.inproc_team import InProcTeam, Node
 from ucpd.daemon.versions import VersionState
 from ucpd.errors import VersionNotFound
+from ucpd.team.sources import PeerRead
 
 UNIT = 1024  # bytes: a blob of a few KiB is several units, and units straddle the ranks' bases
 
@@ -45,21 +46,20 @@ def read_rebuilt(node: Node, team: list[Node], step: int, world: int) -> tuple[d
     try:
         out, whence = {}, {}
         for rank in range(world):
-            kind, path, base = got.where[rank]
+            where = got.where[rank]
             t = got.parts[rank].tensors[0]
-            if kind == "peer":  # a live peer's own RAM: read its slot (one process)
-                peer = team[path]
-                with peer.store.lock:
-                    part = peer.store.table.find(step).parts[rank]
-                    path, base = peer.store.slots.slots[part.slot].path, 0
-            whence[rank] = "rebuilt" if path.startswith(os.path.join(node.store.shm_dir, "fetch-")) else kind
+            if isinstance(where, PeerRead):  # a live peer's own RAM: read its slot (one process)
+                peer = team[where.node]
+                path, base, whence[rank] = peer.store.slot_path(peer.store.part(step, rank).slot), 0, "peer"
+            else:
+                path, base = where.path, where.base
+                whence[rank] = "rebuilt" if path.startswith(os.path.join(node.store.shm_dir, "fetch-")) else "local"
             with open(path, "rb") as f:
                 f.seek(base + t.offset)
                 out[rank] = f.read(t.nbytes)
         return out, whence
     finally:
-        with node.store.lock:
-            got.release()
+        got.release()
 
 
 CASES = [
@@ -204,7 +204,7 @@ def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_n
     for node in team[:2]:  # step 2: rank 2's trainer died before snapshotting it; the run is dead
         node.seal(node.rank, 3, step=2)
     wait_until(lambda: all(n.state(2) is VersionState.PROTECTED for n in team[:2]), tick=ticking(team))
-    holder = next(iter(team[0].team.pushed[2].holders))
+    holder = next(iter(team[0].team.replicator.pushed[2].holders))
     team.lose(holder)
     wait_until(lambda: team[0].team.live() == frozenset({0, 1, 2}) - {holder}, tick=ticking(team))
     team.replace(holder)  # its copies are gone
@@ -216,12 +216,12 @@ def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_n
 
     # step 1 (committed) is healed; step 2 (never committed) is neither healed nor counted
     wait_until(lambda: health() == ("healthy", {1: "healthy", 2: "uncommitted"}), tick=ticking(team))
-    assert holder not in team[0].team.pushed[2].holders
-    healed_before = team[0].team.healing["done"]
+    assert holder not in team[0].team.replicator.pushed[2].holders
+    healed_before = team[0].team.replicator.healing["done"]
     for _ in range(3):
         ticking(team)()
         time.sleep(0.1)
-    assert team[0].team.healing["done"] == healed_before and health()[0] == "healthy"
+    assert team[0].team.replicator.healing["done"] == healed_before and health()[0] == "healthy"
 
 
 def test_losses_beyond_the_parity_are_a_typed_error_and_latest_falls_back(parity_team):

@@ -10,11 +10,14 @@ where a restore reads a lost node's part, what error names a loss.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from helpers.inproc_team import InProcTeam, rank_data
 from ucpd.daemon.versions import VersionState
-from ucpd.errors import VersionNotFound
+from ucpd.errors import ChecksumMismatch, VersionNotFound
+from ucpd.team.sources import PeerRead
 
 COMMITTED, PROTECTED = VersionState.COMMITTED, VersionState.PROTECTED
 
@@ -43,16 +46,15 @@ def read_part(node, step: int, rank: int) -> tuple[str, bytes]:
     holds: "local"; a live peer: "peer"), and the bytes there."""
     got = node.team.restore_sources(step)
     try:
-        kind, path, base = got.where[rank]
+        where = got.where[rank]
         t = got.parts[rank].tensors[0]
-        if kind == "peer":
-            return kind, b""
-        with open(path, "rb") as f:
-            f.seek(base + t.offset)
-            return kind, f.read(t.nbytes)
+        if isinstance(where, PeerRead):
+            return "peer", b""
+        with open(where.path, "rb") as f:
+            f.seek(where.base + t.offset)
+            return "local", f.read(t.nbytes)
     finally:
-        with node.store.lock:
-            got.release()
+        got.release()
 
 
 def test_a_version_commits_on_every_node_once_each_part_is_copied_to_a_peer(make_team):
@@ -61,7 +63,7 @@ def test_a_version_commits_on_every_node_once_each_part_is_copied_to_a_peer(make
     team.wait_state(1, COMMITTED)
     for r, node in enumerate(team):
         assert node.team.replicas.get(1 - r, 1) is not None  # each node holds the other's part
-        assert node.team.pushed[1].holders == {1 - r}
+        assert node.team.replicator.pushed[1].holders == {1 - r}
 
 
 def test_a_copy_refused_by_a_live_holder_is_tried_again_and_the_retry_serves_a_restore(make_team):
@@ -69,7 +71,7 @@ def test_a_copy_refused_by_a_live_holder_is_tried_again_and_the_retry_serves_a_r
     team.net.fail(dest=1, msg_type="replica_end", nth=1)  # node 1 refuses node 0's copy once, stays live
     data = seal_all(team, 1)
     team.wait_state(1, COMMITTED)  # the team does not wait for a copy it cannot make ...
-    team.wait(lambda: team[0].team.pushed[1].holders == {1} and team[0].team.healing["done"] >= 1,
+    team.wait(lambda: team[0].team.replicator.pushed[1].holders == {1} and team[0].team.replicator.healing["done"] >= 1,
               "node 0's copy to be made again")  # ... it heals
     assert team[0].team.counters["push_failures"] >= 1
     assert team[0].status()["versions"][0]["health"] == "healthy"
@@ -89,8 +91,7 @@ def test_a_lost_nodes_part_is_restored_from_the_copy_a_survivor_holds(make_team)
     try:
         assert sorted(got.parts) == [0, 1]
     finally:
-        with team[0].store.lock:
-            got.release()
+        got.release()
     assert read_part(team[0], 3, 1) == ("local", data[1])  # node 1's part: our replica
 
 
@@ -100,8 +101,7 @@ def test_a_version_is_protected_but_never_committed_while_a_rank_of_it_is_lost(m
     seal_all(team, 1, nodes=(1, 2))
     team.wait_state(1, PROTECTED, nodes=(1, 2))
     assert team[1].team.replicas.get(2, 1) is not None and team[2].team.replicas.get(1, 1) is not None
-    with team[1].store.lock:
-        assert team[1].store.table.latest_committed() is None  # rank 0's part never came
+    assert team[1].store.latest_committed() is None  # rank 0's part never came
 
 
 def test_a_lost_node_without_replicas_is_a_typed_error_naming_the_lost_ranks(make_team):
@@ -119,9 +119,9 @@ def test_a_holder_that_restarts_before_it_is_declared_dead_gets_its_copies_again
     team = make_team(3, replicas=1)
     data = seal_all(team, 1)
     team.wait_state(1, COMMITTED)
-    (holder,) = team[0].team.pushed[1].holders
+    (holder,) = team[0].team.replicator.pushed[1].holders
     team.restart(holder)  # no tick in between: never declared dead, but its replicas died with it
-    team.wait(lambda: team[holder].team.replicas.get(0, 1) is not None and team[0].team.healing["done"] >= 1,
+    team.wait(lambda: team[holder].team.replicas.get(0, 1) is not None and team[0].team.replicator.healing["done"] >= 1,
               f"node 0 to copy its step 1 to node {holder} again")
     team.lose(0)
     team.wait_live({1, 2})
@@ -146,3 +146,49 @@ def test_a_replacement_node_is_re_protected_and_a_second_loss_still_restores(mak
             kind, got = read_part(node, 1, rank)
             assert kind == "peer" or got == data[rank], f"node {node.rank}: rank {rank} differs after two losses"
     assert any(read_part(node, 1, 0)[0] == "local" for node in team[1:])  # node 0's part survived as a copy
+
+
+def plan_for(node, got, rank: int):
+    """The plan of a restore of rank ``rank``'s tensor (laid out as it was saved) from ``got``."""
+    from ucpd.daemon import restore as restore_plan
+
+    t = got.parts[rank].tensors[0]
+    target = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "placement": t.placement}
+    return restore_plan.plan(got.sources, [target])
+
+
+def test_a_peers_bytes_are_planned_at_a_local_file_and_fetched_there_checked(make_team):
+    team = make_team(2, replicas=0)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    got = team[0].team.restore_sources(1)
+    try:
+        assert isinstance(got.where[1], PeerRead) and got.where[1].node == 1
+        plan = team[0].team.localize(got, plan_for(team[0], got, 1))
+        (src,) = plan.sources
+        assert src.path == got.where[1].path and src.path.startswith(team[0].store.shm_dir)  # a file, never "peer:..."
+        with open(src.path, "rb") as f:
+            f.seek(src.offset)
+            assert f.read(src.nbytes) == data[1]
+        assert team[0].team.counters["fetched_bytes"] == src.nbytes
+    finally:
+        got.release()
+    assert not os.path.exists(src.path)  # the fetched copy goes with the lease
+
+
+def test_a_peers_bytes_damaged_in_its_ram_fail_their_check_on_arrival(make_team):
+    team = make_team(2, replicas=0)
+    seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    peer = team[1].store
+    with open(peer.slot_path(peer.part(1, 1).slot), "r+b") as f:  # a bit flips in node 1's RAM
+        b = f.read(1)
+        f.seek(0)
+        f.write(bytes([b[0] ^ 0x10]))
+    got = team[0].team.restore_sources(1)
+    try:
+        with pytest.raises(ChecksumMismatch, match="bytes of rank 1 step 1 from node 1"):
+            team[0].team.localize(got, plan_for(team[0], got, 1))
+        assert team[0].team.counters["fetch_checksum_errors"] == 1
+    finally:
+        got.release()

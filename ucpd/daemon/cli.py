@@ -179,7 +179,7 @@ def _checked_job(job):
 def team_config(o: dict, nodes: int, node_rank: int):
     """The team section of the options (None for one node), checked: every error says what to pass."""
     from ..team.config import TeamConfig
-    from ..team.placement import parse_parity
+    from ..team.holders import parse_parity
 
     multi = ("peers", "hostfile", "listen", "replicas", "parity", "domain")
     if nodes <= 1:
@@ -212,7 +212,7 @@ def team_config(o: dict, nodes: int, node_rank: int):
             parity = parse_parity(str(o["parity"]))
         except ValueError as exc:
             raise UcpdError(str(exc)) from None
-        from ..team.placement import parity_groups
+        from ..team.holders import parity_groups
 
         try:
             parity_groups(nodes, *parity)

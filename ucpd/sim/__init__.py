@@ -11,7 +11,7 @@
 - ``recovery`` — restart planning after losing nodes: the team's source choice as a pure
   function, the real ``ucpd.ucl.plan`` per rank, bytes per link and the bandwidth model.
 - ``loss`` — placement and the probability a version is lost (closed form and Monte Carlo over
-  ``ucpd.team.placement``), with Gemini's group placement for comparison.
+  ``ucpd.team.holders``), with Gemini's group placement for comparison.
 - ``flush`` — consolidation of a version to a shared file system: bytes per node and time.
 
 ``benchmarks/scale/bench_scale.py`` runs them at 64, 1,024 and 8,192 nodes; ``tests/sim/`` at

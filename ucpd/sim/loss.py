@@ -1,7 +1,7 @@
 """Placement and the probability that a version is lost: closed form, checked by Monte Carlo.
 
 Schemes (``--replicas R``, ``--parity K`` XOR, ``--parity K+M`` Reed-Solomon, with or without
-``--domain`` racks) are placed by the real ``ucpd.team.placement`` code; Gemini's group
+``--domain`` racks) are placed by the real ``ucpd.team.holders`` code; Gemini's group
 placement (SOSP'23: groups of ``m`` consecutive nodes holding each other's checkpoints) is
 the comparison. Failure models: every node fails independently with probability ``p`` before
 the version is replaced, or one whole rack fails.
@@ -22,7 +22,7 @@ from math import comb
 
 import numpy as np
 
-from ..team.placement import interleaved, parity_groups, replica_holders
+from ..team.holders import interleaved, parity_groups, replica_holders
 from .network import Topology
 
 __all__ = ["Scheme", "holders_table", "evaluate"]

@@ -6,9 +6,10 @@ its bf16 weights (held by every DP replica) and its optimizer state sharded ZeRO
 (one flat fp32 buffer per (stage, TP rank), cut in DP equal ranges). The new job: the
 survivors, renumbered densely, the same TP and PP, a smaller DP, so every ZeRO partition moves.
 
-- :func:`choose_source` — ``Team._plan_sources``'s choice as a pure function: per saved part,
-  the old owner's RAM if it survived, else a replica holder (``placement.replica_holders``);
-  ``balance=True`` picks the least-loaded candidate of equal cost instead of the lowest rank.
+- source choice: per saved part, the team's own choice (``ucpd.team.decide.best_copy``) over its
+  copies — the old owner's RAM if it survived, else the live replica holders it was copied to
+  (``holders.replica_holders``); ``balance=True`` passes the bytes already assigned per node, so
+  the least-loaded candidate of equal cost wins instead of the lowest rank.
 - :func:`plan_rank` — one new rank's plan with the real ``ucpd.ucl.resolve`` + ``plan_restore``;
   ``indexed=True`` hands the planner only the saved pieces that overlap the target (a sorted
   index, ``numpy.searchsorted``), ``False`` every piece of the tensor (what
@@ -27,14 +28,15 @@ from functools import lru_cache
 
 import numpy as np
 
-from ..team.placement import replica_holders
+from ..team.decide import Copy, best_copy
+from ..team.holders import replica_holders
 from ..ucl.placements import Box
 from ..ucl.plan import SourcePiece, plan_restore
 from ..ucl.resolve import resolve
 from ..ucl.geometry import GBox, View
 from .network import NetModel, Topology
 
-__all__ = ["Layout", "choose_source", "plan_rank", "simulate"]
+__all__ = ["Layout", "copies_of", "plan_rank", "simulate"]
 
 TP = 8
 PARAMS = 70.6e9
@@ -74,19 +76,11 @@ def _bounds(elems: int, dp: int) -> np.ndarray:
     return np.arange(dp + 1, dtype=np.int64) * elems // dp
 
 
-def choose_source(origin: int, live: set[int], placed_on: list[int], replicas: int, domains, load=None) -> int | None:
-    """Where to read the part of saved node ``origin``: itself if live (cost 1: a peer's own
-    RAM), else the live ones of the holders it was copied to when the version was protected
-    (``placed_on``: the view then) (cost 2), the lowest rank first as ``Team._plan_sources``
-    sorts, or the least loaded if ``load`` (bytes already assigned per node) is given."""
-    if origin in live:
-        return origin
-    holders = [h for h in replica_holders(origin, placed_on, replicas, domains) if h in live]
-    if not holders:
-        return None
-    if load is None:
-        return min(holders)
-    return min(holders, key=lambda h: (load[h], h))
+def copies_of(origin: int, live: set[int], placed_on: list[int], replicas: int, domains) -> list[Copy]:
+    """The live copies of saved node ``origin``'s part: its own RAM if it is live, and the holders
+    it was copied to when the version was protected (``placed_on``: the view then)."""
+    own = [Copy(origin, origin)] if origin in live else []
+    return own + [Copy(h, origin) for h in replica_holders(origin, placed_on, replicas, domains) if h in live]
 
 
 def _pieces(old: Layout, stage: int, src_of: dict[int, int], lo: int, hi: int, indexed: bool, bounds: np.ndarray) -> list[SourcePiece]:
@@ -150,7 +144,8 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     part_bytes = old.optim_elems() * 4 // old.dp * TP  # a node's optimizer part (8 TP ranks)
     unrecoverable = []
     for origin in range(nodes):
-        s = choose_source(origin, live, placed_on, replicas, domains, load)
+        best = best_copy(copies_of(origin, live, placed_on, replicas, domains), None, load)
+        s = best.node if best is not None else None
         if s is None or (s in dead):
             unrecoverable.append(origin)
             continue

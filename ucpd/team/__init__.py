@@ -2,11 +2,17 @@
 
 - ``membership`` — which peers are alive (heartbeats in, a view out); pure.
 - ``commit`` — the global commit protocol as a state machine: events in, messages and actions out; pure.
-- ``placement`` — where a node's replicas and parity groups go (failure-domain aware); pure.
+- ``holders`` — who holds a node's redundancy: replica holders and parity groups (failure-domain aware); pure.
+- ``decide`` — which copy a restore reads, which run, the newest whole step, where to heal to; pure.
 - ``stripes`` — parity by units: the rotating rows of a group, accumulation and recovery; pure.
+- ``parts`` — a rank's part as the team moves it: used bytes, run, manifest off the wire, check on arrival.
+- ``team`` — the driver the daemon plugs in (its commit policy): feeds the state machines, carries out their outputs.
+- ``replicate`` — the replication thread: copies our parts to their holders, heals after a loss.
+- ``serve`` — the peer request server: one handler per peer message type.
+- ``sources`` — finding a version across the team and bringing its bytes here, checked.
+- ``status`` — the team as ``ucpd status`` shows it.
 - ``parity_group`` — ``--parity``: this node's side of its group (send units, hold blocks, rebuild).
 - ``replicas`` — copies of other nodes' parts held in this node's RAM.
 - ``config`` — ``TeamConfig``, the team flags of ``ucpd serve``.
 - ``transport`` — ZeroMQ links between daemons: authenticated envelopes, heartbeats, bulk frames.
-- ``team`` — the glue the daemon plugs in: replication, the commit policy, restore sources from peers.
 """

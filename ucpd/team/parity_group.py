@@ -6,23 +6,24 @@ the parity holders of its row (acknowledged requests). Holding: accumulate the u
 arrive into ``ParityBlocks`` and keep the members' manifests. Rebuilding a lost member's blob,
 row by row, from the survivors' data units and parity blocks, into a local file.
 
-Threads: the handlers (``on_*``) run on the transport's I/O thread and take ``lock`` (the
-store lock); ``protect`` and ``rebuild`` run on the replication thread or a request worker.
+Threads: the handlers (``on_*``) run on the transport's I/O thread; ``protect`` and ``rebuild``
+run on the replication thread or a request worker. The group's own dicts (blocks, manifests,
+what each member held) are guarded by its own lock, taken last (nothing else is taken under
+it); what is read of the store is read through its face.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 
 from .. import faults, native, protocol
-from ..daemon.versions import SEALED
-from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
-from .placement import group_of, parity_groups
+from ..errors import UcpdError, VersionNotFound
+from .holders import group_of, parity_groups
+from .parts import aligned, used_bytes
 from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
 
 log = logging.getLogger("ucpd.team.parity")
-
-ALIGN = 64
 
 # what ``ParityGroup.protect`` achieved
 PROTECTED = "protected"  # every member of the group holds its share of our part
@@ -36,21 +37,19 @@ def blob_layout(parts) -> tuple[list, dict[int, int], int]:
 
     Everything that lays a blob out or reads it takes this order: the units sent into the
     parity, the units served to a rebuild (``on_blob_unit``) and the manifest's parts and bases."""
-    from .team import used_bytes
-
     ordered = sorted(parts, key=lambda p: p.rank)
     bases, size = {}, 0
     for p in ordered:
         bases[p.rank] = size
-        size += (used_bytes(p) + ALIGN - 1) // ALIGN * ALIGN
+        size += aligned(used_bytes(p))
     return ordered, bases, size
 
 
 def blob_spans(store, v) -> tuple[list, dict[int, int], int, list]:
-    """``v``'s blob on this node (store lock held): ``blob_layout``, and the (start, length,
+    """``v``'s blob on this node: ``blob_layout``, and the (start, length,
     memoryview) span of each part's slot bytes, in blob order (what ``blob_segments`` reads)."""
     parts, bases, size = blob_layout(v.parts.values())
-    spans = [(bases[p.rank], _used(p), memoryview(store.slots.slots[p.slot].mapping())) for p in parts]
+    spans = [(bases[p.rank], used_bytes(p), store.slot_view(p.slot)) for p in parts]
     return parts, bases, size, spans
 
 
@@ -82,6 +81,7 @@ class ParityGroup:
         self.seen: dict[tuple[int, int], dict] = {}  # (member, step) -> {member holding it: incarnation}
         self.acked: dict[int, dict] = {}  # our step -> {member holding our part: its incarnation then}
         self.keep = team.config.keep + 1
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -97,16 +97,16 @@ class ParityGroup:
         are dead: the live team cannot do better) or FAILED (a live member refused or failed a
         unit or the manifest, or the version is gone: the parity does not hold our part)."""
         team, store, s = self.team, self.team.store, self.stripes
-        with store.lock:
-            v = store.table.versions.get(step)
-            if v is None or not v.parts or v.state not in SEALED:
+        with store.atomic():
+            v = store.sealed(step)
+            if v is None:
                 return FAILED
             store.pin(v)
             parts, bases, size, spans = blob_spans(store, v)
             manifest = {
                 "origin": team.rank, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
                 "size": size, "bases": [bases[p.rank] for p in parts],
-                "parts": [protocol.part_to_wire(p, _used(p)) for p in parts],
+                "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts],
             }
         now = self._members_now()  # the live members of the group, and their incarnations
         manifest["held"] = sorted(now)
@@ -124,7 +124,7 @@ class ParityGroup:
                         body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
                         team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
 
-            for _ in team._pushers.map(send, range(s.units(size))):
+            for _ in team.replicator.pushers.map(send, range(s.units(size))):
                 pass
             team.counters["parity_bytes_sent"] = team.counters.get("parity_bytes_sent", 0) + size * s.m
             for member in s.members:
@@ -136,13 +136,12 @@ class ParityGroup:
             outcome = FAILED
         finally:
             del spans
-            with store.lock:
-                store.unpin(v)
-                store.enforce_keep()  # what waited for this copy may go now
+            store.read_done(v)  # what waited for this copy may go now
         if outcome != FAILED:
-            with store.lock:
+            held = store.held_steps()
+            with self._lock:
                 self.acked[step] = now
-                for old in [st for st in self.acked if st not in store.table.versions]:
+                for old in [st for st in self.acked if st not in held]:
                     del self.acked[old]
         return outcome
 
@@ -159,11 +158,7 @@ class ParityGroup:
 
     def _members_now(self) -> dict[int, str | None]:
         """The live members of our group and their incarnations (None: not heard yet)."""
-        team = self.team
-        with team._lock:
-            live = team.membership.view.live
-            return {g: team.incarnation if g == team.rank else team.membership.incarnation(g)
-                    for g in self.stripes.members if g in live}
+        return self.team.members_now(self.stripes.members)
 
     # --- holding (I/O thread) ---------------------------------------------------------------------
 
@@ -173,7 +168,7 @@ class ParityGroup:
         now = self._members_now()
         held = body.get("held")
         seen = {g: now.get(g) for g in (held if held is not None else now) if g in now}
-        with self.team.store.lock:
+        with self._lock:
             self.manifests[(body["origin"], body["step"])] = body
             self.seen[(body["origin"], body["step"])] = seen
             mine = sorted(st for (o, st) in self.manifests if o == body["origin"])
@@ -185,7 +180,7 @@ class ParityGroup:
         data = b"".join(bytes(f) for f in frames)
         if len(data) > self.stripes.unit:
             raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {self.stripes.unit}-byte unit")
-        with self.team.store.lock:
+        with self._lock:
             key = (body["step"], body["inc"])
             pb = self.blocks.get(key)
             if pb is None:
@@ -195,16 +190,16 @@ class ParityGroup:
             pb.add(body["row"], body["pos"], data, body["index"])
 
     def on_block(self, body: dict) -> list:
-        with self.team.store.lock:
+        with self._lock:
             pb = self.blocks.get((body["step"], body["inc"]))
             return [_flipped(pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
         """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
         store, s = self.team.store, self.stripes
-        with store.lock:
-            v = store.table.versions.get(body["step"])
-            if v is None or not v.parts or v.state not in SEALED:
+        with store.atomic():
+            v = store.sealed(body["step"])
+            if v is None:
                 raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
             _, _, size, spans = blob_spans(store, v)
         u = body["u"]
@@ -214,7 +209,7 @@ class ParityGroup:
         """The manifests we hold of other members (their parts can be rebuilt from parity)."""
         items = []
         now = self._members_now()
-        with self.team.store.lock:
+        with self._lock:
             for (origin, st), m in self.manifests.items():
                 if origin == self.team.rank or (step is not None and st != step):
                     continue
@@ -233,7 +228,7 @@ class ParityGroup:
 
     def manifest_of(self, origin: int, step: int) -> dict:
         """The manifest of ``origin``'s ``step`` we keep (a peer asks: ``parity_manifest_of``)."""
-        with self.team.store.lock:
+        with self._lock:
             m = self.manifests.get((origin, step))
         if m is None:
             raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
@@ -250,7 +245,7 @@ class ParityGroup:
                 log.info("team: node %d has no manifest of node %d step %d: %s", member, origin, step, exc)
                 continue
             if m["origin"] == origin and m["step"] == step:
-                with team.store.lock:
+                with self._lock:
                     self.manifests[(origin, step)] = m
                 return m
         raise VersionNotFound(f"step {step}: no live member of the parity group keeps node {origin}'s manifest "
@@ -264,7 +259,7 @@ class ParityGroup:
         lost (a rebuild that failed its checksums is tried again without each member in turn).
         Raises VersionNotFound when more members of the group are lost than the code survives."""
         team, s = self.team, self.stripes
-        with team.store.lock:
+        with self._lock:
             m = self.manifests.get((origin, step))
             sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
@@ -339,24 +334,5 @@ def _wire_layout(parts: list[dict]) -> tuple[dict[int, int], int]:
     bases, size = {}, 0
     for p in sorted(parts, key=lambda p: p["rank"]):
         bases[p["rank"]] = size
-        size += (p["used"] + ALIGN - 1) // ALIGN * ALIGN
+        size += aligned(p["used"])
     return bases, size
-
-
-def _used(part) -> int:
-    from .team import used_bytes
-
-    return used_bytes(part)
-
-
-def check_rebuilt(parts: dict, into, bases: dict[int, int], what: str) -> None:
-    """Every chunk of every rebuilt tensor against the origin's CRCs; raises ChecksumMismatch."""
-    for rank, part in parts.items():
-        for t in part.tensors:
-            if t.skipped or not t.nbytes:
-                continue
-            lo = bases[rank] + t.offset
-            got = native.crc32c_chunks(memoryview(into)[lo : lo + t.nbytes])
-            if list(got) != list(t.crcs):
-                raise ChecksumMismatch(f"{what}: rank {rank} tensor {t.name!r} rebuilt from parity fails its checksum")
-

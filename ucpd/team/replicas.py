@@ -7,8 +7,8 @@ A replica is one shm file per (origin node, step) in the daemon's ``--shm-dir``
 origin's manifest (``finish``). Freed files are kept as spares and reused, so the next
 replica writes into warm pages.
 
-Thread-safety: every method takes the store's lock (``lock``), which the transport's I/O
-thread and the daemon's workers share.
+Thread-safety: every method takes the store's lock (``lock``: ``store.atomic()``), which the
+transport's I/O thread and the daemon's workers share.
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from dataclasses import dataclass, field
 
 from .. import native
 from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
-from ..daemon.manifest import RankPart, TensorEntry
+from ..daemon.slots import check_size
+from ..daemon.manifest import RankPart
+from .parts import ALIGN, aligned, check_parts, part_from_wire
 
 log = logging.getLogger("ucpd.team.replicas")
 
-ALIGN = 64
 PREFIX = "replica-"
 
 
@@ -47,8 +48,6 @@ class Replica:
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
-        from ..daemon.slots import check_size
-
         check_size(self.path, self.size)  # a replica file cut short: lost, not read (SIGBUS)
         if self._map is None:
             fd = os.open(self.path, os.O_RDWR)
@@ -74,10 +73,6 @@ class Replica:
             except BufferError:  # a send still references it; the mapping goes with it
                 pass
             self._map = None
-
-
-def _aligned(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
 class ReplicaStore:
@@ -113,11 +108,8 @@ class ReplicaStore:
                 for t in p["tensors"]:
                     if not t.get("skipped") and t["offset"] + t["nbytes"] > p["used"]:
                         raise ProtocolError(f"replica of node {origin} step {step}: tensor {t['name']!r} ends past its part")
-                manifests[p["rank"]] = RankPart(
-                    p["rank"], -1, [TensorEntry.from_wire(t) for t in p["tensors"]], p["objects"], p.get("layout"),
-                    p.get("objects_crc"),
-                )
-                size += _aligned(p["used"])
+                manifests[p["rank"]] = part_from_wire(p)
+                size += aligned(p["used"])
             self._drop_old(origin, step)
             path, size = self._file(max(size, ALIGN))
             rep = Replica(origin, step, world_size, path, size, manifests, bases, used, run)
@@ -155,7 +147,7 @@ class ReplicaStore:
                     f"replica of node {origin} step {step}: {rep.frames} of {frames} data messages arrived; send it again"
                 )
         try:
-            verify_part_crcs(rep, f"replica of node {origin} step {step}")
+            check_parts(rep.mapping(), rep.bases, rep.parts, f"replica of node {origin} step {step}")
         except ChecksumMismatch:
             with self.lock:
                 self.checksum_errors += 1
@@ -246,20 +238,6 @@ class ReplicaStore:
             self.spares.append((rep.path, rep.size))
         else:
             _unlink(rep.path)
-
-
-def verify_part_crcs(rep: Replica, what: str) -> None:
-    """Every chunk of every held tensor against its CRC32C; raises ChecksumMismatch."""
-    for rank, part in rep.parts.items():
-        for t in part.tensors:
-            if t.skipped or not t.nbytes:
-                continue
-            got = native.crc32c_chunks(rep.view(rank, t.offset, t.nbytes))
-            if list(got) != list(t.crcs):
-                bad = next(i for i, (a, b) in enumerate(zip(got, t.crcs)) if a != b)
-                raise ChecksumMismatch(
-                    f"{what}: rank {rank} tensor {t.name!r} chunk {bad} does not match its checksum"
-                )
 
 
 def _unlink(path: str) -> None:

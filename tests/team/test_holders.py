@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from ucpd.team.placement import Group, group_of, parity_groups, parse_parity, replica_holders
+from ucpd.team.holders import Group, group_of, parity_groups, parse_parity, replica_holders
 
 RACKS_2x2 = {0: "A", 1: "A", 2: "B", 3: "B"}
 

@@ -1,4 +1,4 @@
-"""Where a node's redundancy lives: replica holders and parity groups (pure, failure-domain aware).
+"""Who holds a node's redundancy: its replica holders and its parity group (pure, failure-domain aware).
 
 - :func:`replica_holders` — the R nodes that keep full copies of a node's part: the next live
   nodes on a ring, preferring other failure domains (rack, switch).

@@ -1,0 +1,103 @@
+"""The team's decisions about copies, on plain records: which copy a restore reads, which run it
+reads, the newest step held whole, where a part is copied again — and the simulator runs the
+same choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ucpd.errors import VersionNotFound
+from ucpd.sim import recovery
+from ucpd.team import decide
+from ucpd.team.decide import (Copy, Holding, Pushed, best_copy, choose_copies, latest_whole, orphan_heal_targets,
+                              own_heal_targets, run_to_read, under_protected)
+from ucpd.team.holders import replica_holders
+
+
+def part(rank: int) -> dict:
+    return {"rank": rank, "tensors": [], "objects": b"", "used": 0}
+
+
+def holding(node, origin, ranks, step=1, world=2, run="r1", parity=False) -> Holding:
+    return Holding(node, origin, step, world, tuple(ranks), run, parity, tuple(part(r) for r in ranks))
+
+
+def test_a_copy_costs_least_in_our_ram_then_a_peers_own_ram_then_a_peers_replica_then_parity():
+    me = 0
+    assert [c.cost(me) for c in (Copy(0, 2), Copy(0, 0), Copy(2, 2), Copy(1, 2), Copy(1, 2, parity=True))] == [0, 0, 1, 2, 3]
+    assert best_copy([Copy(1, 2), Copy(2, 2), Copy(0, 2, parity=True)], me) == Copy(2, 2)
+    assert best_copy([Copy(3, 2), Copy(1, 2)], me) == Copy(1, 2)  # equal cost: the lowest node
+    assert best_copy([Copy(3, 2), Copy(1, 2)], me, load={1: 10.0, 3: 0.0}) == Copy(3, 2)  # or the least loaded
+    assert best_copy([], me) is None
+
+
+def test_a_restore_reads_each_rank_from_its_cheapest_copy_of_one_run():
+    held = [holding(0, 0, [0]), holding(1, 1, [1]), holding(0, 1, [1]),  # our part, node 1's part and our replica of it
+            holding(2, 1, [1], run="r0")]  # an older run's part of the same step: never mixed in
+    world, chosen = choose_copies(held, 0, 1, "r1")
+    assert world == 2
+    assert {r: c for r, (c, _) in chosen.items()} == {0: Copy(0, 0), 1: Copy(0, 1)}
+    _, chosen = choose_copies(held, 0, 1, "r1", damaged={(0, 1)})  # our replica failed its check
+    assert chosen[1][0] == Copy(1, 1)
+
+
+def test_a_lost_rank_or_a_rank_with_only_damaged_copies_is_a_typed_error_naming_it():
+    with pytest.raises(VersionNotFound, match=r"ranks \[1\]"):
+        choose_copies([holding(0, 0, [0])], 0, 1, "r1")
+    with pytest.raises(VersionNotFound, match="every copy of rank 1"):
+        choose_copies([holding(0, 0, [0]), holding(0, 1, [1])], 0, 1, "r1", damaged={(0, 1)})
+
+
+def test_the_run_read_is_one_holding_every_rank_the_current_run_first():
+    both = [holding(0, 0, [0], run="a"), holding(1, 1, [1], run="a"), holding(0, 0, [0], run="b"), holding(1, 1, [1], run="b")]
+    assert run_to_read(both, "b") == "b"
+    assert run_to_read(both, "a") == "a"
+    partial = [holding(0, 0, [0], run="b"), holding(0, 0, [0], run="a"), holding(1, 1, [1], run="a")]
+    assert run_to_read(partial, "b") == "a"  # the current run lacks a rank: the whole one
+    assert run_to_read([], "a") == ""
+
+
+def test_the_latest_step_is_the_newest_committed_one_held_whole_by_one_run():
+    held = [holding(0, 0, [0], step=3), holding(1, 1, [1], step=3, run="other"),  # step 3: two runs, neither whole
+            holding(0, 0, [0], step=2), holding(1, 1, [1], step=2), holding(0, 0, [0, 1], step=4)]
+    assert latest_whole(held, committed=lambda s: s != 4) == 2
+    assert latest_whole(held, committed=lambda s: True) == 4
+    assert latest_whole([], committed=lambda s: True) is None
+
+
+def test_only_protected_committed_versions_short_of_live_copies_are_under_protected():
+    pushed = {1: Pushed((0,), 1, holders={1}, protected=True), 2: Pushed((0,), 1, holders=set(), protected=False)}
+    assert not under_protected(pushed, {1, 2}, {0, 1, 2}, replicas=1)
+    assert under_protected(pushed, {1, 2}, {0, 2}, replicas=1)  # its holder died
+    assert not under_protected(pushed, {2}, {0, 2}, replicas=1)  # not committed: nothing to heal
+    assert not under_protected(pushed, {1}, {0}, replicas=1)  # alone: no copy is possible
+
+
+def test_healing_fills_our_designated_holders_and_the_lowest_holder_of_an_orphan_copies_it():
+    live = [0, 2, 3]
+    assert own_heal_targets(0, live, 2, None, holders={2}) == [3]
+    assert own_heal_targets(0, live, 1, None, holders={2}) == []
+    # node 1 is dead; nodes 0 and 2 hold its part: node 0 (the lowest) makes R + 1 copies again
+    assert orphan_heal_targets(1, 0, live, 1, None, holders={0, 2}) == []
+    assert orphan_heal_targets(1, 0, live, 2, None, holders={0, 2}) == [3]
+    assert orphan_heal_targets(1, 2, live, 2, None, holders={0, 2}) == []  # not the lowest holder
+
+
+def test_the_simulator_chooses_sources_with_the_teams_own_function(monkeypatch):
+    calls = []
+    real = decide.best_copy
+
+    def spy(copies, me, load=None):
+        copies = list(copies)
+        calls.append(copies)
+        return real(copies, me, load)
+
+    monkeypatch.setattr(recovery, "best_copy", spy)
+    out = recovery.simulate(64, sample_ranks=1)
+    assert len(calls) == 64 and out["unrecoverable_parts"] == 0
+    live = set(range(64)) - {5}
+    copies = recovery.copies_of(5, live, list(range(64)), 1, None)
+    assert copies == [Copy(h, 5) for h in replica_holders(5, list(range(64)), 1) if h in live]
+    load = np.zeros(64)
+    assert real(recovery.copies_of(7, live, list(range(64)), 1, None), None, load) == Copy(7, 7)  # its own RAM first

@@ -1,0 +1,167 @@
+"""The team's decisions about copies, as pure functions: which copy a restore reads, which run
+of the job it reads, the newest step the team still holds whole, and where to copy a part again.
+
+No sockets, threads, clocks or store in here: the inputs are plain records (what every node
+said it holds, the live nodes, the failure domains), the outputs are choices the callers carry
+out (``team.sources`` reads the copies, ``team.replicate`` pushes them). ``ucpd.sim.recovery``
+runs :func:`best_copy` to choose the source of every part of a restart at scale.
+
+The cost of a copy, cheapest first: 0 this node's own RAM or a replica it holds, 1 a peer's own
+RAM (the origin's), 2 a peer's replica, 3 rebuilt here from the group's parity. Ties go to the
+lowest node rank, or with ``load`` to the node with the fewest bytes already assigned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from ..errors import VersionNotFound
+from .holders import replica_holders
+
+__all__ = ["Copy", "Holding", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
+           "own_heal_targets", "run_to_read", "under_protected"]
+
+MINE, OWN_RAM, REPLICA, PARITY = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class Copy:
+    """A copy of ``origin``'s part on ``node`` (``parity``: not held, rebuildable from parity)."""
+
+    node: int
+    origin: int
+    parity: bool = False
+
+    def cost(self, me: int | None) -> int:
+        if self.parity:
+            return PARITY
+        return MINE if self.node == me else OWN_RAM if self.node == self.origin else REPLICA
+
+
+@dataclass(frozen=True)
+class Holding:
+    """What ``node`` said it holds of one version (a peer ``holdings`` item): ``origin``'s parts
+    of ``step`` for ``ranks``, written by the job's ``run``; ``parts``: their manifests (PART
+    records), when the step was asked for."""
+
+    node: int
+    origin: int
+    step: int
+    world_size: int
+    ranks: tuple[int, ...]
+    run: str = ""
+    parity: bool = False
+    parts: tuple[dict, ...] = ()
+
+    @classmethod
+    def from_wire(cls, node: int, item: dict) -> "Holding":
+        return cls(node, item["origin"], item["step"], item["world_size"], tuple(item["ranks"]), item.get("run") or "",
+                   item.get("via") == "parity", tuple(item.get("parts") or ()))
+
+    @property
+    def copy(self) -> Copy:
+        return Copy(self.node, self.origin, self.parity)
+
+
+@dataclass
+class Pushed:
+    """What this node knows of the copies of one of its own versions."""
+
+    ranks: tuple[int, ...]
+    world_size: int
+    run: str = ""  # the run of the job that wrote it: another run's step of that number is another version
+    holders: set[int] = field(default_factory=set)
+    protected: bool = False
+
+
+def best_copy(copies: Iterable[Copy], me: int | None, load: Mapping[int, float] | Sequence[float] | None = None
+              ) -> Copy | None:
+    """The copy to read: the cheapest, then the lowest node (or with ``load``, bytes already
+    assigned per node, the least loaded, then the lowest). None: no copy."""
+    if load is None:
+        return min(copies, key=lambda c: (c.cost(me), c.node, c.origin), default=None)
+    return min(copies, key=lambda c: (c.cost(me), load[c.node], c.node, c.origin), default=None)
+
+
+def run_to_read(holdings: Iterable[Holding], current: str) -> str:
+    """The run whose parts a restore of one step reads: one whose parts hold every rank, the
+    job's ``current`` run first (a node that rejoined may still hold another run's parts of the
+    step until it hears the fence), else the run that holds most (a lost step's error then names
+    the ranks that run lacks)."""
+    ranks: dict[tuple[str, int], set[int]] = {}
+    for h in holdings:
+        ranks.setdefault((h.run, h.world_size), set()).update(p["rank"] for p in h.parts)
+    best = max(ranks.items(), key=lambda kv: (kv[1] >= set(range(kv[0][1])), kv[0][0] == current, len(kv[1]), kv[0][0]),
+               default=(("", 0), set()))
+    return best[0][0]
+
+
+def choose_copies(holdings: Iterable[Holding], me: int, step: int, run: str,
+                  damaged: Collection[tuple[int, int]] = ()) -> tuple[int, dict[int, tuple[Copy, dict]]]:
+    """For a restore of ``step`` read from ``run``'s parts: the world size and, per rank, the
+    copy to read and its manifest (PART record). ``damaged``: (node, origin) copies found bad.
+
+    Raises VersionNotFound naming the ranks no live node holds, or a rank whose every copy left
+    is damaged."""
+    candidates: dict[int, list[tuple[Copy, dict]]] = {}
+    world = None
+    for h in holdings:
+        if h.run != run:
+            continue  # a part of another run of the job: a version is read from one run only
+        world = h.world_size
+        for p in h.parts:
+            candidates.setdefault(p["rank"], []).append((h.copy, p))
+    if world is None or set(candidates) != set(range(world)):
+        lost = sorted(set(range(world or 0)) - set(candidates))
+        raise VersionNotFound(
+            f"step {step} is lost: no live node holds ranks {lost or 'any'} (more nodes failed than "
+            "the redundancy survives); restore an older step, or from the flush dir"
+        )
+    chosen = {}
+    for rank, cands in candidates.items():
+        sound = [(c, p) for c, p in cands if (c.node, c.origin) not in damaged or c.parity]
+        best = best_copy((c for c, _ in sound), me)
+        if best is None:
+            raise VersionNotFound(f"step {step}: every copy of rank {rank} that is left is damaged")
+        chosen[rank] = next((c, p) for c, p in sound if c == best)
+    return world, chosen
+
+
+def latest_whole(holdings: Iterable[Holding], committed: Callable[[int], bool]) -> int | None:
+    """The newest committed step whose parts of one run hold every rank (a version is never
+    read from two runs); None: none."""
+    ranks: dict[tuple[int, int, str], set[int]] = {}  # (step, world, run) -> ranks held
+    for h in holdings:
+        ranks.setdefault((h.step, h.world_size, h.run), set()).update(h.ranks)
+    for step, world, run in sorted(ranks, reverse=True):
+        if committed(step) and ranks[(step, world, run)] >= set(range(world)):
+            return step
+    return None
+
+
+def under_protected(pushed: Mapping[int, Pushed], committed: Collection[int], live: Collection[int], replicas: int) -> bool:
+    """Whether one of our protected, committed versions has fewer live copies than the view
+    allows (healing copies nothing else)."""
+    can = min(replicas, len(live) - 1)
+    live = set(live)
+    return any(rec.protected and len(rec.holders & live) < can for step, rec in pushed.items() if step in committed)
+
+
+def own_heal_targets(me: int, live: Sequence[int], replicas: int, domains: Mapping[int, str] | None,
+                     holders: Collection[int]) -> list[int]:
+    """Where to copy our own part again: the holders the current view designates that lack it,
+    as many as it is short of ``replicas``."""
+    targets = [h for h in replica_holders(me, live, replicas, domains) if h not in holders]
+    return targets[: max(0, replicas - len(holders))]
+
+
+def orphan_heal_targets(origin: int, me: int, live: Sequence[int], replicas: int, domains: Mapping[int, str] | None,
+                        holders: Collection[int]) -> list[int]:
+    """Where to copy a dead ``origin``'s part that ``holders`` (we among them) keep: nowhere
+    unless we are the lowest live holder; else the next nodes on its ring that lack it, up to
+    ``replicas + 1`` copies (the origin is gone: R more losses are survived again)."""
+    if min(holders) != me:
+        return []
+    ring = [n for n in replica_holders(origin, list(live) + [origin], len(live), domains) if n != origin]
+    return [n for n in ring if n not in holders][: max(0, replicas + 1 - len(holders))]

@@ -1,0 +1,486 @@
+"""Finding and reading a version across the team: where each rank's part of a step is read from,
+and the bytes brought here, checked on arrival.
+
+``VersionSources.restore_sources(step)`` asks every live node what it holds of the step, lets
+``decide`` choose a copy per rank (our RAM, a replica we hold, a peer's RAM, a part rebuilt here
+from parity) and pins what is read from peers (a lease on each, ended by ``unpin``). The result,
+``TeamSources``, says where each rank's part is: a ``LocalRead`` (a file on this node) or a
+``PeerRead`` (a live peer's RAM, and the local file its bytes land in once fetched). A restore is
+planned on these paths (``daemon.restore.plan``); ``localize`` then fetches exactly the tensors the
+plan reads into those files and checks every chunk (``parts.check_tensor``, ``ucpd.checked``).
+The flusher's ``gather_for_flush`` fetches whole parts the same way.
+
+Threads: the daemon's worker threads (restore, latest) and the flusher's; the replication thread
+(``holdings_by_node`` for healing). Peer requests are never made holding the store lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import checked, faults, native, protocol
+from ..daemon.restore import SourceSet, tensor_signature
+from ..daemon.manifest import RankPart
+from ..daemon.versions import SEALED, Version, VersionState
+from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
+from ..native import CHUNK_BYTES
+from .decide import Holding, choose_copies, latest_whole, run_to_read
+from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
+
+log = logging.getLogger("ucpd.team")
+
+DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
+FETCH_PREFIX = "fetch-"
+
+
+@dataclass(frozen=True)
+class LocalRead:
+    """A rank's part in a file on this node: its slot bytes start at ``base`` of ``path``."""
+
+    path: str
+    base: int
+
+
+@dataclass(frozen=True)
+class PeerRead:
+    """A rank's part in live ``node``'s RAM (``origin``'s part: its own, or a replica it holds);
+    its bytes land at the same offsets of the local file ``path`` when fetched."""
+
+    node: int
+    origin: int
+    rank: int
+    path: str
+
+
+class TeamSources:
+    """A restore's sources across the team, with what they pin until the lease ends."""
+
+    def __init__(self, step: int, reader: "VersionSources") -> None:
+        self.step, self.reader = step, reader
+        self.sources: SourceSet | None = None
+        self.objects: dict = {}
+        self.parts: dict[int, RankPart] = {}
+        self.where: dict[int, LocalRead | PeerRead] = {}
+        self.version: Version | None = None
+        self.pins: list = []  # our versions and replicas read (unpinned on release)
+        self.files: list[str] = []  # fetched or rebuilt copies (deleted on release)
+        self.leases: list[tuple[int, str]] = []  # (peer, lease) pinning what we read from peers
+
+    @property
+    def remote(self) -> dict[int, PeerRead]:
+        return {r: w for r, w in self.where.items() if isinstance(w, PeerRead)}
+
+    def unpin_peers(self) -> None:
+        """Everything needed from the peers is here: let them evict it again."""
+        for node, lease in self.leases:
+            self.reader.transport.send(node, "unpin", {"lease": lease})
+        self.leases = []
+
+    def release(self) -> None:
+        """The client finished reading: unpin, delete fetched copies."""
+        self.unpin_peers()
+        with self.reader.store.atomic():
+            for p in self.pins:
+                if isinstance(p, Version):
+                    self.reader.store.unpin(p)
+                else:
+                    self.reader.replicas.unpin(p)
+            self.pins = []
+        for f in self.files:
+            _unlink(f)
+        self.files = []
+
+
+class VersionSources:
+    """Finds a version across the team and brings its bytes here, checked.
+
+    ``team``: the driver (``team.Team``), for this node's rank, store, replicas, parity group,
+    transport, live nodes and the commit protocol's view of what is committed."""
+
+    def __init__(self, team) -> None:
+        self.team = team
+        self.rank = team.rank
+        self.transport = team.transport
+        self.shm_dir = team.shm_dir
+
+    @property
+    def store(self):
+        return self.team.store
+
+    @property
+    def replicas(self):
+        return self.team.replicas
+
+    # --- what is held where -----------------------------------------------------------------------
+
+    def own_holdings(self, step: int | None) -> list[dict]:
+        """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items."""
+        items = []
+        store, parity = self.store, self.team.parity
+        with store.atomic():
+            for v in store.versions_in(SEALED):
+                if (step is None or v.step == step) and v.parts:
+                    item = with_run({"origin": self.rank, "step": v.step, "world_size": v.world_size,
+                                     "ranks": sorted(v.parts)}, run_of(v))
+                    if step is not None:
+                        item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
+                    items.append(item)
+            for (origin, s), rep in self.replicas.held.items():
+                if rep.whole and (step is None or s == step):
+                    item = with_run({"origin": origin, "step": s, "world_size": rep.world_size,
+                                     "ranks": sorted(rep.parts)}, run_of(rep))
+                    if step is not None:
+                        item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
+                    items.append(item)
+        if parity is not None:
+            for item in parity.holdings(step):
+                man = parity.manifests.get((item["origin"], item["step"]), {})
+                items.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
+        return items
+
+    def holdings_by_node(self, live, step: int | None = None) -> dict[int, list[Holding]]:
+        """What every live node holds (of ``step``, with manifests; None: of every step)."""
+        body = {} if step is None else {"step": step}
+        replies = ask_all(self.transport, self.rank, live, "holdings", body)
+        # the peers' items were checked on receipt; ours are checked here
+        mine = [protocol.HOLDING("holding", item) for item in self.own_holdings(step)]
+        out = {self.rank: [Holding.from_wire(self.rank, i) for i in mine]}
+        for node, reply in sorted(replies.items()):
+            out[node] = [Holding.from_wire(node, i) for i in reply.get("items", [])]
+        return out
+
+    # --- restore ------------------------------------------------------------------------------------
+
+    def latest(self) -> int | None:
+        """The newest committed step that the live nodes still hold whole (None: none)."""
+        held = self.holdings_by_node(sorted(self.team.live()))
+        return latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+
+    def restore_sources(self, step: int | None) -> TeamSources:
+        """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
+        first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
+        (a lease) until released. Raises VersionNotFound naming what is lost."""
+        for attempt in range(3):
+            got = self._plan_sources(step)
+            try:
+                self._lease_peers(got)
+                return got
+            except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
+                got.release()
+                if attempt == 2:
+                    raise
+                log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
+        raise AssertionError("unreachable")
+
+    def _lease_peers(self, got: TeamSources) -> None:
+        lease = uuid.uuid4().hex[:16]
+        for node, origin in sorted({(w.node, w.origin) for w in got.remote.values()}):
+            try:
+                self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+            except VersionNotFound:
+                raise
+            except UcpdError as exc:
+                raise VersionNotFound(f"step {got.step}: node {node} did not pin node {origin}'s part: {exc}") from None
+            finally:
+                if (node, lease) not in got.leases:
+                    got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
+
+    def _plan_sources(self, step: int | None) -> TeamSources:
+        if step is None:
+            step = self.latest()
+            if step is None:
+                raise VersionNotFound("no committed version is held whole by the live nodes of the team")
+        if not self.team.is_committed(step):
+            raise VersionNotFound(f"step {step} is not committed by the team")
+        held = [h for items in self.holdings_by_node(sorted(self.team.live()), step).values() for h in items]
+        run = run_to_read(held, self.team.current_run())
+        damaged: set[tuple[int, int]] = set()
+        while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
+            world, chosen = choose_copies(held, self.rank, step, run, damaged)
+            bad = {(c.node, c.origin) for c, _ in chosen.values()
+                   if c.node == self.rank and c.origin != self.rank and not c.parity and not self._replica_sound(c.origin, step)}
+            if not bad:
+                break
+            damaged |= bad
+        out = TeamSources(step, self)
+        try:
+            lost = sorted({c.origin for c, _ in chosen.values() if c.parity})
+            rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
+            self._sources(out, world, chosen, rebuilt)
+        except BaseException:
+            out.release()
+            raise
+        return out
+
+    def _rebuild(self, origin: int, step: int, got: TeamSources) -> tuple[str, dict[int, int]]:
+        """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
+        the file and where each rank's bytes start in it."""
+        parity = self.team.parity
+        try:
+            man = parity.manifest_of(origin, step)
+        except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
+            man = parity.fetch_manifest(origin, step)
+        path = self._new_file(got)
+        mm = _open_file(path, man["size"], [(0, man["size"])])
+        t0 = time.monotonic()
+        parts = {p["rank"]: part_from_wire(p) for p in man["parts"]}
+        what = f"node {origin} step {step} rebuilt from parity"
+        try:
+            try:
+                bases = parity.rebuild(origin, step, mm)
+                check_parts(mm, bases, parts, what)
+            except ChecksumMismatch as exc:
+                # a damaged unit or parity block on some member: where the code has a block to
+                # spare, rebuild without each other member in turn until the checksums hold
+                self.team.counters["parity_checksum_errors"] += 1
+                for suspect in sorted(set(parity.stripes.members) - {origin}):
+                    try:
+                        bases = parity.rebuild(origin, step, mm, distrust=frozenset({suspect}))
+                        check_parts(mm, bases, parts, what)
+                    except (ChecksumMismatch, VersionNotFound):
+                        continue
+                    log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
+                                "failed the checksums", origin, step, suspect)
+                    break
+                else:
+                    raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
+                                           "an older step or from the flush dir") from None
+        finally:
+            _close(mm)
+        log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
+                 origin, step, man["size"], time.monotonic() - t0)
+        return path, bases
+
+    def _replica_sound(self, origin: int, step: int) -> bool:
+        """Check a replica we hold (once) before serving from it; a damaged one is dropped."""
+        rep = self.replicas.get(origin, step)
+        if rep is None:
+            return False
+        if rep.verified:
+            return True
+        try:
+            check_parts(rep.mapping(), rep.bases, rep.parts, f"replica of node {origin} step {step} on node {self.rank}")
+        except ChecksumMismatch as exc:
+            log.error("team: %s; using another copy", exc)
+            self.replicas.checksum_errors += 1
+            self.replicas.drop(origin, step)
+            return False
+        rep.verified = True
+        return True
+
+    def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict) -> None:
+        """Fill ``out``: each rank's part, where it is read, and the version's source set."""
+        step = out.step
+        with self.store.atomic():
+            for rank, (copy, p) in chosen.items():
+                part = out.parts[rank] = part_from_wire(p)
+                if copy.parity:  # (our own part too: a replacement node lost it)
+                    path, bases = rebuilt[copy.origin]
+                    out.where[rank] = LocalRead(path, bases[rank])
+                elif copy.node == self.rank and copy.origin == self.rank:
+                    v = self.store.version(step)
+                    own = v.parts.get(rank) if v is not None else None
+                    if own is None:
+                        raise VersionNotFound(f"step {step} left this node while restoring; ask again")
+                    if v not in out.pins:
+                        self.store.pin(v)
+                        out.pins.append(v)
+                    out.where[rank] = LocalRead(self.store.slot_path(own.slot), 0)
+                elif copy.node == self.rank:
+                    rep = self.replicas.get(copy.origin, step)
+                    if rep is None:
+                        raise VersionNotFound(f"step {step}: the replica of node {copy.origin} left this node; ask again")
+                    self.replicas.pin(rep)
+                    out.pins.append(rep)
+                    out.where[rank] = LocalRead(rep.path, rep.bases[rank])
+                else:
+                    out.where[rank] = PeerRead(copy.node, copy.origin, rank, self._new_file(out))
+        out.version = Version(step, world, VersionState.COMMITTED, out.parts)
+        tensors, same = {}, {}
+        for rank, part in out.parts.items():
+            w = out.where[rank]
+            base = w.base if isinstance(w, LocalRead) else 0
+            for idx, t in enumerate(part.tensors):
+                if t.skipped:
+                    continue
+                tensors[(rank, idx)] = protocol.PlanSource(w.path, base + t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+                same.setdefault(tensor_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
+        globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in out.version.globals().items()}
+        out.objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects))
+                       for r, p in out.parts.items()}
+        out.sources = SourceSet(globals_, tensors, same)
+
+    def _new_file(self, got: TeamSources) -> str:
+        """A name for a private shm file of ``got`` (deleted when it is released)."""
+        path = os.path.join(self.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
+        got.files.append(path)
+        return path
+
+    # --- bringing bytes here ------------------------------------------------------------------------
+
+    def localize(self, sources: TeamSources, plan: protocol.RestorePlan) -> protocol.RestorePlan:
+        """Fetch the tensors the plan reads from peers into their local files (``PeerRead.path``),
+        each checked on arrival; the plan reads them there as it is."""
+        by_path = {w.path: w for w in sources.remote.values()}
+        wanted: dict[str, list[protocol.PlanSource]] = {}
+        for s in plan.sources:
+            if s.path in by_path:
+                wanted.setdefault(s.path, []).append(s)
+        for path, rows in wanted.items():
+            w = by_path[path]
+            part = sources.parts[w.rank]
+            mm = _open_file(path, used_bytes(part), [(s.offset, s.nbytes) for s in rows])
+            try:
+                arr = np.frombuffer(mm, np.uint8)
+                for batch in _batches(rows, DATA_BATCH):
+                    ranges = [[s.offset, s.nbytes] for s in batch]
+                    for s, buf in zip(batch, self._fetch(w, sources.step, ranges)):
+                        native.copy(memoryview(mm)[s.offset : s.offset + s.nbytes], buf)
+                        src = checked.CheckedSource.within(
+                            arr, s.offset, s.nbytes, np.uint8, s.crcs, s.chunk,
+                            f"bytes of rank {w.rank} step {sources.step} from node {w.node}", recorded="the origin's manifest")
+                        src.remedy = "restore again (another copy will be used if this one stays bad)"
+                        try:
+                            checked.verify(src)
+                        except ChecksumMismatch:
+                            self.team.counters["fetch_checksum_errors"] = self.team.counters.get("fetch_checksum_errors", 0) + 1
+                            raise
+                        self.team.counters["fetched_bytes"] += s.nbytes
+                del arr
+            finally:
+                _close(mm)
+        sources.unpin_peers()  # all here: the peers may evict it again
+        return plan
+
+    def gather_for_flush(self, version):
+        """The flusher's ``gather``: every rank's part of a committed version, the other nodes'
+        fetched whole into local files (each byte crosses the network once)."""
+        got = self.restore_sources(version.step)  # pins on the peers what is read from them
+        opened: dict = {}
+        try:
+            faults.stall("flush.fetch", version.step)
+            faults.point("flush.fetch.kill", version.step)
+            for r, w in got.remote.items():
+                size = used_bytes(got.parts[r])
+                mm = opened[w.path] = _open_file(w.path, size, [(0, size)])
+                at = 0
+                while at < size:
+                    n = min(DATA_BATCH, size - at)
+                    (buf,) = self._fetch(w, got.step, [[at, n]])
+                    native.copy(memoryview(mm)[at : at + n], buf)
+                    at += n
+                self.team.counters["fetched_bytes"] += size
+            got.unpin_peers()
+        except BaseException:
+            opened.clear()
+            got.release()
+            raise
+
+        def buffer_of(rank):
+            w = got.where[rank]
+            if w.path not in opened:
+                fd = os.open(w.path, os.O_RDONLY)
+                try:
+                    opened[w.path] = mmap.mmap(fd, 0, mmap.MAP_SHARED, mmap.PROT_READ)
+                finally:
+                    os.close(fd)
+            return memoryview(opened[w.path])[w.base if isinstance(w, LocalRead) else 0 :]
+
+        def release():
+            opened.clear()
+            got.release()
+
+        return got.version.globals(), got.parts, buffer_of, release
+
+    def _fetch(self, w: PeerRead, step: int, ranges: list) -> list[memoryview]:
+        _, frames = self.transport.request(
+            w.node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": ranges}, timeout=120.0)
+        return _split(frames, [n for _, n in ranges])
+
+
+def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
+    """A request to every other live node, in parallel; nodes that fail to answer are left out."""
+    replies: dict[int, dict] = {}
+
+    def ask(node):
+        try:
+            replies[node], _ = transport.request(node, msg_type, body, timeout=10.0)
+        except UcpdError as exc:
+            log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in live if n != me]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return replies
+
+
+def _open_file(path: str, nbytes: int, ranges) -> mmap.mmap:
+    """``path`` (a new private shm file of ``nbytes``) mapped writable, the byte ``ranges``
+    (offset, length) reserved now: a full /dev/shm fails here, not with SIGBUS."""
+    size = max(nbytes, 64)
+    spans: list[list[int]] = []  # the ranges, sorted, those less than a page apart joined (one call each)
+    for off, n in sorted(r for r in ranges if r[1]):
+        if spans and off <= spans[-1][1] + mmap.PAGESIZE:
+            spans[-1][1] = max(spans[-1][1], off + n)
+        else:
+            spans.append([off, off + n])
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        for lo, hi in spans:
+            os.posix_fallocate(fd, lo, hi - lo)
+        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+
+
+def _close(mm: mmap.mmap) -> None:
+    try:
+        mm.close()
+    except BufferError:  # an error's traceback still holds a view of it: unmapped when that goes
+        pass
+
+
+def _batches(rows: list, limit: int):
+    batch, size = [], 0
+    for s in rows:
+        if batch and size + s.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(s)
+        size += s.nbytes
+    if batch:
+        yield batch
+
+
+def _split(frames: list, sizes: list[int]) -> list[memoryview]:
+    """The reply's frames as one buffer per requested range (the transport may cut a buffer
+    into several frames, or send one frame per range)."""
+    frames = [memoryview(f).cast("B") for f in frames]
+    if len(frames) == len(sizes) and all(f.nbytes == n for f, n in zip(frames, sizes)):
+        return frames
+    whole = bytearray(b"".join(frames))
+    out, at = [], 0
+    for n in sizes:
+        out.append(memoryview(whole)[at : at + n])
+        at += n
+    if at != len(whole):
+        raise DaemonUnreachable(f"a fetch reply carried {len(whole)} bytes, {at} were asked for")
+    return out
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
