@@ -123,20 +123,13 @@ def _graph() -> dict[str, set[str]]:
 
 
 AREAS = ["ucpd.daemon", "ucpd.team", "ucpd.format", "ucpd.ucl", "ucpd.protocol", "ucpd.sim", "ucpd_client"]
-# Issue 23 breaks these; each mark goes (strict: a passing xfail fails) with the change that fixes it.
-OPEN = pytest.mark.xfail(strict=True, reason="issue 23: not yet done")
-OPEN_AREAS: set[str] = set()
 
 
 def _area(module: str) -> str:
     return next((a for a in AREAS if module == a or module.startswith(a + ".")), "ucpd")
 
 
-def _areas(open_ones):
-    return [pytest.param(a, marks=OPEN) if a in open_ones else a for a in [*AREAS, "ucpd"]]
-
-
-@pytest.mark.parametrize("area", _areas(OPEN_AREAS))
+@pytest.mark.parametrize("area", [*AREAS, "ucpd"])
 def test_no_module_takes_part_in_an_import_circle(area):
     assert [c for c in _cycles(_graph()) if any(_area(m) == area for m in c)] == []
 
@@ -162,7 +155,7 @@ def test_only_the_store_touches_its_insides(pattern, what):
     assert offenders == [], f"{what} is reached from outside the store"
 
 
-@pytest.mark.parametrize("area", _areas({"ucpd.team", "ucpd.format"}))
+@pytest.mark.parametrize("area", [*AREAS, "ucpd"])
 def test_no_class_is_longer_than_450_lines(area):
     long = []
     for name, path in MODULES.items():
