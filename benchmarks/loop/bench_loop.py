@@ -62,6 +62,7 @@ import torch  # noqa: E402
 
 from common import GiB, MiB, fmt_seconds, log, machine, median, spread, table, timed_snapshot, write_json  # noqa: E402
 from daemons import cleanup, cleanup_on_exit, enough_shm, private_dir, start_daemon  # noqa: E402
+from floor import SlotLikeBuffer  # noqa: E402
 
 PREFIX = "ucpd-bench-loop-"
 BENCH_JOB = "bench-loop"
@@ -120,23 +121,10 @@ class Floor:
         from ucpd import native
 
         self.native = native
-        self.dir = private_dir(PREFIX, "floor")
-        offs, off = [], 0
-        for t in flat:
-            off = (off + 63) // 64 * 64
-            offs.append(off)
-            off += t.numel() * t.element_size()
-        self.total = off
-        fd = os.open(os.path.join(self.dir, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, self.total)
-        self.mm = mmap.mmap(fd, self.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.buf.fill(1)  # every page faulted in once: a warm buffer
-        base = self.buf.ctypes.data
-        self.items = [(base + o, t.data_ptr(), t.numel() * t.element_size()) for o, t in zip(offs, flat)]
+        self.buffer = SlotLikeBuffer(private_dir(PREFIX, "floor"), [t.numel() * t.element_size() for t in flat])
+        self.total, self.buf, self.offs = self.buffer.total, self.buffer.array, self.buffer.offsets
+        self.items = [(self.buffer.base + o, t.data_ptr(), t.numel() * t.element_size()) for o, t in zip(self.offs, flat)]
         self.flat = flat
-        self.offs = offs
 
     def copy(self, threads: int = 1) -> float:
         t0 = time.perf_counter()
@@ -159,12 +147,7 @@ class Floor:
 
     def close(self) -> None:
         del self.buf
-        gc.collect()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.buffer.close()
 
 
 def first_touch(nbytes: int, floor: Floor | None = None) -> dict:
@@ -193,7 +176,7 @@ def first_touch(nbytes: int, floor: Floor | None = None) -> dict:
         os.close(fd)
         buf = np.frombuffer(mm, dtype=np.uint8)
         base = buf.ctypes.data
-        items = [(base + (dst - floor.buf.ctypes.data), src, n) for dst, src, n in floor.items]
+        items = [(base + (dst - floor.buffer.base), src, n) for dst, src, n in floor.items]
         t0 = time.perf_counter()
         floor.native.copy_batch(items, threads=1, crc_chunk=0)
         out["copy_into_fresh_1t"] = time.perf_counter() - t0

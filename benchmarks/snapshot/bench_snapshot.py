@@ -49,8 +49,8 @@ import torch  # noqa: E402
 
 from common import GiB, fmt_num, fmt_seconds, gbps, log, machine, median, table, timed_snapshot, write_json  # noqa: E402
 from daemons import cleanup, cleanup_on_exit, enough_shm, private_dir, start_daemon  # noqa: E402
+from floor import SlotLikeBuffer  # noqa: E402
 
-ALIGN = 64
 SHM_PREFIX = "ucpd-bench-snap-"
 
 # ------------------------------------------------------------------------------------------------
@@ -183,24 +183,11 @@ class Floor:
     ways. Measured interleaved with the snapshot reps, so that both see the same machine load."""
 
     def __init__(self, st: State):
-        import mmap
-
         self.st = st
-        self.dir = private_dir(SHM_PREFIX, "floor")
         sizes = [t.numel() * t.element_size() for _, t, _ in st.flat]
-        offs, off = [], 0
-        for n in sizes:
-            off = (off + ALIGN - 1) // ALIGN * ALIGN
-            offs.append(off)
-            off += n
-        total = off
-        fd = os.open(os.path.join(self.dir, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, total)
-        self.mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.buf.fill_(1)  # fault every page in once: the floor is a copy into warm memory
-        base = self.buf.data_ptr()
+        self.buffer = SlotLikeBuffer(private_dir(SHM_PREFIX, "floor"), sizes)  # warm: every page written once
+        offs, total, base = self.buffer.offsets, self.buffer.total, self.buffer.base
+        self.buf = torch.from_numpy(self.buffer.array)
         self.items = [(base + o, t.data_ptr(), n) for o, (_, t, _), n in zip(offs, st.flat, sizes)]
         self.views = [self.buf[o : o + n].view(t.dtype).view(t.shape) for o, (_, t, _), n in zip(offs, st.flat, sizes)]
         # two threads: the concatenated bytes cut in two halves (a big tensor split between them)
@@ -272,12 +259,7 @@ class Floor:
         self.pool.shutdown()
         self.pool = None
         del self.views, self.buf
-        gc.collect()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.buffer.close()
 
 
 # ------------------------------------------------------------------------------------------------

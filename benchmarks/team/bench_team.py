@@ -1074,19 +1074,12 @@ def main(argv=None) -> int:
     out: dict = {"machine": info, "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.monotonic()
     ok = False
+    parts = (("replication", bench_replication), ("recovery", bench_recovery), ("overhead", bench_overhead), ("latency", bench_latency))
     try:
-        if "replication" in only:
-            mem.part = "replication"
-            bench_replication(env, args, out)
-        if "recovery" in only:
-            mem.part = "recovery"
-            bench_recovery(env, args, out)
-        if "overhead" in only:
-            mem.part = "overhead"
-            bench_overhead(env, args, out)
-        if "latency" in only:
-            mem.part = "latency"
-            bench_latency(env, args, out)
+        for part, bench in parts:
+            if part in only:
+                mem.part = part
+                bench(env, args, out)
         ok = True
     except BaseException:
         for d in env.daemons:
