@@ -15,7 +15,7 @@
 # Rounds (ROUNDS, default 3) alternate A, B, A, B, ...: each round runs loop, team and restore for
 # A, then the same for B, so both see the same machine. The flags are the benchmarks' documented
 # small ones, not their defaults (those take 3 to 8 minutes each here), so that 3 rounds finish in
-# about 10 minutes on a 2-core machine:
+# about 10 minutes on a quiet 2-core machine (20 beside two test suites):
 #   loop:    bench_loop.py --quick --skip-train         (256 MiB, 4 warm snapshots idle, 11 with flushes)
 #   team:    bench_team.py --only replication,recovery,latency --size-mib 64 --recovery-mib 32
 #            --steps 3 --reps 2 --latency-nodes 2 --latency-steps 5
