@@ -1,4 +1,6 @@
-"""Small helpers shared by the benchmark scripts: timing, machine facts, tables, JSON.
+"""Small helpers shared by the benchmark scripts: timing (a snapshot timed to its end
+included), machine facts, spreads over runs, tables, log lines, JSON. (Daemons, teams and
+cleanup: ``daemons.py``.)
 
 Import from a script under ``benchmarks/<name>/`` with::
 
@@ -19,6 +21,13 @@ import sys
 import time
 from typing import Callable, Iterable, Sequence
 
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
 
 def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -34,6 +43,21 @@ def time_reps(fn: Callable[[], object], reps: int, warmup: int = 1) -> list[floa
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def timed_snapshot(ck, step: int, state, placements=None) -> tuple[dict, dict]:
+    """One ``ck.snapshot()`` waited to the end: the caller's seconds until the call returned,
+    ``staged()`` returned and ``wait()`` returned (``call``, ``staged``, ``committed``), and the
+    handle's own perf_counter stamps (``handle.timings``: called, returned, slot, staged, sealed,
+    committed)."""
+    t0 = time.perf_counter()
+    h = ck.snapshot(step, state, placements=placements)
+    t1 = time.perf_counter()
+    h.staged()
+    t2 = time.perf_counter()
+    h.wait()
+    t3 = time.perf_counter()
+    return {"call": t1 - t0, "staged": t2 - t0, "committed": t3 - t0}, h.timings
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -58,6 +82,30 @@ def machine() -> dict:
     if "torch" in sys.modules:
         info["torch"] = sys.modules["torch"].__version__
     return info
+
+
+def spread(xs: Iterable[float | None]) -> dict:
+    """median, min, max, n and the values of ``xs`` (None left out; None figures when empty)."""
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0, "runs": []}
+    return {"median": median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "runs": xs}
+
+
+def fmt_spread(xs: Iterable[float | None]) -> str:
+    """"min / median / max" of seconds ("-" when there are none)."""
+    s = spread(xs)
+    if not s["n"]:
+        return "-"
+    return f"{fmt_seconds(s['min'])} / {fmt_seconds(s['median'])} / {fmt_seconds(s['max'])}"
+
+
+def fmt_spread_num(xs: Iterable[float | None], digits: int = 2, unit: str = "") -> str:
+    """"min / median / max" of numbers ("-" when there are none)."""
+    s = spread(xs)
+    if not s["n"]:
+        return "-"
+    return f"{s['min']:.{digits}f} / {s['median']:.{digits}f} / {s['max']:.{digits}f}{unit}"
 
 
 def fmt_seconds(s: float | None) -> str:

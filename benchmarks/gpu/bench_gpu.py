@@ -29,13 +29,8 @@ a CPU. Everything lives in private folders under /dev/shm and the temp dir, remo
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
-import shutil
-import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -47,31 +42,10 @@ try:  # an installed ucpd (make gpu-check: the build in its own folder), else th
 except ImportError:
     sys.path[1:1] = [str(ROOT), str(ROOT / "client")]
 
-from common import fmt_seconds, machine, table, write_json  # noqa: E402
+from common import GiB, fmt_seconds, log, machine, spread, table, timed_snapshot, write_json  # noqa: E402
+from daemons import cleanup_on_exit, private_dir, start_daemon  # noqa: E402
 
-GiB, MiB = 1 << 30, 1 << 20
-_CHILDREN: list[subprocess.Popen] = []
-_PATHS: list[str] = []
-
-
-def _cleanup() -> None:
-    for p in _CHILDREN:
-        if p.poll() is None:
-            p.terminate()
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    for d in _PATHS:
-        shutil.rmtree(d, ignore_errors=True)
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def spread(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "runs": xs}
+PREFIX = "ucpd-bench-gpu-"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -164,44 +138,28 @@ def floors(torch, tensors: list, reps: int) -> dict:
 # ucpd
 
 
-class Daemon:
-    def __init__(self, mem_limit: int):
-        self.run_dir = tempfile.mkdtemp(prefix="ucpd-bench-gpu-run-")
-        self.shm = tempfile.mkdtemp(prefix="ucpd-bench-gpu-", dir="/dev/shm")
-        _PATHS.extend([self.run_dir, self.shm])
-        cmd = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm + "/segments",
-               "--mem-limit", str(mem_limit), "--log-level", "WARNING"]
-        self.proc = subprocess.Popen(cmd, cwd=self.run_dir)  # not the checkout: an installed ucpd must win
-        _CHILDREN.append(self.proc)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.run_dir, "ucpd.sock")):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(f"ucpd serve did not come up (exit {self.proc.poll()})")
-            time.sleep(0.02)
+def serve(mem_limit: int):
+    """A started ``ucpd serve`` (default flags but a memory limit), stopped at exit: the ucpd this
+    Python imports (make gpu-check's build), not the checkout's."""
+    return start_daemon(PREFIX, "serve", ["--mem-limit", str(mem_limit), "--log-level", "WARNING"], log=False, installed=True)
 
 
-def snap(torch, ck, step: int, state: dict) -> dict:
-    t0 = time.perf_counter()
-    h = ck.snapshot(step, state)
-    t1 = time.perf_counter()
-    h.staged()
-    t2 = time.perf_counter()
-    h.wait()
-    t3 = time.perf_counter()
-    return {"call": t1 - t0, "staged": t2 - t0, "committed": t3 - t0}
+def snap(ck, step: int, state: dict) -> dict:
+    """call, staged, committed: the caller's seconds."""
+    return timed_snapshot(ck, step, state)[0]
 
 
 def bench_ucpd(torch, state: dict, nbytes: int, reps: int, res: dict) -> None:
     from ucpd import knobs
     from ucpd_client import Checkpointer, placement as P
 
-    d = Daemon(mem_limit=int(nbytes * 4.5) + (256 << 20))
+    d = serve(mem_limit=int(nbytes * 4.5) + (256 << 20))
     ck = Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False, job="bench-gpu")
     try:
         torch.cuda.synchronize()
-        res["first_snapshot"] = snap(torch, ck, 1, state)
+        res["first_snapshot"] = snap(ck, 1, state)
         log(f"first snapshot: committed {fmt_seconds(res['first_snapshot']['committed'])}")
-        runs = [snap(torch, ck, 2 + i, state) for i in range(reps + 2)][2:]  # every slot of the rotation used once first
+        runs = [snap(ck, 2 + i, state) for i in range(reps + 2)][2:]  # every slot of the rotation used once first
         for k in ("call", "staged", "committed"):
             res[f"snapshot_{k}"] = spread([r[k] for r in runs])
         last = 2 + reps + 1
@@ -250,10 +208,10 @@ def bench_small(torch, n: int, reps: int, res: dict) -> None:
     from ucpd_client import Checkpointer
 
     state = {f"t{i}": torch.full((512,), float(i), device="cuda") for i in range(n)}
-    d = Daemon(mem_limit=1 << 30)
+    d = serve(mem_limit=1 << 30)
     ck = Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False, job="bench-gpu-small")
     try:
-        runs = [snap(torch, ck, 1 + i, state) for i in range(reps + 3)][3:]
+        runs = [snap(ck, 1 + i, state) for i in range(reps + 3)][3:]
         for k in ("call", "staged", "committed"):
             res[f"small_{k}_per_tensor"] = spread([r[k] / n for r in runs])
         out = {k: torch.empty_like(v) for k, v in state.items()}
@@ -283,7 +241,7 @@ def bench_train(torch, args, res: dict) -> None:
     for _ in range(3):
         step()
     res["train_state_bytes"] = sum(p.numel() * p.element_size() * 5 for p in model.parameters())
-    d = Daemon(mem_limit=int(res["train_state_bytes"] * 4.5) + (256 << 20))
+    d = serve(mem_limit=int(res["train_state_bytes"] * 4.5) + (256 << 20))
     ck = Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False, job="bench-gpu-train")
     hook = ck.guard(opt)
     try:
@@ -306,8 +264,7 @@ def bench_train(torch, args, res: dict) -> None:
 def bench_dcp(torch, state: dict, reps: int, res: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    root = tempfile.mkdtemp(prefix="ucpd-bench-gpu-dcp-")
-    _PATHS.append(root)
+    root = private_dir(PREFIX, "dcp", shm=False)
     try:
         from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
@@ -403,7 +360,7 @@ def main(argv=None) -> int:
         print("bench_gpu: no CUDA device (torch.cuda.is_available() is False); nothing here runs on a CPU. "
               "Run it on a GPU machine: `make gpu-check` (README, 'Checking on a GPU').", file=sys.stderr)
         return 0 if args.allow_no_gpu else 2
-    atexit.register(_cleanup)
+    cleanup_on_exit()
     from ucpd import native
 
     res: dict = {"device": torch.cuda.get_device_name(0), "native_cuda": native.cuda_available(), "args": vars(args)}

@@ -45,15 +45,11 @@ The machine is shared and noisy: compare ratios within one run; the spread is ov
 from __future__ import annotations
 
 import argparse
-import atexit
 import gc
 import mmap
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -64,58 +60,13 @@ sys.path[:0] = [str(HERE.parents[1]), str(ROOT), str(ROOT / "client")]
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from common import fmt_seconds, machine, median, table, write_json  # noqa: E402
+from common import GiB, MiB, fmt_seconds, log, machine, median, spread, table, timed_snapshot, write_json  # noqa: E402
+from daemons import cleanup, cleanup_on_exit, enough_shm, private_dir, start_daemon  # noqa: E402
+from floor import SlotLikeBuffer  # noqa: E402
 
-GiB = 1 << 30
-MiB = 1 << 20
 PREFIX = "ucpd-bench-loop-"
 BENCH_JOB = "bench-loop"
 KEEP_DEFAULT = 2  # the daemon's default --keep: warm-up = keep + 1 snapshots uses every slot once
-
-# ------------------------------------------------------------------------------------------------
-# cleanup: daemons we start and folders we make go away on errors and signals
-
-_CHILDREN: list[subprocess.Popen] = []
-_PATHS: list[str] = []
-
-
-def _cleanup() -> None:
-    for p in _CHILDREN:
-        if p.poll() is None:
-            p.terminate()
-    for p in _CHILDREN:
-        try:
-            p.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    _CHILDREN.clear()
-    for path in _PATHS:
-        shutil.rmtree(path, ignore_errors=True)
-    _PATHS.clear()
-
-
-def _on_signal(signum, _frame):
-    _cleanup()
-    sys.exit(128 + signum)
-
-
-def private_dir(tag: str, shm: bool = True) -> str:
-    d = tempfile.mkdtemp(prefix=f"{PREFIX}{tag}-", dir="/dev/shm" if shm else None)
-    _PATHS.append(d)
-    return d
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def stats(xs) -> dict:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return {"n": 0, "min": None, "median": None, "max": None}
-    return {"n": len(xs), "min": min(xs), "median": median(xs), "max": max(xs)}
-
 
 # ------------------------------------------------------------------------------------------------
 # state: 171 tensors, GPT-like (Llama-style blocks), fp32 weights + two Adam moments
@@ -170,23 +121,10 @@ class Floor:
         from ucpd import native
 
         self.native = native
-        self.dir = private_dir("floor")
-        offs, off = [], 0
-        for t in flat:
-            off = (off + 63) // 64 * 64
-            offs.append(off)
-            off += t.numel() * t.element_size()
-        self.total = off
-        fd = os.open(os.path.join(self.dir, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, self.total)
-        self.mm = mmap.mmap(fd, self.total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self.buf = np.frombuffer(self.mm, dtype=np.uint8)
-        self.buf.fill(1)  # every page faulted in once: a warm buffer
-        base = self.buf.ctypes.data
-        self.items = [(base + o, t.data_ptr(), t.numel() * t.element_size()) for o, t in zip(offs, flat)]
+        self.buffer = SlotLikeBuffer(private_dir(PREFIX, "floor"), [t.numel() * t.element_size() for t in flat])
+        self.total, self.buf, self.offs = self.buffer.total, self.buffer.array, self.buffer.offsets
+        self.items = [(self.buffer.base + o, t.data_ptr(), t.numel() * t.element_size()) for o, t in zip(self.offs, flat)]
         self.flat = flat
-        self.offs = offs
 
     def copy(self, threads: int = 1) -> float:
         t0 = time.perf_counter()
@@ -209,19 +147,14 @@ class Floor:
 
     def close(self) -> None:
         del self.buf
-        gc.collect()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.buffer.close()
 
 
 def first_touch(nbytes: int, floor: Floor | None = None) -> dict:
     """Fault in ``nbytes`` of fresh /dev/shm: (1) posix_fallocate + one written byte per page (what
     the daemon's slot allocation does); (2) a single-thread copy of the state into a fresh
     mapping (first touch by the copy itself). The files are removed right after."""
-    d = private_dir("touch")
+    d = private_dir(PREFIX, "touch")
     out = {}
     size = (nbytes + (2 << 20) - 1) // (2 << 20) * (2 << 20)
     path = os.path.join(d, "fresh.bin")
@@ -243,7 +176,7 @@ def first_touch(nbytes: int, floor: Floor | None = None) -> dict:
         os.close(fd)
         buf = np.frombuffer(mm, dtype=np.uint8)
         base = buf.ctypes.data
-        items = [(base + (dst - floor.buf.ctypes.data), src, n) for dst, src, n in floor.items]
+        items = [(base + (dst - floor.buffer.base), src, n) for dst, src, n in floor.items]
         t0 = time.perf_counter()
         floor.native.copy_batch(items, threads=1, crc_chunk=0)
         out["copy_into_fresh_1t"] = time.perf_counter() - t0
@@ -256,47 +189,7 @@ def first_touch(nbytes: int, floor: Floor | None = None) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------
-# the daemon, with default flags
-
-
-class Daemon:
-    def __init__(self, tag: str, extra: list[str] | None = None):
-        self.run_dir = private_dir(f"run-{tag}", shm=False)
-        self.shm_dir = private_dir(tag) + "/segments"
-        self.log_path = os.path.join(self.run_dir, "daemon.log")
-        self.cmd = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir] + (extra or [])
-        self._log = open(self.log_path, "w")
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "client")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-        self.proc = subprocess.Popen(self.cmd, cwd=str(ROOT), stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        _CHILDREN.append(self.proc)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.run_dir, "ucpd.sock")):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"ucpd serve exited with {self.proc.returncode}: {open(self.log_path).read()[-2000:]}")
-            if time.monotonic() > deadline:
-                raise SystemExit("ucpd serve did not come up in 60 s")
-            time.sleep(0.02)
-
-    def log_tail(self, n: int = 40) -> list[str]:
-        try:
-            with open(self.log_path) as f:
-                return f.read().splitlines()[-n:]
-        except OSError:
-            return []
-
-    def stop(self) -> list[str]:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
-        lines = self.log_tail(200)
-        shutil.rmtree(os.path.dirname(self.shm_dir), ignore_errors=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        return lines
+# the client's side of a snapshot
 
 
 class MapTimer:
@@ -345,18 +238,13 @@ def snap_once(ck, step: int, state: dict, maps: MapTimer | None = None) -> dict:
     state["step"] = step
     if maps is not None:
         maps.take()
-    t0 = time.perf_counter()
-    h = ck.snapshot(step, state)
-    t1 = time.perf_counter()
-    h.staged()
-    h.wait()
-    tm = h.timings
+    wall, tm = timed_snapshot(ck, step, state)
     c0 = tm["called"]
     mapped = maps.take() if maps is not None else 0.0
     return {
         "map": mapped,  # mapping the slot (first use of a slot file), inside "copy"
         "step": step,
-        "call": t1 - t0,
+        "call": wall["call"],
         "staged": tm["staged"] - c0,
         "committed": tm["committed"] - c0,
         "begin": tm["slot"] - tm["returned"],  # queue + begin RPC (slot lent; allocation if none free)
@@ -384,7 +272,7 @@ def loop_scene(st: State, floor: Floor, gap: float, warm: int, extra_flags: list
     if cold_touch:
         out["touch_before"] = first_touch(st.nbytes, floor)
         log(f"[{tag}] first touch of fresh shm: {', '.join(f'{k} {fmt_seconds(v)}' for k, v in out['touch_before'].items())}")
-    daemon = Daemon(tag, extra_flags)
+    daemon = start_daemon(PREFIX, tag, extra_flags or [])  # default flags: only its private dirs
     # full copies: the state does not change between these snapshots (bench_incremental.py measures references)
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=BENCH_JOB, incremental=False)
     maps = MapTimer(ck)
@@ -417,7 +305,7 @@ def loop_scene(st: State, floor: Floor, gap: float, warm: int, extra_flags: list
             f"slots then {settle[-1]['slots']}")
         floor.copy(1)  # warm the floor's code path once
         snaps, floors, floors2, crcs = [], [], [], []
-        cpu0, wall0 = cpu_seconds(daemon.proc.pid), time.perf_counter()
+        cpu0, wall0 = cpu_seconds(daemon.pid), time.perf_counter()
         for _ in range(warm):
             time.sleep(gap)
             step += 1
@@ -426,7 +314,7 @@ def loop_scene(st: State, floor: Floor, gap: float, warm: int, extra_flags: list
             floors.append(floor.copy(1))
             floors2.append(floor.copy(2))
             crcs.append(floor.copy_crc())
-        out["daemon_cpu_per_snapshot"] = (cpu_seconds(daemon.proc.pid) - cpu0) / warm
+        out["daemon_cpu_per_snapshot"] = (cpu_seconds(daemon.pid) - cpu0) / warm
         out["warm_wall"] = time.perf_counter() - wall0
         floor.check()
         out["warm"] = snaps
@@ -521,9 +409,9 @@ def train_scene(args) -> dict:
     n_params = sum(p.numel() for _, p in tr.params)
     log(f"[train] example GPT: {n_params / 1e6:.1f} M parameters, state {nbytes / MiB:.0f} MiB in {len(tensors)} tensors, "
         f"{torch.get_num_threads()} torch threads")
-    daemon = Daemon("train")
+    daemon = start_daemon(PREFIX, "train")
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=BENCH_JOB + "-gpt")
-    d = private_dir("train-peers")
+    d = private_dir(PREFIX, "train-peers")
     dcp_dir = os.path.join(d, "dcp")
     pt_path = os.path.join(d, "state.pt")
     stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=True, use_async_staging=True,
@@ -580,13 +468,13 @@ def train_scene(args) -> dict:
         for m in methods:
             finish(m)
         log("[train] warm-up done")
-        cpu0 = cpu_seconds(daemon.proc.pid)
+        cpu0 = cpu_seconds(daemon.pid)
         for r in range(args.train_rounds):
             order = methods[r % len(methods):] + methods[: r % len(methods)]
             for m in order:
                 for i in range(args.train_steps + 1):
                     blocked[0] = 0.0
-                    c0 = proc_cpu() + cpu_seconds(daemon.proc.pid)
+                    c0 = proc_cpu() + cpu_seconds(daemon.pid)
                     t0 = time.perf_counter()
                     tr.train_step(before_update=before_update(m))
                     t1 = time.perf_counter()
@@ -596,7 +484,7 @@ def train_scene(args) -> dict:
                     # DCP's threads) and of the daemon during the step: far less sensitive to the
                     # other jobs on the machine than wall time; the cost of work that finishes
                     # after the step lands in the next step's figure
-                    cpu = proc_cpu() + cpu_seconds(daemon.proc.pid) - c0
+                    cpu = proc_cpu() + cpu_seconds(daemon.pid) - c0
                     if i:
                         rec[m]["cpu"].append(cpu)  # the first step of a block overlaps no earlier checkpoint
                         rec[m]["step"].append(t2 - t0)
@@ -607,7 +495,7 @@ def train_scene(args) -> dict:
                             handles.append(pending["ucpd"])
                 finish(m)
             log(f"[train] round {r + 1}: " + ", ".join(f"{m} {fmt_seconds(median(rec[m]['step']))}" for m in methods))
-        cpu_per_snap = (cpu_seconds(daemon.proc.pid) - cpu0) / (args.train_rounds * (args.train_steps + 1))
+        cpu_per_snap = (cpu_seconds(daemon.pid) - cpu0) / (args.train_rounds * (args.train_steps + 1))
     finally:
         ck.close()
         stager.close()
@@ -734,16 +622,16 @@ def print_spread(runs: list[dict]) -> None:
     for scene, k, title in keys:
         xs = [r[scene][k] for r in runs if r.get(scene)]
         if xs:
-            s = stats(xs)
+            s = spread(xs)
             rows.append([title, f"{s['min']:.2f}x", f"{s['median']:.2f}x", f"{s['max']:.2f}x"])
     for m in ("ucpd", "dcp", "torch.save"):
         xs = [r["train"][m].get("paired_pct", r["train"][m]["slowdown_pct"]) for r in runs if r.get("train")]
         if xs:
-            s = stats(xs)
+            s = spread(xs)
             rows.append([f"(c) step slowdown, {m}", f"{s['min']:+.1f}%", f"{s['median']:+.1f}%", f"{s['max']:+.1f}%"])
         xs = [r["train"][m]["cpu_pct"] for r in runs if r.get("train") and "cpu_pct" in r["train"][m]]
         if xs:
-            s = stats(xs)
+            s = spread(xs)
             rows.append([f"(c) CPU per step (trainer + daemon), {m}", f"{s['min']:+.1f}%", f"{s['median']:+.1f}%", f"{s['max']:+.1f}%"])
     print(table(["what", "min", "median", "max"], rows))
 
@@ -787,13 +675,8 @@ def main(argv=None) -> int:
         args.gpt_hidden, args.gpt_layers, args.gpt_vocab = 256, 2, 4096
         args.hidden = 384
 
-    atexit.register(_cleanup)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    need = int(args.size_gib * GiB * 9)
-    free = shutil.disk_usage("/dev/shm").free
-    if free < need:
-        print(f"/dev/shm has {free / GiB:.1f} GiB free, this run needs about {need / GiB:.1f} GiB", file=sys.stderr)
+    cleanup_on_exit()
+    if not enough_shm(int(args.size_gib * GiB * 9)):
         return 2
     t_start = time.perf_counter()
     st = State(int(args.size_gib * GiB), hidden=getattr(args, "hidden", 768))
@@ -811,7 +694,7 @@ def main(argv=None) -> int:
                 log(f"[idle] staged {run['idle']['staged_x']:.2f}x, committed {run['idle']['committed_x']:.2f}x floor "
                     f"({fmt_seconds(run['idle']['floor_1t'])})")
             if not args.skip_flush:
-                fd = os.path.join(private_dir("flush"), "flush")
+                fd = os.path.join(private_dir(PREFIX, "flush"), "flush")
                 raw = loop_scene(st, floor, args.gap, args.flush_warm, ["--flush-dir", fd, "--flush-every", "10"], "flush",
                                  cold_touch=False)
                 shutil.rmtree(os.path.dirname(fd), ignore_errors=True)
@@ -825,7 +708,7 @@ def main(argv=None) -> int:
             print_run(i, run, st.nbytes)
     finally:
         floor.close()
-        _cleanup()
+        cleanup()
     print(f"\nucpd training-loop benchmark: {st.nbytes / GiB:.2f} GiB, {len(st.flat)} tensors, gap {args.gap} s, "
           f"{args.runs} run(s); floor = 1-thread memcpy into a warm buffer, interleaved")
     print_spread(runs)

@@ -7,7 +7,8 @@ sleep, into one warm shm buffer or rotating over three (as slots rotate), and ri
 import sys, time, statistics, os
 HERE = os.path.dirname(os.path.abspath(__file__)); ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, os.path.dirname(HERE), ROOT, os.path.join(ROOT, "client")]
-from bench_loop import State, Floor, _cleanup
+from bench_loop import State, Floor
+from daemons import cleanup
 import ucpd._native as N
 st = State(1 << 30); fls = [Floor(st.flat) for _ in range(3)]
 f0 = fls[0]
@@ -21,7 +22,7 @@ try:
         time.sleep(0.5); t = time.perf_counter(); crc(fls[r % 3]); res["crc_after_sleep_rot3"].append(time.perf_counter() - t)
 finally:
     for f in fls: f.close()
-    _cleanup()
+    cleanup()
 b = res["floor1_after_sleep"]
 print(f"load {os.getloadavg()[0]:.1f}")
 for k, v in res.items():

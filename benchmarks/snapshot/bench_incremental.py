@@ -29,8 +29,6 @@ the measured snapshots of all runs (min / median / max). ``--quick`` is a smoke 
 from __future__ import annotations
 
 import argparse
-import atexit
-import signal
 import sys
 import time
 from pathlib import Path
@@ -41,10 +39,10 @@ sys.path[:0] = [str(HERE.parents[1]), str(HERE.parents[1] / "loop"), str(ROOT), 
 
 import torch  # noqa: E402
 
-from bench_loop import Daemon, Floor, _cleanup, _on_signal, llama_shapes, log, stats  # noqa: E402
-from common import fmt_seconds, machine, table, write_json  # noqa: E402
+from bench_loop import Floor, llama_shapes  # noqa: E402
+from common import GiB, MiB, fmt_seconds, log, machine, spread, table, write_json  # noqa: E402
+from daemons import cleanup_on_exit, start_daemon  # noqa: E402
 
-GiB, MiB = 1 << 30, 1 << 20
 KEEP_DEFAULT = 2
 JOB = "bench-incremental"
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -83,7 +81,7 @@ class LoraState:
 def scene(st: LoraState, floor: Floor, *, incremental: bool, everything: bool, gap: float, warm: int, tag: str) -> dict:
     from ucpd_client import Checkpointer
 
-    daemon = Daemon(tag)
+    daemon = start_daemon("ucpd-bench-incremental-", tag)
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job=JOB, incremental=incremental)
     step = 0
 
@@ -135,15 +133,15 @@ def scene(st: LoraState, floor: Floor, *, incremental: bool, everything: bool, g
         out["daemon_log"] = daemon.stop()[-20:]
     s = out["snaps"]
     out["summary"] = {
-        "staged": stats([x["staged"] for x in s]),
-        "committed": stats([x["committed"] for x in s]),
-        "checked": stats([x["checked"] for x in s]),
-        "floor": stats(floors),
-        "staged_over_floor": stats([x["staged"] / f for x, f in zip(s, floors)]),
-        "committed_over_floor": stats([x["committed"] / f for x, f in zip(s, floors)]),
-        "copied_mib": stats([x["copied_bytes"] / MiB for x in s]),
-        "shared_mib": stats([x["shared_bytes"] / MiB for x in s]),
-        "mem_used_mib": stats([x["mem_used"] / MiB for x in s]),
+        "staged": spread([x["staged"] for x in s]),
+        "committed": spread([x["committed"] for x in s]),
+        "checked": spread([x["checked"] for x in s]),
+        "floor": spread(floors),
+        "staged_over_floor": spread([x["staged"] / f for x, f in zip(s, floors)]),
+        "committed_over_floor": spread([x["committed"] / f for x, f in zip(s, floors)]),
+        "copied_mib": spread([x["copied_bytes"] / MiB for x in s]),
+        "shared_mib": spread([x["shared_bytes"] / MiB for x in s]),
+        "mem_used_mib": spread([x["mem_used"] / MiB for x in s]),
     }
     log(f"[{tag}] staged {fmt_seconds(out['summary']['staged']['median'])}, committed "
         f"{fmt_seconds(out['summary']['committed']['median'])}, copied {out['summary']['copied_mib']['median']:.0f} MiB, "
@@ -154,8 +152,8 @@ def scene(st: LoraState, floor: Floor, *, incremental: bool, everything: bool, g
 SCENES = [("lora", False, True), ("lora", False, False), ("all-changing", True, True), ("all-changing", True, False)]
 
 
-def spread(xs, fmt) -> str:
-    s = stats(xs)
+def median_range(xs, fmt) -> str:
+    s = spread(xs)
     return "-" if not s["n"] else f"{fmt(s['median'])} ({fmt(s['min'])}-{fmt(s['max'])})"
 
 
@@ -168,18 +166,18 @@ def report(runs: list[dict], st: LoraState) -> str:
         cratios = [x["committed"] / f for r in runs for x, f in zip(r[key]["snaps"], r[key]["floors"])]
         rows.append([
             key,
-            spread([x["copied_bytes"] / MiB for x in snaps], lambda v: f"{v:.0f}"),
-            spread([x["checked"] for x in snaps], fmt_seconds),
-            spread([x["staged"] for x in snaps], fmt_seconds),
-            spread(ratios, lambda v: f"{v:.2f}x"),
-            spread([x["committed"] for x in snaps], fmt_seconds),
-            spread(cratios, lambda v: f"{v:.2f}x"),
-            spread([x["mem_used"] / MiB for x in snaps], lambda v: f"{v:.0f}"),
+            median_range([x["copied_bytes"] / MiB for x in snaps], lambda v: f"{v:.0f}"),
+            median_range([x["checked"] for x in snaps], fmt_seconds),
+            median_range([x["staged"] for x in snaps], fmt_seconds),
+            median_range(ratios, lambda v: f"{v:.2f}x"),
+            median_range([x["committed"] for x in snaps], fmt_seconds),
+            median_range(cratios, lambda v: f"{v:.2f}x"),
+            median_range([x["mem_used"] / MiB for x in snaps], lambda v: f"{v:.0f}"),
         ])
     floors = [f for r in runs for k in r for f in r[k]["floors"]]
     head = (f"state {st.nbytes / GiB:.2f} GiB, {len(st.flat)} tensors: frozen {(st.nbytes - st.trainable_bytes) / MiB:.0f} MiB, "
             f"trainable (LoRA r={st.rank} + Adam moments) {st.trainable_bytes / MiB:.0f} MiB; floor (1-thread memcpy of the "
-            f"whole state) {spread(floors, fmt_seconds)}; {len(runs)} run(s), median (min-max) over every measured snapshot")
+            f"whole state) {median_range(floors, fmt_seconds)}; {len(runs)} run(s), median (min-max) over every measured snapshot")
     return head + "\n" + table(
         ["scene", "copied MiB", "checked", "staged", "staged/floor", "committed", "committed/floor", "slots MiB"], rows,
         markdown=True,
@@ -198,9 +196,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.size_gib, args.warm, args.gap = 0.125, 3, 0.1
-    atexit.register(_cleanup)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    cleanup_on_exit()
     st = LoraState(int(args.size_gib * GiB), args.frozen)
     log(f"state: {st.nbytes / MiB:.0f} MiB in {len(st.flat)} tensors, {st.trainable_bytes / MiB:.0f} MiB trainable (r={st.rank})")
     floor = Floor(st.flat)

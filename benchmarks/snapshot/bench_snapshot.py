@@ -31,16 +31,12 @@ The machine is shared and noisy (2 cores): compare figures of one run; run it tw
 from __future__ import annotations
 
 import argparse
-import atexit
 import ctypes
 import gc
 import math
 import os
 import shutil
-import signal
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -51,10 +47,10 @@ sys.path[:0] = [str(HERE.parents[1]), str(ROOT), str(ROOT / "client")]
 
 import torch  # noqa: E402
 
-from common import fmt_num, fmt_seconds, gbps, machine, median, table, write_json  # noqa: E402
+from common import GiB, fmt_num, fmt_seconds, gbps, log, machine, median, table, timed_snapshot, write_json  # noqa: E402
+from daemons import cleanup, cleanup_on_exit, enough_shm, private_dir, start_daemon  # noqa: E402
+from floor import SlotLikeBuffer  # noqa: E402
 
-GiB = 1 << 30
-ALIGN = 64
 SHM_PREFIX = "ucpd-bench-snap-"
 
 # ------------------------------------------------------------------------------------------------
@@ -147,69 +143,16 @@ def touch(tensors) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# cleanup: the daemons we start and the folders we make go away even on errors and signals
-
-_CHILDREN: list[subprocess.Popen] = []
-_PATHS: list[str] = []
+# the daemon
 
 
-def _cleanup() -> None:
-    for p in _CHILDREN:
-        if p.poll() is None:
-            p.terminate()
-    for p in _CHILDREN:
-        try:
-            p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    _CHILDREN.clear()
-    for path in _PATHS:
-        shutil.rmtree(path, ignore_errors=True)
-    _PATHS.clear()
-
-
-def _on_signal(signum, _frame):
-    _cleanup()
-    sys.exit(128 + signum)
-
-
-def shm_dir(tag: str) -> str:
-    d = tempfile.mkdtemp(prefix=f"{SHM_PREFIX}{tag}-", dir="/dev/shm")
-    _PATHS.append(d)
-    return d
-
-
-class Daemon:
-    """A ``ucpd serve`` subprocess with a private run dir and shm dir."""
-
-    def __init__(self, tag: str, mem_limit: int, keep: int = 1, flush_dir: str | None = None):
-        self.run_dir = tempfile.mkdtemp(prefix=f"ucpd-bench-snap-run-{tag}-")
-        _PATHS.append(self.run_dir)
-        self.shm_dir = shm_dir(tag) + "/segments"
-        cmd = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir,
-               "--mem-limit", str(mem_limit), "--keep", str(keep), "--log-level", "WARNING", "--idle-exit", "900"]
-        if flush_dir:
-            cmd += ["--flush-dir", flush_dir, "--flush-every", "1", "--flush-rate", "0"]
-        self.proc = subprocess.Popen(cmd, cwd=str(ROOT))
-        _CHILDREN.append(self.proc)
-        deadline = time.monotonic() + 60
-        while not os.path.exists(os.path.join(self.run_dir, "ucpd.sock")):
-            if self.proc.poll() is not None:
-                raise SystemExit(f"ucpd serve exited with {self.proc.returncode}")
-            if time.monotonic() > deadline:
-                raise SystemExit("ucpd serve did not come up in 60 s")
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        shutil.rmtree(os.path.dirname(self.shm_dir), ignore_errors=True)
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+def serve(tag: str, mem_limit: int, keep: int = 1, flush_dir: str | None = None):
+    """A started ``ucpd serve`` with private dirs, ``--mem-limit``, ``--keep`` and, with
+    ``flush_dir``, a flush of every version at full speed; its warnings go to this console."""
+    args = ["--mem-limit", str(mem_limit), "--keep", str(keep), "--log-level", "WARNING", "--idle-exit", "900"]
+    if flush_dir:
+        args += ["--flush-dir", flush_dir, "--flush-every", "1", "--flush-rate", "0"]
+    return start_daemon(SHM_PREFIX, tag, args, log=False)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,10 +174,6 @@ class Results:
         return r["seconds"] if r else None
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ------------------------------------------------------------------------------------------------
 # floor
 
@@ -244,24 +183,11 @@ class Floor:
     ways. Measured interleaved with the snapshot reps, so that both see the same machine load."""
 
     def __init__(self, st: State):
-        import mmap
-
         self.st = st
-        self.dir = shm_dir("floor")
         sizes = [t.numel() * t.element_size() for _, t, _ in st.flat]
-        offs, off = [], 0
-        for n in sizes:
-            off = (off + ALIGN - 1) // ALIGN * ALIGN
-            offs.append(off)
-            off += n
-        total = off
-        fd = os.open(os.path.join(self.dir, "floor.bin"), os.O_RDWR | os.O_CREAT, 0o600)
-        os.ftruncate(fd, total)
-        self.mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        os.close(fd)
-        self.buf = torch.frombuffer(self.mm, dtype=torch.uint8)
-        self.buf.fill_(1)  # fault every page in once: the floor is a copy into warm memory
-        base = self.buf.data_ptr()
+        self.buffer = SlotLikeBuffer(private_dir(SHM_PREFIX, "floor"), sizes)  # warm: every page written once
+        offs, total, base = self.buffer.offsets, self.buffer.total, self.buffer.base
+        self.buf = torch.from_numpy(self.buffer.array)
         self.items = [(base + o, t.data_ptr(), n) for o, (_, t, _), n in zip(offs, st.flat, sizes)]
         self.views = [self.buf[o : o + n].view(t.dtype).view(t.shape) for o, (_, t, _), n in zip(offs, st.flat, sizes)]
         # two threads: the concatenated bytes cut in two halves (a big tensor split between them)
@@ -333,12 +259,7 @@ class Floor:
         self.pool.shutdown()
         self.pool = None
         del self.views, self.buf
-        gc.collect()
-        try:
-            self.mm.close()
-        except BufferError:
-            pass
-        shutil.rmtree(self.dir, ignore_errors=True)
+        self.buffer.close()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -346,18 +267,9 @@ class Floor:
 
 
 def snapshot_once(ck, step: int, state: dict, placements=None) -> dict:
-    t0 = time.perf_counter()
-    h = ck.snapshot(step, state, placements=placements)
-    t1 = time.perf_counter()
-    h.staged()
-    t2 = time.perf_counter()
-    h.wait()
-    t3 = time.perf_counter()
-    tm = h.timings
+    wall, tm = timed_snapshot(ck, step, state, placements)
     return {
-        "call": t1 - t0,
-        "staged": t2 - t0,
-        "committed": t3 - t0,
+        **wall,  # call, staged, committed
         # the worker thread's split (perf_counter stamps of the handle)
         "queue+begin RPC (slot)": tm["slot"] - tm["returned"],
         "copy+CRC (staged-slot)": tm["staged"] - tm["slot"],
@@ -546,7 +458,7 @@ def bench_restore_only(st: State, reps: int, res: Results, extra: dict, window_m
 
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
     # keep 2: the full version, the TP=2 version (2 slots), and the slot the next snapshot takes
-    daemon = Daemon("ram", mem_limit=3 * slot + slot // 2 + (64 << 20), keep=2)
+    daemon = serve("ram", mem_limit=3 * slot + slot // 2 + (64 << 20), keep=2)
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)
     state = st.nested
     probe = None
@@ -641,7 +553,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
     # keep 1: one slot holds the committed version, one is written: 2 slots; plus a half-size
     # slot for rank 1 of the TP=2 snapshot (resharding b)
-    daemon = Daemon("ram", mem_limit=2 * slot + slot // 2 + (64 << 20), keep=1)
+    daemon = serve("ram", mem_limit=2 * slot + slot // 2 + (64 << 20), keep=1)
     # full copies: the state does not change between snapshots (bench_incremental.py measures references)
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)
     state = st.nested
@@ -684,7 +596,7 @@ def bench_ucpd(st: State, reps: int, res: Results, extra: dict, floor: Floor) ->
         flat_t, flat_s = flat_tensors(targets), st.flat_dict()
         # (a): this rank is rank 0 of TP=2: half the rows of every 2-D tensor, Shard(0, 0, 2)
         half_targets, pl_a, half_bytes = half_rows_targets(st)
-        pt = os.path.join(shm_dir("torchfile"), "state.pt")
+        pt = os.path.join(private_dir(SHM_PREFIX, "torchfile"), "state.pt")
         torch.save(state, pt)
         probe = RestoreProbe().__enter__()  # exited after (b)
         probe.wrap_maps(ck)
@@ -758,9 +670,9 @@ def bench_flush(st: State, reps: int, res: Results, extra: dict) -> None:
     from ucpd.format import list_versions
     from ucpd_client import Checkpointer
 
-    flush_dir = os.path.join(shm_dir("flushdir"), "flush")
+    flush_dir = os.path.join(private_dir(SHM_PREFIX, "flushdir"), "flush")
     slot = (st.nbytes + (2 << 20)) // (2 << 20) * (2 << 20) + (2 << 20)
-    daemon = Daemon("flush", mem_limit=2 * slot + (64 << 20), keep=1, flush_dir=flush_dir)
+    daemon = serve("flush", mem_limit=2 * slot + (64 << 20), keep=1, flush_dir=flush_dir)
     ck = Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, incremental=False)  # full copies
     state = st.nested
     runs, daemon_secs = [], []
@@ -809,7 +721,7 @@ def bench_flush(st: State, reps: int, res: Results, extra: dict) -> None:
 def bench_peers(st: State, reps: int, res: Results, extra: dict) -> None:
     import torch.distributed.checkpoint as dcp
 
-    d = shm_dir("peers")
+    d = private_dir(SHM_PREFIX, "peers")
     state = st.nested
     nb = st.nbytes
 
@@ -1000,13 +912,8 @@ def main(argv=None) -> int:
                     help="with --restore-only: each rep also a same-layout restore with UCPD_RESTORE_VERIFY=window")
     args = ap.parse_args(argv)
 
-    atexit.register(_cleanup)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
-    free = shutil.disk_usage("/dev/shm").free
-    need = int(args.size_gib * GiB * 3.6)
-    if free < need:
-        print(f"/dev/shm has {free / GiB:.1f} GiB free, this run needs about {need / GiB:.1f} GiB", file=sys.stderr)
+    cleanup_on_exit()
+    if not enough_shm(int(args.size_gib * GiB * 3.6)):
         return 2
     t_start = time.perf_counter()
     log(f"building a {args.size_gib} GiB state ({torch.get_num_threads()} torch threads)")
@@ -1027,7 +934,7 @@ def main(argv=None) -> int:
             if not args.skip_peers:
                 bench_peers(st, args.peer_reps, res, extra)
     finally:
-        _cleanup()
+        cleanup()
     out = report(st, res, extra, args)
     out["wall_seconds"] = time.perf_counter() - t_start
     write_json(args.json, out)

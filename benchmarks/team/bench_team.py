@@ -55,19 +55,13 @@ figures of one run; run it several times.
 from __future__ import annotations
 
 import argparse
-import atexit
-import ctypes
 import gc
 import glob
-import json
 import multiprocessing as mp
 import os
 import shutil
-import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 import uuid
@@ -77,40 +71,14 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
 sys.path[:0] = [str(HERE.parents[1]), str(ROOT), str(ROOT / "client")]
 
-from common import fmt_num, fmt_seconds, machine, median, table, write_json  # noqa: E402
+from common import MiB, fmt_num, fmt_seconds, fmt_spread, fmt_spread_num, log, machine, median, table, write_json  # noqa: E402
+from daemons import FOREIGN_ENV, Daemon, Loopback, cleanup, cleanup_on_exit, on_cleanup, wait_for  # noqa: E402
 
-MiB = 1 << 20
 SHM_PREFIX = "ucpd-bench-team-"
 BLOCKS = 6  # every tensor's rows are cut into 6 blocks: TP=1, 2, 3 and 6 all own whole blocks
 FRAME = 4 * MiB
-FOREIGN_ENV = (
-    "UCPD_RUN_DIR", "UCPD_SHM_DIR", "UCPD_JOB_ID", "UCPD_KEEP", "UCPD_MEM_LIMIT", "UCPD_SECRET_FILE",
-    "UCPD_EMBEDDED_IDLE_EXIT", "UCPD_RPC_TIMEOUT", "UCPD_FAULT", "UCPD_PEER_PAYLOAD_MAC",
-    "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-    "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-)
-
 
 BENCH_JOB = "bench"  # the job of the benchmark's versions: flushed under <flush-dir>/bench/
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def spread(xs) -> str:
-    """min / median / max of seconds."""
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "-"
-    return f"{fmt_seconds(min(xs))} / {fmt_seconds(median(xs))} / {fmt_seconds(max(xs))}"
-
-
-def spread_num(xs, digits=2, unit="") -> str:
-    xs = [x for x in xs if x is not None]
-    if not xs:
-        return "-"
-    return f"{min(xs):.{digits}f} / {median(xs):.{digits}f} / {max(xs):.{digits}f}{unit}"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -419,7 +387,7 @@ class Rank:
         self.conn, child = mp.Pipe()
         self.proc = mp.get_context("spawn").Process(target=_rank_main, args=(child,), daemon=True)
         self.proc.start()
-        _RANKS.append(self)
+        on_cleanup(self)
 
     def send(self, name: str, **kwargs) -> None:
         self.conn.send((name, kwargs))
@@ -518,7 +486,7 @@ class RawPair:
         self.send_proc = sp.Process(target=_raw_sender, args=(c2, address, 64 * MiB), daemon=True)
         self.send_proc.start()
         assert self.sconn.recv() == "ready"
-        _RAW.append(self)
+        on_cleanup(self)
 
     def stop(self):
         for c in (self.sconn, self.rconn):
@@ -547,178 +515,7 @@ def raw_transfer(pairs: list[RawPair], total_each: int) -> float:
 
 
 # ------------------------------------------------------------------------------------------------
-# daemons, and cleaning up after ourselves on every path
-
-_DAEMONS: list["Daemon"] = []
-_RANKS: list[Rank] = []
-_RAW: list[RawPair] = []
-_PATHS: list[str] = []
-
-
-def _cleanup() -> None:
-    for r in list(_RANKS):
-        try:
-            r.stop()
-        except Exception:
-            pass
-    _RANKS.clear()
-    for p in list(_RAW):
-        try:
-            p.stop()
-        except Exception:
-            pass
-    _RAW.clear()
-    for d in list(_DAEMONS):
-        d.stop()
-    _DAEMONS.clear()
-    for path in _PATHS:
-        shutil.rmtree(path, ignore_errors=True)
-    _PATHS.clear()
-
-
-def _on_signal(signum, _frame):
-    _cleanup()
-    sys.exit(128 + signum)
-
-
-def _child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in FOREIGN_ENV}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "client")] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    return env
-
-
-def _die_with_parent() -> None:
-    try:  # PR_SET_PDEATHSIG: a daemon of a benchmark killed with SIGKILL does not outlive it
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except Exception:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Daemon:
-    """A ``ucpd serve`` process with a private run dir (under ``tmp``) and shm dir (under ``shm``)."""
-
-    def __init__(self, tmp: str, shm: str, tag: str, args: list[str]):
-        self.tag, self.args = tag, args
-        self.dir = os.path.join(tmp, tag)
-        os.makedirs(self.dir, exist_ok=True)
-        self.run_dir = os.path.join(self.dir, "run")
-        self.shm_dir = os.path.join(shm, tag)
-        self.log = os.path.join(self.dir, "daemon.log")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> "Daemon":
-        cmd = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir, *self.args]
-        with open(self.log, "ab") as f:
-            f.write(f"$ {' '.join(cmd)}\n".encode())
-            f.flush()
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=f, cwd=str(ROOT), env=_child_env(), preexec_fn=_die_with_parent)
-        _DAEMONS.append(self)
-        sock = os.path.join(self.run_dir, "ucpd.sock")
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                with open(os.path.join(self.run_dir, "ucpd.lock")) as f:
-                    pid = int(f.read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
-            if os.path.exists(sock) and pid == self.proc.pid:
-                return self
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"daemon {self.tag} exited with {self.proc.returncode}:\n{self.log_tail()}")
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"daemon {self.tag} did not start in 60 s:\n{self.log_tail()}")
-            time.sleep(0.02)
-
-    def status(self) -> dict:
-        from ucpd.rpc import Connection
-
-        with Connection(self.run_dir, timeout=20.0) as c:
-            return c.call("status")
-
-    def cli_status(self) -> dict:
-        """``ucpd status --json`` (what an operator runs)."""
-        out = subprocess.run([sys.executable, "-m", "ucpd", "status", "--json", "--run-dir", self.run_dir],
-                             capture_output=True, text=True, timeout=60, check=True, cwd=str(ROOT), env=_child_env())
-        return json.loads(out.stdout)
-
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        shutil.rmtree(self.shm_dir, ignore_errors=True)
-        if self in _DAEMONS:
-            _DAEMONS.remove(self)
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            with open(self.log, errors="replace") as f:
-                return f.read()[-n:]
-        except OSError:
-            return ""
-
-
-class Env:
-    """This run's temp dir, shm root, and where to keep the daemons' logs."""
-
-    def __init__(self, keep_logs: str | None):
-        self.tmp = tempfile.mkdtemp(prefix="ucpd-bench-team-")
-        _PATHS.append(self.tmp)
-        self.shm = tempfile.mkdtemp(prefix=SHM_PREFIX, dir="/dev/shm")
-        _PATHS.append(self.shm)
-        self.keep_logs = keep_logs
-        self.daemons: list[Daemon] = []
-
-    def daemon(self, tag: str, args: list[str]) -> Daemon:
-        d = Daemon(self.tmp, self.shm, tag, args)
-        self.daemons.append(d)
-        return d.start()
-
-    def team(self, tag: str, n: int, extra: list[str]) -> list[Daemon]:
-        peers = ",".join(f"tcp://127.0.0.1:{free_port()}" for _ in range(n))
-        nodes = [Daemon(self.tmp, self.shm, f"{tag}-n{i}", ["--nodes", str(n), "--node-rank", str(i), "--peers", peers, *extra])
-                 for i in range(n)]
-        self.daemons += nodes
-        for d in nodes:
-            d.start()
-        wait_for(lambda: all(all(x["live"] for x in d.status()["team"]["nodes"]) for d in nodes), f"team {tag} to form", 60, nodes)
-        return nodes
-
-    def save_logs(self) -> None:
-        if not self.keep_logs:
-            return
-        os.makedirs(self.keep_logs, exist_ok=True)
-        for d in self.daemons:
-            if os.path.exists(d.log):
-                shutil.copy(d.log, os.path.join(self.keep_logs, f"{d.tag}.log"))
-
-
-def wait_for(cond, what: str, timeout: float, daemons=(), interval: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if cond():
-                return
-        except Exception:
-            if time.monotonic() > deadline:
-                raise
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {d.tag}\n{d.log_tail(2000)}" for d in daemons)
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}\n{logs}")
-        time.sleep(interval)
+# what the team's daemons hold and say
 
 
 def shm_bytes(path: str) -> dict:
@@ -782,7 +579,7 @@ def replicated(nodes: list[Daemon]) -> int:
 # 1. replication throughput
 
 
-def bench_replication(env: Env, args, out: dict) -> None:
+def bench_replication(env: Loopback, args, out: dict) -> None:
     log(f"replication: 2-node team (--replicas 1) vs one plain daemon, {args.size_mib} MiB per rank")
     shapes = gpt_shapes(2 * args.size_mib * MiB, layers=12)
     team = env.team("repl", 2, ["--replicas", "1"])
@@ -862,16 +659,16 @@ def report_replication(r: dict) -> tuple[str, dict]:
     ratio1 = thr_med / median(raw1)
     ratio2 = thr_med / median(raw2)
     t = [
-        ["plain daemon (--nodes 1, both ranks): snapshot -> committed", fmt_seconds(cold["single"]), spread(x["single"] for x in warm)],
-        ["team of 2, --replicas 1: snapshot -> committed", fmt_seconds(cold["team"]), spread(x["team"] for x in warm)],
+        ["plain daemon (--nodes 1, both ranks): snapshot -> committed", fmt_seconds(cold["single"]), fmt_spread(x["single"] for x in warm)],
+        ["team of 2, --replicas 1: snapshot -> committed", fmt_seconds(cold["team"]), fmt_spread(x["team"] for x in warm)],
         ["  of which until staged (team / plain)", f"{fmt_seconds(cold['team_staged'])} / {fmt_seconds(cold['single_staged'])}",
-         f"{spread(x['team_staged'] for x in warm)} (team); {spread(x['single_staged'] for x in warm)} (plain)"],
-        ["  the snapshot() call (team)", fmt_seconds(cold["team_call"]), spread(x["team_call"] for x in warm)],
-        ["extra time of the team (team - plain, same step)", fmt_seconds(cold["team"] - cold["single"]), spread(extra)],
+         f"{fmt_spread(x['team_staged'] for x in warm)} (team); {fmt_spread(x['single_staged'] for x in warm)} (plain)"],
+        ["  the snapshot() call (team)", fmt_seconds(cold["team_call"]), fmt_spread(x["team_call"] for x in warm)],
+        ["extra time of the team (team - plain, same step)", fmt_seconds(cold["team"] - cold["single"]), fmt_spread(extra)],
         ["bytes replicated per step (both nodes)", f"{cold['replicated'] / MiB:.0f} MiB", f"{med_bytes / MiB:.0f} MiB"],
-        ["replication throughput = bytes / extra time", "-", spread_num(thr, 2, " GB/s")],
-        ["raw pyzmq PUSH/PULL, 1 pair, same bytes, 4 MiB frames", "-", spread_num(raw1, 2, " GB/s")],
-        ["raw pyzmq PUSH/PULL, 2 pairs at once (one each way)", "-", spread_num(raw2, 2, " GB/s")],
+        ["replication throughput = bytes / extra time", "-", fmt_spread_num(thr, 2, " GB/s")],
+        ["raw pyzmq PUSH/PULL, 1 pair, same bytes, 4 MiB frames", "-", fmt_spread_num(raw1, 2, " GB/s")],
+        ["raw pyzmq PUSH/PULL, 2 pairs at once (one each way)", "-", fmt_spread_num(raw2, 2, " GB/s")],
     ]
     text = table(["what", "cold (step 1)", f"warm, {len(warm)} steps: min / median / max"], t, markdown=True)
     text += (f"\n\nSteps that wrote into a fresh slot or made a new slot/replica file (neither cold nor warm, left out): "
@@ -944,7 +741,7 @@ def pair_time(results: list[dict]) -> float:
     return max(r["end"] for r in results) - min(r["start"] for r in results)
 
 
-def bench_recovery(env: Env, args, out: dict) -> None:
+def bench_recovery(env: Loopback, args, out: dict) -> None:
     log(f"recovery: 3-node team (--replicas 1 --flush-dir), TP=3, {args.recovery_mib} MiB per node; lose node 2")
     shapes = gpt_shapes(3 * args.recovery_mib * MiB, layers=12)
     flush_dir = os.path.join(env.tmp, "flush")
@@ -1067,19 +864,19 @@ def bench_recovery(env: Env, args, out: dict) -> None:
 
 def report_recovery(r: dict) -> tuple[str, dict]:
     g = r["global_bytes"]
-    gb = lambda xs: spread_num([g / x / 1e9 for x in xs], 2)  # noqa: E731
+    gb = lambda xs: fmt_spread_num([g / x / 1e9 for x in xs], 2)  # noqa: E731
     rows = [
         ["restore from the survivors' RAM (default path), first", fmt_seconds(r["first_ram"]), f"{g / r['first_ram'] / 1e9:.2f}",
          f"RPC {fmt_seconds(r['first_ram_rpc'])}"],
-        ["restore from the survivors' RAM (default path)", spread(r["ram"]), gb(r["ram"]), f"RPC (plan + peer fetch) {spread(r['ram_rpc'])}"],
+        ["restore from the survivors' RAM (default path)", fmt_spread(r["ram"]), gb(r["ram"]), f"RPC (plan + peer fetch) {fmt_spread(r['ram_rpc'])}"],
         ["restore from the flush dir, plain daemon, first", fmt_seconds(r["first_flush"]), f"{g / r['first_flush'] / 1e9:.2f}",
          f"RPC {fmt_seconds(r['first_flush_rpc'])}"],
-        ["restore from the flush dir, plain daemon, page cache warm", spread(r["flush_warm"]), gb(r["flush_warm"]),
-         f"RPC {spread(r['flush_warm_rpc'])}"],
-        ["restore from the flush dir, plain daemon, page cache dropped", spread(r["flush_cold"]), gb(r["flush_cold"]),
-         f"RPC {spread(r['flush_cold_rpc'])}"],
-        ["torch.load <- /dev/shm (each rank its own file, new layout)", spread(r["torch_load"]), gb(r["torch_load"]), "no reshard, no checks"],
-        ["memcpy floor (native copy_batch, no CRC, warm buffers)", spread(r["floor"]), gb(r["floor"]), ""],
+        ["restore from the flush dir, plain daemon, page cache warm", fmt_spread(r["flush_warm"]), gb(r["flush_warm"]),
+         f"RPC {fmt_spread(r['flush_warm_rpc'])}"],
+        ["restore from the flush dir, plain daemon, page cache dropped", fmt_spread(r["flush_cold"]), gb(r["flush_cold"]),
+         f"RPC {fmt_spread(r['flush_cold_rpc'])}"],
+        ["torch.load <- /dev/shm (each rank its own file, new layout)", fmt_spread(r["torch_load"]), gb(r["torch_load"]), "no reshard, no checks"],
+        ["memcpy floor (native copy_batch, no CRC, warm buffers)", fmt_spread(r["floor"]), gb(r["floor"]), ""],
     ]
     text = table(["2 ranks at once, whole state (min / median / max)", "time", "GB/s", "note"], rows, markdown=True)
     ram = median(r["ram"])
@@ -1113,7 +910,7 @@ def report_recovery(r: dict) -> tuple[str, dict]:
 # 3. memory overhead
 
 
-def bench_overhead(env: Env, args, out: dict) -> None:
+def bench_overhead(env: Loopback, args, out: dict) -> None:
     shapes = gpt_shapes(3 * args.overhead_mib * MiB, layers=4)
     res = {}
     for R in (1, 2):
@@ -1166,7 +963,7 @@ def report_overhead(o: dict, rec: list | None, rec_held: list | None = None) -> 
 # 4. commit latency
 
 
-def bench_latency(env: Env, args, out: dict) -> None:
+def bench_latency(env: Loopback, args, out: dict) -> None:
     res, events = {}, {}
     ranks: list[Rank] = []
     for n in [1] + args.latency_nodes:
@@ -1195,7 +992,7 @@ def bench_latency(env: Env, args, out: dict) -> None:
             time.sleep(args.rhythm_latency)
         res[n] = rows
         events[n] = team_events(nodes) if n > 1 else []
-        log(f"  {n} node(s): latest() on every node after {spread(r['latest'] for r in rows)} (min / median / max)")
+        log(f"  {n} node(s): latest() on every node after {fmt_spread(r['latest'] for r in rows)} (min / median / max)")
         all_ranks(use, "drop")
         for d in nodes:
             d.stop()
@@ -1209,8 +1006,8 @@ def report_latency(lat: dict) -> tuple[str, dict]:
     rows, summary = [], {}
     for n, steps in lat.items():
         label = f"{n} (plain daemon, reference)" if n == "1" else n
-        rows.append([label, spread(s["latest"] for s in steps), spread(s["wait"] for s in steps),
-                     spread(s["call_spread"] for s in steps), str(max(s["polls"] for s in steps))])
+        rows.append([label, fmt_spread(s["latest"] for s in steps), fmt_spread(s["wait"] for s in steps),
+                     fmt_spread(s["call_spread"] for s in steps), str(max(s["polls"] for s in steps))])
         summary[n] = {"latest_median": median([s["latest"] for s in steps]), "latest_max": max(s["latest"] for s in steps),
                       "wait_median": median([s["wait"] for s in steps])}
     text = table(["nodes", "last snapshot() -> latest() = step on every node", "-> wait() returned on every node",
@@ -1268,38 +1065,29 @@ def main(argv=None) -> int:
 
     for name in FOREIGN_ENV:
         os.environ.pop(name, None)
-    atexit.register(_cleanup)
-    signal.signal(signal.SIGTERM, _on_signal)
-    signal.signal(signal.SIGINT, _on_signal)
+    cleanup_on_exit()
     info = machine()
     info["mem_available_gib_at_start"] = round(MemWatch.available_gib(), 1)
     mem = MemWatch()
     log(f"machine: {info}")
-    env = Env(args.keep_logs)
+    env = Loopback(SHM_PREFIX, args.keep_logs)
     out: dict = {"machine": info, "args": vars(args), "date": time.strftime("%Y-%m-%d %H:%M")}
     t0 = time.monotonic()
     ok = False
+    parts = (("replication", bench_replication), ("recovery", bench_recovery), ("overhead", bench_overhead), ("latency", bench_latency))
     try:
-        if "replication" in only:
-            mem.part = "replication"
-            bench_replication(env, args, out)
-        if "recovery" in only:
-            mem.part = "recovery"
-            bench_recovery(env, args, out)
-        if "overhead" in only:
-            mem.part = "overhead"
-            bench_overhead(env, args, out)
-        if "latency" in only:
-            mem.part = "latency"
-            bench_latency(env, args, out)
+        for part, bench in parts:
+            if part in only:
+                mem.part = part
+                bench(env, args, out)
         ok = True
     except BaseException:
         for d in env.daemons:
-            print(f"--- daemon {d.tag} log (tail)\n{d.log_tail(3000)}", file=sys.stderr)
+            print(f"--- daemon {d.tag} log (tail)\n{d.log_tail(40)}", file=sys.stderr)
         raise
     finally:
         env.save_logs()
-        _cleanup()
+        cleanup()
         mem.stop()
         out["mem_available_low_gib"] = mem.low
         out["wall_s"] = round(time.monotonic() - t0, 1)
