@@ -63,6 +63,8 @@ import errno
 import os
 import signal
 
+from . import knobs
+
 # name -> (kind, where): kind "crash" | "once" | "fail" | "stall"; where "daemon" | "team" | "client"
 POINTS: dict[str, tuple[str, str]] = {
     "slot.allocated": ("crash", "daemon"),
@@ -116,7 +118,7 @@ def arm(spec: str | None) -> None:
     NAME = next(iter(_armed), "")
 
 
-arm(os.environ.get("UCPD_FAULT", ""))
+arm(knobs.get("UCPD_FAULT", "") or "")
 
 
 def _hit(name: str, step: int | None) -> bool:
@@ -165,7 +167,7 @@ def stall(name: str, step: int | None = None, seconds: float = 3.0) -> None:
     if once(name, step):
         import time
 
-        time.sleep(float(os.environ.get("UCPD_FAULT_SECONDS") or seconds))
+        time.sleep(float(knobs.get("UCPD_FAULT_SECONDS") or seconds))
 
 
 def dying() -> bool:

@@ -48,6 +48,16 @@ def user() -> str:
         return str(os.getuid())
 
 
+def job() -> str | None:
+    """``$UCPD_JOB``: the job a Checkpointer belongs to (None: worked out from the launcher)."""
+    return get("UCPD_JOB") or None
+
+
+def job_id() -> str | None:
+    """``$UCPD_JOB_ID``: this run of the job (None: from the launcher, or made by rank 0)."""
+    return get("UCPD_JOB_ID") or None
+
+
 def run_dir() -> str:
     """Where the daemon's socket lives: $UCPD_RUN_DIR, else a per-user folder in the temp dir."""
     return _get("UCPD_RUN_DIR", os.path.join(tempfile.gettempdir(), f"ucpd-{user()}"))

@@ -52,8 +52,8 @@ def default_job() -> str:
     """The job a Checkpointer belongs to when none is named, the same on every rank and across
     restarts of the job: ``$UCPD_JOB``, torchrun's rendezvous id, ``$SLURM_JOB_ID``, else the
     script and the working directory (``train-1a2b3c4d5e``)."""
-    if os.environ.get("UCPD_JOB"):
-        return os.environ["UCPD_JOB"]
+    if knobs.job():
+        return knobs.job()
     rdzv = os.environ.get("TORCHELASTIC_RUN_ID", "")
     if rdzv and rdzv != "none":  # torchrun's default --rdzv-id is "none": not a job's own id
         return _as_job_name(f"torchrun-{rdzv}")
@@ -71,8 +71,8 @@ def _default_job_id() -> str | None:
     """One id per run of the job, the same on every rank: $UCPD_JOB_ID, torchrun's run id and
     restart count, the launcher's (``launchers.run_id``: Slurm, PMIx, Open MPI), or one that
     rank 0 puts in the process group's store (no collective)."""
-    if os.environ.get("UCPD_JOB_ID"):
-        return os.environ["UCPD_JOB_ID"]
+    if knobs.job_id():
+        return knobs.job_id()
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         return f"{os.environ['TORCHELASTIC_RUN_ID']}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     launched = launchers.run_id()  # srun's job, step and restart count; PMIx's namespace

@@ -271,9 +271,7 @@ class Locator:
 
     def ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""
-        if version.restore_sources is None:
-            version.restore_sources = restore_plan.from_ram(version, self.store.slot_path)
-        return version.restore_sources
+        return version.restore_sources(lambda v: restore_plan.from_ram(v, self.store.slot_path))
 
     def open_disk(self, step, job: str):
         from ..format import open_version

@@ -388,13 +388,8 @@ class Daemon:
         if self.flusher is not None:
             self.flusher.forget(job)
         out = self.store.drop(job)
-        if self.team is not None and self.team.replicas is not None:
-            # a team serves one job: the copies this node holds for its peers are that job's too
-            reps = self.team.replicas
-            for key, rep in list(reps.held.items()):
-                reps.drop(*key)
-                if key not in reps.held:  # (one a reader still pins stays until unpinned)
-                    out["bytes"] += rep.size
+        if self.team is not None:  # a team serves one job: the copies held for its peers are that job's too
+            out["bytes"] += self.team.drop_copies()
         return out
 
     def _on_shutdown(self, ident, req_id, body):

@@ -79,7 +79,7 @@ class Version:
     ranks_sealed: tuple[int, ...] = ()  # the ranks whose parts it held when it left RAM
     # caches, cleared by the table when the parts change or go: the restore sources of the
     # committed parts (built at commit), and the parts' fragments by global tensor
-    restore_sources: "SourceSet | None" = None
+    _restore_sources: "SourceSet | None" = None
     failure: Exception | None = None  # why it could not commit once every rank sealed it
     _globals: dict[str, GlobalTensor] | None = None
 
@@ -98,7 +98,13 @@ class Version:
 
     def _forget_caches(self) -> None:
         self._globals = None
-        self.restore_sources = None
+        self._restore_sources = None
+
+    def restore_sources(self, build) -> "SourceSet":
+        """The restore sources of the parts: ``build(self)`` once, kept until the parts change."""
+        if self._restore_sources is None:
+            self._restore_sources = build(self)
+        return self._restore_sources
 
     def globals(self) -> dict[str, GlobalTensor]:
         """Index the parts' fragments by global tensor name (computed once per version).

@@ -170,6 +170,18 @@ class ReplicaStore:
                 del self.held[(origin, step)]
                 self._free(rep)
 
+    def drop_all(self) -> int:
+        """Drop every copy no reader pins (a team serves one job: ``ucpd drop`` of it); returns
+        the bytes freed. A pinned one goes when its reader unpins it."""
+        freed = 0
+        with self.lock:
+            for key, rep in list(self.held.items()):
+                if not rep.pins:
+                    del self.held[key]
+                    self._free(rep)
+                    freed += rep.size
+        return freed
+
     def pin(self, rep: Replica) -> None:
         """Keep ``rep`` while it is read (past ``keep``, until ``unpin``)."""
         with self.lock:

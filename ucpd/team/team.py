@@ -284,6 +284,10 @@ class Team:
         with self._lock:
             return self.membership.view.live
 
+    def drop_copies(self) -> int:
+        """Free the copies this node holds for its peers (the team's job was dropped); the bytes."""
+        return self.replicas.drop_all() if self.replicas is not None else 0
+
     def is_committed(self, step: int) -> bool:
         with self._lock:
             return self.commit.is_committed(step)
