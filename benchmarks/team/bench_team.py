@@ -231,7 +231,7 @@ def cmd_open(ctx, key, run_dir, rank, world, local_world_size, job_id, fresh=Fal
 
     ck = Checkpointer(run_dir, rank=rank, world_size=world, embedded=False, job_id=job_id,
                       local_world_size=local_world_size)
-    orig = ck._conn
+    orig = ck.session.conn
     rec = ctx.rpc
 
     class _Timed:  # the RPCs a benchmark wants to see: restore's duration and source, begin's slot
@@ -251,7 +251,7 @@ def cmd_open(ctx, key, run_dir, rank, world, local_world_size, job_id, fresh=Fal
         def call_wait(self, step, timeout):
             return self._c.call_wait(step, timeout)
 
-    ck._conn = lambda: _Timed(orig())
+    ck.session.conn = lambda: _Timed(orig())  # every call of this rank goes through its session
     ctx.ckpts[key] = ck
     return True
 
