@@ -73,16 +73,17 @@ class Locator:
         answer read is used meanwhile; ``ucpd status`` says the flush dir is unresponsive.
 
         ``needed``: RAM holds nothing of the job, so the flush dir's answer is the only one, and
-        "none" would tell a trainer to start afresh. With no answer read before, the lookup is
-        then waited for up to ``$UCPD_DISK_ANSWER_SECONDS`` (60) in all, and ``StorageError``
-        says the flush dir did not answer."""
+        "none" would tell a trainer to start afresh. Unless a step was read before, the lookup
+        is then waited for up to ``$UCPD_DISK_ANSWER_SECONDS`` (60) in all, and ``StorageError``
+        says the flush dir did not answer: a "none" read earlier (before the first flush, say)
+        is not an answer now."""
         if self.job_flush_dir(job) is None:
             return None
         import concurrent.futures as cf
 
         with self._disk_guard:
             fut = self._disk_pending.get(job)
-            if fut is not None and not fut.done() and (not needed or job in self._disk_cache):
+            if fut is not None and not fut.done() and not self._must_wait(job, needed):
                 return self._disk_cache.get(job)  # still hung: no second wait
             if fut is None:
                 if self._disk_pool is None:
@@ -94,7 +95,7 @@ class Locator:
                 step = fut.result(timeout=knobs.disk_lookup_seconds())
             except cf.TimeoutError:
                 self._note_unresponsive("did not answer within %.0f s" % knobs.disk_lookup_seconds())
-                if not needed or job in self._disk_cache:
+                if not self._must_wait(job, needed):
                     return self._disk_cache.get(job)
                 left = knobs.disk_answer_seconds() - (time.monotonic() - started)
                 try:
@@ -108,7 +109,7 @@ class Locator:
                     ) from None
         except StorageError as exc:  # an object store that fails its requests: as one that does not answer
             self._note_unresponsive(f"failed a lookup ({exc})")
-            if needed and job not in self._disk_cache:
+            if self._must_wait(job, needed):
                 raise
             return self._disk_cache.get(job)
         finally:
@@ -118,6 +119,11 @@ class Locator:
         self.disk_unresponsive = None
         self._disk_cache[job] = step
         return step
+
+    def _must_wait(self, job: str, needed: bool) -> bool:
+        """Whether only the flush dir's fresh answer will do: RAM holds nothing and no step of
+        the job was read from the flush dir before."""
+        return needed and self._disk_cache.get(job) is None
 
     def _note_unresponsive(self, what: str) -> None:
         if not self.disk_unresponsive:
