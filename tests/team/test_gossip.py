@@ -209,3 +209,21 @@ def test_a_live_node_refutes_a_death_reported_without_its_process():
     b.on_message(3, {"k": "ping", "s": 1, "me": ["d", 1.0, 0], "u": [[1, DEAD, 3, "", -1.0, 0]]}, now=1.0)
     (dst, ack), = b.take_sends()
     assert ack["me"] == ["b", 1.0, 1] and b.counters["refuted"] == 1
+
+
+def test_a_replacement_whose_clock_is_behind_its_predecessors_outranks_it():
+    a, b = _pair()
+    a.on_message(1, {"k": "ping", "s": 1, "me": ["b-old", 50.0, 0], "u": []}, now=1.0)  # on a host whose clock ran ahead
+    b.on_message(0, {"k": "ping", "s": 1, "me": _me(a), "u": [[1, DEAD, 0, "b-old", 50.0, 0]]}, now=2.0)
+    (dst, ack), = b.take_sends()
+    assert ack["me"][0] == "b" and ack["me"][1] > 50.0  # node 1's new process took a later generation
+    a.on_message(1, ack, now=2.1)
+    assert a.incarnation(1) == "b" and a.state(1) == "alive"
+
+
+def test_the_team_timing_makes_a_lone_suspicion_last_dead_after():
+    for nodes in (4, 64, 8192):
+        shortest, longest = GossipConfig.for_team(0.25, 3.0, nodes).suspicion(nodes)
+        assert longest == pytest.approx(3.0) and shortest == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="dead_after"):
+        GossipConfig.for_team(1.0, 0.5, 4)

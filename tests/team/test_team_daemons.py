@@ -105,6 +105,25 @@ def test_three_nodes_one_replica_lose_a_node_and_restore_on_the_survivors_with_a
     assert s["team"]["counters"]["replicated_bytes"] > 0
 
 
+def test_a_gossiping_team_loses_a_node_while_views_converge_and_another_after_a_commit(make_team):
+    team = make_team(4, "--membership", "gossip", "--replicas", "1", "--keep", "2")
+    team.lose(3)  # at once: the others have not all heard of each other yet
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][3]["live"], "node 3 to be declared dead")
+    procs, done = ranks.spawn(snapshot_ranks, 6, team.run_dirs()[:3], 2, 2, (1, 2, 3), True)  # TP2xDP3 on 3 nodes
+    assert sorted(m[2] for m in done) == [3] * 6, team.logs()
+    for i in range(3):
+        s = status(team.nodes[i].run_dir)["team"]
+        assert s["membership"]["kind"] == "gossip" and s["membership"]["counters"]["pings"] > 0
+        assert s["transport"]["heartbeats_sent"] == 0  # no all-to-all heartbeats
+        assert [n["live"] for n in s["nodes"]] == [True, True, True, False]
+
+    ranks.kill(procs)
+    team.lose(2)
+    for i in range(2):
+        wait_for(lambda i=i: not status(team.nodes[i].run_dir)["team"]["nodes"][2]["live"], f"node {i} to drop node 2")
+    restore_on(team.run_dirs()[:2], 4, 2, 2, 3, then_snapshot=True)  # node 2's part from its copy, then step 4
+
+
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
     import glob
 

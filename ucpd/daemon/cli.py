@@ -11,6 +11,8 @@ import tomllib
 from .. import knobs
 from ..errors import UcpdError
 
+GOSSIP_FROM = 64  # --membership auto: nodes from which gossip replaces all-to-all heartbeats
+
 
 def add_commands(sub) -> None:
     p = sub.add_parser("serve", help="run the node daemon", description="Run the ucpd node daemon in the foreground.")
@@ -25,6 +27,10 @@ def add_commands(sub) -> None:
     p.add_argument("--net-limit", help="bandwidth for copies to peers in bytes/s, e.g. 1G (0: unlimited)")
     p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats to peers (default 0.25)")
     p.add_argument("--dead-after", type=float, default=None, help="a peer silent this long is dead (default 3)")
+    p.add_argument("--membership", choices=("auto", "heartbeat", "gossip"), default=None,
+                   help="how the team learns who is alive: heartbeat (every daemon to every other), gossip (SWIM: "
+                   "a probe per period whatever the team's size), or auto: gossip from %d nodes (default auto)"
+                   % GOSSIP_FROM)
     p.add_argument("--mem-limit", help="RAM for snapshot slots, e.g. 64G (default 80%% of free /dev/shm)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")
@@ -219,6 +225,15 @@ def team_config(o: dict, nodes: int, node_rank: int):
         except ValueError as exc:
             raise UcpdError(f"--parity {o['parity']} over --nodes {nodes}: {exc}") from None
     replicas = int(o.get("replicas", 0) or 0)
+    heartbeat, dead_after = float(o.get("heartbeat") or 0.25), float(o.get("dead_after") or 3.0)
+    membership = str(o.get("membership") or "auto")
+    if membership not in ("auto", "heartbeat", "gossip"):
+        raise UcpdError(f"--membership {membership!r}: use auto, heartbeat or gossip")
+    if membership == "auto":
+        membership = "gossip" if nodes >= GOSSIP_FROM else "heartbeat"
+    if not 0 < heartbeat < dead_after:
+        raise UcpdError(f"--heartbeat {heartbeat:g} and --dead-after {dead_after:g}: a peer must get several "
+                        "periods before it is dead; use e.g. --heartbeat 0.25 --dead-after 3")
     if not 0 <= replicas < nodes:
         raise UcpdError(f"--replicas {replicas} needs at least {replicas + 1} nodes; the team has {nodes}")
     return TeamConfig(
@@ -231,8 +246,9 @@ def team_config(o: dict, nodes: int, node_rank: int):
         parity=parity,
         domain=o.get("domain"),
         net_limit=float(knobs.parse_size(o["net_limit"])) if o.get("net_limit") else 0.0,
-        heartbeat=float(o.get("heartbeat") or 0.25),
-        dead_after=float(o.get("dead_after") or 3.0),
+        heartbeat=heartbeat,
+        dead_after=dead_after,
+        membership=membership,
         keep=int(o.get("keep", knobs.keep_versions())),
         flush_dir=o.get("flush_dir"),
     )

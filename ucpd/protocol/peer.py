@@ -216,6 +216,9 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType("commit", {"m": COMMIT_MESSAGE}, {}, "a message of the commit protocol (COMMIT_MESSAGES); one-way",
                     None),
         MessageType("hello", {"domain": text}, {}, "the sender's failure domain (--domain); one-way", None),
+        MessageType("gossip", {"m": any_map}, {},
+                    "a message of the membership protocol (ucpd.team.gossip, --membership gossip), checked there; "
+                    "one-way", None),
     ]
 }
 

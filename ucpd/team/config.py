@@ -20,5 +20,6 @@ class TeamConfig:
     net_limit: float = 0.0
     heartbeat: float = 0.25
     dead_after: float = 3.0
+    membership: str = "heartbeat"  # or "gossip" (``--membership``; see ``team.team.MEMBERSHIPS``)
     keep: int = 2
     flush_dir: str | None = None

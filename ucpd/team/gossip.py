@@ -75,6 +75,16 @@ class GossipConfig:
     fanout: int = 3  # peers a node also gossips to each period while it has rumours to spread
     sync_every: int = 8  # periods between two anti-entropy exchanges with a random peer
 
+    @classmethod
+    def for_team(cls, period: float, dead_after: float, nodes: int) -> GossipConfig:
+        """The timing of ``ucpd serve --membership gossip``: a probe every ``--heartbeat``
+        seconds, and a suspicion that no other node confirms lasts ``--dead-after`` seconds
+        (confirmations shorten it down to a ``suspicion_max_mult``-th, as Lifeguard does)."""
+        if not 0 < period < dead_after:
+            raise ValueError(f"gossip needs 0 < period ({period}) < dead_after ({dead_after})")
+        mult = dead_after / (period * cls.suspicion_max_mult * max(1.0, math.log10(max(nodes, 2))))
+        return cls(period=period, suspicion_mult=mult)
+
     def timeout(self) -> float:
         return self.ping_timeout if self.ping_timeout is not None else self.period / 5
 
@@ -330,6 +340,12 @@ class Gossip:
         """One rumour (or a sender's own word): apply SWIM's precedence rules."""
         if node == self.rank:
             my_inc, my_gen, my_counter = self._me
+            if gen > my_gen and inc != my_inc:
+                # a predecessor of this node that started "later" (another host's clock ran
+                # ahead): outrank it, or the team would take this process for a stale one
+                self._me = (my_inc, gen + 1.0, 0)
+                self._gossip(self.rank)
+                return
             about_me = (gen == my_gen and counter >= my_counter) or gen == UNKNOWN_GEN
             if state != ALIVE and about_me:
                 self._me = (my_inc, my_gen, counter + 1)  # refute with a larger counter

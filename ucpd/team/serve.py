@@ -2,7 +2,7 @@
 
 Every message is checked against its schema (``protocol.validate_peer``) and handed to one
 handler per type, ``_on_<type>``, as the daemon's server does for trainers. One-way messages
-(``commit``, ``hello``, ``unpin``) return nothing; requests return ``(reply body, payload
+(``commit``, ``hello``, ``unpin``, ``gossip``) return nothing; requests return ``(reply body, payload
 frames)``, or a future whose result is that (the copy into a replica file and its final check run
 on the receiving workers, so that the transport's I/O thread goes on receiving the next
 batches meanwhile).
@@ -25,7 +25,7 @@ from .parts import used_bytes
 log = logging.getLogger("ucpd.team")
 
 PIN_LEASE = 600.0  # seconds a peer's pin (a flush or restore reading our RAM) lasts at most
-ONE_WAY = ("commit", "hello", "unpin")
+ONE_WAY = ("commit", "hello", "unpin", "gossip")
 
 
 class PeerServer:
@@ -72,6 +72,9 @@ class PeerServer:
 
     def _on_commit(self, src: int, b: dict) -> None:
         self.team.on_commit_message(src, b["m"])
+
+    def _on_gossip(self, src: int, b: dict) -> None:
+        self.team.on_gossip(src, b["m"])
 
     def _on_hello(self, src: int, b: dict) -> None:
         self.team.domains[src] = b["domain"]

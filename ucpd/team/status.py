@@ -12,6 +12,16 @@ def team_status(team) -> dict:
         return _status(team)
 
 
+def _membership(team) -> dict:
+    """How liveness is learnt (``--membership``) and, for gossip, its counters and suspects."""
+    out = {"kind": team.config.membership}
+    if team.gossip:
+        m = team.membership
+        out["counters"] = dict(m.counters)
+        out["suspect"] = [n for n in range(team.config.nodes) if m.state(n) == "suspect"]
+    return out
+
+
 def _status(team) -> dict:
     config, parity, replicas, store = team.config, team.parity, team.replicas, team.store
     view, pending, coordinator, latest = team.protocol_state()
@@ -57,6 +67,7 @@ def _status(team) -> dict:
     return {
         "node_rank": team.rank,
         "nodes": nodes,
+        "membership": _membership(team),
         "epoch": view.epoch,
         "coordinator": coordinator,
         "team_latest": latest,

@@ -1,10 +1,12 @@
 """The team of daemons as the node daemon sees it: the driver of the commit protocol.
 
 ``Team`` is the daemon's ``CommitPolicy`` when ``--nodes > 1``. Like raft's ``Ready`` loop it
-feeds the pure state machines (``membership.Membership``, ``commit.CommitNode``) their inputs —
-ticks of its clock, heartbeats, the peers' commit messages, versions protected here, a new run of
-the job — and carries out what they output: ``Send`` goes to a peer, ``Commit`` to
-``NodeStore.commit``, ``Fence`` abandons the fenced runs' undecided parts and replicas.
+feeds the pure state machines (the membership — ``membership.Membership`` from all-to-all
+heartbeats, or ``gossip.Gossip`` with ``--membership gossip`` — and ``commit.CommitNode``) their
+inputs — ticks of its clock, heartbeats or gossip, the peers' commit messages, versions protected
+here, a new run of the job — and carries out what they output: ``Send`` goes to a peer, ``Commit``
+to ``NodeStore.commit``, ``Fence`` abandons the fenced runs' undecided parts and replicas; gossip's
+messages go to the peers they name.
 
 The jobs around it are objects of their own, built here with this driver as their handle:
 
@@ -17,7 +19,9 @@ A new run of the job waits in ``join_run`` until the team fenced the earlier run
 replicas and holdings carry their run, and a restore reads a step from one run's parts.
 
 Threads: the transport's I/O thread runs the peer callbacks; the replication thread pushes
-copies; the daemon's loop calls ``tick``; the daemon's worker threads call ``latest`` and
+copies; the daemon's loop calls ``tick``; with gossip on the real clock, a membership thread
+wakes when the protocol's next probe or timeout is due (a fifth of a period: finer than the
+daemon's loop); the daemon's worker threads call ``latest`` and
 ``restore_sources``. Lock order: the store lock, then ``self._lock`` (the protocol's); peer
 requests are never made holding either.
 """
@@ -36,7 +40,7 @@ from ..daemon.versions import RESTORABLE, Version, VersionState
 from ..errors import SnapshotRejected
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
-from .membership import Membership
+from .liveness import GossipThread, make_membership, node_ranges
 from .parity_group import ParityGroup
 from .parts import run_of
 from .replicas import ReplicaStore
@@ -68,7 +72,10 @@ class Team:
         self._lock = threading.Lock()
         self.incarnation = uuid.uuid4().hex[:16]
         self.clock = clock
-        self.membership = Membership(self.rank, config.nodes, config.dead_after, clock())
+        self.membership = make_membership(config, self.incarnation, clock())
+        self.gossip = config.membership == "gossip"
+        self._view_change: set[int] | None = None  # rejoined peers of the views since the last tick
+        self._membership_thread: GossipThread | None = None
         self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
@@ -83,8 +90,8 @@ class Team:
             config.secret,
             on_message=self._on_message,
             on_request=self._on_request,
-            on_heartbeat=self._on_heartbeat,
-            heartbeat_interval=config.heartbeat,
+            on_heartbeat=None if self.gossip else self._on_heartbeat,
+            heartbeat_interval=None if self.gossip else config.heartbeat,
             net_limit=config.net_limit,
             incarnation=self.incarnation,
             schemas=protocol.PEER_REQUESTS,
@@ -108,6 +115,9 @@ class Team:
         self.address = self.transport.bind()
         self.transport.start(self.config.peers)
         self.replicator.start()
+        if self.gossip and self.clock is time.monotonic:  # a test's clock is driven through tick()
+            self._membership_thread = GossipThread(self._step_membership, self._next_wakeup)
+            self._membership_thread.start()
         for peer in range(self.config.nodes):
             if peer != self.rank:
                 self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
@@ -117,6 +127,8 @@ class Team:
         log.info("team: node %d of %d listening on %s", self.rank, self.config.nodes, self.address)
 
     def close(self) -> None:
+        if self._membership_thread is not None:
+            self._membership_thread.stop()
         self.replicator.stop()
         if self.server is not None:
             self.server.close()
@@ -145,23 +157,44 @@ class Team:
         """Timers: liveness, the protocol's resends, peer leases, heal retries, the stall survey.
         Called by the daemon's loop."""
         now = self.clock()
+        if self._membership_thread is None:
+            self._step_membership(now)
         with self._lock:
-            view = self.membership.on_tick(now)
-            out = self.commit.on_view(view.live, now) if view is not None else []
-            out += self.commit.on_tick(now)
+            out = self.commit.on_tick(now)
+            rejoined, self._view_change = self._view_change, None
         self._apply(out)
         for node, _ in self.leases.end_expired_peers(self.live()):
             log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", node)
-        if view is not None:
-            log.info("team: live nodes %s (epoch %d)", sorted(view.live), view.epoch)
-            for peer in set(range(self.config.nodes)) - set(view.live):
-                self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
-            for peer in view.rejoined:
-                # its predecessor never answers what we asked it: fail those requests now, not at
-                # their timeout (a copy stuck on it would hold up the replication thread)
-                self.transport.fail_pending(peer, "restarted (a new incarnation)")
-                self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
-        self.replicator.on_tick(now, frozenset(view.rejoined) if view is not None else None)
+        self.replicator.on_tick(now, frozenset(rejoined) if rejoined is not None else None)
+
+    def _step_membership(self, now: float) -> None:
+        """Run the membership's timers; a new view goes to the commit protocol and the links."""
+        with self._lock:
+            view = self.membership.on_tick(now)
+            sends = self.membership.take_sends() if self.gossip else []
+            out = self.commit.on_view(view.live, now) if view is not None else []
+            if view is not None:
+                self._view_change = (self._view_change or set()) | set(view.rejoined)
+        self._send_gossip(sends)
+        self._apply(out)
+        if view is None:
+            return
+        log.info("team: live nodes %s (epoch %d)", node_ranges(view.live), view.epoch)
+        for peer in set(range(self.config.nodes)) - set(view.live):
+            self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
+        for peer in view.rejoined:
+            # its predecessor never answers what we asked it: fail those requests now, not at
+            # their timeout (a copy stuck on it would hold up the replication thread)
+            self.transport.fail_pending(peer, "restarted (a new incarnation)")
+            self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+
+    def _next_wakeup(self) -> float:
+        with self._lock:
+            return self.membership.next_wakeup()
+
+    def _send_gossip(self, sends: list) -> None:
+        for dst, body in sends:  # a probe older than a period is worthless: drop it rather than queue it
+            self.transport.send(dst, "gossip", {"m": body}, timeout=self.config.heartbeat)
 
     def _apply(self, outputs: list) -> None:
         """Carry out the protocol's outputs, in order."""
@@ -202,6 +235,16 @@ class Team:
     def _on_heartbeat(self, src: int, incarnation: str) -> None:
         with self._lock:
             self.membership.on_heartbeat(src, incarnation, self.clock())
+
+    def on_gossip(self, src: int, body: dict) -> None:
+        """A peer's gossip message (the I/O thread); raises ProtocolError for a bad one."""
+        if not self.gossip:
+            raise protocol.ProtocolError(f"node {self.rank} uses heartbeats, not gossip: start every daemon of the "
+                                         "team with the same --membership")
+        with self._lock:
+            self.membership.on_message(src, body, self.clock())
+            sends = self.membership.take_sends()
+        self._send_gossip(sends)
 
     def _on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
         self.server.on_message(src, msg_type, body, frames)
@@ -336,3 +379,4 @@ class Team:
     def status(self) -> dict:
         """The team as ``ucpd status`` shows it."""
         return team_status(self)
+

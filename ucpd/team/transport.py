@@ -110,7 +110,8 @@ class PeerTransport:
     a ``UcpdError`` that the requester gets back typed, or returns a ``concurrent.futures.Future``
     of that pair to answer later from another thread (the I/O thread goes on receiving
     meanwhile); ``on_heartbeat(src, incarnation)`` sees
-    every heartbeat. All three run on the I/O thread. Received frames are read-only memoryviews
+    every heartbeat (``heartbeat_interval=None``: none are sent, as when gossip carries the
+    liveness). All three run on the I/O thread. Received frames are read-only memoryviews
     that stay valid while referenced. Reply payload buffers are sent zero-copy like ``send()``'s:
     do not overwrite them until the requester has them.
 
@@ -125,13 +126,13 @@ class PeerTransport:
 
     def __init__(self, rank: int, listen: str, secret: bytes | None, *, on_message: OnMessage,
                  on_request: OnRequest, on_heartbeat: Callable[[int, str], None] | None = None,
-                 heartbeat_interval: float = 0.5, net_limit: float = 0.0, frame_bytes: int = 4 << 20,
+                 heartbeat_interval: float | None = 0.5, net_limit: float = 0.0, frame_bytes: int = 4 << 20,
                  incarnation: str | None = None, payload_mac: bool | None = None, io_threads: int = 1,
                  schemas: Mapping[str, MessageType] | None = None):
         if frame_bytes <= 0:
             raise ValueError(f"frame_bytes must be positive, got {frame_bytes}")
-        if heartbeat_interval <= 0:
-            raise ValueError(f"heartbeat_interval must be positive, got {heartbeat_interval}")
+        if heartbeat_interval is not None and heartbeat_interval <= 0:
+            raise ValueError(f"heartbeat_interval must be positive (or None: no heartbeats), got {heartbeat_interval}")
         if incarnation is not None and not 0 < len(incarnation) <= 64:
             raise ValueError("incarnation must be 1 to 64 characters")
         self.rank, self.listen = rank, listen if "://" in listen else f"tcp://{listen}"
@@ -358,7 +359,7 @@ class PeerTransport:
                 now = time.monotonic()
                 if now >= next_hb:
                     self._queue_heartbeats(now)
-                    next_hb = now + self.heartbeat_interval
+                    next_hb = now + self.heartbeat_interval if self.heartbeat_interval else float("inf")
                 while self._inbox:
                     out = self._inbox.popleft()
                     self._links[out.dest].route(out)
@@ -405,6 +406,8 @@ class PeerTransport:
         self._ctx.term()
 
     def _queue_heartbeats(self, now: float) -> None:
+        if not self.heartbeat_interval:
+            return
         for link in self._links.values():
             if not any(out.msg_type == HEARTBEAT for out in link.control):
                 link.control.append(Outgoing(link.rank, HEARTBEAT, b"\x80", [], [], None, None, None,

@@ -1,0 +1,28 @@
+"""The options of ``ucpd serve`` that span nodes, as ``daemon.cli.team_config`` reads them."""
+
+from __future__ import annotations
+
+import pytest
+
+from ucpd.daemon.cli import GOSSIP_FROM, team_config
+from ucpd.errors import UcpdError
+
+
+def _peers(n: int) -> dict:
+    return {"peers": ",".join(f"tcp://127.0.0.1:{7000 + i}" for i in range(n))}
+
+
+def test_membership_auto_gossips_from_a_team_size_and_heartbeats_below():
+    assert team_config(_peers(4), 4, 0).membership == "heartbeat"
+    assert team_config(_peers(GOSSIP_FROM), GOSSIP_FROM, 0).membership == "gossip"
+    assert team_config(dict(_peers(4), membership="gossip"), 4, 0).membership == "gossip"
+    assert team_config(dict(_peers(GOSSIP_FROM), membership="heartbeat"), GOSSIP_FROM, 0).membership == "heartbeat"
+
+
+@pytest.mark.parametrize("options, why", [
+    ({"membership": "telepathy"}, "use auto, heartbeat or gossip"),
+    ({"heartbeat": 2.0, "dead_after": 1.0}, "several periods before it is dead"),
+])
+def test_bad_liveness_options_say_what_to_use(options, why):
+    with pytest.raises(UcpdError, match=why):
+        team_config(dict(_peers(4), **options), 4, 0)
