@@ -38,10 +38,14 @@ def test_monte_carlo_agrees_with_the_closed_form(scheme):
     assert abs(r["independent_mc"] - r["independent_closed"]) < 4 * sd + 0.01, r
 
 
-def test_the_ring_model_matches_replica_holders_on_every_node():
+def test_the_holders_table_is_the_placement_rule_for_every_node():
+    from ucpd.team.holders import replica_holders
+
     topo = Topology(128, 8)
-    loss.holders_table(topo, 2, True, check=128)
-    loss.holders_table(topo, 1, False, check=128)
+    for r, domain in ((2, True), (1, False)):
+        table = loss.holders_table(topo, r, domain)
+        domains = topo.domains() if domain else None
+        assert [list(row) for row in table] == [replica_holders(o, range(128), r, domains) for o in range(128)]
 
 
 def test_flush_by_owners_spreads_writes_and_node0_does_not():

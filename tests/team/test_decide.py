@@ -12,7 +12,7 @@ from ucpd.sim import recovery
 from ucpd.team import decide
 from ucpd.team.decide import (Copy, Holding, Pushed, best_copy, choose_copies, latest_whole, orphan_heal_targets,
                               own_heal_targets, run_to_read, under_protected)
-from ucpd.team.holders import replica_holders
+from ucpd.team.holders import HolderRing, replica_holders
 
 
 def part(rank: int) -> dict:
@@ -97,7 +97,7 @@ def test_the_simulator_chooses_sources_with_the_teams_own_function(monkeypatch):
     out = recovery.simulate(64, sample_ranks=1)
     assert len(calls) == 64 and out["unrecoverable_parts"] == 0
     live = set(range(64)) - {5}
-    copies = recovery.copies_of(5, live, list(range(64)), 1, None)
+    copies = recovery.copies_of(5, live, HolderRing(range(64)), 1)
     assert copies == [Copy(h, 5) for h in replica_holders(5, list(range(64)), 1) if h in live]
     load = np.zeros(64)
-    assert real(recovery.copies_of(7, live, list(range(64)), 1, None), None, load) == Copy(7, 7)  # its own RAM first
+    assert real(recovery.copies_of(7, live, HolderRing(range(64)), 1), None, load) == Copy(7, 7)  # its own RAM first

@@ -6,7 +6,7 @@ from collections import Counter
 
 import pytest
 
-from ucpd.team.holders import Group, group_of, parity_groups, parse_parity, replica_holders
+from ucpd.team.holders import Group, HolderRing, group_of, interleaved, parity_groups, parse_parity, replica_holders
 
 RACKS_2x2 = {0: "A", 1: "A", 2: "B", 3: "B"}
 
@@ -89,6 +89,48 @@ def test_replicas_prefer_other_domains_then_repeat():
 def test_nodes_missing_from_domains_are_their_own_domain():
     holders = replica_holders(0, range(4), 2, {0: "A", 1: "A"})
     assert sorted(holders) == [2, 3]
+
+
+def _spec_holders(origin, live, replicas, domains):
+    """The placement rule as first written (a list of every candidate, O(N) per call): the
+    specification ``HolderRing`` must agree with."""
+    alive = set(live) - {origin}
+    ring = interleaved(alive | {origin} | set(domains or ()), domains)
+    at = ring.index(origin)
+    candidates = [n for n in ring[at + 1:] + ring[:at] if n in alive]
+    key = lambda n: ("domain", domains[n]) if domains and n in domains else ("node", n)  # noqa: E731
+    chosen, home = [], key(origin)
+    avoid = {home}
+    while len(chosen) < min(replicas, len(candidates)):
+        picked = False
+        for n in candidates:
+            if n not in chosen and key(n) not in avoid:
+                chosen.append(n)
+                avoid.add(key(n))
+                picked = True
+                if len(chosen) == replicas:
+                    break
+        if not picked:
+            avoid = {home} if avoid != {home} else set()
+    return chosen
+
+
+def test_a_ring_of_one_view_answers_every_origin_as_the_rule_does():
+    import random
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        n = rng.randint(1, 20)
+        live = [i for i in range(n) if rng.random() < 0.8]
+        domains = None
+        if rng.random() < 0.6:  # some nodes left out of the map: each its own domain
+            racks = rng.randint(1, 5)
+            domains = {i: f"r{rng.randrange(racks)}" for i in range(n) if rng.random() < 0.9}
+        ring = HolderRing(live, domains)
+        for origin in range(n + 1):  # live, dead, and a node outside the team
+            r = rng.randint(0, 4)
+            want = _spec_holders(origin, live, r, domains)
+            assert ring.holders(origin, r) == want == replica_holders(origin, live, r, domains), (origin, live, domains)
 
 
 # ---------------------------------------------------------------------------------------------

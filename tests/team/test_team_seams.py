@@ -192,3 +192,71 @@ def test_a_peers_bytes_damaged_in_its_ram_fail_their_check_on_arrival(make_team)
         assert team[0].team.counters["fetch_checksum_errors"] == 1
     finally:
         got.release()
+
+
+def _holders_after_healing(team, lost: int, step: int) -> tuple[list[int], int]:
+    """Lose node ``lost``; once the survivors healed its part (R + 1 copies again), its holders
+    and a live node that holds none."""
+    team.lose(lost)
+    live = {n.rank for n in team.live_nodes()}
+    team.wait_live(live)
+    held = lambda: sorted(n.rank for n in team.live_nodes() if n.team.replicas.get(lost, step))  # noqa: E731
+    team.wait(lambda: len(held()) == 3, f"node {lost}'s part held three times again")
+    return held(), min(live - set(held()))
+
+
+def test_a_lost_nodes_part_is_fetched_in_shares_from_each_of_its_holders(make_team, monkeypatch):
+    from ucpd.team import sources
+
+    monkeypatch.setattr(sources, "SPLIT_MIN", 0)  # the parts here are a few KB: split them anyway
+    team = make_team(5, replicas=2)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    holders, reader = _holders_after_healing(team, 4, 1)
+    got = team[reader].team.restore_sources(1)
+    try:
+        w = got.where[4]
+        assert isinstance(w, PeerRead) and sorted(w.nodes) == holders
+        before = {h: team.net.seen[(h, "fetch")] for h in holders}
+        plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
+        assert all(team.net.seen[(h, "fetch")] > before[h] for h in holders)  # a share from each
+        (src,) = plan.sources
+        with open(src.path, "rb") as f:
+            f.seek(src.offset)
+            assert f.read(src.nbytes) == data[4]
+    finally:
+        got.release()
+
+
+def test_a_share_its_holder_fails_to_send_is_fetched_from_the_first_holder(make_team, monkeypatch):
+    from ucpd.team import sources
+
+    monkeypatch.setattr(sources, "SPLIT_MIN", 0)
+    team = make_team(5, replicas=2)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    _, reader = _holders_after_healing(team, 4, 1)
+    got = team[reader].team.restore_sources(1)
+    try:
+        w = got.where[4]
+        bad = w.spread[0]
+        team.net.fail(dest=bad, msg_type="fetch", nth=team.net.seen[(bad, "fetch")] + 1)
+        plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
+        assert team.net.seen[(w.node, "fetch")] >= 2  # its own share, and the one that failed
+        (src,) = plan.sources
+        with open(src.path, "rb") as f:
+            f.seek(src.offset)
+            assert f.read(src.nbytes) == data[4]
+    finally:
+        got.release()
+
+
+def test_reads_are_cut_in_equal_shares_and_small_ones_come_whole_from_the_first_holder(monkeypatch):
+    from ucpd.team import sources
+
+    monkeypatch.setattr(sources, "SPLIT_MIN", 100)
+    assert sources._shares([(0, 50)], 3) == [[(0, 50)], [], []]
+    assert sources._shares([(0, 90), (200, 60)], 1) == [[(0, 90), (200, 60)]]
+    shares = sources._shares([(0, 90), (200, 60), (400, 150)], 3)
+    assert shares == [[(0, 90), (200, 10)], [(210, 50), (400, 50)], [(450, 100)]]
+    assert [sum(n for _, n in s) for s in shares] == [100, 100, 100]

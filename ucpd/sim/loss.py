@@ -22,13 +22,10 @@ from math import comb
 
 import numpy as np
 
-from ..team.holders import interleaved, parity_groups, replica_holders
+from ..team.holders import HolderRing, parity_groups
 from .network import Topology
 
 __all__ = ["Scheme", "holders_table", "evaluate"]
-
-EXACT_UP_TO = 1024  # nodes: up to here holders_table calls replica_holders for every origin
-
 
 @dataclass(frozen=True)
 class Scheme:
@@ -45,25 +42,12 @@ class Scheme:
         return {"replicas": float(self.r), "parity": self.m / max(self.k, 1), "gemini": float(self.m - 1)}[self.kind]
 
 
-def holders_table(topo: Topology, r: int, domain: bool, check: int = 32, seed: int = 0) -> np.ndarray:
-    """``[N, r]`` replica holders with every node live: the next ``r`` nodes after each origin on
-    ``placement``'s ring (domain-interleaved with ``domain``), which is what
-    ``replica_holders`` returns when consecutive ring nodes sit in different domains; checked
-    against ``replica_holders`` itself for ``check`` random origins (it is O(N) per call)."""
+def holders_table(topo: Topology, r: int, domain: bool) -> np.ndarray:
+    """``[N, r]`` replica holders with every node live: the real placement rule
+    (``holders.HolderRing``, O(R) per origin) for every origin."""
     domains = topo.domains() if domain else None
-    live = list(range(topo.nodes))
-    if topo.nodes <= EXACT_UP_TO or (domain and r >= topo.racks):
-        # small teams, or as many copies as domains: the ring model does not hold, ask the real rule
-        return np.array([replica_holders(origin, live, r, domains) for origin in live])
-    ring = np.array(interleaved(range(topo.nodes), domains))
-    pos = np.empty(topo.nodes, dtype=np.int64)
-    pos[ring] = np.arange(topo.nodes)
-    table = ring[(pos[:, None] + np.arange(1, r + 1)[None, :]) % topo.nodes]
-    rng = np.random.default_rng(seed)
-    for origin in rng.choice(topo.nodes, size=min(check, topo.nodes), replace=False):
-        real = replica_holders(int(origin), live, r, domains)
-        assert list(table[origin]) == real, f"ring model disagrees with replica_holders for node {origin}: {real}"
-    return table
+    ring = HolderRing(range(topo.nodes), domains)
+    return np.array([ring.holders(origin, r) for origin in range(topo.nodes)])
 
 
 def _groups(topo: Topology, s: Scheme) -> list[tuple[int, ...]]:

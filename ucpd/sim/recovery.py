@@ -8,8 +8,12 @@ survivors, renumbered densely, the same TP and PP, a smaller DP, so every ZeRO p
 
 - source choice: per saved part, the team's own choice (``ucpd.team.decide.best_copy``) over its
   copies — the old owner's RAM if it survived, else the live replica holders it was copied to
-  (``holders.replica_holders``); ``balance=True`` passes the bytes already assigned per node, so
-  the least-loaded candidate of equal cost wins instead of the lowest rank.
+  (``holders.HolderRing`` of the view it was protected in, O(R) per part); ``balance=True``
+  passes the bytes already assigned per node, so the least-loaded candidate of equal cost wins
+  instead of the lowest rank; ``split=True`` reads each part that crosses the network from all
+  its live copies in equal shares (the owner's RAM and its holders), as ``team.sources`` does
+  (``PeerRead.spread``): a lost node's holders split its part, and a holder busy with one sends
+  its own slivers from its copies too.
 - :func:`plan_rank` — one new rank's plan with the real ``ucpd.ucl.resolve`` + ``plan_restore``;
   ``indexed=True`` hands the planner only the saved pieces that overlap the target (a sorted
   index, ``numpy.searchsorted``), ``False`` every piece of the tensor (what
@@ -29,7 +33,7 @@ from functools import lru_cache
 import numpy as np
 
 from ..team.decide import Copy, best_copy
-from ..team.holders import replica_holders
+from ..team.holders import HolderRing
 from ..ucl.placements import Box
 from ..ucl.plan import SourcePiece, plan_restore
 from ..ucl.resolve import resolve
@@ -76,11 +80,11 @@ def _bounds(elems: int, dp: int) -> np.ndarray:
     return np.arange(dp + 1, dtype=np.int64) * elems // dp
 
 
-def copies_of(origin: int, live: set[int], placed_on: list[int], replicas: int, domains) -> list[Copy]:
+def copies_of(origin: int, live: set[int], placed_on: HolderRing, replicas: int) -> list[Copy]:
     """The live copies of saved node ``origin``'s part: its own RAM if it is live, and the holders
-    it was copied to when the version was protected (``placed_on``: the view then)."""
+    it was copied to when the version was protected (``placed_on``: the ring of the view then)."""
     own = [Copy(origin, origin)] if origin in live else []
-    return own + [Copy(h, origin) for h in replica_holders(origin, placed_on, replicas, domains) if h in live]
+    return own + [Copy(h, origin) for h in placed_on.holders(origin, replicas) if h in live]
 
 
 def _pieces(old: Layout, stage: int, src_of: dict[int, int], lo: int, hi: int, indexed: bool, bounds: np.ndarray) -> list[SourcePiece]:
@@ -114,7 +118,7 @@ def plan_rank(old: Layout, new: Layout, new_node: int, tp: int, src_of: dict[int
 
 
 def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_size: int = 32, replicas: int = 1,
-             domain: bool = True, balance: bool = False, seed: int = 0, net: NetModel | None = None,
+             domain: bool = True, balance: bool = False, split: bool = False, seed: int = 0, net: NetModel | None = None,
              sample_ranks: int = 16, pp: int = 8, keep_stage: bool = True) -> dict:
     """One restart of ``nodes`` nodes after losing ``fraction`` of them (``lost="random"``) or
     one whole rack (``lost="rack"``); see the module docstring."""
@@ -126,8 +130,8 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     else:
         dead = set(rng.sample(range(nodes), max(1, round(nodes * fraction))))
     survivors = [i for i in range(nodes) if i not in dead]
-    live, placed_on = set(survivors), list(range(nodes))  # protected while every node was live
     domains = topo.domains() if domain else None
+    live, placed_on = set(survivors), HolderRing(range(nodes), domains)  # protected while every node was live
     old = Layout(nodes, pp)
     if keep_stage:  # the launcher gives each survivor the stage it saved: weights stay put
         by_stage = [[i for i in survivors if old.stage(i) == s] for s in range(pp)]
@@ -141,17 +145,21 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     t0 = time.perf_counter()
     load = np.zeros(nodes) if balance else None
     src_of: dict[int, int] = {}
+    shares: dict[int, list[int]] = {}  # origin -> the nodes that serve its part, in equal shares
     part_bytes = old.optim_elems() * 4 // old.dp * TP  # a node's optimizer part (8 TP ranks)
     unrecoverable = []
     for origin in range(nodes):
-        best = best_copy(copies_of(origin, live, placed_on, replicas, domains), None, load)
+        copies = copies_of(origin, live, placed_on, replicas)
+        best = best_copy(copies, None, load)
         s = best.node if best is not None else None
         if s is None or (s in dead):
             unrecoverable.append(origin)
             continue
         src_of[origin] = s
+        shares[origin] = [c.node for c in copies] if split else [s]
         if load is not None:
-            load[s] += part_bytes
+            for n in shares[origin]:
+                load[n] += part_bytes / len(shares[origin])
     choose_s = time.perf_counter() - t0
 
     # --- bytes moved: optimizer partitions (interval overlaps) and weights ---------------------
@@ -171,10 +179,11 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
                     break
                 continue
             origin = q * old.pp + stage
-            src = src_of.get(origin)
-            if src is None or src == dst:
+            srcs = shares.get(origin)
+            if srcs is None or dst in srcs:
                 continue  # lost (counted above), or already in this node's RAM
-            sent[src] += (b - a) * unit
+            for src in srcs:
+                sent[src] += (b - a) * unit / len(srcs)
             recv[dst] += (b - a) * unit
     # weights: a node that runs another stage than it saved reads the stage's weights (all TP
     # ranks) from a live node that saved that stage, spread round robin over them
@@ -217,10 +226,11 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     total = PARAMS * (WEIGHT_B + OPTIM_B)
     return {
         "nodes": nodes, "lost": lost, "dead": len(dead), "survivors": len(survivors), "new_nodes": new.nodes,
-        "replicas": replicas, "domain": domain, "balance": balance, "keep_stage": keep_stage,
+        "replicas": replicas, "domain": domain, "balance": balance, "split": split, "keep_stage": keep_stage,
         "unrecoverable_parts": len(unrecoverable),
         "state_bytes": total,
         "moved_bytes": float(sent.sum()),
+        "busiest_source": int(sent.argmax()),
         "source_max_bytes": float(sent.max()), "source_mean_bytes": float(active_src.mean()) if active_src.size else 0.0,
         "source_max_over_mean": float(sent.max() / active_src.mean()) if active_src.size else 0.0,
         "dest_max_bytes": float(recv.max()), "dest_mean_bytes": float(recv[recv > 0].mean()) if (recv > 0).any() else 0.0,

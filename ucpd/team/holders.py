@@ -1,7 +1,8 @@
 """Who holds a node's redundancy: its replica holders and its parity group (pure, failure-domain aware).
 
 - :func:`replica_holders` — the R nodes that keep full copies of a node's part: the next live
-  nodes on a ring, preferring other failure domains (rack, switch).
+  nodes on a ring, preferring other failure domains (rack, switch); :class:`HolderRing` answers
+  it for many origins of one view in O(R) each.
 - :func:`parity_groups` / :func:`group_of` — a partition of the nodes into erasure-coding groups
   of ``k + m`` members, one member per failure domain where possible.
 - :func:`parse_parity` — the ``--parity`` option: ``"K"`` (XOR, m=1) or ``"K+M"`` (Reed-Solomon).
@@ -13,11 +14,12 @@ same answer from the same inputs, so none of it needs to be agreed on over the w
 
 from __future__ import annotations
 
+import bisect
 import re
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Group", "group_of", "parity_groups", "parse_parity", "replica_holders", "MAX_GROUP"]
+__all__ = ["Group", "HolderRing", "group_of", "parity_groups", "parse_parity", "replica_holders", "MAX_GROUP"]
 
 MAX_GROUP = 256
 """Most blocks a Reed-Solomon codeword can have over GF(2^8) (k + m <= 256)."""
@@ -59,6 +61,9 @@ def replica_holders(
     exactly ``replicas`` parts (balanced); with equal-sized domains and ``replicas`` below the
     number of domains too.
 
+    O(N log N) per call (it builds the ring): a caller asking for many origins over one view
+    keeps a :class:`HolderRing`, O(R) per origin.
+
     Returns:
         Up to ``replicas`` distinct live nodes; fewer when not enough are live (the caller reports
         the part as degraded).
@@ -66,32 +71,64 @@ def replica_holders(
     Raises:
         ValueError: ``replicas`` is negative.
     """
-    if replicas < 0:
-        raise ValueError(f"replicas must be >= 0, got {replicas}")
-    alive = set(live)
-    alive.discard(origin)
-    ring = interleaved(alive | {origin} | set(domains or ()), domains)
-    at = ring.index(origin)
-    candidates = [n for n in ring[at + 1 :] + ring[:at] if n in alive]
+    return HolderRing(live, domains).holders(origin, replicas)
 
-    chosen: list[int] = []
-    home = _domain_key(origin, domains)
-    avoid = {home}
-    while len(chosen) < min(replicas, len(candidates)):
-        picked = False
-        for n in candidates:
-            key = _domain_key(n, domains)
-            if n not in chosen and key not in avoid:
-                chosen.append(n)
-                avoid.add(key)
-                picked = True
-                if len(chosen) == replicas:
-                    break
-        if not picked:
-            # Every remaining node shares a domain already used: allow repeats outside origin's
-            # domain first, then origin's own domain.
-            avoid = {home} if avoid != {home} else set()
-    return chosen
+
+class HolderRing:
+    """:func:`replica_holders` over one view (``live``, ``domains``), for any number of origins:
+    the ring is built once, and each :meth:`holders` walks it from the origin, stopping at the
+    R-th holder — O(R) when consecutive ring nodes sit in different domains (the interleaving
+    makes them so wherever the domains allow), instead of O(N log N) per call."""
+
+    def __init__(self, live: Iterable[int], domains: Mapping[int, str] | None = None) -> None:
+        self.live = frozenset(live)
+        self.domains = domains
+        self._ring = interleaved(self.live | set(domains or ()), domains)
+        self._at = {n: i for i, n in enumerate(self._ring)}
+
+    def holders(self, origin: int, replicas: int) -> list[int]:
+        """The nodes that hold copies of ``origin``'s part, first choice first (see
+        :func:`replica_holders`)."""
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        ring, at = self._ring, self._at.get(origin)
+        if at is not None:
+            start, span = at + 1, len(ring) - 1
+        elif self.domains is None:  # the ring is sorted: origin's place in it is where it would go
+            start, span = bisect.bisect_right(ring, origin), len(ring)
+        else:  # a dead origin outside the domain map changes the interleaving: build its own ring
+            return HolderRing(self.live | {origin}, self.domains).holders(origin, replicas)
+        return self._choose(origin, replicas, start, span)
+
+    def _choose(self, origin: int, replicas: int, start: int, span: int) -> list[int]:
+        ring, live, domains = self._ring, self.live, self.domains
+        n = len(ring)
+        alive = len(live) - (origin in live)
+
+        def candidates():
+            for i in range(start, start + span):
+                node = ring[i % n]
+                if node in live and node != origin:
+                    yield node
+
+        chosen: list[int] = []
+        home = _domain_key(origin, domains)
+        avoid = {home}
+        while len(chosen) < min(replicas, alive):
+            picked = False
+            for node in candidates():
+                key = _domain_key(node, domains)
+                if node not in chosen and key not in avoid:
+                    chosen.append(node)
+                    avoid.add(key)
+                    picked = True
+                    if len(chosen) == replicas:
+                        break
+            if not picked:
+                # Every remaining node shares a domain already used: allow repeats outside origin's
+                # domain first, then origin's own domain.
+                avoid = {home} if avoid != {home} else set()
+        return chosen
 
 
 @dataclass(frozen=True)

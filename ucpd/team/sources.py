@@ -22,7 +22,7 @@ import os
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,6 +38,7 @@ from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
+SPLIT_MIN = 1 << 20  # bytes: a read smaller than this comes from one holder (the request costs more)
 FETCH_PREFIX = "fetch-"
 
 
@@ -52,12 +53,19 @@ class LocalRead:
 @dataclass(frozen=True)
 class PeerRead:
     """A rank's part in live ``node``'s RAM (``origin``'s part: its own, or a replica it holds);
-    its bytes land at the same offsets of the local file ``path`` when fetched."""
+    its bytes land at the same offsets of the local file ``path`` when fetched. ``spread``: other
+    live nodes holding a whole copy of the same part; the fetch takes equal shares from each
+    (``nodes``), so the holders of a lost node's part split its traffic."""
 
     node: int
     origin: int
     rank: int
     path: str
+    spread: tuple[int, ...] = ()
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        return (self.node, *self.spread)
 
 
 class TeamSources:
@@ -182,6 +190,19 @@ class VersionSources:
 
     def _lease_peers(self, got: TeamSources) -> None:
         lease = uuid.uuid4().hex[:16]
+        spread = {(n, w.origin) for w in got.remote.values() for n in w.spread}
+        for node, origin in sorted(spread):  # optional: a holder that cannot pin serves no share
+            try:
+                self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+            except UcpdError as exc:
+                log.info("team: node %d did not pin node %d's part of step %d (%s): the other holders serve it",
+                         node, origin, got.step, exc)
+                for r, w in got.remote.items():
+                    if w.origin == origin and node in w.spread:
+                        got.where[r] = replace(w, spread=tuple(n for n in w.spread if n != node))
+            finally:
+                if (node, lease) not in got.leases:
+                    got.leases.append((node, lease))
         for node, origin in sorted({(w.node, w.origin) for w in got.remote.values()}):
             try:
                 self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
@@ -214,7 +235,7 @@ class VersionSources:
         try:
             lost = sorted({c.origin for c, _ in chosen.values() if c.parity})
             rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
-            self._sources(out, world, chosen, rebuilt)
+            self._sources(out, world, chosen, rebuilt, self._spread(held, run, chosen, damaged))
         except BaseException:
             out.release()
             raise
@@ -259,6 +280,21 @@ class VersionSources:
                  origin, step, man["size"], time.monotonic() - t0)
         return path, bases
 
+    def _spread(self, held: list, run: str, chosen: dict, damaged: set) -> dict[int, tuple[int, ...]]:
+        """Per rank read from peers: every live peer with a whole copy of its part (the owner's
+        RAM and the replicas), in an order that starts at a different one on each restoring node
+        (``PeerRead.nodes``: a read below ``SPLIT_MIN`` comes from the first)."""
+        out = {}
+        for rank, (copy, _) in chosen.items():
+            if copy.parity or copy.node == self.rank:
+                continue
+            nodes = sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
+                            and rank in h.ranks and h.node != self.rank and (h.node, h.origin) not in damaged}
+                           | {copy.node})
+            k = self.rank % len(nodes)
+            out[rank] = tuple(nodes[k:] + nodes[:k])
+        return out
+
     def _replica_sound(self, origin: int, step: int) -> bool:
         """Check a replica we hold (once) before serving from it; a damaged one is dropped."""
         rep = self.replicas.get(origin, step)
@@ -276,7 +312,7 @@ class VersionSources:
         rep.verified = True
         return True
 
-    def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict) -> None:
+    def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict, spread: dict) -> None:
         """Fill ``out``: each rank's part, where it is read, and the version's source set."""
         step = out.step
         with self.store.atomic():
@@ -302,7 +338,8 @@ class VersionSources:
                     out.pins.append(rep)
                     out.where[rank] = LocalRead(rep.path, rep.bases[rank])
                 else:
-                    out.where[rank] = PeerRead(copy.node, copy.origin, rank, self._new_file(out))
+                    first, *others = spread[rank]
+                    out.where[rank] = PeerRead(first, copy.origin, rank, self._new_file(out), tuple(others))
         out.version = Version(step, world, VersionState.COMMITTED, out.parts)
         tensors, same = {}, {}
         for rank, part in out.parts.items():
@@ -341,12 +378,12 @@ class VersionSources:
             try:
                 arr = np.frombuffer(mm, np.uint8)
                 for batch in _batches(rows, DATA_BATCH):
-                    ranges = [[s.offset, s.nbytes] for s in batch]
-                    for s, buf in zip(batch, self._fetch(w, sources.step, ranges)):
-                        native.copy(memoryview(mm)[s.offset : s.offset + s.nbytes], buf)
+                    self._fetch_shares(w, sources.step, [(s.offset, s.nbytes) for s in batch], mm)
+                    for s in batch:
                         src = checked.CheckedSource.within(
                             arr, s.offset, s.nbytes, np.uint8, s.crcs, s.chunk,
-                            f"bytes of rank {w.rank} step {sources.step} from node {w.node}", recorded="the origin's manifest")
+                            f"bytes of rank {w.rank} step {sources.step} from node {', '.join(map(str, w.nodes))}",
+                            recorded="the origin's manifest")
                         src.remedy = "restore again (another copy will be used if this one stays bad)"
                         try:
                             checked.verify(src)
@@ -371,12 +408,8 @@ class VersionSources:
             for r, w in got.remote.items():
                 size = used_bytes(got.parts[r])
                 mm = opened[w.path] = _open_file(w.path, size, [(0, size)])
-                at = 0
-                while at < size:
-                    n = min(DATA_BATCH, size - at)
-                    (buf,) = self._fetch(w, got.step, [[at, n]])
-                    native.copy(memoryview(mm)[at : at + n], buf)
-                    at += n
+                for at in range(0, size, DATA_BATCH):
+                    self._fetch_shares(w, got.step, [(at, min(DATA_BATCH, size - at))], mm)
                 self.team.counters["fetched_bytes"] += size
             got.unpin_peers()
         except BaseException:
@@ -400,9 +433,27 @@ class VersionSources:
 
         return got.version.globals(), got.parts, buffer_of, release
 
-    def _fetch(self, w: PeerRead, step: int, ranges: list) -> list[memoryview]:
+    def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
+        """Bring the byte ``ranges`` of ``w``'s part into ``mm`` at the same offsets, in equal
+        shares from each of ``w.nodes``; a share a spare holder fails is fetched from
+        ``w.node``. The caller checks the bytes."""
+        shares = _shares(ranges, len(w.nodes))
+        for node, share in zip(w.nodes, shares):
+            if not share:
+                continue
+            try:
+                bufs = self._fetch(node, w, step, share)
+            except DaemonUnreachable:
+                if node == w.node:
+                    raise
+                bufs = self._fetch(w.node, w, step, share)
+            for (off, n), buf in zip(share, bufs):
+                native.copy(memoryview(mm)[off : off + n], buf)
+
+    def _fetch(self, node: int, w: PeerRead, step: int, ranges: list) -> list[memoryview]:
         _, frames = self.transport.request(
-            w.node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": ranges}, timeout=120.0)
+            node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]},
+            timeout=120.0)
         return _split(frames, [n for _, n in ranges])
 
 
@@ -449,6 +500,29 @@ def _close(mm: mmap.mmap) -> None:
         mm.close()
     except BufferError:  # an error's traceback still holds a view of it: unmapped when that goes
         pass
+
+
+def _shares(ranges: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
+    """``ranges`` (offset, length) cut into ``k`` lists of about equal bytes, each range kept
+    whole below ``SPLIT_MIN`` and otherwise cut where a share ends."""
+    if k <= 1:
+        return [list(ranges)]
+    total = sum(n for _, n in ranges)
+    if total < SPLIT_MIN:  # from the first holder (the order differs per restoring node)
+        return [list(ranges)] + [[] for _ in range(k - 1)]
+    want = -(-total // k)
+    out, cur, room = [], [], want
+    for off, n in ranges:
+        while n:
+            take = min(n, room)
+            cur.append((off, take))
+            off, n, room = off + take, n - take, room - take
+            if room == 0:
+                out.append(cur)
+                cur, room = [], want
+    if cur:
+        out.append(cur)
+    return out + [[] for _ in range(k - len(out))]
 
 
 def _batches(rows: list, limit: int):
