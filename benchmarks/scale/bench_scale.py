@@ -62,14 +62,17 @@ def part_control(sizes: list[int]) -> tuple[list[dict], str]:
 def part_recovery(sizes: list[int]) -> tuple[list[dict], str]:
     res = []
     for n in sizes:
-        for kw in (dict(lost="random"), dict(lost="rack"), dict(lost="random", keep_stage=False)):
+        for kw in (dict(lost="random"), dict(lost="rack"), dict(lost="random", keep_stage=False),
+                   dict(lost="random", replicas=2), dict(lost="random", replicas=2, split=True),
+                   dict(lost="rack", replicas=2, split=True)):
             res.append(recovery.simulate(n, **kw))
-    rows = [[r["nodes"], r["lost"] + ("" if r["keep_stage"] else ", renumbered"), r["dead"], r["new_nodes"],
+    rows = [[r["nodes"], r["lost"] + ("" if r["keep_stage"] else ", renumbered"), r["replicas"],
+             "shares" if r["split"] else "one copy", r["dead"], r["new_nodes"],
              f"{r['plan_rank_s']['indexed'] * 1e3:.2f} ms", f"{r['plan_rank_s']['all_pieces'] * 1e3:.2f} ms",
              f"{r['choose_sources_s'] * 1e3:.0f} ms", fmt_b(r["moved_bytes"]), fmt_b(r["source_max_bytes"]),
              f"{r['source_max_over_mean']:.2f}", f"{r['uplink_max_over_mean']:.2f}", f"{r['time_s']:.3f} s"]
             for r in res]
-    head = ["nodes", "lost", "dead", "new nodes", "plan/rank (indexed)", "plan/rank (all pieces)",
+    head = ["nodes", "lost", "--replicas", "read from", "dead", "new nodes", "plan/rank (indexed)", "plan/rank (all pieces)",
             "source choice, all", "bytes moved", "busiest source", "source max/mean", "uplink max/mean",
             "recovery time (model)"]
     return res, table(rows, head)
@@ -143,19 +146,26 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=str(HERE / "scale.png"))
     ap.add_argument("--trials", type=int, default=2000)
+    ap.add_argument("--parts", default="control,recovery,loss,flush", help="which tables (default all)")
     args = ap.parse_args(argv)
+    parts = set(args.parts.split(","))
     sizes = [int(x) for x in args.nodes.split(",")]
     t0 = time.perf_counter()
     print(f"# scale simulator: {sizes} nodes, 8 ranks each; {os.cpu_count()} CPUs", flush=True)
-    ctrl, t2 = part_control(sizes)
-    print("\n## 2. control plane per version\n" + t2, flush=True)
-    rec, t3 = part_recovery(sizes)
-    print("\n## 3. restart after losing nodes (70.6 B params, 16 B/param)\n" + t3, flush=True)
-    los, t4 = part_loss(max(sizes), args.trials)
-    print(f"\n## 4. loss probability at {max(sizes)} nodes, racks of 32\n" + t4, flush=True)
-    fl, t5 = part_flush(min(1024, max(sizes)))
-    print(f"\n## 5. flush of one version from {min(1024, max(sizes))} nodes\n" + t5, flush=True)
-    drawn = plot(ctrl, rec, Path(args.png))
+    ctrl = rec = los = fl = []
+    if "control" in parts:
+        ctrl, t2 = part_control(sizes)
+        print("\n## 2. control plane per version\n" + t2, flush=True)
+    if "recovery" in parts:
+        rec, t3 = part_recovery(sizes)
+        print("\n## 3. restart after losing nodes (70.6 B params, 16 B/param)\n" + t3, flush=True)
+    if "loss" in parts:
+        los, t4 = part_loss(max(sizes), args.trials)
+        print(f"\n## 4. loss probability at {max(sizes)} nodes, racks of 32\n" + t4, flush=True)
+    if "flush" in parts:
+        fl, t5 = part_flush(min(1024, max(sizes)))
+        print(f"\n## 5. flush of one version from {min(1024, max(sizes))} nodes\n" + t5, flush=True)
+    drawn = bool(ctrl and rec) and plot(ctrl, rec, Path(args.png))
     print(f"\ncurves: {args.png if drawn else 'not drawn (matplotlib not installed)'}; total {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

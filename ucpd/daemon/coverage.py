@@ -16,6 +16,8 @@ Thread-safety: callers hold the daemon's state lock.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from math import prod
 from typing import TYPE_CHECKING
@@ -58,10 +60,14 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                 claims[t.name] = pieces
                 continue
             for frag in shared or t.fragments():
-                if not frag.pieces:
-                    continue  # partition padding: nothing global to keep
                 name = t.name if shared else frag.name
                 gs = tuple(frag.global_shape)
+                if not frag.pieces:
+                    if name not in out and gs and None not in gs and math.prod(gs) == 0:
+                        # a tensor of no elements: nothing to read, but it is in the checkpoint
+                        out[name] = GlobalTensor(name, t.dtype, gs, t.placement, [])
+                        claims[name] = []
+                    continue  # (else partition padding: nothing global to keep)
                 pieces = [SourcePiece(key, piece.local, piece.box, gs) for piece in frag.pieces]
                 g = out.get(name)
                 if g is None:
