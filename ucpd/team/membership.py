@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ProtocolError
+from .nodeset import NodeSet
 
 __all__ = ["Membership", "View"]
 
@@ -23,14 +24,15 @@ RETIRED_KEPT = 8  # per peer: incarnations replaced by a newer one, whose late h
 class View:
     """One state of the team as this node sees it.
 
-    ``live`` always contains this node. ``epoch`` increases by one on every change.
+    ``live`` always contains this node, as a :class:`~ucpd.team.nodeset.NodeSet` (a bitmap:
+    1 KB at 8,192 nodes, not a set of ints). ``epoch`` increases by one on every change.
     ``rejoined`` lists the peers that came back, or changed incarnation, in this change: their
     RAM is new, so whatever they held must be protected again.
     """
 
-    live: frozenset[int]
+    live: NodeSet
     epoch: int
-    rejoined: frozenset[int] = frozenset()
+    rejoined: NodeSet = NodeSet()
 
 
 class Membership:
@@ -46,7 +48,7 @@ class Membership:
         self._incarnation: dict[int, str] = {}
         self._retired: dict[int, list[str]] = {p: [] for p in self._last_seen}
         self._rejoined: set[int] = set()  # noted by on_heartbeat, reported by the next on_tick
-        self._view = View(frozenset(range(nodes)), 0)
+        self._view = View(NodeSet.span(nodes), 0)
 
     @property
     def view(self) -> View:
@@ -82,10 +84,10 @@ class Membership:
 
     def on_tick(self, now: float) -> View | None:
         """Apply timeouts and noted rejoins; return the new view if anything changed, else None."""
-        live = {self.rank} | {p for p, t in self._last_seen.items() if now - t <= self.timeout}
-        rejoined = self._rejoined & live
+        live = NodeSet([self.rank, *(p for p, t in self._last_seen.items() if now - t <= self.timeout)])
+        rejoined = NodeSet(self._rejoined) & live
         self._rejoined.clear()
         if live == self._view.live and not rejoined:
             return None
-        self._view = View(frozenset(live), self._view.epoch + 1, frozenset(rejoined))
+        self._view = View(live, self._view.epoch + 1, rejoined)
         return self._view
