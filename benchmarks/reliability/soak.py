@@ -24,7 +24,6 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile

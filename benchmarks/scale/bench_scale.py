@@ -90,7 +90,7 @@ def part_loss(n: int, trials: int) -> tuple[list[dict], str]:
     res = [loss.evaluate(topo, s, trials=trials) for s in schemes]
     rows = [[r["scheme"], "yes" if r["domain"] else "no", f"{r['overhead']:.2f}x", f"{r['independent_closed']:.3g}",
              f"{r['independent_mc']:.3g}", f"{r['rack_failure_lost']:.2f}"] for r in res]
-    head = ["scheme", "--domain", "RAM overhead", f"P(lost), p=1% indep. (closed form)",
+    head = ["scheme", "--domain", "RAM overhead", "P(lost), p=1% indep. (closed form)",
             f"P(lost) Monte Carlo ({trials} trials)", "P(lost) given one rack fails"]
     return res, table(rows, head)
 

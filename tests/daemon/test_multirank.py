@@ -9,7 +9,6 @@ is wiped (from the flush directory).
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 

@@ -8,7 +8,6 @@ import sys
 import urllib.request
 
 import psutil
-import pytest
 import torch
 
 from ucpd_client import Checkpointer

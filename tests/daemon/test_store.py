@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from ucpd.daemon.slots import SlotState
 from ucpd.daemon.store import NodeStore, prepare_slot_file
 from ucpd.daemon.versions import DEFAULT_JOB, VersionState
 from ucpd.errors import PlacementMismatch, ProtocolError, SnapshotRejected

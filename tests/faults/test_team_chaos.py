@@ -11,7 +11,6 @@ table; replay it with the script (same seed, same draws).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 

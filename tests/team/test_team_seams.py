@@ -14,7 +14,7 @@ import os
 
 import pytest
 
-from helpers.inproc_team import InProcTeam, rank_data
+from helpers.inproc_team import InProcTeam
 from ucpd.daemon.versions import VersionState
 from ucpd.errors import ChecksumMismatch, VersionNotFound
 from ucpd.team.sources import PeerRead

@@ -135,7 +135,7 @@ class ParityGroup:
             log.warning("team: parity of step %d failed: %s", step, exc)
             outcome = FAILED
         finally:
-            del spans
+            spans.clear()  # the slot views go now: the slots may be unmapped
             store.read_done(v)  # what waited for this copy may go now
         if outcome != FAILED:
             held = store.held_steps()

@@ -176,7 +176,7 @@ class Replicator:
         try:
             return self._push(holder, self.rank, step, world, parts, lambda r, off, n: views[r][off : off + n], run)
         finally:
-            del views
+            views.clear()  # the slot views go now: the slot may be unmapped
             self.store.read_done(v)
 
     def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read, run: str) -> bool:
