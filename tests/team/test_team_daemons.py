@@ -256,6 +256,18 @@ def test_a_flipped_bit_in_a_parity_block_is_detected_and_the_rebuild_goes_around
     assert sum(status(team.nodes[i].run_dir)["checksum_failures"].get("parity", 0) for i in range(5)) == sum(errors)
 
 
+def test_a_holder_that_refuses_a_copy_once_gets_it_again_and_the_version_is_healthy(make_team):
+    team = make_team(2, "--replicas", "1", start=False)
+    team.start(0)
+    team.start(1, fault="replica.refuse@1")  # node 1 refuses node 0's copy of step 1 once (no room, say)
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 1, (1, 2), False)
+    assert sorted(m[2] for m in done) == [2, 2], team.logs()
+    s = status(team.nodes[0].run_dir)["team"]
+    assert s["counters"]["push_failures"] >= 1  # the refusal was seen ...
+    wait_for(lambda: [v["health"] for v in status(team.nodes[0].run_dir)["team"]["versions"]] == ["healthy"] * 2,
+             "node 0's copies to be made again")  # ... and healed: node 1 holds both steps of node 0
+
+
 def test_when_ram_has_lost_a_step_the_flush_dir_serves_it(make_team, tmp_path):
     from ucpd.format import list_versions
 
