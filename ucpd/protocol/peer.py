@@ -104,9 +104,10 @@ COMMIT_MESSAGES: dict[str, Record] = {
     # coordinator -> node: the report of n ranks is stored
     "protected_ack": Record({"step": STEP, "world": WORLD, "n": integer(1, MAX_WORLD), "e": STEP}, rule=_n_in_world),
     "record": Record(_STEP_E),  # coordinator -> node: record the decision to commit step (node -> coordinator: pass on)
-    "recorded": Record(_STEP_E),
+    # node -> coordinator; an aggregator (``fanout``) names the group members that recorded in "g"
+    "recorded": Record(_STEP_E, {"g": list_of(integer(0, MAX_WORLD - 1), 4096)}),
     "commit": Record(_STEP_E),  # coordinator -> node: make step visible
-    "committed": Record(_STEP_E),
+    "committed": Record(_STEP_E, {"g": list_of(integer(0, MAX_WORLD - 1), 4096)}),
     "state_req": Record({"e": STEP}),  # new coordinator -> node: send me your state
     "state": Record({  # node -> coordinator: what I know
         "e": STEP, "committed": list_of(STEP, WINDOW), "recorded": list_of(STEP, MAX_PENDING),

@@ -78,7 +78,7 @@ class SimCluster(SafetyObserver):
     def __init__(self, nodes: int, *, seed: int = 0, rack_size: int = 32, net: NetModel | None = None,
                  membership: str = "oracle", detect_after: float = 3.0, detect_spread: float = 0.2,
                  rejoin_after: float = 0.25, heartbeat: float = 0.25, tick: float = 0.1,
-                 resend_after: float = 0.5, strict: bool = True, measure: bool = False) -> None:
+                 resend_after: float = 0.5, strict: bool = True, measure: bool = False, fanout: int | None = None) -> None:
         if membership not in ("oracle", "heartbeat"):
             raise ValueError("membership must be 'oracle' or 'heartbeat'")
         self.n, self.seed, self.strict, self.measure = nodes, seed, strict, measure
@@ -89,7 +89,9 @@ class SimCluster(SafetyObserver):
         self.mode, self.detect_after, self.detect_spread = membership, detect_after, detect_spread
         self.rejoin_after, self.heartbeat, self.tick_every, self.resend_after = rejoin_after, heartbeat, tick, resend_after
         self.t = 0.0
-        self.nodes: list[CommitNode | None] = [CommitNode(i, nodes, resend_after=resend_after) for i in range(nodes)]
+        self.fanout = fanout
+        self.nodes: list[CommitNode | None] = [CommitNode(i, nodes, resend_after=resend_after, fanout=fanout)
+                                               for i in range(nodes)]
         self.members: list[Membership | None] = (
             [Membership(i, nodes, detect_after, 0.0) for i in range(nodes)] if membership == "heartbeat" else [])
         self.inc = [0] * nodes  # incarnation number per rank
@@ -398,7 +400,7 @@ class SimCluster(SafetyObserver):
             self.kill(i)
         self.inc[i] += 1
         self.born[i] = self.view_at[i] = self.t
-        self.nodes[i] = CommitNode(i, self.n, resend_after=self.resend_after)
+        self.nodes[i] = CommitNode(i, self.n, resend_after=self.resend_after, fanout=self.fanout)
         self._cpu_free[i] = self.t
         if self.mode == "heartbeat":
             self.members[i] = Membership(i, self.n, self.detect_after, self.t)

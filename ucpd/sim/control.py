@@ -84,9 +84,10 @@ def _msgs(c: SimCluster) -> dict:
 
 
 def measure(n: int, *, versions: int = 3, ranks_per_node: int = 8, seed: int = 0, net: NetModel | None = None,
-            tick: float = 0.1, spread: float = 0.01, samples: int = 8) -> dict:
-    """Cost of one version and of view changes in a team of ``n`` nodes; see the module docstring."""
-    c = SimCluster(n, seed=seed, net=net, tick=tick, measure=True)
+            tick: float = 0.1, spread: float = 0.01, samples: int = 8, fanout: int | None = None) -> dict:
+    """Cost of one version and of view changes in a team of ``n`` nodes; see the module docstring.
+    ``fanout``: reports and acks go through an aggregator per group of that many nodes."""
+    c = SimCluster(n, seed=seed, net=net, tick=tick, measure=True, fanout=fanout)
     _run_until_quiet(c, 10.0)  # the coordinator's start-up state exchange
     watch = sorted({1 % n, n // 2, n - 1} | set(range(1, min(n, samples))))
     peak = {"coord": 0, "coord_view": 0, "node": 0, "node_view": 0}
@@ -134,7 +135,7 @@ def measure(n: int, *, versions: int = 3, ranks_per_node: int = 8, seed: int = 0
     c.check_settled()
     v = per_version[-1]
     return {
-        "nodes": n, "ranks": n * ranks_per_node, "versions": versions,
+        "nodes": n, "fanout": fanout, "ranks": n * ranks_per_node, "versions": versions,
         "version": v,
         "messages_per_version": statistics.median(p["messages"] for p in per_version),
         "bytes_per_version": statistics.median(p["bytes"] for p in per_version),

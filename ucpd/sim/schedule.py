@@ -20,7 +20,7 @@ __all__ = ["random_schedule"]
 
 def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), membership: str = "oracle",
                     rounds: tuple[int, int] = (15, 35), cluster=SimCluster, runs: bool = False,
-                    forgets: bool = False) -> SimCluster:
+                    forgets: bool = False, fanout: int | None = None) -> SimCluster:
     """Run one schedule; returns the settled cluster (``check_settled`` passed). ``runs``: the
     job also restarts (a new run, fenced, that resumes after the newest committed step and
     snapshots the step numbers an earlier run may have left half done). ``forgets``: nodes also
@@ -34,7 +34,7 @@ def random_schedule(seed: int, *, nodes: tuple[int, ...] = (3, 4, 5, 6, 8), memb
     net = NetModel(loss=rng.uniform(0.05, 0.3), dup=rng.uniform(0.0, 0.2), jitter=rng.uniform(0.001, 0.05 if hb else 0.3))
     c = cluster(n, seed=seed, rack_size=rack, net=net, membership=membership,
                 detect_after=rng.uniform(0.8 if hb else 0.3, 1.5), rejoin_after=0.1, detect_spread=rng.uniform(0.0, 0.5),
-                strict=membership == "oracle")  # heartbeats lost in a row break the timeout assumption P2 needs
+                strict=membership == "oracle", fanout=fanout)  # heartbeats lost in a row break the timeout assumption P2 needs
     step, run = 0, ""
     if runs:
         run = "r0"

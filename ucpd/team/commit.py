@@ -10,7 +10,11 @@ A step is committed when the ranks that the nodes report protected cover ``range
 The coordinator (lowest live node rank) collects the reports, records its decision on every
 live node (``record`` → ``recorded``), then makes it visible everywhere (``commit`` →
 ``committed``). A new coordinator first asks every live node for its state and finishes any
-decision a survivor recorded. A restarted job is a new run: the coordinator fences the
+decision a survivor recorded. With ``fanout`` the nodes are in groups of ``fanout`` consecutive
+ranks and each group's lowest live node *aggregates* (``_Relay``): its members report to it,
+it forwards one merged report, and it passes the coordinator's ``record``/``commit`` on to its
+members and acknowledges for the group once every live member did: the coordinator handles
+O(N / fanout) messages per step instead of O(N). A restarted job is a new run: the coordinator fences the
 earlier runs on every live node before the new one snapshots (``_RunFences``, the class's
 second job). The messages are records of the peer protocol
 (``ucpd.protocol.COMMIT_MESSAGES``): the driver hands ``on_message`` what they decoded.
@@ -31,6 +35,8 @@ from ..errors import ProtocolError
 from ..protocol import MAX_PENDING, RETIRED, WINDOW, report, run_id
 
 __all__ = ["Commit", "CommitNode", "Decided", "Fence", "Send"]
+
+GATHER = 0.05  # seconds an aggregator waits for the rest of its group's reports of a step
 
 @dataclass(frozen=True)
 class Send:
@@ -69,6 +75,17 @@ class _Decision:
     """The coordinator's progress on one decided step in the current view."""
 
     phase: int  # 1: collecting "recorded"; 2: collecting "committed"
+    acked: set[int] = field(default_factory=set)
+    sent_at: float = 0.0
+
+
+@dataclass
+class _Relay:
+    """An aggregator passing the coordinator's ``record`` or ``commit`` of a step (in the
+    coordinator's epoch ``e``) on to its group; acknowledged up once every live member did."""
+
+    phase: int
+    e: int
     acked: set[int] = field(default_factory=set)
     sent_at: float = 0.0
 
@@ -202,6 +219,14 @@ class _RunFences:
         for step in [s for s, rep in self.mine.items() if rep[2] != run]:
             del self.mine[step]
             self._unacked.pop(step, None)
+        for step in list(self._group_reports):
+            per = self._group_reports[step]
+            for node in [n for n, rep in per.items() if rep[2] != run]:
+                del per[node]
+            if not per:
+                del self._group_reports[step]
+                if step not in self.mine:
+                    self._unacked.pop(step, None)
         for step in [s for s in self.reports if s not in self.deciding]:
             per = self.reports[step]
             for node in [n for n, rep in per.items() if rep[2] != run]:
@@ -221,10 +246,17 @@ class CommitNode(_RunFences):
     the driver must carry them out.
     """
 
-    def __init__(self, rank: int, nodes: int, *, resend_after: float = 0.5, committed: Iterable[int] = ()) -> None:
+    def __init__(self, rank: int, nodes: int, *, resend_after: float = 0.5, committed: Iterable[int] = (),
+                 fanout: int | None = None) -> None:
         if not 0 <= rank < nodes:
             raise ValueError(f"node rank {rank} is outside 0..{nodes - 1}")
+        if fanout is not None and fanout < 2:
+            raise ValueError(f"fanout must be at least 2 (or None: no aggregation), got {fanout}")
         self.rank, self.nodes, self.resend_after = rank, nodes, resend_after
+        self.fanout = fanout if fanout is not None and fanout < nodes else None
+        self._group_reports: dict[int, dict[int, tuple[int, frozenset[int], str]]] = {}  # aggregator: step -> member -> report
+        self._relays: dict[tuple[int, int], _Relay] = {}  # aggregator: (step, phase) -> its relay to the group
+        self._gather_due: dict[int, float] = {}  # aggregator: step -> when its merged report goes up anyway
         self.live = frozenset(range(nodes))
         self.epoch = 0  # set by the first event, then raised by every view: see _clock
         self._visible: set[int] = set(committed)  # committed steps still held in RAM here
@@ -262,6 +294,23 @@ class CommitNode(_RunFences):
     def live(self, live: frozenset[int]) -> None:
         self._live = live
         self._coordinator = min(live)  # kept, not recomputed per message: O(1) at any team size
+        if self.fanout is None:  # every node is the coordinator's child (the view itself: no copy of it)
+            self.up, self._children, self._group = self._coordinator, live, frozenset()
+            return
+        f = self.fanout
+        g = self.rank // f
+        self._group = frozenset(n for n in range(g * f, min((g + 1) * f, self.nodes)) if n in live)
+        aggregator = min(self._group)
+        self.up = self._coordinator if aggregator == self.rank else aggregator  # where our reports and acks go
+        heads = {}
+        for n in sorted(live):  # O(N) once per view: the lowest live node of each group
+            heads.setdefault(n // f, n)
+        # the coordinator's direct children (and itself): the other groups' aggregators and its own group
+        self._children = frozenset(heads.values()) | self._group
+
+    def _aggregates(self) -> bool:
+        """Whether this node passes messages between its group and the coordinator."""
+        return self.fanout is not None and self.rank == min(self._group) and self.rank != self._coordinator
 
     @property
     def coordinator(self) -> int:
@@ -298,7 +347,9 @@ class CommitNode(_RunFences):
             "recorded": sorted(self.recorded),
             "forwarded": sorted(self._forwarded),
             "deciding": [{"step": s, "phase": "record" if d.phase == 1 else "commit",
-                          "waiting": sorted(self.live - d.acked)} for s, d in sorted(self.deciding.items())],
+                          "waiting": sorted(self._children - d.acked)} for s, d in sorted(self.deciding.items())],
+            "relaying": [{"step": s, "phase": "record" if p == 1 else "commit", "waiting": sorted(self._group - r.acked)}
+                         for (s, p), r in sorted(self._relays.items())],
             "syncing": sorted(self.syncing),
         }
 
@@ -323,7 +374,9 @@ class CommitNode(_RunFences):
         for dropped in _cap(self.mine):
             self._unacked.pop(dropped, None)
         out = self._store_report(self.rank, step, world, got, run, now)
-        if self.coordinator != self.rank:
+        if self._aggregates():
+            out += self._forward(step, now)
+        elif self.coordinator != self.rank:
             self._unacked[step] = now
             out.append(self._protected_msg(step))
         return out
@@ -351,11 +404,28 @@ class CommitNode(_RunFences):
         out: list = []
         self._forwarded.clear()
         self._coord_epoch = None
+        self._relays.clear()  # the coordinator sends its phases again in the new view
+        self._gather_due.clear()  # (what we hold goes up at once below)
+        # the members' reports we acked stay ours (they send them again only when their own view
+        # changes, which may have been before ours): kept while we aggregate, handed to our own
+        # table if we coordinate now, dropped if another node aggregates (they send it theirs)
+        held, self._group_reports = self._group_reports, {}
+        if self.fanout is not None and self.rank == min(self._group):
+            for step, per in held.items():
+                for node, (world, ranks, run) in per.items():
+                    if node not in self._group:
+                        continue
+                    if self.coordinator == self.rank:
+                        out += self._store_report(node, step, world, ranks, run, now)
+                    else:
+                        self._group_reports.setdefault(step, {})[node] = (world, ranks, run)
+        for step in [s for s in self._unacked if s not in self.mine]:
+            del self._unacked[step]
         if self.coordinator != self.rank:
             self.deciding.clear()  # the coordinator adopts them from our state
             self.syncing.clear()
             self._granting, self._requesters = None, set()  # their nodes ask the new coordinator
-            for step in sorted(self.mine):
+            for step in sorted(set(self.mine) | set(self._group_reports)):
                 self._unacked[step] = now
                 out.append(self._protected_msg(step))
             if self.want is not None:
@@ -365,7 +435,7 @@ class CommitNode(_RunFences):
                 out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
             return out
         self._unacked.clear()
-        self.syncing = {n: now for n in live if n != self.rank}
+        self.syncing = {n: now for n in live if n != self.rank}  # (a new coordinator hears every node once)
         out += [Send(n, {"t": "state_req", "e": self.epoch}) for n in sorted(self.syncing)]
         if self._granting is not None:  # acks of the fence restart in the new view
             self._granting.acked = {self.rank}
@@ -389,8 +459,17 @@ class CommitNode(_RunFences):
                 self.want = None  # current here (or superseded): nothing more to ask
             elif now - self._want_sent >= self.resend_after:
                 out += self._ask_fence(now)
-        for step, sent in self._unacked.items():
+        for step, due in list(self._gather_due.items()):
+            if now >= due:
+                del self._gather_due[step]
+                if self._aggregates() and self._report_of(step) is not None:
+                    self._unacked[step] = now
+                    out.append(self._protected_msg(step))
+        for step, sent in list(self._unacked.items()):
             if now - sent >= self.resend_after:
+                if self._report_of(step) is None:  # (a merged report whose members' reports went)
+                    del self._unacked[step]
+                    continue
                 self._unacked[step] = now
                 out.append(self._protected_msg(step))
         for step, sent in self._forwarded.items():
@@ -404,6 +483,9 @@ class CommitNode(_RunFences):
         for step, d in self.deciding.items():
             if now - d.sent_at >= self.resend_after:
                 out += self._send_phase(step, d, now)
+        for (step, phase), r in self._relays.items():
+            if now - r.sent_at >= self.resend_after:
+                out += self._relay_send(step, phase, r, now)
         if self._granting is not None and now - self._granting.sent_at >= self.resend_after:
             out += self._advance_grant(now)
         return out
@@ -411,7 +493,8 @@ class CommitNode(_RunFences):
     def forget(self, step: int) -> None:
         """This node's RAM of ``step`` is gone: drop its reports; remember if it was committed."""
         self.mine.pop(step, None)
-        self._unacked.pop(step, None)
+        if step not in self._group_reports:  # (an aggregator still sends its members' parts up)
+            self._unacked.pop(step, None)
         if step not in self.deciding:
             self.reports.pop(step, None)
             self._cover.pop(step, None)
@@ -427,23 +510,33 @@ class CommitNode(_RunFences):
             return [Send(src, {"t": "commit", "step": step, "e": self.epoch})]
         if self.coordinator == self.rank and not self._current(m["run"]):
             return [self._fence_msg(src)]  # a part of a run fenced off: the sender abandons it
+        if self.fanout is not None and self.coordinator != self.rank:
+            if self._aggregates() and src in self._group:
+                return self._gather(src, m, now)
+            return []  # not ours to collect in our view: the sender sends again, where its view says
         out = self._store_report(src, step, m["world"], m["ranks"], m["run"], now)
         ack = {"t": "protected_ack", "step": step, "world": m["world"], "n": len(m["ranks"]), "e": m["e"]}
         return [Send(src, ack)] + out
 
     def _on_protected_ack(self, src: int, m: dict, now: float) -> list:
-        mine = self.mine.get(m["step"])
+        mine = self._report_of(m["step"])
         # the ack of an earlier, smaller report of the step does not count
-        if mine and (mine[0], len(mine[1])) == (m["world"], m["n"]) and m["e"] == self.epoch and src == self.coordinator:
+        if mine and (mine[0], len(mine[1])) == (m["world"], m["n"]) and m["e"] == self.epoch and src == self.up:
             self._unacked.pop(m["step"], None)
         return []
 
     def _on_record(self, src: int, m: dict, now: float) -> list:
         step = m["step"]
-        return self._learn(src, step, False, now, m["e"]) + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
+        out = self._learn(src, step, False, now, m["e"])
+        if src == self.coordinator and self._aggregates():
+            return out + self._relay(step, 1, m["e"], now)
+        return out + [Send(src, {"t": "recorded", "step": step, "e": m["e"]})]
 
     def _on_commit(self, src: int, m: dict, now: float) -> list:
-        return self._learn(src, m["step"], True, now, m["e"]) + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
+        out = self._learn(src, m["step"], True, now, m["e"])
+        if src == self.coordinator and self._aggregates():
+            return out + self._relay(m["step"], 2, m["e"], now)
+        return out + [Send(src, {"t": "committed", "step": m["step"], "e": m["e"]})]
 
     def _on_catch_up(self, src: int, m: dict, now: float) -> list:
         return [out for step in m["steps"] for out in self._learn(src, step, True, now, m["e"])]
@@ -464,15 +557,25 @@ class CommitNode(_RunFences):
     def _on_recorded(self, src: int, m: dict, now: float) -> list:
         if m["e"] == self.epoch and src == self.coordinator:
             self._forwarded.pop(m["step"], None)
+        if self._aggregates():
+            return self._relay_ack(1, src, m, now)
         return self._ack(1, src, m, now)
 
     def _on_committed(self, src: int, m: dict, now: float) -> list:
+        if self._aggregates():
+            return self._relay_ack(2, src, m, now)
         return self._ack(2, src, m, now)
 
     def _ack(self, phase: int, src: int, m: dict, now: float) -> list:
         d = self.deciding.get(m["step"])
-        if d is None or d.phase != phase or m["e"] != self.epoch or src not in self.live:
+        if d is None or d.phase != phase or m["e"] != self.epoch or src not in self._children:
             return []  # stale, duplicated, or from before the current view
+        if self.fanout is not None and src not in self._group:
+            # an aggregator acks for its group: every member live in our view must be in it
+            f = self.fanout
+            members = {n for n in range(src - src % f, min(src - src % f + f, self.nodes)) if n in self.live}
+            if not members <= set(m.get("g") or ()) | {src}:
+                return []  # it counted on a view that lacks some of them: its resend will (P2)
         d.acked.add(src)
         return self._advance(m["step"], d, now, send=False)
 
@@ -525,15 +628,83 @@ class CommitNode(_RunFences):
                 out += self._decide(step, now)
             elif out or not visible:  # new to us, or src has only recorded it
                 out += self._spread(step, now, [src]) if visible else self._spread(step, now, to=src)
-        elif out and (src != self.coordinator or e != self._coord_epoch):
+        elif out and (src not in (self.coordinator, self.up) or e != self._coord_epoch):
             self._forwarded[step] = now
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
         return out
 
     def _protected_msg(self, step: int) -> Send:
-        world, ranks, run = self.mine[step]
-        return Send(self.coordinator, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
-                                       "run": run, "e": self.epoch})
+        world, ranks, run = self._report_of(step)
+        return Send(self.up, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
+                              "run": run, "e": self.epoch})
+
+    def _report_of(self, step: int) -> tuple[int, frozenset[int], str] | None:
+        """What this node reports of ``step``: its own part, and as an aggregator its members'
+        parts of the same world size and run (the newest report's), merged."""
+        mine = self.mine.get(step)
+        group = self._group_reports.get(step)
+        if not group or not self._aggregates():
+            return mine
+        reports = ([mine] if mine else []) + list(group.values())
+        world, _, run = reports[-1]
+        ranks = frozenset().union(*(r for w, r, rn in reports if (w, rn) == (world, run)))
+        return world, ranks, run
+
+    def _gather(self, src: int, m: dict, now: float) -> list:
+        """Aggregator: a member's report; acknowledged at once (we answer for it from now on),
+        merged into ours, which goes to the coordinator until it acknowledges that."""
+        step, world, ranks, run = m["step"], m["world"], m["ranks"], m["run"]
+        if not self._current(run):
+            return []
+        per = self._group_reports.setdefault(step, {})
+        old = per.pop(src, None)  # (re-inserted last: the newest report sets the merge's world and run)
+        per[src] = (world, ranks | old[1], run) if old is not None and (old[0], old[2]) == (world, run) else (world, ranks, run)
+        for dropped in _cap(self._group_reports):
+            if dropped not in self.mine:
+                self._unacked.pop(dropped, None)
+        ack = {"t": "protected_ack", "step": step, "world": world, "n": len(ranks), "e": m["e"]}
+        return [Send(src, ack)] + (self._forward(step, now) if step in self._group_reports else [])
+
+    def _forward(self, step: int, now: float) -> list:
+        """Aggregator: send the merged report of ``step`` up once every live member reported it
+        (one message for the group), or ``GATHER`` seconds after the first report of it (a job
+        on some of the nodes only)."""
+        reported = set(self._group_reports.get(step, ())) | ({self.rank} if step in self.mine else set())
+        if not reported >= self._group:
+            self._gather_due.setdefault(step, now + GATHER)
+            return []
+        self._gather_due.pop(step, None)
+        self._unacked[step] = now
+        return [self._protected_msg(step)]
+
+    def _relay(self, step: int, phase: int, e: int, now: float) -> list:
+        """Aggregator: pass the coordinator's phase of ``step`` on to the live members."""
+        r = self._relays.get((step, phase))
+        if r is None or r.e != e:
+            r = self._relays[(step, phase)] = _Relay(phase, e, {self.rank})
+        if phase == 2:
+            self._relays.pop((step, 1), None)
+        return self._relay_done(step, phase, r) or self._relay_send(step, phase, r, now)
+
+    def _relay_send(self, step: int, phase: int, r: _Relay, now: float) -> list:
+        r.sent_at = now
+        t = "record" if phase == 1 else "commit"
+        return [Send(n, {"t": t, "step": step, "e": r.e}) for n in sorted(self._group - r.acked)]
+
+    def _relay_ack(self, phase: int, src: int, m: dict, now: float) -> list:
+        r = self._relays.get((m["step"], phase))
+        if r is None or m["e"] != r.e or src not in self._group:
+            return []
+        r.acked.add(src)
+        return self._relay_done(m["step"], phase, r)
+
+    def _relay_done(self, step: int, phase: int, r: _Relay) -> list:
+        """Aggregator: every live member acknowledged: acknowledge for the group, naming it."""
+        if not r.acked >= self._group:
+            return []
+        del self._relays[(step, phase)]
+        t = "recorded" if phase == 1 else "committed"
+        return [Send(self.coordinator, {"t": t, "step": step, "e": r.e, "g": sorted(r.acked)})]
 
     def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], run: str, now: float) -> list:
         if self.is_committed(step) or not self._current(run):
@@ -575,6 +746,8 @@ class CommitNode(_RunFences):
         lacks it; once it runs, a node ``to`` found lacking it gets one ``commit`` now and the
         rest wait for ``on_tick``'s resend: a burst of N ``state`` replies during phase 2 must
         not cost N messages each (N^2)."""
+        if self.fanout is not None:  # an aggregator having it says nothing of its group: it acks for them itself
+            have = [n for n in have if n in self._group]
         d = self.deciding.get(step)
         if d is None or d.phase == 1:
             d = self.deciding[step] = _Decision(2, {self.rank})
@@ -591,10 +764,10 @@ class CommitNode(_RunFences):
         node has it visible. Sends the current phase to the nodes that have not acked it if
         ``send`` or the phase just changed."""
         out: list = []
-        if d.phase == 1 and d.acked >= self.live:
+        if d.phase == 1 and d.acked >= self._children:
             d.phase, d.acked, send = 2, {self.rank}, True
             out += self._make_visible(step)
-        if d.phase == 2 and d.acked >= self.live:
+        if d.phase == 2 and d.acked >= self._children:
             del self.deciding[step]
             return out
         return out + self._send_phase(step, d, now) if send else out
@@ -602,7 +775,7 @@ class CommitNode(_RunFences):
     def _send_phase(self, step: int, d: _Decision, now: float) -> list:
         d.sent_at = now
         t = "record" if d.phase == 1 else "commit"
-        return [Send(n, {"t": t, "step": step, "e": self.epoch}) for n in sorted(self.live - d.acked)]
+        return [Send(n, {"t": t, "step": step, "e": self.epoch}) for n in sorted(self._children - d.acked)]
 
     def _record(self, step: int) -> list:
         if self.is_committed(step) or step in self.recorded:
@@ -621,6 +794,8 @@ class CommitNode(_RunFences):
         self._forwarded.pop(step, None)
         self.reports.pop(step, None)
         self._cover.pop(step, None)
+        self._group_reports.pop(step, None)
+        self._gather_due.pop(step, None)
         return [Commit(step)]
 
 
