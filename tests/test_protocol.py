@@ -92,7 +92,7 @@ def test_every_message_type_says_what_answers_it():
     for spec in [*protocol.REQUESTS.values(), *protocol.PEER_REQUESTS.values()]:
         assert spec.doc
         assert spec.reply is None or callable(spec.reply)
-    assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is None} == {"unpin", "commit", "hello"}
+    assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply is None} == {"unpin", "commit", "hello", "gossip"}
     assert {n for n, s in protocol.PEER_REQUESTS.items() if s.reply_payload} == {"fetch", "parity_block", "blob_unit"}
     assert {n for n, s in protocol.PEER_REQUESTS.items() if s.payload} == {"replica_data", "parity_unit"}
     assert protocol.REQUESTS["status"].reply is protocol.any_map  # a free map: the status tree is not specified

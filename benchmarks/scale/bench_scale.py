@@ -41,19 +41,20 @@ def table(rows: list[list], head: list[str]) -> str:
 def part_control(sizes: list[int]) -> tuple[list[dict], str]:
     res = []
     for n in sizes:
-        t0 = time.perf_counter()
-        r = control.measure(n, versions=3 if n <= 1024 else 2, tick=0.1 if n <= 1024 else 0.25)
-        r["wall_s"] = time.perf_counter() - t0
-        res.append(r)
-        print(f"  control plane, {n} nodes: {r['wall_s']:.1f} s", flush=True)
-    rows = [[r["nodes"], r["ranks"], r["messages_per_version"], f"{r['messages_per_version'] / r['nodes']:.2f}",
+        for fanout in (None, 32) if n >= 64 else (None,):
+            t0 = time.perf_counter()
+            r = control.measure(n, versions=3 if n <= 1024 else 2, tick=0.1 if n <= 1024 else 0.25, fanout=fanout)
+            r["wall_s"] = time.perf_counter() - t0
+            res.append(r)
+            print(f"  control plane, {n} nodes, fanout {fanout}: {r['wall_s']:.1f} s", flush=True)
+    rows = [[r["nodes"], r["fanout"] or "-", r["ranks"], r["messages_per_version"], f"{r['messages_per_version'] / r['nodes']:.2f}",
              r["version"]["per_node_max_noncoord"], r["version"]["coordinator"], fmt_b(r["bytes_per_version"]),
              f"{r['bytes_per_version'] / r['nodes']:.0f} B", f"{r['coordinator_cpu_s'] * 1e3:.1f} ms",
              f"{r['commit_latency_s'] * 1e3:.1f} ms", fmt_b(r["state_bytes"]["node_rest"]),
              fmt_b(r["state_bytes"]["coordinator_peak"]), fmt_b(r["state_bytes"]["view_live_set"]),
              r["view_change"]["messages"], r["takeover"]["messages"], f"{r['heartbeats_per_s']['per_node']:.0f}"]
             for r in res]
-    head = ["nodes", "ranks", "msgs/version", "per node (mean)", "per node (max, not coord.)", "at coordinator",
+    head = ["nodes", "commit fanout", "ranks", "msgs/version", "per node (mean)", "per node (max, not coord.)", "at coordinator",
             "bytes/version", "bytes/node", "coord. CPU/decision", "last snapshot → latest() everywhere",
             "node state", "coord. state (peak)", "view set/node", "msgs/view change", "msgs/takeover", "heartbeats/s/node"]
     return res, table(rows, head)
@@ -113,6 +114,7 @@ def plot(ctrl: list[dict], rec: list[dict], png: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    ctrl = [r for r in ctrl if not r.get("fanout")]  # the direct protocol's curves
     ns = [r["nodes"] for r in ctrl]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     ax[0].loglog(ns, [r["messages_per_version"] for r in ctrl], "o-", label="messages / version (total)")

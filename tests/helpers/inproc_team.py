@@ -46,12 +46,13 @@ class Node:
     """Daemon ``rank`` of the team: its ``Team`` and ``NodeStore``."""
 
     def __init__(self, net: FakeNetwork, rank: int, nodes: int, shm: str, *, parity=None, replicas: int = 0,
-                 per_node: int = 1, keep: int = 2, dead_after: float = DEAD_AFTER, membership: str = "heartbeat"):
+                 per_node: int = 1, keep: int = 2, dead_after: float = DEAD_AFTER, membership: str = "heartbeat",
+                 fanout: int | None = None):
         os.makedirs(shm, mode=0o700)
         self.net, self.rank, self.per_node, self.closed = net, rank, per_node, False
         cfg = TeamConfig(nodes, rank, f"fake://{rank}", [f"fake://{i}" for i in range(nodes)], parity=parity,
                          replicas=replicas, heartbeat=net.heartbeat, dead_after=dead_after, keep=keep,
-                         membership=membership)
+                         membership=membership, fanout=fanout)
         self.team = Team(cfg, shm, link=net.link, clock=net.clock)
         self.store = NodeStore(shm, 256 << 20, keep=keep, policy=self.team, single_job=True, job=JOB)
         self.team.attach(self.store)

@@ -472,3 +472,63 @@ def test_malformed_fence_messages_are_refused(msg):
     with pytest.raises(ProtocolError):
         c.deliver(0, 1, {"m": msg})
     assert c.nodes[0].run is None and c.nodes[0].fence == 0
+
+
+# --- aggregation: groups of ``fanout`` nodes, each with an aggregator (docs/PROTOCOL.md) ----------
+
+def grouped(n: int, fanout: int, *, detect_after: float = 0.0) -> SimCluster:
+    return SimCluster(n, detect_after=detect_after, detect_spread=0.0, rejoin_after=0.0, fanout=fanout)
+
+
+def test_with_groups_the_coordinator_hears_one_report_and_one_ack_per_group():
+    c = grouped(16, 4)  # groups 0-3, 4-7, 8-11, 12-15; aggregators 4, 8 and 12; node 0 coordinates group 0
+    first_sync(c)
+    c.reset_stats()
+    covering_reports(c, 1, range(16))
+    c.run_until_quiet()
+    assert latest(c) == [1] * 16
+    at_coordinator = c.stats.sent[0] + c.stats.recv[0]
+    # per child (3 aggregators, 3 members of its own group): protected + ack, record + recorded, commit + committed
+    assert at_coordinator == 6 * 6
+    assert max(c.stats.sent[a] + c.stats.recv[a] for a in (4, 8, 12)) == 6 * 3 + 6  # its group, and the coordinator
+    c.check_settled()
+
+
+def test_an_aggregator_acks_for_its_group_only_once_every_live_member_recorded():
+    c = grouped(6, 3)  # groups 0-2 and 3-5; node 3 aggregates 4 and 5
+    first_sync(c)
+    covering_reports(c, 1, range(6))
+    c.run_until_quiet()
+    c.crash_at(5, before(Decided))  # node 5 dies as the record of step 2 reaches it
+    covering_reports(c, 2, range(6))
+    c.settle()
+    assert c.live == [0, 1, 2, 3, 4] and latest(c) == [2] * 5  # committed once node 5 left every view ...
+    c.check_settled()  # ... and P2 held throughout: nobody saw it visible before every live node recorded it
+
+
+@pytest.mark.parametrize("point", ["gathering", "relaying_record", "relaying_commit"])
+def test_an_aggregator_killed_midway_leaves_the_step_on_every_survivor_or_on_none(point):
+    c = grouped(6, 3)
+    first_sync(c)
+    if point == "gathering":  # it acked its members' reports and dies before sending them up
+        c.crash_at(3, lambda outs: [] if any(isinstance(o, Send) and o.msg["t"] == "protected" and o.dest == 0
+                                           for o in outs) else None)
+    elif point == "relaying_record":
+        c.crash_at(3, first_send("record", 4))
+    else:
+        c.crash_at(3, first_send("commit", 4))
+    covering_reports(c, 2, range(6))
+    c.settle()
+    assert c.live == [0, 1, 2, 4, 5]
+    assert len(set(latest(c))) == 1  # the same on every survivor: 2 if node 3's ranks got up, else none
+    c.check_settled()
+
+
+@pytest.mark.parametrize("fanout", [2, 3])
+@pytest.mark.parametrize("part", range(2))
+def test_random_schedules_with_aggregators_keep_the_safety_properties_and_settle(fanout, part):
+    for seed in range(part, 400, 2):
+        random_schedule(seed, forgets=True, fanout=fanout)
+    for seed in range(part, 60, 2):
+        random_schedule(seed, runs=True, fanout=fanout)
+        random_schedule(seed, membership="heartbeat", fanout=fanout)

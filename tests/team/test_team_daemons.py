@@ -106,7 +106,8 @@ def test_three_nodes_one_replica_lose_a_node_and_restore_on_the_survivors_with_a
 
 
 def test_a_gossiping_team_loses_a_node_while_views_converge_and_another_after_a_commit(make_team):
-    team = make_team(4, "--membership", "gossip", "--replicas", "1", "--keep", "2")
+    # the configuration of a large team, at 4 nodes: gossip, and commits through an aggregator per pair
+    team = make_team(4, "--membership", "gossip", "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
     team.lose(3)  # at once: the others have not all heard of each other yet
     wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][3]["live"], "node 3 to be declared dead")
     procs, done = ranks.spawn(snapshot_ranks, 6, team.run_dirs()[:3], 2, 2, (1, 2, 3), True)  # TP2xDP3 on 3 nodes

@@ -12,6 +12,7 @@ from .. import knobs
 from ..errors import UcpdError
 
 GOSSIP_FROM = 64  # --membership auto: nodes from which gossip replaces all-to-all heartbeats
+AUTO_FANOUT = 32  # --commit-fanout's default from GOSSIP_FROM nodes (a rack's worth)
 
 
 def add_commands(sub) -> None:
@@ -31,6 +32,10 @@ def add_commands(sub) -> None:
                    help="how the team learns who is alive: heartbeat (every daemon to every other), gossip (SWIM: "
                    "a probe per period whatever the team's size), or auto: gossip from %d nodes (default auto)"
                    % GOSSIP_FROM)
+    p.add_argument("--commit-fanout", type=int, default=None,
+                   help="commit reports and acks go through one aggregator per group of N nodes, so the coordinator "
+                   "handles O(nodes/N) messages per step (0: every node talks to the coordinator; default: %d from %d "
+                   "nodes, else 0)" % (AUTO_FANOUT, GOSSIP_FROM))
     p.add_argument("--mem-limit", help="RAM for snapshot slots, e.g. 64G (default 80%% of free /dev/shm)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")
@@ -231,6 +236,10 @@ def team_config(o: dict, nodes: int, node_rank: int):
         raise UcpdError(f"--membership {membership!r}: use auto, heartbeat or gossip")
     if membership == "auto":
         membership = "gossip" if nodes >= GOSSIP_FROM else "heartbeat"
+    fanout = o.get("commit_fanout")
+    fanout = (AUTO_FANOUT if nodes >= GOSSIP_FROM else 0) if fanout is None else int(fanout)
+    if fanout == 1 or fanout < 0:
+        raise UcpdError(f"--commit-fanout {fanout}: use 0 (no aggregation) or a group size of 2 or more, e.g. 32")
     if not 0 < heartbeat < dead_after:
         raise UcpdError(f"--heartbeat {heartbeat:g} and --dead-after {dead_after:g}: a peer must get several "
                         "periods before it is dead; use e.g. --heartbeat 0.25 --dead-after 3")
@@ -249,6 +258,7 @@ def team_config(o: dict, nodes: int, node_rank: int):
         heartbeat=heartbeat,
         dead_after=dead_after,
         membership=membership,
+        fanout=fanout or None,
         keep=int(o.get("keep", knobs.keep_versions())),
         flush_dir=o.get("flush_dir"),
     )

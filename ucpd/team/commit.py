@@ -239,7 +239,114 @@ class _RunFences:
         return [Fence(run, frozenset(self.recorded) | frozenset(self.deciding))]
 
 
-class CommitNode(_RunFences):
+class _Groups:
+    """Aggregation, ``CommitNode``'s third job (``fanout``): the nodes are in groups of ``fanout``
+    consecutive ranks; each group's lowest live node gathers its members' reports into one, and
+    passes the coordinator's phases on to them, acknowledging for the group (naming who acked)
+    once every live member did. Reads and writes the node's reports, relays and view."""
+
+    def _regroup(self, live: frozenset[int]) -> None:
+        """A new view: this node's group, where its reports go (``up``) and, for the coordinator,
+        its direct children (the other groups' aggregators and its own group, itself included)."""
+        if self.fanout is None:  # every node is the coordinator's child (the view itself: no copy of it)
+            self.up, self._children, self._group = self._coordinator, live, frozenset()
+            return
+        f = self.fanout
+        g = self.rank // f
+        self._group = frozenset(n for n in range(g * f, min((g + 1) * f, self.nodes)) if n in live)
+        aggregator = min(self._group)
+        self.up = self._coordinator if aggregator == self.rank else aggregator  # where our reports and acks go
+        heads = {}
+        for n in sorted(live):  # O(N) once per view: the lowest live node of each group
+            heads.setdefault(n // f, n)
+        self._children = frozenset(heads.values()) | self._group
+
+    def _aggregates(self) -> bool:
+        """Whether this node passes messages between its group and the coordinator."""
+        return self.fanout is not None and self.rank == min(self._group) and self.rank != self._coordinator
+
+    def _report_of(self, step: int) -> tuple[int, frozenset[int], str] | None:
+        """What this node reports of ``step``: its own part, and as an aggregator its members'
+        parts of the same world size and run (the newest report's), merged."""
+        mine = self.mine.get(step)
+        group = self._group_reports.get(step)
+        if not group or not self._aggregates():
+            return mine
+        reports = ([mine] if mine else []) + list(group.values())
+        world, _, run = reports[-1]
+        ranks = frozenset().union(*(r for w, r, rn in reports if (w, rn) == (world, run)))
+        return world, ranks, run
+
+    def _gather(self, src: int, m: dict, now: float) -> list:
+        """Aggregator: a member's report; acknowledged at once (we answer for it from now on),
+        merged into ours, which goes to the coordinator until it acknowledges that."""
+        step, world, ranks, run = m["step"], m["world"], m["ranks"], m["run"]
+        if not self._current(run):
+            return []
+        per = self._group_reports.setdefault(step, {})
+        old = per.pop(src, None)  # (re-inserted last: the newest report sets the merge's world and run)
+        per[src] = (world, ranks | old[1], run) if old is not None and (old[0], old[2]) == (world, run) else (world, ranks, run)
+        for dropped in _cap(self._group_reports):
+            if dropped not in self.mine:
+                self._unacked.pop(dropped, None)
+        ack = {"t": "protected_ack", "step": step, "world": world, "n": len(ranks), "e": m["e"]}
+        return [Send(src, ack)] + (self._forward(step, now) if step in self._group_reports else [])
+
+    def _forward(self, step: int, now: float) -> list:
+        """Aggregator: send the merged report of ``step`` up once every live member reported it
+        (one message for the group), or ``GATHER`` seconds after the first report of it (a job
+        on some of the nodes only)."""
+        reported = set(self._group_reports.get(step, ())) | ({self.rank} if step in self.mine else set())
+        if not reported >= self._group:
+            self._gather_due.setdefault(step, now + GATHER)
+            return []
+        self._gather_due.pop(step, None)
+        self._unacked[step] = now
+        return [self._protected_msg(step)]
+
+    def _relay(self, step: int, phase: int, e: int, now: float) -> list:
+        """Aggregator: pass the coordinator's phase of ``step`` on to the live members."""
+        r = self._relays.get((step, phase))
+        if r is None or r.e != e:
+            r = self._relays[(step, phase)] = _Relay(phase, e, {self.rank})
+        if phase == 2:
+            self._relays.pop((step, 1), None)
+        return self._relay_done(step, phase, r) or self._relay_send(step, phase, r, now)
+
+    def _relay_send(self, step: int, phase: int, r: _Relay, now: float) -> list:
+        r.sent_at = now
+        t = "record" if phase == 1 else "commit"
+        return [Send(n, {"t": t, "step": step, "e": r.e}) for n in sorted(self._group - r.acked)]
+
+    def _relay_ack(self, phase: int, src: int, m: dict, now: float) -> list:
+        r = self._relays.get((m["step"], phase))
+        if r is None or m["e"] != r.e or src not in self._group:
+            return []
+        r.acked.add(src)
+        return self._relay_done(m["step"], phase, r)
+
+    def _relay_done(self, step: int, phase: int, r: _Relay) -> list:
+        """Aggregator: every live member acknowledged: acknowledge for the group, naming it."""
+        if not r.acked >= self._group:
+            return []
+        del self._relays[(step, phase)]
+        t = "recorded" if phase == 1 else "committed"
+        return [Send(self.coordinator, {"t": t, "step": step, "e": r.e, "g": sorted(r.acked)})]
+
+    def _protected_msg(self, step: int) -> Send:
+        world, ranks, run = self._report_of(step)
+        return Send(self.up, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
+                              "run": run, "e": self.epoch})
+
+    def _on_protected_ack(self, src: int, m: dict, now: float) -> list:
+        mine = self._report_of(m["step"])
+        # the ack of an earlier, smaller report of the step does not count
+        if mine and (mine[0], len(mine[1])) == (m["world"], m["n"]) and m["e"] == self.epoch and src == self.up:
+            self._unacked.pop(m["step"], None)
+        return []
+
+
+class CommitNode(_RunFences, _Groups):
     """This node's side of the global commit protocol. Not thread-safe: the driver serializes.
 
     Every event method returns a list of ``Send``/``Decided``/``Commit``/``Fence`` outputs, in the order
@@ -294,23 +401,7 @@ class CommitNode(_RunFences):
     def live(self, live: frozenset[int]) -> None:
         self._live = live
         self._coordinator = min(live)  # kept, not recomputed per message: O(1) at any team size
-        if self.fanout is None:  # every node is the coordinator's child (the view itself: no copy of it)
-            self.up, self._children, self._group = self._coordinator, live, frozenset()
-            return
-        f = self.fanout
-        g = self.rank // f
-        self._group = frozenset(n for n in range(g * f, min((g + 1) * f, self.nodes)) if n in live)
-        aggregator = min(self._group)
-        self.up = self._coordinator if aggregator == self.rank else aggregator  # where our reports and acks go
-        heads = {}
-        for n in sorted(live):  # O(N) once per view: the lowest live node of each group
-            heads.setdefault(n // f, n)
-        # the coordinator's direct children (and itself): the other groups' aggregators and its own group
-        self._children = frozenset(heads.values()) | self._group
-
-    def _aggregates(self) -> bool:
-        """Whether this node passes messages between its group and the coordinator."""
-        return self.fanout is not None and self.rank == min(self._group) and self.rank != self._coordinator
+        self._regroup(live)
 
     @property
     def coordinator(self) -> int:
@@ -336,22 +427,7 @@ class CommitNode(_RunFences):
 
     def pending(self) -> dict:
         """A JSON-able summary for ``ucpd status``."""
-        return {
-            "coordinator": self.coordinator,
-            "epoch": self.epoch,
-            "latest": self._latest,
-            "run": self.run,
-            "fence": self.fence,
-            "protected": [{"step": s, "world": w, "ranks": sorted(r), "run": run, "acked": s not in self._unacked}
-                          for s, (w, r, run) in sorted(self.mine.items())],
-            "recorded": sorted(self.recorded),
-            "forwarded": sorted(self._forwarded),
-            "deciding": [{"step": s, "phase": "record" if d.phase == 1 else "commit",
-                          "waiting": sorted(self._children - d.acked)} for s, d in sorted(self.deciding.items())],
-            "relaying": [{"step": s, "phase": "record" if p == 1 else "commit", "waiting": sorted(self._group - r.acked)}
-                         for (s, p), r in sorted(self._relays.items())],
-            "syncing": sorted(self.syncing),
-        }
+        return _summary(self)
 
     # --- events ----------------------------------------------------------------------------
 
@@ -518,13 +594,6 @@ class CommitNode(_RunFences):
         ack = {"t": "protected_ack", "step": step, "world": m["world"], "n": len(m["ranks"]), "e": m["e"]}
         return [Send(src, ack)] + out
 
-    def _on_protected_ack(self, src: int, m: dict, now: float) -> list:
-        mine = self._report_of(m["step"])
-        # the ack of an earlier, smaller report of the step does not count
-        if mine and (mine[0], len(mine[1])) == (m["world"], m["n"]) and m["e"] == self.epoch and src == self.up:
-            self._unacked.pop(m["step"], None)
-        return []
-
     def _on_record(self, src: int, m: dict, now: float) -> list:
         step = m["step"]
         out = self._learn(src, step, False, now, m["e"])
@@ -633,79 +702,6 @@ class CommitNode(_RunFences):
             out.append(Send(self.coordinator, {"t": "record", "step": step, "e": self.epoch}))
         return out
 
-    def _protected_msg(self, step: int) -> Send:
-        world, ranks, run = self._report_of(step)
-        return Send(self.up, {"t": "protected", "step": step, "world": world, "ranks": sorted(ranks),
-                              "run": run, "e": self.epoch})
-
-    def _report_of(self, step: int) -> tuple[int, frozenset[int], str] | None:
-        """What this node reports of ``step``: its own part, and as an aggregator its members'
-        parts of the same world size and run (the newest report's), merged."""
-        mine = self.mine.get(step)
-        group = self._group_reports.get(step)
-        if not group or not self._aggregates():
-            return mine
-        reports = ([mine] if mine else []) + list(group.values())
-        world, _, run = reports[-1]
-        ranks = frozenset().union(*(r for w, r, rn in reports if (w, rn) == (world, run)))
-        return world, ranks, run
-
-    def _gather(self, src: int, m: dict, now: float) -> list:
-        """Aggregator: a member's report; acknowledged at once (we answer for it from now on),
-        merged into ours, which goes to the coordinator until it acknowledges that."""
-        step, world, ranks, run = m["step"], m["world"], m["ranks"], m["run"]
-        if not self._current(run):
-            return []
-        per = self._group_reports.setdefault(step, {})
-        old = per.pop(src, None)  # (re-inserted last: the newest report sets the merge's world and run)
-        per[src] = (world, ranks | old[1], run) if old is not None and (old[0], old[2]) == (world, run) else (world, ranks, run)
-        for dropped in _cap(self._group_reports):
-            if dropped not in self.mine:
-                self._unacked.pop(dropped, None)
-        ack = {"t": "protected_ack", "step": step, "world": world, "n": len(ranks), "e": m["e"]}
-        return [Send(src, ack)] + (self._forward(step, now) if step in self._group_reports else [])
-
-    def _forward(self, step: int, now: float) -> list:
-        """Aggregator: send the merged report of ``step`` up once every live member reported it
-        (one message for the group), or ``GATHER`` seconds after the first report of it (a job
-        on some of the nodes only)."""
-        reported = set(self._group_reports.get(step, ())) | ({self.rank} if step in self.mine else set())
-        if not reported >= self._group:
-            self._gather_due.setdefault(step, now + GATHER)
-            return []
-        self._gather_due.pop(step, None)
-        self._unacked[step] = now
-        return [self._protected_msg(step)]
-
-    def _relay(self, step: int, phase: int, e: int, now: float) -> list:
-        """Aggregator: pass the coordinator's phase of ``step`` on to the live members."""
-        r = self._relays.get((step, phase))
-        if r is None or r.e != e:
-            r = self._relays[(step, phase)] = _Relay(phase, e, {self.rank})
-        if phase == 2:
-            self._relays.pop((step, 1), None)
-        return self._relay_done(step, phase, r) or self._relay_send(step, phase, r, now)
-
-    def _relay_send(self, step: int, phase: int, r: _Relay, now: float) -> list:
-        r.sent_at = now
-        t = "record" if phase == 1 else "commit"
-        return [Send(n, {"t": t, "step": step, "e": r.e}) for n in sorted(self._group - r.acked)]
-
-    def _relay_ack(self, phase: int, src: int, m: dict, now: float) -> list:
-        r = self._relays.get((m["step"], phase))
-        if r is None or m["e"] != r.e or src not in self._group:
-            return []
-        r.acked.add(src)
-        return self._relay_done(m["step"], phase, r)
-
-    def _relay_done(self, step: int, phase: int, r: _Relay) -> list:
-        """Aggregator: every live member acknowledged: acknowledge for the group, naming it."""
-        if not r.acked >= self._group:
-            return []
-        del self._relays[(step, phase)]
-        t = "recorded" if phase == 1 else "committed"
-        return [Send(self.coordinator, {"t": t, "step": step, "e": r.e, "g": sorted(r.acked)})]
-
     def _store_report(self, node: int, step: int, world: int, ranks: frozenset[int], run: str, now: float) -> list:
         if self.is_committed(step) or not self._current(run):
             return []
@@ -797,6 +793,26 @@ class CommitNode(_RunFences):
         self._group_reports.pop(step, None)
         self._gather_due.pop(step, None)
         return [Commit(step)]
+
+
+def _summary(node: "CommitNode") -> dict:
+    """``CommitNode.pending()``: what the node has in flight, for ``ucpd status``."""
+    return {
+        "coordinator": node.coordinator,
+        "epoch": node.epoch,
+        "latest": node._latest,
+        "run": node.run,
+        "fence": node.fence,
+        "protected": [{"step": s, "world": w, "ranks": sorted(r), "run": run, "acked": s not in node._unacked}
+                      for s, (w, r, run) in sorted(node.mine.items())],
+        "recorded": sorted(node.recorded),
+        "forwarded": sorted(node._forwarded),
+        "deciding": [{"step": s, "phase": "record" if d.phase == 1 else "commit",
+                      "waiting": sorted(node._children - d.acked)} for s, d in sorted(node.deciding.items())],
+        "relaying": [{"step": s, "phase": "record" if p == 1 else "commit", "waiting": sorted(node._group - r.acked)}
+                     for (s, p), r in sorted(node._relays.items())],
+        "syncing": sorted(node.syncing),
+    }
 
 
 def _union(reports) -> dict[tuple[int, str], set[int]]:

@@ -20,6 +20,7 @@ class TeamConfig:
     net_limit: float = 0.0
     heartbeat: float = 0.25
     dead_after: float = 3.0
-    membership: str = "heartbeat"  # or "gossip" (``--membership``; see ``team.team.MEMBERSHIPS``)
+    membership: str = "heartbeat"  # or "gossip" (``--membership``; see ``team.liveness.MEMBERSHIPS``)
+    fanout: int | None = None  # commits through an aggregator per group of this many nodes (``--commit-fanout``)
     keep: int = 2
     flush_dir: str | None = None

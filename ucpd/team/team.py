@@ -108,7 +108,8 @@ class Team:
         the team's own, on its clock)."""
         self.store = store
         held = store.versions_in((VersionState.COMPLETE, VersionState.PROTECTED, *RESTORABLE))
-        self.commit = CommitNode(self.rank, self.config.nodes, committed=[v.step for v in held if v.state in RESTORABLE])
+        self.commit = CommitNode(self.rank, self.config.nodes, committed=[v.step for v in held if v.state in RESTORABLE],
+                                 fanout=self.config.fanout)
         self.replicas = ReplicaStore(self.shm_dir, store.atomic(), self.config.keep, self._room)
         self.leases = leases if leases is not None else Leases(store, clock=self.clock)
         self.server = PeerServer(self, self.leases)
