@@ -260,3 +260,29 @@ def test_reads_are_cut_in_equal_shares_and_small_ones_come_whole_from_the_first_
     shares = sources._shares([(0, 90), (200, 60), (400, 150)], 3)
     assert shares == [[(0, 90), (200, 10)], [(210, 50), (400, 50)], [(450, 100)]]
     assert [sum(n for _, n in s) for s in shares] == [100, 100, 100]
+
+
+def test_a_share_from_a_damaged_copy_fails_its_check_and_the_tensor_comes_whole_from_a_sound_one(make_team, monkeypatch):
+    from ucpd.team import sources
+
+    monkeypatch.setattr(sources, "SPLIT_MIN", 0)
+    team = make_team(5, replicas=2)
+    data = seal_all(team, 1)
+    team.wait_state(1, COMMITTED)
+    _, reader = _holders_after_healing(team, 4, 1)
+    got = team[reader].team.restore_sources(1)
+    try:
+        rep = team[got.where[4].node].team.replicas.get(4, 1)  # the copy the first share comes from
+        with open(rep.path, "r+b") as f:  # a bit flips in it
+            f.seek(rep.bases[4])
+            b = f.read(1)
+            f.seek(rep.bases[4])
+            f.write(bytes([b[0] ^ 0x01]))
+        plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
+        (src,) = plan.sources
+        with open(src.path, "rb") as f:
+            f.seek(src.offset)
+            assert f.read(src.nbytes) == data[4]  # the bytes checked are the saved ones
+        assert team[reader].team.counters["fetch_checksum_errors"] == 1
+    finally:
+        got.release()

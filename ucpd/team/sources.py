@@ -380,22 +380,44 @@ class VersionSources:
                 for batch in _batches(rows, DATA_BATCH):
                     self._fetch_shares(w, sources.step, [(s.offset, s.nbytes) for s in batch], mm)
                     for s in batch:
-                        src = checked.CheckedSource.within(
-                            arr, s.offset, s.nbytes, np.uint8, s.crcs, s.chunk,
-                            f"bytes of rank {w.rank} step {sources.step} from node {', '.join(map(str, w.nodes))}",
-                            recorded="the origin's manifest")
-                        src.remedy = "restore again (another copy will be used if this one stays bad)"
-                        try:
-                            checked.verify(src)
-                        except ChecksumMismatch:
-                            self.team.counters["fetch_checksum_errors"] = self.team.counters.get("fetch_checksum_errors", 0) + 1
-                            raise
+                        self._check_fetched(w, sources.step, s, arr, mm)
                         self.team.counters["fetched_bytes"] += s.nbytes
                 del arr
             finally:
                 _close(mm)
         sources.unpin_peers()  # all here: the peers may evict it again
         return plan
+
+    def _check_fetched(self, w: PeerRead, step: int, s: protocol.PlanSource, arr: np.ndarray, mm) -> None:
+        """Check one fetched tensor; if it fails, fetch it again whole from each copy in turn
+        (a share came from a damaged one) until one passes. Raises ChecksumMismatch naming
+        the copies when none does."""
+        def check(nodes) -> None:
+            src = checked.CheckedSource.within(
+                arr, s.offset, s.nbytes, np.uint8, s.crcs, s.chunk,
+                f"bytes of rank {w.rank} step {step} from node {', '.join(map(str, nodes))}",
+                recorded="the origin's manifest")
+            src.remedy = "restore again (another copy will be used if this one stays bad)"
+            checked.verify(src)
+
+        try:
+            return check(w.nodes)
+        except ChecksumMismatch as exc:
+            self.team.counters["fetch_checksum_errors"] = self.team.counters.get("fetch_checksum_errors", 0) + 1
+            if len(w.nodes) == 1:
+                raise
+            first = exc
+        for node in w.nodes:
+            try:
+                (buf,) = self._fetch(node, w, step, [(s.offset, s.nbytes)])
+                native.copy(memoryview(mm)[s.offset : s.offset + s.nbytes], buf)
+                check((node,))
+            except UcpdError as exc:  # damaged there too, gone, or unreachable: the next copy
+                log.warning("team: rank %d of step %d from node %d: %s; trying the next copy", w.rank, step, node, exc)
+                continue
+            log.warning("team: rank %d of step %d failed its check from several copies; node %d's passes", w.rank, step, node)
+            return
+        raise first
 
     def gather_for_flush(self, version):
         """The flusher's ``gather``: every rank's part of a committed version, the other nodes'
@@ -435,15 +457,15 @@ class VersionSources:
 
     def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
         """Bring the byte ``ranges`` of ``w``'s part into ``mm`` at the same offsets, in equal
-        shares from each of ``w.nodes``; a share a spare holder fails is fetched from
-        ``w.node``. The caller checks the bytes."""
+        shares from each of ``w.nodes``; a share another copy fails to send (unreachable, gone)
+        is fetched from ``w.node``. The caller checks the bytes (``_check_fetched``)."""
         shares = _shares(ranges, len(w.nodes))
         for node, share in zip(w.nodes, shares):
             if not share:
                 continue
             try:
                 bufs = self._fetch(node, w, step, share)
-            except DaemonUnreachable:
+            except UcpdError:
                 if node == w.node:
                     raise
                 bufs = self._fetch(w.node, w, step, share)
