@@ -84,3 +84,14 @@ def test_a_flush_dir_never_read_is_waited_for_when_ram_holds_nothing(locator):
         assert loc.disk_latest("j") is None  # RAM may answer: nothing read yet
         threading.Timer(0.5, disk.released.set).start()
         assert loc.disk_latest("j", needed=True) == 7
+
+
+def test_a_lookup_that_finished_after_its_caller_gave_up_is_not_reused_later(locator):
+    disk = Disk(None, 3)  # the slow lookup says none; by the next question step 3 is flushed
+    disk.hang()
+    loc = locator(disk)
+    with knobs.override(**FAST):
+        assert loc.disk_latest("j") is None  # gave up waiting: the lookup goes on in the background
+        disk.released.set()
+        time.sleep(0.2)  # it finishes, with nobody waiting for it
+        assert loc.disk_latest("j", needed=True) == 3  # a fresh lookup, not the old one's "none"

@@ -85,7 +85,7 @@ class Locator:
             fut = self._disk_pending.get(job)
             if fut is not None and not fut.done() and not self._must_wait(job, needed):
                 return self._disk_cache.get(job)  # still hung: no second wait
-            if fut is None:
+            if fut is None or fut.done():  # a lookup that finished after its caller gave up is old news: ask again
                 if self._disk_pool is None:
                     self._disk_pool = cf.ThreadPoolExecutor(2, thread_name_prefix="ucpd-disk")
                 fut = self._disk_pending[job] = self._disk_pool.submit(self._disk_latest_now, job)
