@@ -205,7 +205,10 @@ def _holders_after_healing(team, lost: int, step: int) -> tuple[list[int], int]:
     return held(), min(live - set(held()))
 
 
-def test_a_lost_nodes_part_is_fetched_in_shares_from_each_of_its_holders(make_team, monkeypatch):
+def _read_lost_part(make_team, monkeypatch):
+    """A team of 5 with ``--replicas 2`` that lost node 4 and healed (three copies again), reads
+    of any size split in shares: the team, every rank's bytes, a node with no copy of node 4's
+    part and its sources of step 1 (released by the caller)."""
     from ucpd.team import sources
 
     monkeypatch.setattr(sources, "SPLIT_MIN", 0)  # the parts here are a few KB: split them anyway
@@ -213,40 +216,38 @@ def test_a_lost_nodes_part_is_fetched_in_shares_from_each_of_its_holders(make_te
     data = seal_all(team, 1)
     team.wait_state(1, COMMITTED)
     holders, reader = _holders_after_healing(team, 4, 1)
-    got = team[reader].team.restore_sources(1)
+    return team, data, holders, reader, team[reader].team.restore_sources(1)
+
+
+def _planned_bytes(plan) -> bytes:
+    (src,) = plan.sources
+    with open(src.path, "rb") as f:
+        f.seek(src.offset)
+        return f.read(src.nbytes)
+
+
+def test_a_lost_nodes_part_is_fetched_in_shares_from_each_of_its_holders(make_team, monkeypatch):
+    team, data, holders, reader, got = _read_lost_part(make_team, monkeypatch)
     try:
         w = got.where[4]
         assert isinstance(w, PeerRead) and sorted(w.nodes) == holders
         before = {h: team.net.seen[(h, "fetch")] for h in holders}
         plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
         assert all(team.net.seen[(h, "fetch")] > before[h] for h in holders)  # a share from each
-        (src,) = plan.sources
-        with open(src.path, "rb") as f:
-            f.seek(src.offset)
-            assert f.read(src.nbytes) == data[4]
+        assert _planned_bytes(plan) == data[4]
     finally:
         got.release()
 
 
 def test_a_share_its_holder_fails_to_send_is_fetched_from_the_first_holder(make_team, monkeypatch):
-    from ucpd.team import sources
-
-    monkeypatch.setattr(sources, "SPLIT_MIN", 0)
-    team = make_team(5, replicas=2)
-    data = seal_all(team, 1)
-    team.wait_state(1, COMMITTED)
-    _, reader = _holders_after_healing(team, 4, 1)
-    got = team[reader].team.restore_sources(1)
+    team, data, _, reader, got = _read_lost_part(make_team, monkeypatch)
     try:
         w = got.where[4]
         bad = w.spread[0]
         team.net.fail(dest=bad, msg_type="fetch", nth=team.net.seen[(bad, "fetch")] + 1)
         plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
         assert team.net.seen[(w.node, "fetch")] >= 2  # its own share, and the one that failed
-        (src,) = plan.sources
-        with open(src.path, "rb") as f:
-            f.seek(src.offset)
-            assert f.read(src.nbytes) == data[4]
+        assert _planned_bytes(plan) == data[4]
     finally:
         got.release()
 
@@ -263,14 +264,7 @@ def test_reads_are_cut_in_equal_shares_and_small_ones_come_whole_from_the_first_
 
 
 def test_a_share_from_a_damaged_copy_fails_its_check_and_the_tensor_comes_whole_from_a_sound_one(make_team, monkeypatch):
-    from ucpd.team import sources
-
-    monkeypatch.setattr(sources, "SPLIT_MIN", 0)
-    team = make_team(5, replicas=2)
-    data = seal_all(team, 1)
-    team.wait_state(1, COMMITTED)
-    _, reader = _holders_after_healing(team, 4, 1)
-    got = team[reader].team.restore_sources(1)
+    team, data, _, reader, got = _read_lost_part(make_team, monkeypatch)
     try:
         rep = team[got.where[4].node].team.replicas.get(4, 1)  # the copy the first share comes from
         with open(rep.path, "r+b") as f:  # a bit flips in it
@@ -279,10 +273,7 @@ def test_a_share_from_a_damaged_copy_fails_its_check_and_the_tensor_comes_whole_
             f.seek(rep.bases[4])
             f.write(bytes([b[0] ^ 0x01]))
         plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
-        (src,) = plan.sources
-        with open(src.path, "rb") as f:
-            f.seek(src.offset)
-            assert f.read(src.nbytes) == data[4]  # the bytes checked are the saved ones
+        assert _planned_bytes(plan) == data[4]  # the bytes checked are the saved ones
         assert team[reader].team.counters["fetch_checksum_errors"] == 1
     finally:
         got.release()

@@ -409,8 +409,7 @@ class VersionSources:
             first = exc
         for node in w.nodes:
             try:
-                (buf,) = self._fetch(node, w, step, [(s.offset, s.nbytes)])
-                native.copy(memoryview(mm)[s.offset : s.offset + s.nbytes], buf)
+                self._fetch_shares(replace(w, node=node, spread=()), step, [(s.offset, s.nbytes)], mm)
                 check((node,))
             except UcpdError as exc:  # damaged there too, gone, or unreachable: the next copy
                 log.warning("team: rank %d of step %d from node %d: %s; trying the next copy", w.rank, step, node, exc)
