@@ -32,6 +32,7 @@ Crash points of the daemon (``ucpd serve``):
 - ``parity.encode``          team: a node sent some of its units to the group's parity holders
 - ``heal.push``              team: a node starts copying a part again after a loss (healing)
 - ``flush.fetch.kill``       team: node 0's flush pinned other nodes' parts, before fetching them
+- ``flush.share``            team: a node wrote one piece of its share of the flush, before answering the lead
 
 Crash points of a trainer (``ucpd_client``):
 
@@ -88,6 +89,7 @@ POINTS: dict[str, tuple[str, str]] = {
     "parity.encode": ("crash", "team"),
     "heal.push": ("crash", "team"),
     "flush.fetch.kill": ("crash", "team"),
+    "flush.share": ("crash", "team"),
     "client.begin": ("crash", "client"),
     "client.staged": ("crash", "client"),
     "client.sealed": ("crash", "client"),

@@ -497,6 +497,7 @@ TEAM_SETUPS = {
     "parity.encode": (3, ["--parity", "2"], 1, None),
     "heal.push": (4, ["--replicas", "2"], 1, 3),
     "flush.fetch.kill": (3, ["--replicas", "1", "--flush-every", "1"], 0, None),
+    "flush.share": (3, ["--replicas", "1", "--flush-every", "1"], 1, None),  # a writer lost mid-flush
 }
 # point -> the step the survivors must agree on after a crash there in step 2: the decision
 # survives the coordinator exactly when some survivor recorded it (the rule is proven on the
@@ -591,6 +592,7 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
         if t.latest is not None:
             restore_check([nodes[i].run_dir for i in survivors], n, t.latest, "run-2")
         if nodes[0].flush_dir and 0 in survivors:
+            wait_flush_idle(nodes[0])  # a writer's unfinished pieces are being written by the others
             check_flush_dir(os.path.join(nodes[0].flush_dir, JOB), t.latest)
         elif nodes[0].flush_dir:
             root = os.path.join(nodes[0].flush_dir, JOB)

@@ -74,7 +74,7 @@ GOOD_REPLIES = {
 }
 GOOD_PEER_REPLIES = {
     "replica_begin": {}, "replica_data": {}, "replica_end": {}, "fetch": {}, "pin": {}, "parity_manifest": {},
-    "parity_unit": {}, "parity_block": {}, "blob_unit": {},
+    "parity_unit": {}, "parity_block": {}, "blob_unit": {}, "flush_share": {"crcs": [[1, 2], [3]]},
     "parity_manifest_of": {"origin": 2, "step": 3, "inc": "run-1", "world_size": 1, "size": 4096, "bases": [0],
                            "parts": [_PART], "held": [0, 1]},
     "waiting": {"node": 1, "items": [{"job": "j", "step": 3, "world_size": 4, "local_size": 4, "ranks": [2, 3]}]},
@@ -103,6 +103,10 @@ def _peer_seeds() -> list[bytes]:
         ("fetch", {"origin": 0, "step": 1, "rank": 0, "ranges": [[0, 16]]}),
         ("holdings", {"step": 1}),
         ("waiting", {}),
+        ("flush_share", {"step": 1, "dir": "/flush/.step-1.tmp-9", "chunk": 4 << 20, "run": "a",
+                         "pieces": [{"name": "w", "dtype": "float32", "shape": [4], "file": "model.safetensors",
+                                     "begin": 80, "end": 96, "r0": 0, "r1": 4}],
+                         "sources": [{"rank": 0, "idx": 0, "t": part["tensors"][0], "origin": 0, "nodes": [0, 1]}]}),
         ("parity_manifest_of", {"origin": 2, "step": 1}),
         ("parity_unit", {"step": 1, "inc": "a", "row": 0, "pos": 1, "index": 0}),
         ("commit", {"m": {"t": "protected", "step": 1, "world": 2, "ranks": [0, 1], "run": "", "e": 7}}),

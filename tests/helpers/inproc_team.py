@@ -60,20 +60,31 @@ class Node:
     def seal(self, rank: int, world: int, step: int, run: int = 1) -> np.ndarray:
         """Rank ``rank`` of run ``run`` snapshots ``step`` on this node; returns its bytes."""
         data = rank_data(rank, step, run)
+        self.seal_tensors(rank, world, step, [(f"w{rank}", data, {"kind": "shard", "dim": 0, "index": 0, "parts": 1})], run)
+        return data
+
+    def seal_tensors(self, rank: int, world: int, step: int, tensors: list, run: int = 1) -> None:
+        """Rank ``rank`` snapshots ``tensors``, ``[(name, array, placement)]``, one after another in its slot."""
+        entries, at = [], 0
+        for name, arr, placement in tensors:
+            entries.append((name, arr, placement, at))
+            at += -(-arr.nbytes // 64) * 64
         with self.store.atomic():
             self.store.check_begin(rank, step, f"run{run}", world, JOB)
-            slot = self.store.take_free_slot(rank, step, data.nbytes, JOB)
+            slot = self.store.take_free_slot(rank, step, max(at, 64), JOB)
             if slot is None:
-                sid, path, size = self.store.reserve_new_slot(data.nbytes, JOB)
+                sid, path, size = self.store.reserve_new_slot(max(at, 64), JOB)
                 prepare_slot_file(path, size)
                 slot = self.store.finish_new_slot(sid, rank, step, JOB)
-            np.frombuffer(slot.mapping(), np.uint8, data.nbytes)[:] = data
-            entry = {"name": f"w{rank}", "dtype": "uint8", "shape": [data.nbytes], "offset": 0, "nbytes": data.nbytes,
-                     "placement": {"kind": "shard", "dim": 0, "index": 0, "parts": 1},  # its own tensor
-                     "crcs": list(native.crc32c_chunks(data, CHUNK_BYTES))}
-            self.store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": [entry],
+            wire = []
+            for name, arr, placement, off in entries:
+                raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+                np.frombuffer(slot.mapping(), np.uint8, raw.nbytes, off)[:] = raw
+                wire.append({"name": name, "dtype": str(arr.dtype), "shape": list(arr.shape), "offset": off,
+                             "nbytes": raw.nbytes, "placement": placement,
+                             "crcs": list(native.crc32c_chunks(raw, CHUNK_BYTES))})
+            self.store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": wire,
                              "objects": b"", "incarnation": f"run{run}", "local_world_size": self.per_node, "job": JOB})
-        return data
 
     def state(self, step: int):
         v = self.store.version(step)

@@ -200,6 +200,40 @@ def test_the_flush_of_a_team_holds_every_nodes_part_consolidated(make_team, make
     restore_on([d.run_dir], 1, 1, 1, 2)  # one rank holds the whole model: both nodes' shards, from disk
 
 
+def test_a_node_killed_while_writing_its_share_of_the_flush_leaves_it_to_the_others(make_team, make_daemon, dirs, tmp_path):
+    """Every node writes the flush (``--flush-writers all``): node 2's daemon is SIGKILLed right
+    after it wrote one piece of step 2; the survivors write its share, the version is whole on
+    disk, and one rank restores it from there alone."""
+    import shutil
+
+    from ucpd.format import list_versions, validate
+
+    flush = str(tmp_path / "flush")
+    root = os.path.join(flush, TEST_JOB)
+    team = make_team(4, "--replicas", "1", "--flush-dir", flush, start=False)
+    for i in range(4):
+        team.start(i, fault="flush.share@2" if i == 2 else None)
+    procs, done = ranks.spawn(snapshot_ranks, 8, team.run_dirs(), 2, 2, (1, 2), True)  # TP2xDP4, 2 ranks a node
+    assert sorted(m[2] for m in done) == [2] * 8, team.logs()
+    wait_for(lambda: team.nodes[2].proc.poll() is not None, "node 2 to die writing its share of step 2", 60)
+    shutil.rmtree(team.nodes[2].shm_dir, ignore_errors=True)  # its RAM is gone with it
+    wait_for(lambda: any(v.step == 2 and v.state == "complete" for v in list_versions(root)),
+             "the survivors to write node 2's share of step 2", 90)
+    ranks.kill(procs)
+    assert validate(root, 2, full=True) == []  # every chunk of every file against ucp.json
+    wrote = {i: status(team.nodes[i].run_dir)["team"]["counters"].get("flush_written_bytes", 0) for i in (0, 1, 3)}
+    assert all(wrote.values()), wrote  # every survivor wrote a share
+    assert status(team.nodes[0].run_dir)["flush"]["last_error"] is None
+    team.stop()
+
+    d = make_daemon("--mem-limit", "256M", flush=False)
+    d.stop()
+    shutil.rmtree(dirs["shm"], ignore_errors=True)
+    d.flush_dir = flush
+    d.start()
+    restore_on([d.run_dir], 1, 1, 1, 2)  # one rank holds the whole model, read from the files
+
+
 def test_a_flush_reading_another_nodes_ram_keeps_that_part_until_it_is_fetched(make_team, tmp_path):
     from ucpd.format import list_versions
 

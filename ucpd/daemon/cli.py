@@ -42,6 +42,11 @@ def add_commands(sub) -> None:
     g.add_argument("--parity", help="erasure-coded groups: K (XOR over K+1 nodes) or K+M (Reed-Solomon)")
     p.add_argument("--flush-dir", help="directory for the universal-format flush (none: no flush), or an object-store "
                    "URL: s3://bucket/prefix or any fsspec URL (needs `pip install 'ucpd[s3]'`)")
+    p.add_argument("--flush-writers", choices=("all", "one"), default=None,
+                   help="who writes a team's flush: all (every node writes its share of the version into the flush "
+                   "dir, which every node must mount; a node that does not see it leaves its share to the others) "
+                   "or one (node 0 gathers the version and writes it); an object-store --flush-dir is written by "
+                   "node 0 (default all)")
     p.add_argument("--flush-cache", help="an object-store --flush-dir's local folder: versions are written there before "
                    "their upload, and restores that RAM cannot serve fetch them there (default <run-dir>/flush-cache)")
     p.add_argument("--flush-storage-options", metavar="JSON",
@@ -240,6 +245,9 @@ def team_config(o: dict, nodes: int, node_rank: int):
     fanout = (AUTO_FANOUT if nodes >= GOSSIP_FROM else 0) if fanout is None else int(fanout)
     if fanout == 1 or fanout < 0:
         raise UcpdError(f"--commit-fanout {fanout}: use 0 (no aggregation) or a group size of 2 or more, e.g. 32")
+    flush_writers = str(o.get("flush_writers") or "all")
+    if flush_writers not in ("all", "one"):
+        raise UcpdError(f"--flush-writers {flush_writers!r}: use all or one")
     if not 0 < heartbeat < dead_after:
         raise UcpdError(f"--heartbeat {heartbeat:g} and --dead-after {dead_after:g}: a peer must get several "
                         "periods before it is dead; use e.g. --heartbeat 0.25 --dead-after 3")
@@ -261,6 +269,7 @@ def team_config(o: dict, nodes: int, node_rank: int):
         fanout=fanout or None,
         keep=int(o.get("keep", knobs.keep_versions())),
         flush_dir=o.get("flush_dir"),
+        flush_writers=flush_writers,
     )
 
 
@@ -316,8 +325,10 @@ def make_flusher(config, store, team=None, cache=None):
     from .flush_interval import FlushInterval
 
     gather = team.gather_for_flush if team is not None else None
+    shared = team.flush_shared if team is not None and team.config.flush_writers == "all" else None
     interval = FlushInterval(config.flush_every, config.mtbf)
-    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather, cache=cache)
+    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather, cache=cache,
+                   shared=shared)
 
 
 def make_flush_cache(config):

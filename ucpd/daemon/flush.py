@@ -26,6 +26,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -63,11 +64,15 @@ class Flusher:
     only). Default: this node's slots (one node holds every rank).
     A team of daemons passes one that brings the other nodes' parts first."""
 
-    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None, cache=None):
+    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None, cache=None,
+                 shared=None):
         """``every``: flush every Nth committed version of a job (an int), or a ``FlushInterval``
         (``--flush-every auto`` chooses N per job from measurements). ``cache``: the
-        ``FlushCache`` of an object-store ``flush_dir`` (a URL); None for a directory."""
+        ``FlushCache`` of an object-store ``flush_dir`` (a URL); None for a directory.
+        ``shared(version, root, progress) -> bool``: a team's flush written by every node
+        (``team.flush_lead``; False: write this version here alone)."""
         self.cache = cache
+        self.shared = shared
         self.store = store
         self.gather = gather or self._local_parts
         self.flush_dir = flush_dir
@@ -196,6 +201,8 @@ class Flusher:
 
     def _flush(self, version) -> None:
         t0 = time.monotonic()
+        if self.shared is not None and self.cache is None and self._flush_shared(version, t0):
+            return
         globals_, parts, buffer_of, release = self.gather(version)
         try:
             self._write(version, t0, globals_, parts, buffer_of)
@@ -247,6 +254,17 @@ class Flusher:
             )
 
         tensors = [consolidator(g) for g in sorted(globals_.values(), key=lambda g: g.name)]
+        self._begin(version, globals_)
+
+        layout, objects = layout_of(version.world_size, parts), objects_of(parts)
+        if self.cache is not None:
+            self._write_remote(version, tensors, layout, objects, self._progress)
+        else:
+            self._write_local(version, tensors, layout, objects, self._progress)
+        sources.clear()
+        self._flushed(version, t0)
+
+    def _begin(self, version, globals_) -> None:
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
         p = self.progress
         self.progress = FlushProgress(
@@ -254,23 +272,12 @@ class Flusher:
             p.errors, p.failing, p.yielded_s,
         )
 
-        def progress(done: int, _total: int) -> None:
-            self.progress.bytes_done = done
-            self.progress.updated = time.monotonic()
+    def _progress(self, done: int, _total: int) -> None:
+        self.progress.bytes_done = done
+        self.progress.updated = time.monotonic()
 
-        layout = {
-            "world_size": version.world_size,
-            "ranks": {
-                str(r): {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "placement": t.placement} for t in p.tensors], "layout": p.layout}
-                for r, p in parts.items()
-            },
-        }
-        objects = {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}
-        if self.cache is not None:
-            self._write_remote(version, tensors, layout, objects, progress)
-        else:
-            self._write_local(version, tensors, layout, objects, progress)
-        sources.clear()
+    def _flushed(self, version, t0: float) -> None:
+        total = self.progress.bytes_total
         self.progress.last_flushed = version.step
         self.progress.failing = 0
         self.progress.last_error = None
@@ -279,25 +286,46 @@ class Flusher:
         self.progress.flushed_count += 1
         log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)
 
-    def _write_local(self, version, tensors, layout, objects, progress) -> None:
+    def _flush_shared(self, version, t0: float) -> bool:
+        """A team's version written by every node (``shared``: ``team.flush_lead.TeamFlush``);
+        False when this node must write it alone (then ``gather`` and write as usual)."""
         root = self.root(version.job)
+        if not self._on_disk_already(root, version):
+            with self.store.atomic():
+                globals_ = version.globals()
+            self._begin(version, globals_)
+            if not self.shared(version, Path(root), self._progress):
+                return False
+        self._committed_on_disk(root, version)
+        self._flushed(version, t0)
+        return True
+
+    def _on_disk_already(self, root: str, version) -> bool:
+        """Clean what a killed flusher left; True when ``step-<N>`` is on disk already (a daemon
+        before us wrote it, the commit point being the rename, and died before its index said so)."""
         for stale in clean_temp(root):  # a flusher killed mid-version left it (with or without --flush-keep)
             log.warning("removed %s, left by a flush that did not finish", stale)
         if os.path.isfile(os.path.join(root, f"step-{version.step}", "ucp.json")):
-            # a daemon before us wrote it (the commit point is the rename) and died before its
-            # index said so: the version is on disk already
             open_version(root, version.step).close()
             point_latest(root, version.step)
             log.info("step %d is already in %s", version.step, root)
-        else:
-            write_version(
-                root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-                throttle=self._step_aside, io=knobs.flush_io(),
-            )
+            return True
+        return False
+
+    def _committed_on_disk(self, root: str, version) -> None:
         faults.point("flush.done", version.step)
         if self.keep_on_disk:
             retain(root, self.keep_on_disk, protect=self.store.flushed_being_read(version.job))
         self.store.mark_flushed(version)
+
+    def _write_local(self, version, tensors, layout, objects, progress) -> None:
+        root = self.root(version.job)
+        if not self._on_disk_already(root, version):
+            write_version(
+                root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
+                throttle=self._step_aside, io=knobs.flush_io(),
+            )
+        self._committed_on_disk(root, version)
 
     def _write_remote(self, version, tensors, layout, objects, progress) -> None:
         """An object-store flush dir: the version is written as to a directory, into the job's
@@ -329,3 +357,20 @@ class Flusher:
             store.retain(self.keep_on_disk, protect=reading)
         self.cache.prune(job, reading)
         self.store.mark_flushed(version)
+
+
+def layout_of(world_size: int, parts: dict) -> dict:
+    """The source layout ``ucp.json`` records: each rank's tensors, placements and layout."""
+    return {
+        "world_size": world_size,
+        "ranks": {
+            str(r): {"tensors": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape), "placement": t.placement}
+                                 for t in p.tensors], "layout": p.layout}
+            for r, p in parts.items()
+        },
+    }
+
+
+def objects_of(parts: dict) -> dict:
+    """The non-tensor state of every rank, as the writer takes it."""
+    return {"global": None, "ranks": {r: p.objects for r, p in parts.items()}}

@@ -490,7 +490,7 @@ class _ShardWriter:
 # --------------------------------------------------------------------------------------------
 
 
-def _check_sources(tensors: Iterable[TensorSource]) -> list[tuple[TensorSource, int]]:
+def check_sources(tensors: Iterable[TensorSource]) -> list[tuple[TensorSource, int]]:
     out: list[tuple[TensorSource, int]] = []
     seen: set[str] = set()
     for t in tensors:
@@ -612,8 +612,8 @@ def write_version(
         json.dumps(layout)
     except (TypeError, ValueError) as exc:
         raise FormatError(f"layout is not JSON-serializable ({exc})") from None
-    blobs = _check_objects(objects)
-    items = _check_sources(tensors)
+    blobs = check_objects(objects)
+    items = check_sources(tensors)
 
     root.mkdir(parents=True, exist_ok=True)
     final = root / spec.step_dirname(step)
@@ -629,6 +629,18 @@ def write_version(
             _Pacer(sum(n for _, n in items) + sum(len(b) for _, b in blobs), rate_limit, throttle, progress),
             fsync, created,
         )
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit_temp(tmp, root, step, meta, fsync=fsync, update_latest=update_latest)
+
+
+def commit_temp(tmp: Path, root: Path, step: int, meta: dict, *, fsync: bool = True, update_latest: bool = True) -> Path:
+    """The version's last move: ``ucp.json`` (``meta``) into its temporary folder ``tmp`` (every
+    other file is in and fsynced), fsync, rename to ``step-<N>`` (the commit point), fsync the
+    root, point ``LATEST``. The temporary folder is removed if this fails before the rename."""
+    final = root / spec.step_dirname(step)
+    try:
         data = dump_meta(meta)
         fd = os.open(tmp / spec.META_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
@@ -654,7 +666,7 @@ def write_version(
     return final
 
 
-def _check_objects(objects: Mapping[str, Any] | None) -> list[tuple[str, bytes]]:
+def check_objects(objects: Mapping[str, Any] | None) -> list[tuple[str, bytes]]:
     """Flatten ``{"global": bytes|None, "ranks": {rank: bytes}}`` to ``[(key, bytes)]``."""
     if objects is None:
         return []
@@ -711,19 +723,26 @@ def _direct_fits(shard: list[tuple[TensorSource, int]], stage: np.ndarray, head:
     return cap > 0
 
 
-def _write_shard(
-    path: Path, shard: list[tuple[TensorSource, int]], stage: np.ndarray, pacer: _Pacer, chunk: int,
-    io: str, fsync: bool, metadata: dict[str, str] | None, iot: _IOThread | None = None,
-) -> tuple[int, int, dict[str, tuple[tuple[int, ...], int, int, list[int]]]]:
-    """Write one safetensors file (created exclusively). Returns ``(size, data_offset,
-    {name: (shape, begin, end, crcs)})`` with absolute byte ranges."""
+def shard_header(shard: list[tuple[TensorSource, int]], metadata: dict[str, str] | None) -> tuple[bytes, list, int]:
+    """One safetensors file's header, its entries ``(name, dtype, shape, begin, end)`` (offsets
+    after the header) and the file's size."""
     entries = []
     off = 0
     for t, n in shard:
         entries.append((t.name, t.dtype, tuple(int(s) for s in t.shape), off, off + n))
         off += n
     head = build_header(entries, metadata)
-    size = len(head) + off
+    return head, entries, len(head) + off
+
+
+def _write_shard(
+    path: Path, shard: list[tuple[TensorSource, int]], stage: np.ndarray, pacer: _Pacer, chunk: int,
+    io: str, fsync: bool, metadata: dict[str, str] | None, iot: _IOThread | None = None,
+) -> tuple[int, int, dict[str, tuple[tuple[int, ...], int, int, list[int]]]]:
+    """Write one safetensors file (created exclusively). Returns ``(size, data_offset,
+    {name: (shape, begin, end, crcs)})`` with absolute byte ranges."""
+    head, entries, size = shard_header(shard, metadata)
+    off = size - len(head)
     out: dict[str, tuple[tuple[int, ...], int, int, list[int]]] = {}
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     direct = None
@@ -771,7 +790,7 @@ def write_safetensors(
     """Write one plain safetensors file at ``path`` (temp name, fsync, rename) from
     ``TensorSource`` records, streamed like ``write_version``. Returns each tensor's chunk CRCs."""
     path = Path(path)
-    items = _check_sources(tensors)
+    items = check_sources(tensors)
     shard = plan_shards(items, 1 << 62)
     shard = shard[0] if shard else []
     pacer = _Pacer(sum(n for _, n in items), None, None, progress)
@@ -826,6 +845,12 @@ def _write_contents(
         if stage.nbytes:
             _give_stage(stage)
 
+    objects_meta = write_objects(tmp, blobs, chunk, fsync, pacer)
+    return version_meta(step, sum(n for _, n in items), layout, files_meta, tensors_meta, objects_meta, chunk, created)
+
+
+def write_objects(tmp: Path, blobs: list[tuple[str, bytes]], chunk: int, fsync: bool, pacer: _Pacer | None = None) -> dict:
+    """The non-tensor state (``check_objects``' blobs) into ``objects.bin``; its ``ucp.json`` entry."""
     objects_meta: dict[str, Any] = {"global": None, "ranks": {}}
     if blobs:
         fd = os.open(tmp / spec.OBJECTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -839,12 +864,18 @@ def _write_contents(
                 else:
                     objects_meta["ranks"][key.split("/", 1)[1]] = ent
                 pos += len(b)
-                pacer.advance(len(b))
+                if pacer is not None:
+                    pacer.advance(len(b))
             if fsync:
                 os.fsync(fd)
         finally:
             os.close(fd)
+    return objects_meta
 
+
+def version_meta(step: int, total: int, layout, files_meta: dict, tensors_meta: dict, objects_meta: dict, chunk: int,
+                 created: float | None) -> dict:
+    """``ucp.json`` as a dict (``dump_meta`` writes it)."""
     now = time.time() if created is None else float(created)
     return {
         "format": spec.FORMAT_NAME,
@@ -854,7 +885,7 @@ def _write_contents(
         "created_unix": round(now, 6),
         "checksum": spec.CHECKSUM,
         "chunk_bytes": chunk,
-        "total_bytes": sum(n for _, n in items),
+        "total_bytes": total,
         "layout": layout,
         "files": files_meta,
         "tensors": tensors_meta,

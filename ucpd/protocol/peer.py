@@ -47,6 +47,13 @@ WAITING_ITEM = Record(
      "ranks": list_of(integer(0, MAX_RANKS))},
 )
 
+# The team's flush (``--flush-writers all``): rows [r0, r1) of a consolidated tensor, bytes
+# [begin, end) of `file` in the version's temporary folder; and a rank tensor such rows read.
+FLUSH_PIECE = Record({"name": text, "dtype": text, "shape": list_of(integer()), "file": text, "begin": integer(),
+                      "end": integer(), "r0": integer(), "r1": integer()})
+FLUSH_SOURCE = Record({"rank": integer(0, MAX_RANKS), "idx": integer(), "t": TENSOR_ENTRY, "origin": integer(0, MAX_RANKS),
+                       "nodes": list_of(integer(0, MAX_RANKS))})
+
 MANIFEST_FIELDS = {"origin": integer(0, MAX_RANKS), "step": integer(), "inc": text, "world_size": integer(1, MAX_RANKS),
                    "size": integer(), "bases": list_of(integer()), "parts": list_of(PART)}
 MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS))}
@@ -170,6 +177,16 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot; reply payload: one buffer per range",
             EMPTY,
             reply_payload=True,
+        ),
+        MessageType(
+            "flush_share",
+            {"step": integer(), "dir": text, "chunk": integer(1, 1 << 40), "pieces": list_of(FLUSH_PIECE),
+             "sources": list_of(FLUSH_SOURCE)},
+            {"run": text},
+            "write these pieces of step's flush (rows of consolidated tensors) into the files the lead created in "
+            "`dir`, reading the rank tensors `sources` (ours, else fetched from a holder); fsync, read back; reply: "
+            "each piece's CRC32Cs cut on its tensor's chunk grid (team.flush_share)",
+            Record({"crcs": list_of(list_of(crc32))}),
         ),
         MessageType(
             "pin",

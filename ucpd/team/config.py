@@ -24,3 +24,4 @@ class TeamConfig:
     fanout: int | None = None  # commits through an aggregator per group of this many nodes (``--commit-fanout``)
     keep: int = 2
     flush_dir: str | None = None
+    flush_writers: str = "all"  # or "one" (``--flush-writers``): every node writes its share of a flush

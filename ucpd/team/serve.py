@@ -39,9 +39,11 @@ class PeerServer:
         self.rank = team.rank
         self.leases = leases
         self._receivers = ThreadPoolExecutor(2, thread_name_prefix="ucpd-receive")
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucpd-flush-share")
 
     def close(self) -> None:
         self._receivers.shutdown(wait=False, cancel_futures=True)
+        self._writer.shutdown(wait=False, cancel_futures=True)
 
     def on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
         """A one-way message; a bad one is counted and logged (there is no one to answer)."""
@@ -151,6 +153,11 @@ class PeerServer:
                 replicas.pin(rep)
                 self.leases.grant_peer(src, b["lease"], step, PIN_LEASE, release=lambda: replicas.unpin(rep))
         return {}, []
+
+    def _on_flush_share(self, src: int, b: dict, frames: list):
+        """The lead hands us pieces of a flush to write (``flush_share.ShareWriter``), one batch
+        at a time, on a thread of their own: the transport goes on meanwhile."""
+        return self._writer.submit(lambda: ({"crcs": self.team.flush_share.write(b)}, []))
 
     def _on_fetch(self, src: int, b: dict, frames: list):
         origin, step, rank, ranges = b["origin"], b["step"], b["rank"], b["ranges"]

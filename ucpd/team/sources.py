@@ -44,10 +44,13 @@ FETCH_PREFIX = "fetch-"
 
 @dataclass(frozen=True)
 class LocalRead:
-    """A rank's part in a file on this node: its slot bytes start at ``base`` of ``path``."""
+    """A rank's part in a file on this node: its slot bytes start at ``base`` of ``path``.
+    ``origin``: whose part it is (ours, or a replica's origin); None for a part rebuilt here
+    from parity (a peer cannot fetch it from us)."""
 
     path: str
     base: int
+    origin: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class TeamSources:
 
     def __init__(self, step: int, reader: "VersionSources") -> None:
         self.step, self.reader = step, reader
+        self.run = ""  # the run of the job whose parts are read (a step is read from one run)
+        self.holders: dict[int, tuple[int, ...]] = {}  # rank -> every live node with a sound whole copy of its part
         self.sources: SourceSet | None = None
         self.objects: dict = {}
         self.parts: dict[int, RankPart] = {}
@@ -232,6 +237,10 @@ class VersionSources:
                 break
             damaged |= bad
         out = TeamSources(step, self)
+        out.run = run or ""
+        for rank, (copy, _) in chosen.items():
+            out.holders[rank] = tuple(sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
+                                              and rank in h.ranks and (h.node, h.origin) not in damaged}))
         try:
             lost = sorted({c.origin for c, _ in chosen.values() if c.parity})
             rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
@@ -329,14 +338,14 @@ class VersionSources:
                     if v not in out.pins:
                         self.store.pin(v)
                         out.pins.append(v)
-                    out.where[rank] = LocalRead(self.store.slot_path(own.slot), 0)
+                    out.where[rank] = LocalRead(self.store.slot_path(own.slot), 0, self.rank)
                 elif copy.node == self.rank:
                     rep = self.replicas.get(copy.origin, step)
                     if rep is None:
                         raise VersionNotFound(f"step {step}: the replica of node {copy.origin} left this node; ask again")
                     self.replicas.pin(rep)
                     out.pins.append(rep)
-                    out.where[rank] = LocalRead(rep.path, rep.bases[rank])
+                    out.where[rank] = LocalRead(rep.path, rep.bases[rank], copy.origin)
                 else:
                     first, *others = spread[rank]
                     out.where[rank] = PeerRead(first, copy.origin, rank, self._new_file(out), tuple(others))
@@ -453,6 +462,19 @@ class VersionSources:
             got.release()
 
         return got.version.globals(), got.parts, buffer_of, release
+
+    def fetch_ranges(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
+        """Bring the byte ``ranges`` of ``w``'s part into ``mm`` at the same offsets (shares from
+        each of ``w.nodes``); the caller checks them (a flush share: ``ConsolidatingCopier``)."""
+        batch, size = [], 0
+        for off, n in ranges:
+            if batch and size + n > DATA_BATCH:
+                self._fetch_shares(w, step, batch, mm)
+                batch, size = [], 0
+            batch.append((off, n))
+            size += n
+        if batch:
+            self._fetch_shares(w, step, batch, mm)
 
     def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
         """Bring the byte ``ranges`` of ``w``'s part into ``mm`` at the same offsets, in equal

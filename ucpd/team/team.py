@@ -40,6 +40,8 @@ from ..daemon.versions import RESTORABLE, Version, VersionState
 from ..errors import SnapshotRejected
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
+from .flush_lead import TeamFlush
+from .flush_share import ShareWriter
 from .liveness import GossipThread, make_membership, node_ranges
 from .parity_group import ParityGroup
 from .parts import run_of
@@ -98,6 +100,8 @@ class Team:
         )
         self.replicator = Replicator(self)
         self.sources = VersionSources(self)
+        self.flush_lead = TeamFlush(self) if self.flushes else None
+        self.flush_share = ShareWriter(self)
         self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit()) if config.parity else None
 
     # --- life cycle ----------------------------------------------------------------------------
@@ -372,6 +376,10 @@ class Team:
     def gather_for_flush(self, version):
         """The flusher's ``gather`` (``VersionSources.gather_for_flush``)."""
         return self.sources.gather_for_flush(version)
+
+    def flush_shared(self, version, root, progress) -> bool:
+        """The flusher's ``shared``: every live node writes its share (``flush_lead.TeamFlush``)."""
+        return self.flush_lead.write(version, root, progress)
 
     def seen_waiting(self, job: str, step: int) -> dict[int, dict]:
         """What the last survey found of ``step`` on the other nodes: {node: {ranks, local_size}}."""

@@ -1,0 +1,184 @@
+"""The lead's side of a flush every node writes (``ucpd serve --flush-writers all``, the default).
+
+Node 0's flusher calls ``TeamFlush.write`` for a committed version. It:
+
+1. finds where every rank's part is (``VersionSources.restore_sources``: each part pinned on its
+   holders until the flush ends);
+2. lays out the version's files (``format.shares.plan_files``: exactly ``write_version``'s) and
+   creates them, pre-sized, in the temporary folder of the shared flush dir;
+3. cuts every tensor into row blocks (``flush_plan.row_blocks``) and lets ``flush_plan.ShareFlush``
+   assign them: balanced, each to a node that holds its bytes where it can;
+4. sends each writer its batches (``flush_share`` requests; its own run here), one at a time,
+   with the manifest entries the pieces read; follows the answers, the failures and the
+   membership: a node declared dead, or one that cannot see the flush dir, has its unfinished
+   pieces rewritten by others;
+5. once every piece is written, fsynced and read back, joins the pieces' CRCs per tensor and
+   commits the version: objects, ``ucp.json``, rename, ``LATEST`` (``format.shares.commit_files``).
+
+A crash of the lead at any point leaves no visible version (the rename is the commit point); its
+next flusher removes the temporary folder (``format.root.clean_temp``). ``write`` returns False
+when this version must be written by the lead alone (a part rebuilt from parity on this node,
+which no peer can read): the flusher then gathers and writes it as with ``--flush-writers one``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from pathlib import Path
+
+from .. import faults
+from ..daemon.flush import layout_of, objects_of
+from ..errors import StorageError, UcpdError
+from ..format import spec
+from ..format.shares import FileLayout, commit_files, create_files, join_crcs, plan_files
+from ..ucl.geometry import GBox, intersect, volume
+from ..ucl.plan import plan_consolidate
+from ..dtypes import dtype as lookup_dtype
+from .flush_plan import Batch, Piece, ShareFlush, row_blocks
+from .sources import LocalRead
+
+log = logging.getLogger("ucpd.team")
+
+BLOCK_MIN = spec.CHUNK_BYTES  # bytes: the smallest row block worth a piece of its own
+BLOCK_MAX = 256 << 20  # bytes: the largest (a writer's RAM window is about one piece)
+BATCH_BYTES = 256 << 20  # bytes of pieces per request to a writer
+SHARE_TIMEOUT = 600.0  # seconds one batch may take on its writer
+WORKERS = 32  # batches in flight at once from the lead
+
+
+def block_bytes(total: int, nodes: int) -> int:
+    """The row-block bound: about a quarter of a node's mean share, within [BLOCK_MIN, BLOCK_MAX],
+    so that the shares can be balanced and a window stays small."""
+    return max(BLOCK_MIN, min(BLOCK_MAX, total // max(1, 4 * nodes)))
+
+
+def cut(globals_: dict, files: FileLayout, block: int) -> list[Piece]:
+    """Every non-empty tensor as row blocks of at most ``block`` bytes, with the bytes of each
+    that every rank's part holds."""
+    out: list[Piece] = []
+    for name in sorted(globals_):
+        g, place = globals_[name], files.tensors[name]
+        if place.end == place.begin:
+            continue
+        isz = lookup_dtype(g.dtype).itemsize
+        for r0, r1 in row_blocks(place.rows, place.row_bytes, block):
+            box = GBox((r0,) + (0,) * (len(g.shape) - 1), (r1 - r0,) + tuple(g.shape[1:])) if g.shape else GBox((), ())
+            held: dict[int, int] = {}
+            for s in g.sources:
+                hit = intersect(box, s.box)
+                if hit is not None:
+                    held[s.key[0]] = held.get(s.key[0], 0) + volume(hit) * isz
+            out.append(Piece(len(out), name, r0, r1, (r1 - r0) * place.row_bytes, tuple(sorted(held.items()))))
+    return out
+
+
+class TeamFlush:
+    """Node 0's flush of a version, written by every live node. ``team``: the driver (``team.Team``)."""
+
+    def __init__(self, team) -> None:
+        self.team = team
+
+    def write(self, version, root: Path, progress) -> bool:
+        """Write ``version`` into ``root`` (``step-<N>``) with every live node; False when the
+        lead must write it alone (see the module). ``progress(done, total)`` as bytes land."""
+        team, step = self.team, version.step
+        got = team.sources.restore_sources(step)  # pins every part on its holders
+        try:
+            faults.stall("flush.fetch", step)
+            faults.point("flush.fetch.kill", step)
+            if any(isinstance(w, LocalRead) and w.origin is None for w in got.where.values()):
+                log.info("team: step %d has a part rebuilt from parity on this node; node %d writes it alone", step, team.rank)
+                return False
+            origin = {r: w.origin for r, w in got.where.items()}
+            holders = {r: got.holders.get(r) or ((team.rank,) if isinstance(w, LocalRead) else w.nodes)
+                       for r, w in got.where.items()}
+            globals_ = got.version.globals()
+            files = plan_files([(g.name, g.dtype, g.shape, g.pattern) for g in (globals_[n] for n in sorted(globals_))])
+            live = sorted(team.live())
+            pieces = cut(globals_, files, block_bytes(files.total_bytes, len(live)))
+            sm = ShareFlush(pieces, holders, live, batch_bytes=BATCH_BYTES)
+            root.mkdir(parents=True, exist_ok=True)
+            root = root.resolve()  # the writers open the files by this path: the flush dir's, on every node
+            tmp = root / spec.tmp_dirname(step, os.getpid())
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            try:
+                create_files(tmp, files)
+                t0 = time.monotonic()
+                self._drive(sm, step, got, origin, globals_, files, tmp, progress)
+                crcs = {n: join_crcs(((c, p.nbytes) for p, c in sm.crcs_of(n)), spec.CHUNK_BYTES) for n in globals_}
+                commit_files(tmp, root, step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
+                             objects=objects_of(got.parts))
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+            writers = sorted(set(sm.written_by.values()))
+            log.info("team: step %d written by nodes %s in %.2f s (%d pieces)", step, writers, time.monotonic() - t0, len(pieces))
+            return True
+        finally:
+            got.release()
+
+    def _drive(self, sm: ShareFlush, step: int, got, origin: dict, globals_: dict, files: FileLayout, tmp: Path,
+               progress) -> None:
+        run = got.run
+        pool = ThreadPoolExecutor(min(WORKERS, len(sm.writers)), thread_name_prefix="ucpd-flush-lead")
+        futures: dict = {}
+        try:
+            while not sm.complete:
+                if sm.error:
+                    raise StorageError(f"step {step}: the team's flush failed: {sm.error}")
+                for b in sm.ready():
+                    body = self._body(b, sm, step, run, got, origin, globals_, files, tmp)
+                    futures[pool.submit(self._send, b, body)] = b
+                done, _ = wait(list(futures), timeout=0.25, return_when=FIRST_COMPLETED)
+                for f in done:
+                    b = futures.pop(f)
+                    if b.id not in sm.flight:  # its node was declared lost meanwhile: others have its pieces
+                        continue
+                    try:
+                        sm.on_done(b.id, f.result())
+                    except StorageError as exc:  # this node cannot write there: the others do
+                        log.warning("team: node %d cannot write step %d's flush: %s", b.node, step, exc)
+                        sm.on_refused(b.id, str(exc))
+                    except UcpdError as exc:
+                        log.warning("team: node %d failed pieces of step %d's flush: %s; they go to another node", b.node, step, exc)
+                        sm.on_failed(b.id, str(exc))
+                    progress(sm.bytes_done, sm.total_bytes)
+                live = self.team.live()
+                for node in sorted({n for ns in sm.holders.values() for n in ns} | sm.writers):
+                    if node not in live:
+                        log.warning("team: node %d was lost during step %d's flush; its unfinished pieces go to others", node, step)
+                        sm.on_lost(node)
+            if sm.error:
+                raise StorageError(f"step {step}: the team's flush failed: {sm.error}")
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+
+    def _send(self, b: Batch, body: dict) -> list:
+        if b.node == self.team.rank:
+            return self.team.flush_share.write(body)  # our own share, on this thread
+        reply, _ = self.team.transport.request(b.node, "flush_share", body, timeout=SHARE_TIMEOUT)
+        return reply["crcs"]
+
+    def _body(self, b: Batch, sm: ShareFlush, step: int, run: str, got, origin: dict, globals_: dict, files: FileLayout,
+              tmp: Path) -> dict:
+        """The ``flush_share`` request for batch ``b``: its pieces, and the entries of exactly the
+        rank tensors they read when ``b.node`` prefers what it holds (it plans the same way)."""
+        mine = lambda key: b.node not in sm.holders.get(key[0], ())  # noqa: E731  (False sorts first)
+        keys: set = set()
+        pieces = []
+        for p in b.pieces:
+            g, place = globals_[p.name], files.tensors[p.name]
+            srcs = sorted(g.sources, key=lambda s: mine(s.key))
+            plan = plan_consolidate(p.name, g.shape, srcs, (p.r0, p.r1) if g.shape else None)
+            keys.update(c.src_key for c in plan.copies if c.src_view.numel)
+            pieces.append({"name": p.name, "dtype": g.dtype, "shape": list(g.shape), "file": place.file,
+                           "begin": place.begin, "end": place.end, "r0": p.r0, "r1": p.r1})
+        sources = [{"rank": r, "idx": i, "t": got.parts[r].tensors[i].to_wire(), "origin": origin[r],
+                    "nodes": list(sm.holders.get(r, ()))}
+                   for r, i in sorted(keys, key=lambda k: (mine(k), k))]
+        return {"step": step, "run": run, "dir": str(tmp), "chunk": spec.CHUNK_BYTES, "pieces": pieces, "sources": sources}

@@ -1,0 +1,242 @@
+"""One node's share of a flush every node writes: the ``flush_share`` request's work.
+
+The lead node (``flush_lead``) sends a batch of pieces: rows of consolidated tensors, where each
+goes in the version's files (already created in the shared flush dir's temporary folder), and
+the manifest entries of the rank tensors they are read from, with the nodes holding each rank's
+part. For each piece this node:
+
+1. plans the rows from the sources, the ones it holds first (``ucpd.ucl.plan_consolidate``);
+2. brings the source chunks it does not hold from a holder into a private shm window (the
+   chunks the plan reads, each crossing the network once: the next piece reuses nothing);
+3. consolidates the rows through the staging buffer into the file (``format.shares.write_rows``:
+   pwrite in place, fsync, read back, checked), every source chunk checked against the CRC its
+   rank recorded (``checked.ConsolidatingCopier``);
+4. drops the window, so the RAM a share takes is one piece's remote bytes, not the version's.
+
+It answers the pieces' grid CRCs. The parts it reads here are pinned while it reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from .. import faults
+from ..checked import CheckedSource, ConsolidatingCopier, view_chunks
+from ..daemon.manifest import TensorEntry
+from ..daemon.slot_prep import yield_to_snapshots
+from ..daemon.versions import Version
+from ..dtypes import dtype as lookup_dtype
+from ..errors import ProtocolError, StorageError, VersionNotFound
+from ..format import spec
+from ..format.objstore import is_url
+from ..format.shares import TensorPlace, grid_crcs, write_rows
+from ..native import CHUNK_BYTES
+from ..ucl.plan import SourcePiece, plan_consolidate
+from .parts import run_of
+from .sources import FETCH_PREFIX, PeerRead, _close, _open_file, _unlink
+
+log = logging.getLogger("ucpd.team")
+
+
+@dataclass(frozen=True)
+class Source:
+    """A rank tensor a piece reads: its entry, whose part it is (``origin``) and who holds it."""
+
+    rank: int
+    idx: int
+    entry: TensorEntry
+    origin: int
+    nodes: tuple[int, ...]
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.rank, self.idx)
+
+
+def pieces_of(name: str, sources: list[Source]) -> list[SourcePiece]:
+    """What ``sources`` hold of global tensor ``name``, in their order (``coverage.globals_of``'s rule)."""
+    out = []
+    for s in sources:
+        t = s.entry
+        shared = t.shared if t.shared is not None else t.geometry()
+        for frag in shared or t.fragments():
+            if (t.name if shared else frag.name) != name:
+                continue
+            gs = tuple(frag.global_shape)
+            out.extend(SourcePiece(s.key, p.local, p.box, gs) for p in frag.pieces)
+    return out
+
+
+class ShareWriter:
+    """Writes the batches the lead sends this node. ``team``: the driver (``team.Team``)."""
+
+    def __init__(self, team) -> None:
+        self.team = team
+
+    def write(self, body: dict) -> list[list[int]]:
+        """Write every piece of a ``flush_share`` body; each piece's grid CRCs, in order."""
+        step, run, chunk = body["step"], body.get("run") or "", body["chunk"]
+        tmp = self._checked_dir(body)
+        sources = [Source(s["rank"], s["idx"], TensorEntry.from_wire(s["t"]), s["origin"], tuple(s["nodes"]))
+                   for s in body["sources"]]
+        mine = [s for s in sources if self.team.rank in s.nodes]
+        others = [s for s in sources if self.team.rank not in s.nodes]
+        local = _LocalParts(self.team, step, run)
+        try:
+            out = []
+            for p in body["pieces"]:
+                place = TensorPlace(p["name"], p["dtype"], tuple(p["shape"]), None, p["file"], p["begin"], p["end"])
+                out.append(self._piece(step, tmp, chunk, place, p["r0"], p["r1"], mine + others, local))
+                if faults.armed():
+                    faults.point("flush.share", step)
+                    faults.point("flush.write", step)
+                    faults.stall("flush.hang", step)
+            return out
+        except OSError as exc:  # a full or failing flush dir: the lead gives our pieces to others
+            raise StorageError(f"node {self.team.rank} could not write step {step}'s flush share: {exc}") from None
+        finally:
+            local.release()
+
+    def _checked_dir(self, body: dict) -> Path:
+        """The version's temporary folder, refused unless it is one (``.step-<N>.tmp-<pid>``, under
+        our own flush dir if we have one) and every piece names one of its shard files: a peer
+        makes us write into the flush's files, nowhere else."""
+        tmp = Path(os.path.normpath(body["dir"]))
+        m = spec.TMP_RE.match(tmp.name)
+        if not tmp.is_absolute() or m is None or int(m.group(1)) != body["step"]:
+            raise ProtocolError(f"flush_share: {body['dir']!r} is not the temporary folder of step {body['step']}")
+        mine = self.team.config.flush_dir
+        if mine and not is_url(mine) and not str(tmp).startswith(os.path.join(os.path.realpath(mine), "")):
+            raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine}: give every node the same "
+                               "--flush-dir, mounted at the same path")
+        for p in body["pieces"]:
+            if not spec.SHARD_RE.match(p["file"]) or not 0 <= p["r0"] <= p["r1"] or not 0 <= p["begin"] <= p["end"]:
+                raise ProtocolError(f"flush_share: piece {p['name']!r} names file {p['file']!r} rows "
+                                    f"[{p['r0']}, {p['r1']}) bytes [{p['begin']}, {p['end']})")
+        return tmp
+
+    def _piece(self, step: int, tmp: Path, chunk: int, place: TensorPlace, r0: int, r1: int, sources: list[Source],
+               local: "_LocalParts") -> list[int]:
+        name, shape = place.name, place.shape
+        storage = lookup_dtype(place.dtype).storage
+        pieces = pieces_of(name, sources)
+        rows_of = (lambda a, b: None) if not shape else (lambda a, b: (a, b))
+        plan = plan_consolidate(name, shape, pieces, rows_of(r0, r1))
+        by_key = {s.key: s for s in sources}
+        windows: list[tuple[str, object]] = []
+        try:
+            arrays = {}
+            remote: dict[int, list] = {}  # rank -> the sources of it to fetch
+            for key in {c.src_key for c in plan.copies if c.src_view.numel}:
+                s = by_key[key]
+                buf = local.buffer(s)
+                if buf is None:
+                    remote.setdefault(s.rank, []).append((s, [c.src_view for c in plan.copies if c.src_key == key]))
+                else:
+                    arrays[key] = buf
+            for rank, wanted in remote.items():
+                arrays.update(self._fetch_window(step, rank, wanted, windows))
+            checked = {}
+            for key, buf in arrays.items():
+                t = by_key[key].entry
+                arr = np.frombuffer(buf, dtype=storage, count=t.nbytes // storage.itemsize, offset=t.offset)
+                checked[key] = CheckedSource(arr, t.crcs, CHUNK_BYTES, f"step {step}, rank {key[0]}, tensor {t.name!r}:",
+                                             recorded="the rank's snapshot",
+                                             remedy="the copy is damaged; the lead node has this piece written from another")
+            copier = ConsolidatingCopier(checked)
+            row_bytes = place.row_bytes
+
+            def fill_rows(out: np.ndarray, a: int, b: int, c: int) -> list[int]:
+                block = plan if (a, b) == (r0, r1) else plan_consolidate(name, shape, pieces, rows_of(a, b))
+                crcs = copier.block(block.copies, out.view(storage), a * row_bytes, c)
+                return crcs if crcs is not None else grid_crcs(out, a * row_bytes, c)
+
+            crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk,
+                              throttle=lambda _n: yield_to_snapshots(self.team.store))
+            copier.finish()
+            self.team.counters["flush_written_bytes"] = self.team.counters.get("flush_written_bytes", 0) + (r1 - r0) * row_bytes
+            return crcs
+        finally:
+            for path, mm in windows:
+                _close(mm)
+                _unlink(path)
+
+    def _fetch_window(self, step: int, rank: int, wanted: list, windows: list) -> dict:
+        """The source chunks the plan reads of ``rank``'s tensors, fetched from a holder into a
+        new private shm file at their slot offsets; {key: the file's bytes}."""
+        ranges = []
+        for s, views in wanted:
+            t = s.entry
+            isz = lookup_dtype(t.dtype).storage.itemsize
+            chunks = sorted(set().union(*(view_chunks(v, isz, CHUNK_BYTES) for v in views)))
+            for c in chunks:
+                lo, hi = t.offset + c * CHUNK_BYTES, t.offset + min((c + 1) * CHUNK_BYTES, t.nbytes)
+                if ranges and ranges[-1][0] + ranges[-1][1] == lo:
+                    ranges[-1] = (ranges[-1][0], ranges[-1][1] + hi - lo)
+                else:
+                    ranges.append((lo, hi - lo))
+        s0 = wanted[0][0]
+        size = max(s.entry.offset + s.entry.nbytes for s, _ in wanted)
+        path = os.path.join(self.team.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
+        mm = _open_file(path, size, ranges)
+        windows.append((path, mm))
+        first, *rest = [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
+        self.team.sources.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)
+        nbytes = sum(n for _, n in ranges)
+        self.team.counters["fetched_bytes"] += nbytes
+        self.team.counters["flush_fetched_bytes"] = self.team.counters.get("flush_fetched_bytes", 0) + nbytes
+        return {s.key: mm for s, _ in wanted}
+
+
+class _LocalParts:
+    """The parts of one step this node holds (its own ranks', replicas it keeps), pinned while
+    a batch reads them."""
+
+    def __init__(self, team, step: int, run: str) -> None:
+        self.team, self.step, self.run = team, step, run
+        self.pins: list = []
+        self.bufs: dict[tuple[int, int], object] = {}  # (origin, rank) -> the part's bytes, or None
+
+    def buffer(self, s: Source):
+        """The bytes of ``s``'s rank part (its slot's, from offset 0) if this node holds them."""
+        if self.team.rank not in s.nodes:
+            return None
+        k = (s.origin, s.rank)
+        if k not in self.bufs:
+            self.bufs[k] = self._open(s)
+        return self.bufs[k]
+
+    def _open(self, s: Source):
+        store, replicas = self.team.store, self.team.replicas
+        with store.atomic():
+            if s.origin == self.team.rank:
+                v = store.sealed(self.step)
+                part = v.parts.get(s.rank) if v is not None else None
+                if part is None or run_of(v) != self.run:
+                    raise VersionNotFound(f"node {self.team.rank} no longer holds rank {s.rank} of step {self.step}")
+                store.pin(v)
+                self.pins.append(v)
+                return np.frombuffer(store.slot_view(part.slot), np.uint8)
+            rep = replicas.get(s.origin, self.step)
+            if rep is None or s.rank not in rep.parts or run_of(rep) != self.run:
+                raise VersionNotFound(f"node {self.team.rank} holds no copy of rank {s.rank} of step {self.step}")
+            replicas.pin(rep)
+            self.pins.append(rep)
+            base = rep.bases[s.rank]
+            return np.frombuffer(rep.mapping(), np.uint8)[base:]
+
+    def release(self) -> None:
+        self.bufs.clear()
+        with self.team.store.atomic():
+            for p in self.pins:
+                if isinstance(p, Version):
+                    self.team.store.unpin(p)
+                else:
+                    self.team.replicas.unpin(p)
+        self.pins = []
