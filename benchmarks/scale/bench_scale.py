@@ -96,13 +96,21 @@ def part_loss(n: int, trials: int) -> tuple[list[dict], str]:
     return res, table(rows, head)
 
 
-def part_flush(n: int) -> tuple[list[dict], str]:
-    res = [flush.simulate(n, plan=p) for p in ("node0", "owners")]
-    rows = [[r["plan"], fmt_b(r["state_bytes"]), f"{r['crossed_over_state']:.3f}", fmt_b(r["send_max"]),
-             fmt_b(r["recv_max"]), fmt_b(r["write_max"]), f"{r['write_max_over_mean']:.2f}", fmt_b(r["ram_at_busiest"]),
+def part_flush(sizes: list[int]) -> tuple[list[dict], str]:
+    res = []
+    for n in sizes:
+        for plan, lose in (("node0", False), ("owners", False), ("owners", True)):
+            t0 = time.perf_counter()
+            res.append(flush.simulate(n, plan=plan, lose=lose))
+            res[-1]["wall_s"] = time.perf_counter() - t0
+            print(f"  flush, {n} nodes, {plan}{', a writer lost' if lose else ''}: {res[-1]['wall_s']:.1f} s", flush=True)
+    names = {"node0": "node 0 gathers and writes (`--flush-writers one`)", "owners": "every node writes (`--flush-writers all`)"}
+    rows = [[f"{r['nodes']:,}", names[r["plan"]] + (f"; node {r['lost']} lost halfway" if r["lost"] is not None else ""),
+             f"{r['pieces']:,}", f"{r['crossed_over_state']:.3f}", fmt_b(r["recv_max"]), fmt_b(r["write_max"]),
+             f"{r['write_max_over_mean']:.2f}", fmt_b(r["ram_at_busiest"]), fmt_b(r["rewritten_bytes"]),
              f"{r['time_s']:.1f} s"] for r in res]
-    head = ["plan", "state", "crossed network / state", "max sent/node", "max received/node", "max written/node",
-            "write max/mean", "RAM at busiest node", "time (100 GB/s FS, 25 GB/s NIC)"]
+    head = ["nodes", "plan", "pieces", "crossed network / state", "max received/node", "max written/node",
+            "write max/mean", "fetch window at busiest node", "written twice", "lead's assignment CPU", "time (100 GB/s FS, 25 GB/s NIC)"]
     return res, table(rows, head)
 
 
@@ -165,8 +173,8 @@ def main(argv=None) -> int:
         los, t4 = part_loss(max(sizes), args.trials)
         print(f"\n## 4. loss probability at {max(sizes)} nodes, racks of 32\n" + t4, flush=True)
     if "flush" in parts:
-        fl, t5 = part_flush(min(1024, max(sizes)))
-        print(f"\n## 5. flush of one version from {min(1024, max(sizes))} nodes\n" + t5, flush=True)
+        fl, t5 = part_flush([n for n in sizes if n >= 1024] or [max(sizes)])
+        print("\n## 5. flush of one version (70.6 B params, 16 B/param)\n" + t5, flush=True)
     drawn = bool(ctrl and rec) and plot(ctrl, rec, Path(args.png))
     print(f"\ncurves: {args.png if drawn else 'not drawn (matplotlib not installed)'}; total {time.perf_counter() - t0:.0f} s")
     if args.json:

@@ -36,12 +36,13 @@ def rank_tensors(rank: int, step: int) -> list:
         ("w", rng.standard_normal((ROWS, 64)).astype(np.float32), {"kind": "shard", "dim": 0, "index": rank, "parts": WORLD}),
         (f"r{rank}", rng.integers(0, 256, 3000, dtype=np.uint8), {"kind": "shard", "dim": 0, "index": 0, "parts": 1}),
         ("ln", np.full(64, float(step), np.float32), {"kind": "replicated"}),
+        ("count", np.array(step * 1000, np.int64), {"kind": "replicated"}),  # a 0-d tensor: one piece, one row
     ]
 
 
 def expected(step: int) -> dict[str, np.ndarray]:
     parts = [rank_tensors(r, step) for r in range(WORLD)]
-    out = {"w": np.concatenate([p[0][1] for p in parts]), "ln": parts[0][2][1]}
+    out = {"w": np.concatenate([p[0][1] for p in parts]), "ln": parts[0][2][1], "count": parts[0][3][1]}
     out.update({p[1][0]: p[1][1] for p in parts})
     return out
 
@@ -85,7 +86,7 @@ def check_on_disk(root, step: int) -> None:
     assert validate(root, step, full=True) == []  # every chunk against ucp.json
     with open_version(root, step) as v:
         for name, arr in expected(step).items():
-            assert np.array_equal(v.array(name).view(np.uint8).reshape(-1), arr.view(np.uint8).reshape(-1)), name
+            assert v.array(name).tobytes() == arr.tobytes(), name
 
 
 def written(team: InProcTeam) -> list[int]:

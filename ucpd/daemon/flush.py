@@ -69,8 +69,8 @@ class Flusher:
         """``every``: flush every Nth committed version of a job (an int), or a ``FlushInterval``
         (``--flush-every auto`` chooses N per job from measurements). ``cache``: the
         ``FlushCache`` of an object-store ``flush_dir`` (a URL); None for a directory.
-        ``shared(version, root, progress) -> bool``: a team's flush written by every node
-        (``team.flush_lead``; False: write this version here alone)."""
+        ``shared(version, root, progress, rate) -> bool``: a team's flush written by every node,
+        each at most ``rate`` bytes/s (``team.flush_lead``; False: write this version here alone)."""
         self.cache = cache
         self.shared = shared
         self.store = store
@@ -294,7 +294,7 @@ class Flusher:
             with self.store.atomic():
                 globals_ = version.globals()
             self._begin(version, globals_)
-            if not self.shared(version, Path(root), self._progress):
+            if not self.shared(version, Path(root), self._progress, self.rate or 0.0):
                 return False
         self._committed_on_disk(root, version)
         self._flushed(version, t0)

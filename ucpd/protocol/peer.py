@@ -182,7 +182,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "flush_share",
             {"step": integer(), "dir": text, "chunk": integer(1, 1 << 40), "pieces": list_of(FLUSH_PIECE),
              "sources": list_of(FLUSH_SOURCE)},
-            {"run": text},
+            {"run": text, "rate": integer()},
             "write these pieces of step's flush (rows of consolidated tensors) into the files the lead created in "
             "`dir`, reading the rank tensors `sources` (ours, else fetched from a holder); fsync, read back; reply: "
             "each piece's CRC32Cs cut on its tensor's chunk grid (team.flush_share)",

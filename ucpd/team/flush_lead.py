@@ -45,7 +45,7 @@ log = logging.getLogger("ucpd.team")
 
 BLOCK_MIN = spec.CHUNK_BYTES  # bytes: the smallest row block worth a piece of its own
 BLOCK_MAX = 256 << 20  # bytes: the largest (a writer's RAM window is about one piece)
-BATCH_BYTES = 256 << 20  # bytes of pieces per request to a writer
+BATCH_BYTES = 256 << 20  # bytes of pieces per request to a writer, at most
 SHARE_TIMEOUT = 600.0  # seconds one batch may take on its writer
 WORKERS = 32  # batches in flight at once from the lead
 
@@ -53,7 +53,13 @@ WORKERS = 32  # batches in flight at once from the lead
 def block_bytes(total: int, nodes: int) -> int:
     """The row-block bound: about a quarter of a node's mean share, within [BLOCK_MIN, BLOCK_MAX],
     so that the shares can be balanced and a window stays small."""
-    return max(BLOCK_MIN, min(BLOCK_MAX, total // max(1, 4 * nodes)))
+    return max(BLOCK_MIN, min(BLOCK_MAX, total // max(1, 16 * nodes)))
+
+
+def batch_bytes(total: int, nodes: int) -> int:
+    """Bytes of pieces a writer is sent at once: about a quarter of its share (so a writer lost
+    mid-batch costs a quarter of its share again, and progress shows), at most BATCH_BYTES."""
+    return max(block_bytes(total, nodes), min(BATCH_BYTES, total // max(1, 4 * nodes)))
 
 
 def cut(globals_: dict, files: FileLayout, block: int) -> list[Piece]:
@@ -82,9 +88,10 @@ class TeamFlush:
     def __init__(self, team) -> None:
         self.team = team
 
-    def write(self, version, root: Path, progress) -> bool:
+    def write(self, version, root: Path, progress, rate: float = 0.0) -> bool:
         """Write ``version`` into ``root`` (``step-<N>``) with every live node; False when the
-        lead must write it alone (see the module). ``progress(done, total)`` as bytes land."""
+        lead must write it alone (see the module). ``progress(done, total)`` as bytes land;
+        ``rate``: each writer's ceiling in bytes/s (``--flush-rate``; 0: none)."""
         team, step = self.team, version.step
         got = team.sources.restore_sources(step)  # pins every part on its holders
         try:
@@ -100,7 +107,7 @@ class TeamFlush:
             files = plan_files([(g.name, g.dtype, g.shape, g.pattern) for g in (globals_[n] for n in sorted(globals_))])
             live = sorted(team.live())
             pieces = cut(globals_, files, block_bytes(files.total_bytes, len(live)))
-            sm = ShareFlush(pieces, holders, live, batch_bytes=BATCH_BYTES)
+            sm = ShareFlush(pieces, holders, live, batch_bytes=batch_bytes(files.total_bytes, len(live)))
             root.mkdir(parents=True, exist_ok=True)
             root = root.resolve()  # the writers open the files by this path: the flush dir's, on every node
             tmp = root / spec.tmp_dirname(step, os.getpid())
@@ -109,7 +116,7 @@ class TeamFlush:
             try:
                 create_files(tmp, files)
                 t0 = time.monotonic()
-                self._drive(sm, step, got, origin, globals_, files, tmp, progress)
+                self._drive(sm, step, got, origin, globals_, files, tmp, progress, rate)
                 crcs = {n: join_crcs(((c, p.nbytes) for p, c in sm.crcs_of(n)), spec.CHUNK_BYTES) for n in globals_}
                 commit_files(tmp, root, step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
                              objects=objects_of(got.parts))
@@ -123,7 +130,7 @@ class TeamFlush:
             got.release()
 
     def _drive(self, sm: ShareFlush, step: int, got, origin: dict, globals_: dict, files: FileLayout, tmp: Path,
-               progress) -> None:
+               progress, rate: float) -> None:
         run = got.run
         pool = ThreadPoolExecutor(min(WORKERS, len(sm.writers)), thread_name_prefix="ucpd-flush-lead")
         futures: dict = {}
@@ -133,6 +140,8 @@ class TeamFlush:
                     raise StorageError(f"step {step}: the team's flush failed: {sm.error}")
                 for b in sm.ready():
                     body = self._body(b, sm, step, run, got, origin, globals_, files, tmp)
+                    if rate:
+                        body["rate"] = int(rate)
                     futures[pool.submit(self._send, b, body)] = b
                 done, _ = wait(list(futures), timeout=0.25, return_when=FIRST_COMPLETED)
                 for f in done:

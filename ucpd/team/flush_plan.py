@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 SLACK = 0.10  # a node may take a piece it holds up to this much above the mean share
 TRIES = 3  # attempts of one piece (on different nodes) before the flush fails
+MAX_CANDIDATES = 256  # ranks of a piece's holders considered (a replicated piece: a window of them)
 
 
 @dataclass(frozen=True)
@@ -216,15 +217,23 @@ class ShareFlush:
         for p in sorted(pieces, key=lambda p: (-p.nbytes, p.id)):
             avoid = self.avoid.get(p.id, set())
             bound = max(mean * (1 + SLACK), p.nbytes)
+            held = p.held
+            if len(held) > MAX_CANDIDATES:  # (a replicated tensor: every DP replica holds it whole)
+                at = p.id * 7919 % len(held)
+                held = (held + held)[at : at + MAX_CANDIDATES]  # a different window for each piece
             holding: dict[int, int] = {}
-            for r, nbytes in p.held:
+            for r, nbytes in held:
                 for n in self.holders.get(r, ()):
                     if n in self.writers and n not in avoid:
                         holding[n] = holding.get(n, 0) + nbytes
-            under = [n for n in holding if self.load[n] + p.nbytes <= bound]
-            if under:
-                node = max(under, key=lambda n: (min(holding[n], p.nbytes), -self.load[n], -n))
-            else:
+            node, best = None, None
+            for n, h in holding.items():  # the most held, then the least loaded, then the lowest
+                load = self.load[n]
+                if load + p.nbytes <= bound:
+                    key = (min(h, p.nbytes), -load, -n)
+                    if best is None or key > best:
+                        node, best = n, key
+            if node is None:
                 node = self._least_loaded(heap, avoid)
             self.queue.setdefault(node, []).append(p.id)
             self.load[node] += p.nbytes

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -88,11 +89,12 @@ class ShareWriter:
         mine = [s for s in sources if self.team.rank in s.nodes]
         others = [s for s in sources if self.team.rank not in s.nodes]
         local = _LocalParts(self.team, step, run)
+        pace = _Pace(body.get("rate") or 0, self.team.store)
         try:
             out = []
             for p in body["pieces"]:
                 place = TensorPlace(p["name"], p["dtype"], tuple(p["shape"]), None, p["file"], p["begin"], p["end"])
-                out.append(self._piece(step, tmp, chunk, place, p["r0"], p["r1"], mine + others, local))
+                out.append(self._piece(step, tmp, chunk, place, p["r0"], p["r1"], mine + others, local, pace))
                 if faults.armed():
                     faults.point("flush.share", step)
                     faults.point("flush.write", step)
@@ -122,7 +124,7 @@ class ShareWriter:
         return tmp
 
     def _piece(self, step: int, tmp: Path, chunk: int, place: TensorPlace, r0: int, r1: int, sources: list[Source],
-               local: "_LocalParts") -> list[int]:
+               local: "_LocalParts", pace: "_Pace") -> list[int]:
         name, shape = place.name, place.shape
         storage = lookup_dtype(place.dtype).storage
         pieces = pieces_of(name, sources)
@@ -157,8 +159,7 @@ class ShareWriter:
                 crcs = copier.block(block.copies, out.view(storage), a * row_bytes, c)
                 return crcs if crcs is not None else grid_crcs(out, a * row_bytes, c)
 
-            crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk,
-                              throttle=lambda _n: yield_to_snapshots(self.team.store))
+            crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk, throttle=pace)
             copier.finish()
             self.team.counters["flush_written_bytes"] = self.team.counters.get("flush_written_bytes", 0) + (r1 - r0) * row_bytes
             return crcs
@@ -192,6 +193,23 @@ class ShareWriter:
         self.team.counters["fetched_bytes"] += nbytes
         self.team.counters["flush_fetched_bytes"] = self.team.counters.get("flush_fetched_bytes", 0) + nbytes
         return {s.key: mm for s, _ in wanted}
+
+
+class _Pace:
+    """Between a writer's blocks: step aside while a trainer copies a snapshot into a slot, and
+    keep under ``rate`` bytes/s (the lead's ``--flush-rate``; 0: no ceiling)."""
+
+    def __init__(self, rate: float, store) -> None:
+        self.rate, self.store = rate, store
+        self.t0, self.done = time.monotonic(), 0
+
+    def __call__(self, nbytes: int) -> None:
+        yield_to_snapshots(self.store)
+        self.done += nbytes
+        if self.rate:
+            ahead = self.done / self.rate - (time.monotonic() - self.t0)
+            if ahead > 0:
+                time.sleep(ahead)
 
 
 class _LocalParts:

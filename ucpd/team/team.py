@@ -377,9 +377,9 @@ class Team:
         """The flusher's ``gather`` (``VersionSources.gather_for_flush``)."""
         return self.sources.gather_for_flush(version)
 
-    def flush_shared(self, version, root, progress) -> bool:
+    def flush_shared(self, version, root, progress, rate: float = 0.0) -> bool:
         """The flusher's ``shared``: every live node writes its share (``flush_lead.TeamFlush``)."""
-        return self.flush_lead.write(version, root, progress)
+        return self.flush_lead.write(version, root, progress, rate)
 
     def seen_waiting(self, job: str, step: int) -> dict[int, dict]:
         """What the last survey found of ``step`` on the other nodes: {node: {ranks, local_size}}."""
