@@ -108,7 +108,7 @@ def part_flush(sizes: list[int]) -> tuple[list[dict], str]:
     rows = [[f"{r['nodes']:,}", names[r["plan"]] + (f"; node {r['lost']} lost halfway" if r["lost"] is not None else ""),
              f"{r['pieces']:,}", f"{r['crossed_over_state']:.3f}", fmt_b(r["recv_max"]), fmt_b(r["write_max"]),
              f"{r['write_max_over_mean']:.2f}", fmt_b(r["ram_at_busiest"]), fmt_b(r["rewritten_bytes"]),
-             f"{r['time_s']:.1f} s"] for r in res]
+             f"{r['assign_cpu_s']:.2f} s" if "assign_cpu_s" in r else "–", f"{r['time_s']:.1f} s"] for r in res]
     head = ["nodes", "plan", "pieces", "crossed network / state", "max received/node", "max written/node",
             "write max/mean", "fetch window at busiest node", "written twice", "lead's assignment CPU", "time (100 GB/s FS, 25 GB/s NIC)"]
     return res, table(rows, head)

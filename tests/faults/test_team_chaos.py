@@ -25,15 +25,18 @@ def _campaign_module():
     return load_benchmark("reliability/team_chaos.py", "ucpd_team_chaos")
 
 
-# Replicas meet every fault kind; parity the two that take a node's RAM (its part is rebuilt from
-# the group, or re-sent to a restarted member): the long campaign draws every kind for each.
-CASES = [("replicas", ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")),
+# Replicas meet every fault kind, with a flush dir every node writes each version into (every
+# flushed version is checked whole and of one run); parity the two that take a node's RAM (its
+# part is rebuilt from the group, or re-sent to a restarted member): the long campaign draws
+# every kind for each.
+CASES = [("--replicas 1 --flush-dir {tmp}", ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")),
          ("xor", ("node_lost", "daemon_restart")),
          ("rs", ("node_lost", "daemon_restart"))]
 
 
 @pytest.mark.parametrize("redundancy,kinds", CASES, ids=["replicas-1", "xor-parity-3", "rs-parity-2+2"])
-def test_a_short_seeded_team_chaos_campaign_finds_no_failure(redundancy, kinds, monkeypatch):
+def test_a_short_seeded_team_chaos_campaign_finds_no_failure(redundancy, kinds, monkeypatch, tmp_path):
+    redundancy = redundancy.format(tmp=tmp_path / "flush")
     mod = _campaign_module()
     lines = []
     trials = mod.campaign(SEED, 0, nodes=4, per_node=2, redundancy=redundancy, dead_after=1.0,

@@ -134,6 +134,25 @@ def decode(state: dict, rank: int, world: int, tp: int) -> dict:
     return out
 
 
+def flushed_codes(root: str, step: int) -> set:
+    """The codes (run * CODE + step) the flushed version's global tensors decode to; one element
+    in the wrong place or from another run or step adds another (or -1: garbled)."""
+    import numpy as np
+
+    from ucpd.format import open_version
+
+    codes: set = set()
+    with open_version(root, step) as v:
+        def values(name):  # the reader gives the storage bits: view them as the tensor's dtype
+            return np.asarray(v.array(name)).reshape(-1).view(np.dtype(v.tensors[name].dtype)).astype(np.int64)
+
+        for name in ("model.tp.weight", "optim.zero.exp_avg"):
+            rest = values(name) - np.arange(values(name).size, dtype=np.int64)
+            codes |= set(np.unique(np.where(rest % SCALE == 0, rest // SCALE, -1)).tolist())
+        codes |= set(np.unique(values("model.norm.weight")).tolist())
+    return codes
+
+
 # --- trainer processes --------------------------------------------------------------------------------
 
 def _note(journal: str, **rec) -> None:
@@ -326,14 +345,23 @@ class Team:
         for i in range(self.n):
             w = os.path.join(self.workdir, f"g{self.generation}", f"node{i}")
             os.makedirs(w, exist_ok=True)
+            extra = list(self.extra)
+            if "--flush-dir" in extra:  # each team (generation) flushes into a folder of its own
+                extra[extra.index("--flush-dir") + 1] = self.flush_dir()
             args = ["--nodes", str(self.n), "--node-rank", str(i), "--listen", self.addresses[i],
                     "--peers", ",".join(self.addresses), "--heartbeat", "0.1", "--dead-after", str(self.dead_after),
-                    "--mem-limit", "1G", "--keep", "3", "--log-level", "INFO", *self.extra]
+                    "--mem-limit", "1G", "--keep", "3", "--log-level", "INFO", *extra]
             if self.secret_file:
                 args += ["--secret-file", self.secret_file]
             d = Daemon(w, f"{self.shm_prefix}-g{self.generation}-n{i}-{uuid.uuid4().hex[:6]}", args, None)
             d.prefix = self.net.prefix(i) if self.net else []
             self.daemons.append(d)
+
+    def flush_dir(self) -> str | None:
+        """This generation's ``--flush-dir`` (the one given, a folder per generation), or None."""
+        if "--flush-dir" not in self.extra:
+            return None
+        return os.path.join(self.extra[self.extra.index("--flush-dir") + 1], f"g{self.generation}")
 
     def start(self) -> None:
         """A fresh team (new dirs, new ports), every node started; a port taken meanwhile: new ports."""
@@ -642,6 +670,32 @@ class Campaign:
                 fail(f"{what} {step} read back as run {run}, a run that never snapshotted it "
                      f"(runs that did: {sorted(self.snapshotted.get(step, ()))})")
 
+    def check_flush_dir(self, fail, newest: int | None) -> None:
+        """With ``--flush-dir`` (every node writes its share): no torn version, every complete one
+        whole (each chunk of each file against its ``ucp.json``), none newer than the newest
+        committed step."""
+        if self.team.flush_dir() is None:
+            return
+        from ucpd.format import list_versions, validate
+
+        root = os.path.join(self.team.flush_dir(), JOB)
+        if not os.path.isdir(root):
+            return
+        versions = list_versions(root)
+        torn = [v.step for v in versions if v.state == "torn"]
+        if torn:
+            fail(f"torn versions in the flush dir: {torn}")
+        for v in versions:
+            if v.state == "complete":
+                problems = validate(root, v.step, full=True)
+                if problems:
+                    fail(f"flushed step {v.step} does not validate: {problems[:2]}")
+                if newest is not None and v.step > newest:
+                    fail(f"flushed step {v.step} is newer than the newest committed {newest}")
+                codes = flushed_codes(root, v.step)
+                if len(codes) != 1 or next(iter(codes)) % CODE != v.step:
+                    fail(f"flushed step {v.step} holds the values of runs/steps {sorted(codes)}: stitched or misplaced")
+
     def check_run(self, run: int, j: dict[int, list[dict]], fail, clean: bool, injected_at: float | None,
                   reported: int | None) -> None:
         """A run's journals: refusals are failures; a clean run (no fault during it) commits every step;
@@ -793,6 +847,7 @@ class Campaign:
                 self.check_read(s, reads, fail, newest=(s == t.latest))
             if t.latest is not None and t.latest not in held:
                 fail(f"latest() is {t.latest}, which no node lists as a committed version")
+            self.check_flush_dir(fail, t.latest)
             # status comes back to healthy: every version run B committed after the fault, and the
             # older ones too with replicas (healing copies them again). With parity a loss leaves the
             # older steps degraded until they leave RAM (their parity is not sent again): that is

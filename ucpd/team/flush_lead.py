@@ -143,6 +143,8 @@ class TeamFlush:
                     if rate:
                         body["rate"] = int(rate)
                     futures[pool.submit(self._send, b, body)] = b
+                if not futures:  # (only when an error is about to be raised)
+                    time.sleep(0.05)
                 done, _ = wait(list(futures), timeout=0.25, return_when=FIRST_COMPLETED)
                 for f in done:
                     b = futures.pop(f)
