@@ -64,13 +64,15 @@ class Node:
         return data
 
     def seal_tensors(self, rank: int, world: int, step: int, tensors: list, run: int = 1) -> None:
-        """Rank ``rank`` snapshots ``tensors``, ``[(name, array, placement)]``, one after another in its slot."""
+        """Rank ``rank`` snapshots ``tensors``, ``[(name, array, placement)]``, one after another in
+        its slot; ``run=0``: a job that names no run (no job id)."""
         entries, at = [], 0
         for name, arr, placement in tensors:
             entries.append((name, arr, placement, at))
             at += -(-arr.nbytes // 64) * 64
         with self.store.atomic():
-            self.store.check_begin(rank, step, f"run{run}", world, JOB)
+            inc = f"run{run}" if run else ""
+            self.store.check_begin(rank, step, inc, world, JOB)
             slot = self.store.take_free_slot(rank, step, max(at, 64), JOB)
             if slot is None:
                 sid, path, size = self.store.reserve_new_slot(max(at, 64), JOB)
@@ -84,7 +86,7 @@ class Node:
                              "nbytes": raw.nbytes, "placement": placement,
                              "crcs": list(native.crc32c_chunks(raw, CHUNK_BYTES))})
             self.store.seal({"rank": rank, "world_size": world, "step": step, "slot": slot.id, "tensors": wire,
-                             "objects": b"", "incarnation": f"run{run}", "local_world_size": self.per_node, "job": JOB})
+                             "objects": b"", "incarnation": inc, "local_world_size": self.per_node, "job": JOB})
 
     def state(self, step: int):
         v = self.store.version(step)

@@ -55,9 +55,9 @@ def team(ucpd_isolation, monkeypatch):
     t.close()
 
 
-def snapshot(team: InProcTeam, step: int) -> None:
+def snapshot(team: InProcTeam, step: int, run: int = 1) -> None:
     for r in range(WORLD):
-        team[r // PER_NODE].seal_tensors(r, WORLD, step, rank_tensors(r, step))
+        team[r // PER_NODE].seal_tensors(r, WORLD, step, rank_tensors(r, step), run)
     team.wait_state(step, VersionState.COMMITTED)
 
 
@@ -103,6 +103,13 @@ def test_every_node_writes_the_rows_it_holds_and_the_version_is_whole(team, tmp_
     # each node wrote what it holds (its ranks' parts, or the replicas it keeps): nothing fetched
     assert [n.team.counters.get("flush_fetched_bytes", 0) for n in team] == [0, 0, 0]
     assert not [f for n in team for f in os.listdir(n.store.shm_dir) if f.startswith("fetch-")]  # windows dropped
+
+
+def test_a_job_that_names_no_run_is_flushed_by_every_node_too(team, tmp_path):
+    snapshot(team, 1, run=0)  # no job id (Checkpointer without job_id): the run has no name
+    assert flush(team, 1, tmp_path)
+    check_on_disk(tmp_path, 1)
+    assert all(written(team))  # no writer refused the lead's request
 
 
 def test_rows_split_across_nodes_are_fetched_once_from_a_holder(team, tmp_path, monkeypatch):

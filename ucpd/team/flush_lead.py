@@ -39,6 +39,7 @@ from ..ucl.geometry import GBox, intersect, volume
 from ..ucl.plan import plan_consolidate
 from ..dtypes import dtype as lookup_dtype
 from .flush_plan import Batch, Piece, ShareFlush, row_blocks
+from .parts import with_run
 from .sources import LocalRead
 
 log = logging.getLogger("ucpd.team")
@@ -192,4 +193,4 @@ class TeamFlush:
         sources = [{"rank": r, "idx": i, "t": got.parts[r].tensors[i].to_wire(), "origin": origin[r],
                     "nodes": list(sm.holders.get(r, ()))}
                    for r, i in sorted(keys, key=lambda k: (mine(k), k))]
-        return {"step": step, "run": run, "dir": str(tmp), "chunk": spec.CHUNK_BYTES, "pieces": pieces, "sources": sources}
+        return with_run({"step": step, "dir": str(tmp), "chunk": spec.CHUNK_BYTES, "pieces": pieces, "sources": sources}, run)
