@@ -31,7 +31,6 @@ from .. import faults
 from ..checked import CheckedSource, ConsolidatingCopier, view_chunks
 from ..daemon.manifest import TensorEntry
 from ..daemon.slot_prep import yield_to_snapshots
-from ..daemon.versions import Version
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ProtocolError, StorageError, VersionNotFound
 from ..format import spec
@@ -40,7 +39,7 @@ from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
 from ..ucl.plan import SourcePiece, plan_consolidate
 from .parts import run_of
-from .sources import FETCH_PREFIX, PeerRead, _close, _open_file, _unlink
+from .sources import FETCH_PREFIX, PeerRead, _close, _open_file, _unlink, unpin_local
 
 log = logging.getLogger("ucpd.team")
 
@@ -251,10 +250,5 @@ class _LocalParts:
 
     def release(self) -> None:
         self.bufs.clear()
-        with self.team.store.atomic():
-            for p in self.pins:
-                if isinstance(p, Version):
-                    self.team.store.unpin(p)
-                else:
-                    self.team.replicas.unpin(p)
+        unpin_local(self.team.store, self.team.replicas, self.pins)
         self.pins = []

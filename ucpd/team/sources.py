@@ -100,16 +100,21 @@ class TeamSources:
     def release(self) -> None:
         """The client finished reading: unpin, delete fetched copies."""
         self.unpin_peers()
-        with self.reader.store.atomic():
-            for p in self.pins:
-                if isinstance(p, Version):
-                    self.reader.store.unpin(p)
-                else:
-                    self.reader.replicas.unpin(p)
-            self.pins = []
+        unpin_local(self.reader.store, self.reader.replicas, self.pins)
+        self.pins = []
         for f in self.files:
             _unlink(f)
         self.files = []
+
+
+def unpin_local(store, replicas, pins: list) -> None:
+    """Let go of what a reader pinned on this node: our versions and the replicas we hold."""
+    with store.atomic():
+        for p in pins:
+            if isinstance(p, Version):
+                store.unpin(p)
+            else:
+                replicas.unpin(p)
 
 
 class VersionSources:
