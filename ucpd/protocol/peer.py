@@ -41,6 +41,11 @@ HOLDING = Record(
     {"parts": list_of(PART), "via": text, "run": text},
 )
 
+# What one node said it holds, as the directory (``team.directory``) passes it on.
+HELD = Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)})
+MAX_GROUP_ASKED = 4096
+"""Most nodes one ``directory_part`` asks (a group of ``--commit-fanout``)."""
+
 # A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
 WAITING_ITEM = Record(
     {"job": text, "step": integer(), "world_size": integer(1, MAX_RANKS), "local_size": integer(1, MAX_RANKS),
@@ -161,6 +166,23 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "what versions this node holds (own parts and replicas); with step: that step's manifests; "
             "reply: {node, items: [HOLDING]}",
             Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)}),
+        ),
+        MessageType(
+            "directory",
+            {},
+            {"step": integer(), "stale": integer()},
+            "what every live node holds (HOLDING items; with step: that step's, with manifests), gathered once "
+            "through the team's tree and shared (team.directory); `stale`: the gather an earlier answer came from, "
+            "found out of date; reply: {gen: the gather's number, held: [{node, items}]}",
+            Record({"gen": integer(), "held": list_of(HELD)}),
+        ),
+        MessageType(
+            "directory_part",
+            {"nodes": list_of(integer(0, MAX_RANKS), MAX_GROUP_ASKED)},
+            {"step": integer()},
+            "the root of the directory asks a relay for its group: `holdings` of each of `nodes` and of the relay; "
+            "reply: {held: [{node, items}]}",
+            Record({"held": list_of(HELD)}),
         ),
         MessageType(
             "waiting",

@@ -28,7 +28,8 @@ from .decide import Pushed, orphan_heal_targets, own_heal_targets, under_protect
 from .holders import replica_holders
 from .parity_group import DEGRADED, FAILED
 from .parts import run_of, used_bytes, with_run
-from .sources import DATA_BATCH, ask_all
+from .directory import ask_all
+from .sources import DATA_BATCH
 
 log = logging.getLogger("ucpd.team")
 

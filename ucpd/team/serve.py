@@ -132,6 +132,21 @@ class PeerServer:
     def _on_holdings(self, src: int, b: dict, frames: list):
         return {"node": self.rank, "items": self.team.sources.own_holdings(b.get("step"))}, []
 
+    def _on_directory(self, src: int, b: dict, frames: list):
+        """What the team holds, from this node's directory (``team.directory``): answered later,
+        once its relay or root answers it, or its gather is done."""
+        return self._directory().serve(b)
+
+    def _on_directory_part(self, src: int, b: dict, frames: list):
+        return self._directory().serve_part(b)
+
+    def _directory(self):
+        d = self.team.sources.directory
+        if d is None:
+            raise protocol.ProtocolError(f"node {self.rank} keeps no directory (started with --commit-fanout 0): "
+                                         "ask every node with `holdings`")
+        return d
+
     def _on_waiting(self, src: int, b: dict, frames: list):
         items = [stalls.survey_item(v) for v in stalls.waiting_versions(self.team.store.versions())]
         return {"node": self.rank, "items": items}, []

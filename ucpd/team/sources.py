@@ -1,7 +1,8 @@
 """Finding and reading a version across the team: where each rank's part of a step is read from,
 and the bytes brought here, checked on arrival.
 
-``VersionSources.restore_sources(step)`` asks every live node what it holds of the step, lets
+``VersionSources.restore_sources(step)`` learns what the live nodes hold of the step (through the
+team's directory, ``team.directory``, when it has one; else by asking every live node), lets
 ``decide`` choose a copy per rank (our RAM, a replica we hold, a peer's RAM, a part rebuilt here
 from parity) and pins what is read from peers (a lease on each, ended by ``unpin``). The result,
 ``TeamSources``, says where each rank's part is: a ``LocalRead`` (a file on this node) or a
@@ -19,7 +20,6 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
 import time
 import uuid
 from dataclasses import dataclass, replace
@@ -33,6 +33,7 @@ from ..daemon.versions import SEALED, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
 from ..native import CHUNK_BYTES
 from .decide import Holding, choose_copies, latest_whole, run_to_read
+from .directory import Directory, ask_all
 from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 
 log = logging.getLogger("ucpd.team")
@@ -77,6 +78,7 @@ class TeamSources:
     def __init__(self, step: int, reader: "VersionSources") -> None:
         self.step, self.reader = step, reader
         self.run = ""  # the run of the job whose parts are read (a step is read from one run)
+        self.gen: int | None = None  # the directory's gather it was planned from (None: every node asked)
         self.holders: dict[int, tuple[int, ...]] = {}  # rank -> every live node with a sound whole copy of its part
         self.sources: SourceSet | None = None
         self.objects: dict = {}
@@ -128,6 +130,12 @@ class VersionSources:
         self.rank = team.rank
         self.transport = team.transport
         self.shm_dir = team.shm_dir
+        fanout = team.config.fanout
+        self.directory = Directory(self, fanout) if fanout else None
+
+    def close(self) -> None:
+        if self.directory is not None:
+            self.directory.close()
 
     @property
     def store(self):
@@ -175,24 +183,45 @@ class VersionSources:
             out[node] = [Holding.from_wire(node, i) for i in reply.get("items", [])]
         return out
 
+    def held_by_node(self, step: int | None, stale: int | None = None) -> tuple[int | None, dict[int, list[Holding]]]:
+        """What every live node holds (of ``step``, with manifests; None: of every step) and the
+        directory's gather it came from (None: asked of every node now). ``stale``: that gather
+        was found out of date; ask again."""
+        live = self.team.live()
+        if self.directory is None:
+            return None, self.holdings_by_node(sorted(live), step)
+        gen, held = self.directory.held(step, stale)
+        out = {e["node"]: [Holding.from_wire(e["node"], i) for i in e["items"]]
+               for e in held if e["node"] in live and e["node"] != self.rank}
+        out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+        return gen, out
+
     # --- restore ------------------------------------------------------------------------------------
 
     def latest(self) -> int | None:
         """The newest committed step that the live nodes still hold whole (None: none)."""
-        held = self.holdings_by_node(sorted(self.team.live()))
-        return latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+        gen, held = self.held_by_node(None)
+        step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+        newest = self.team.protocol_state()[3]
+        if gen is not None and newest is not None and (step is None or step < newest):
+            # the directory's answer may predate the newest commit: ask for a fresh one
+            gen, held = self.held_by_node(None, stale=gen)
+            step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+        return step
 
     def restore_sources(self, step: int | None) -> TeamSources:
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
         first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
         (a lease) until released. Raises VersionNotFound naming what is lost."""
+        stale = None
         for attempt in range(3):
-            got = self._plan_sources(step)
+            got = self._plan_sources(step, stale)
             try:
                 self._lease_peers(got)
                 return got
             except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
                 got.release()
+                stale = got.gen
                 if attempt == 2:
                     raise
                 log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
@@ -224,25 +253,32 @@ class VersionSources:
                 if (node, lease) not in got.leases:
                     got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
 
-    def _plan_sources(self, step: int | None) -> TeamSources:
+    def _plan_sources(self, step: int | None, stale: int | None = None) -> TeamSources:
         if step is None:
             step = self.latest()
             if step is None:
                 raise VersionNotFound("no committed version is held whole by the live nodes of the team")
         if not self.team.is_committed(step):
             raise VersionNotFound(f"step {step} is not committed by the team")
-        held = [h for items in self.holdings_by_node(sorted(self.team.live()), step).values() for h in items]
+        gen, held = self._held(step, stale)
         run = run_to_read(held, self.team.current_run())
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
-            world, chosen = choose_copies(held, self.rank, step, run, damaged)
+            try:
+                world, chosen = choose_copies(held, self.rank, step, run, damaged)
+            except VersionNotFound:
+                if gen is None:
+                    raise
+                gen, held = self._held(step, gen)  # the directory's answer may be out of date: once afresh
+                run = run_to_read(held, self.team.current_run())
+                world, chosen = choose_copies(held, self.rank, step, run, damaged)
             bad = {(c.node, c.origin) for c, _ in chosen.values()
                    if c.node == self.rank and c.origin != self.rank and not c.parity and not self._replica_sound(c.origin, step)}
             if not bad:
                 break
             damaged |= bad
         out = TeamSources(step, self)
-        out.run = run or ""
+        out.run, out.gen = run or "", gen
         for rank, (copy, _) in chosen.items():
             out.holders[rank] = tuple(sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
                                               and rank in h.ranks and (h.node, h.origin) not in damaged}))
@@ -254,6 +290,10 @@ class VersionSources:
             out.release()
             raise
         return out
+
+    def _held(self, step: int, stale: int | None) -> tuple[int | None, list[Holding]]:
+        gen, by_node = self.held_by_node(step, stale)
+        return gen, [h for items in by_node.values() for h in items]
 
     def _rebuild(self, origin: int, step: int, got: TeamSources) -> tuple[str, dict[int, int]]:
         """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
@@ -503,24 +543,6 @@ class VersionSources:
             node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]},
             timeout=120.0)
         return _split(frames, [n for _, n in ranges])
-
-
-def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
-    """A request to every other live node, in parallel; nodes that fail to answer are left out."""
-    replies: dict[int, dict] = {}
-
-    def ask(node):
-        try:
-            replies[node], _ = transport.request(node, msg_type, body, timeout=10.0)
-        except UcpdError as exc:
-            log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
-
-    threads = [threading.Thread(target=ask, args=(n,)) for n in live if n != me]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return replies
 
 
 def _open_file(path: str, nbytes: int, ranges) -> mmap.mmap:

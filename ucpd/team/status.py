@@ -84,5 +84,6 @@ def _status(team) -> dict:
         "healing": dict(team.replicator.healing),
         "protocol": pending,
         "transport": dict(team.transport.counters),
-        "counters": dict(team.counters, replica_checksum_errors=replicas.checksum_errors if replicas else 0),
+        "counters": dict(team.counters, replica_checksum_errors=replicas.checksum_errors if replicas else 0,
+                         **(team.sources.directory.counters if team.sources.directory is not None else {})),
     }

@@ -137,6 +137,7 @@ class Team:
         self.replicator.stop()
         if self.server is not None:
             self.server.close()
+        self.sources.close()
         self.transport.close()
         if self.replicas is not None:
             self.replicas.close()

@@ -1,0 +1,237 @@
+"""The restore directory: what the team holds of a step, gathered once through a tree and served
+to every node that asks, so that a restart costs O(N) requests in all instead of N².
+
+Without it (a team without ``--commit-fanout``), a node that restores or asks for the latest
+step asks every live node what it holds: N requests per node, N² when the whole job restarts.
+With it, the live nodes, sorted, form groups of ``fanout`` (the commit's fan-out: the same
+groups as ``--commit-fanout``); the first of each group is its relay, the first of all the root:
+
+- a node asks only its relay (the relay and the root's own group ask the root): one request
+  per restoring node, whatever N;
+- the root gathers the step once: it asks each other group's relay for its group
+  (``directory_part``), and the relay asks its members (``holdings``); the root handles about
+  N/fanout requests and every relay about fanout;
+- each answer is kept ``TTL`` seconds (and for as long as the asker's view does not change) and
+  shared by every request that arrives meanwhile: the eight ranks of a node and the members of
+  a group that restore at once cost one gather.
+
+An answer carries the number of the gather that made it (``gen``). A node that finds it stale
+(a peer no longer holds what it said, a committed step missing) asks again naming that
+number; every hop with that gather drops it and the root gathers afresh. A relay or root that
+does not answer is left out of the tree: the asker gathers by itself, from every live node, as
+without the directory (``directory_fallbacks`` counts it). Requests go only to lower nodes (a
+relay is the lowest of its group, the root the lowest of all), so no two nodes wait on each
+other, whatever their views.
+
+The tree (:func:`upstream`, :func:`groups`) is pure; :class:`Directory` is the node's end, its
+waits on the peers on threads of its own, never the transport's.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from ..errors import UcpdError
+
+log = logging.getLogger("ucpd.team")
+
+__all__ = ["Directory", "ask_all", "groups", "upstream", "upstreams", "TTL"]
+
+TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
+UP_TIMEOUT = 60.0  # seconds to wait for the relay or root: it may be gathering the whole team
+
+
+def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
+    """A request to every other live node, in parallel; nodes that fail to answer are left out."""
+    replies: dict[int, dict] = {}
+
+    def ask(node):
+        try:
+            replies[node], _ = transport.request(node, msg_type, body, timeout=10.0)
+        except UcpdError as exc:
+            log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
+
+    threads = [threading.Thread(target=ask, args=(n,)) for n in live if n != me]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return replies
+
+
+def groups(live, fanout: int) -> list[list[int]]:
+    """The live nodes, sorted, in groups of ``fanout``; the first of each is its relay."""
+    order = sorted(live)
+    return [order[i : i + fanout] for i in range(0, len(order), fanout)]
+
+
+def upstreams(live, fanout: int) -> dict[int, int | None]:
+    """:func:`upstream` of every live node at once (O(N), for the simulator and tests)."""
+    out: dict[int, int | None] = {}
+    for g in groups(live, fanout):
+        for x in g:
+            out[x] = g[0] if x != g[0] else None
+    root = min(out, default=None)
+    return {x: (root if up is None and x != root else up) for x, up in out.items()}
+
+
+def upstream(node: int, live, fanout: int) -> int | None:
+    """The node ``node`` asks for the directory: its group's relay, or the root for a relay and
+    for the root's own group; None for the root (it gathers). Always a lower node."""
+    order = sorted(set(live) | {node})
+    i = order.index(node)
+    if i == 0:
+        return None
+    relay = order[(i // fanout) * fanout]
+    return relay if relay != node else order[0]
+
+
+@dataclass
+class _Answer:
+    """One step's directory as a node knows it: the gather that made it, when, in which view."""
+
+    view: frozenset
+    future: Future = field(default_factory=Future)
+    gen: int | None = None
+    at: float | None = None  # when it was answered (None: still on its way)
+
+    def fresh(self, view: frozenset, now: float, stale: int | None) -> bool:
+        if self.view != view or (self.gen is not None and self.gen == stale):
+            return False
+        if self.future.done():
+            return self.future.exception() is None and now - self.at < TTL
+        return True  # on its way: share it
+
+
+class Directory:
+    """This node's end of the directory. ``sources``: the node's ``VersionSources`` (its
+    transport, rank, live view, clock and own holdings); ``fanout``: the size of a group."""
+
+    def __init__(self, sources, fanout: int) -> None:
+        self.sources, self.fanout = sources, fanout
+        self.rank = sources.rank
+        self._lock = threading.Lock()
+        self._answers: dict[int | None, _Answer] = {}
+        self._gen = random.getrandbits(40) << 16  # distinct from a restarted root's numbers
+        self._up = ThreadPoolExecutor(4, thread_name_prefix="ucpd-directory")
+        self._parts = ThreadPoolExecutor(2, thread_name_prefix="ucpd-directory-part")
+        self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
+
+    def close(self) -> None:
+        self._up.shutdown(wait=False, cancel_futures=True)
+        self._parts.shutdown(wait=False, cancel_futures=True)
+
+    # --- asking -------------------------------------------------------------------------------------
+
+    def held(self, step: int | None, stale: int | None = None, timeout: float = UP_TIMEOUT) -> tuple[int, list[dict]]:
+        """What the live nodes hold (of ``step``, with manifests; None: of every step), as
+        ``(gen, [{node, items}])``; ``stale``: the gather an earlier answer came from, found out
+        of date."""
+        return self.answer(step, stale).result(timeout)
+
+    def answer(self, step: int | None, stale: int | None = None) -> Future:
+        """The future of :meth:`held`'s answer, shared with every request for it meanwhile."""
+        view = frozenset(self.sources.team.live())
+        now = self.sources.team.clock()
+        with self._lock:
+            got = self._answers.get(step)
+            if got is not None and got.fresh(view, now, stale):
+                return got.future
+            got = self._answers[step] = _Answer(view)
+        self._up.submit(self._fill, step, got, stale)
+        return got.future
+
+    def _fill(self, step: int | None, got: _Answer, stale: int | None) -> None:
+        try:
+            up = upstream(self.rank, got.view, self.fanout)
+            if up is None:
+                gen, held = self._new_gen(), self._gather(step, got.view)
+            else:
+                gen, held = self._ask_up(up, step, stale, got.view)
+            got.gen, got.at = gen, self.sources.team.clock()
+            got.future.set_result((gen, held))
+        except BaseException as exc:  # the askers get it; the next request starts again
+            got.at = self.sources.team.clock()
+            got.future.set_exception(exc)
+
+    def _ask_up(self, up: int, step: int | None, stale: int | None, view: frozenset) -> tuple[int, list[dict]]:
+        body: dict = {} if step is None else {"step": step}
+        if stale is not None:
+            body["stale"] = stale
+        try:
+            reply, _ = self.sources.transport.request(up, "directory", body, timeout=UP_TIMEOUT)
+            return reply["gen"], reply["held"]
+        except UcpdError as exc:
+            self.counters["directory_fallbacks"] += 1
+            log.warning("team: node %d did not answer the directory of %s (%s): asking every live node",
+                        up, "every step" if step is None else f"step {step}", exc)
+            return self._new_gen(), self._ask(sorted(view), step)
+
+    def _new_gen(self) -> int:
+        with self._lock:
+            self._gen += 1
+            return self._gen
+
+    # --- gathering (the root) -----------------------------------------------------------------------
+
+    def _gather(self, step: int | None, view: frozenset) -> list[dict]:
+        """The root: its own group asked directly, every other group through its relay (asked
+        directly when the relay does not answer)."""
+        self.counters["directory_gathers"] += 1
+        parts = groups(view, self.fanout)
+        out = self._ask(parts[0], step)
+        results: dict[int, list[dict]] = {}
+
+        def via_relay(group: list[int]) -> None:
+            body: dict = {"nodes": group[1:]} if step is None else {"nodes": group[1:], "step": step}
+            try:
+                reply, _ = self.sources.transport.request(group[0], "directory_part", body, timeout=UP_TIMEOUT)
+                results[group[0]] = reply["held"]
+            except UcpdError as exc:
+                log.warning("team: relay %d did not gather its group (%s): asking its nodes", group[0], exc)
+                results[group[0]] = self._ask(group, step)
+
+        threads = [threading.Thread(target=via_relay, args=(g,)) for g in parts[1:]]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for g in parts[1:]:
+            out.extend(results.get(g[0], []))
+        return out
+
+    def _ask(self, nodes: list[int], step: int | None) -> list[dict]:
+        """Every node of ``nodes`` (this one from its own store) asked what it holds."""
+        body = {} if step is None else {"step": step}
+        replies = ask_all(self.sources.transport, self.rank, nodes, "holdings", body)
+        out = [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
+        if self.rank in nodes:
+            out.insert(0, {"node": self.rank, "items": self.sources.own_holdings(step)})
+        return out
+
+    # --- answering the peers -----------------------------------------------------------------------
+
+    def serve(self, body: dict) -> Future:
+        """A ``directory`` request: the answer, from what this node knows or asks its upstream."""
+        self.counters["directory_requests"] += 1
+        out: Future = Future()
+
+        def reply(f: Future) -> None:
+            exc = f.exception()
+            if exc is not None:
+                out.set_exception(exc if isinstance(exc, UcpdError) else UcpdError(f"directory: {exc}"))
+            else:
+                gen, held = f.result()
+                out.set_result(({"gen": gen, "held": held}, []))
+
+        self.answer(body.get("step"), body.get("stale")).add_done_callback(reply)
+        return out
+
+    def serve_part(self, body: dict) -> Future:
+        """A ``directory_part`` request from the root: this node's group, asked now."""
+        nodes = sorted(set(body["nodes"]) | {self.rank})
+        return self._parts.submit(lambda: ({"held": self._ask(nodes, body.get("step"))}, []))
