@@ -17,7 +17,8 @@ import pytest
 
 from helpers.inproc_team import InProcTeam
 from ucpd.daemon.versions import VersionState
-from ucpd.errors import ProtocolError
+from ucpd.errors import ProtocolError, UcpdError
+from ucpd.team import directory
 from ucpd.team.sources import PeerRead
 
 COMMITTED = VersionState.COMMITTED
@@ -129,6 +130,21 @@ def test_a_lost_node_leaves_the_tree_and_its_part_is_read_from_its_copy(team):
     assert ranks == [0, 1, 2, 3, 4] and where[2] != 2
     assert asked(team, "directory") == {0: 1}  # groups {0, 1}, {3, 4}: node 3 relays and asks the root
     assert counters(team[3])["directory_fallbacks"] == 0
+
+
+def test_an_answer_larger_than_a_page_comes_in_pages_of_the_same_gather(team, monkeypatch):
+    monkeypatch.setattr(directory, "PAGE_BYTES", 1)  # one node's holdings a page
+    forget(team)
+    ranks, _ = restore(team[3], 1)
+    assert ranks == [0, 1, 2, 3, 4]
+    assert asked(team, "directory") == {2: 5, 0: 5}  # five nodes' entries, a page each, on both hops
+    assert counters(team[2])["directory_requests"] == 1 and counters(team[0])["directory_gathers"] == 1
+
+
+def test_a_page_of_an_answer_that_is_gone_is_a_typed_error(team):
+    restore(team[3], 1)
+    with pytest.raises(UcpdError, match="ask again from the start"):
+        team[2].team._on_request(3, "directory", {"step": 1, "gen": 12345, "first": 1}, [])
 
 
 def test_a_node_without_a_directory_refuses_to_serve_one(ucpd_isolation):

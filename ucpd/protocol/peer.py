@@ -170,11 +170,12 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "directory",
             {},
-            {"step": integer(), "stale": integer()},
+            {"step": integer(), "stale": integer(), "gen": integer(), "first": integer()},
             "what every live node holds (HOLDING items; with step: that step's, with manifests), gathered once "
             "through the team's tree and shared (team.directory); `stale`: the gather an earlier answer came from, "
-            "found out of date; reply: {gen: the gather's number, held: [{node, items}]}",
-            Record({"gen": integer(), "held": list_of(HELD)}),
+            "found out of date; `gen`, `first`: the page of answer `gen` that starts at entry `first`; reply: "
+            "{gen: the gather's number, held: [{node, items}]; next: where the next page starts, if any}",
+            Record({"gen": integer(), "held": list_of(HELD)}, {"next": integer()}),
         ),
         MessageType(
             "directory_part",

@@ -35,6 +35,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import msgpack
+
 from ..errors import UcpdError
 
 log = logging.getLogger("ucpd.team")
@@ -43,6 +45,7 @@ __all__ = ["Directory", "ask_all", "groups", "upstream", "upstreams", "TTL"]
 
 TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
 UP_TIMEOUT = 60.0  # seconds to wait for the relay or root: it may be gathering the whole team
+PAGE_BYTES = 16 << 20  # an answer larger than this goes in pages (a peer frame holds at most 64 MiB)
 
 
 def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
@@ -98,6 +101,27 @@ class _Answer:
     future: Future = field(default_factory=Future)
     gen: int | None = None
     at: float | None = None  # when it was answered (None: still on its way)
+    pages: list[int] | None = None  # where each page of the answer starts (made on the first request)
+
+    def page(self, first: int) -> tuple[list[dict], int | None]:
+        """The entries of the answer from ``first`` on, up to ``PAGE_BYTES`` of them (at least one),
+        and where the next page starts (None: the last)."""
+        _, held = self.future.result()
+        if self.pages is None:  # (two threads may both cut it: the same cut)
+            pages, size = [0], 0
+            for i, e in enumerate(held):
+                n = len(msgpack.packb(e, use_bin_type=True))
+                if size and size + n > PAGE_BYTES:
+                    pages.append(i)
+                    size = 0
+                size += n
+            self.pages = pages
+        if first not in self.pages:
+            raise UcpdError(f"directory: no page starts at entry {first} (pages start at {self.pages[:8]}...): "
+                            "ask again from the start")
+        k = self.pages.index(first)
+        end = self.pages[k + 1] if k + 1 < len(self.pages) else None
+        return held[first:end], end
 
     def fresh(self, view: frozenset, now: float, stale: int | None) -> bool:
         if self.view != view or (self.gen is not None and self.gen == stale):
@@ -135,15 +159,18 @@ class Directory:
 
     def answer(self, step: int | None, stale: int | None = None) -> Future:
         """The future of :meth:`held`'s answer, shared with every request for it meanwhile."""
+        return self._entry(step, stale).future
+
+    def _entry(self, step: int | None, stale: int | None) -> _Answer:
         view = frozenset(self.sources.team.live())
         now = self.sources.team.clock()
         with self._lock:
             got = self._answers.get(step)
             if got is not None and got.fresh(view, now, stale):
-                return got.future
+                return got
             got = self._answers[step] = _Answer(view)
         self._up.submit(self._fill, step, got, stale)
-        return got.future
+        return got
 
     def _fill(self, step: int | None, got: _Answer, stale: int | None) -> None:
         try:
@@ -164,7 +191,14 @@ class Directory:
             body["stale"] = stale
         try:
             reply, _ = self.sources.transport.request(up, "directory", body, timeout=UP_TIMEOUT)
-            return reply["gen"], reply["held"]
+            gen, held = reply["gen"], list(reply["held"])
+            while reply.get("next") is not None:  # the rest in pages of the same answer
+                page = dict(body, gen=gen, first=reply["next"])
+                reply, _ = self.sources.transport.request(up, "directory", page, timeout=UP_TIMEOUT)
+                if reply["gen"] != gen:
+                    raise UcpdError(f"node {up}'s directory changed between its pages (gather {gen}, then {reply['gen']})")
+                held.extend(reply["held"])
+            return gen, held
         except UcpdError as exc:
             self.counters["directory_fallbacks"] += 1
             log.warning("team: node %d did not answer the directory of %s (%s): asking every live node",
@@ -216,22 +250,41 @@ class Directory:
     # --- answering the peers -----------------------------------------------------------------------
 
     def serve(self, body: dict) -> Future:
-        """A ``directory`` request: the answer, from what this node knows or asks its upstream."""
+        """A ``directory`` request: the answer, from what this node knows or asks its upstream;
+        in pages when it is large (``first``: the page of the answer ``gen`` asked for)."""
+        step, out = body.get("step"), Future()
+        if body.get("first") is not None:  # a later page: of the answer the first page came from, if we still have it
+            with self._lock:
+                got = self._answers.get(step)
+            if got is None or got.gen != body.get("gen") or not got.future.done():
+                raise UcpdError(f"directory: the answer {body.get('gen')} is gone; ask again from the start")
+            held, nxt = got.page(body["first"])
+            return _done({"gen": got.gen, "held": held, **({"next": nxt} if nxt is not None else {})})
         self.counters["directory_requests"] += 1
-        out: Future = Future()
+        got = self._entry(step, body.get("stale"))
+        pending = got.future
 
         def reply(f: Future) -> None:
             exc = f.exception()
             if exc is not None:
                 out.set_exception(exc if isinstance(exc, UcpdError) else UcpdError(f"directory: {exc}"))
-            else:
-                gen, held = f.result()
-                out.set_result(({"gen": gen, "held": held}, []))
+                return
+            try:
+                held, nxt = got.page(0)
+                out.set_result(({"gen": got.gen, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
+            except BaseException as e:
+                out.set_exception(e if isinstance(e, UcpdError) else UcpdError(f"directory: {e}"))
 
-        self.answer(body.get("step"), body.get("stale")).add_done_callback(reply)
+        pending.add_done_callback(reply)
         return out
 
     def serve_part(self, body: dict) -> Future:
         """A ``directory_part`` request from the root: this node's group, asked now."""
         nodes = sorted(set(body["nodes"]) | {self.rank})
         return self._parts.submit(lambda: ({"held": self._ask(nodes, body.get("step"))}, []))
+
+
+def _done(reply: dict) -> Future:
+    out: Future = Future()
+    out.set_result((reply, []))
+    return out
