@@ -60,9 +60,9 @@ def test_a_node_missing_from_its_own_view_is_placed_in_it():
 
 
 def test_a_directory_part_asks_a_bounded_group():
-    ok = protocol.validate_peer("directory_part", {"nodes": list(range(1, 33)), "step": 4})
+    ok = protocol.validate_peer("directory_part", {"nodes": list(range(1, 33))})
     assert ok["nodes"][-1] == 32
     with pytest.raises(ProtocolError, match="at most 4096"):
         protocol.validate_peer("directory_part", {"nodes": list(range(5000))})
     with pytest.raises(ProtocolError, match="stale"):
-        protocol.validate_peer("directory", {"step": 1, "stale": "x"})
+        protocol.validate_peer("directory", {"stale": "x"})

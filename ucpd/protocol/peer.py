@@ -170,9 +170,9 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "directory",
             {},
-            {"step": integer(), "stale": integer(), "gen": integer(), "first": integer()},
-            "what every live node holds (HOLDING items; with step: that step's, with manifests), gathered once "
-            "through the team's tree and shared (team.directory); `stale`: the gather an earlier answer came from, "
+            {"stale": integer(), "gen": integer(), "first": integer()},
+            "what every live node holds (HOLDING items, of every step, without manifests), gathered once through "
+            "the team's tree and shared (team.directory); `stale`: the gather an earlier answer came from, "
             "found out of date; `gen`, `first`: the page of answer `gen` that starts at entry `first`; reply: "
             "{gen: the gather's number, held: [{node, items}]; next: where the next page starts, if any}",
             Record({"gen": integer(), "held": list_of(HELD)}, {"next": integer()}),
@@ -180,7 +180,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "directory_part",
             {"nodes": list_of(integer(0, MAX_RANKS), MAX_GROUP_ASKED)},
-            {"step": integer()},
+            {},
             "the root of the directory asks a relay for its group: `holdings` of each of `nodes` and of the relay; "
             "reply: {held: [{node, items}]}",
             Record({"held": list_of(HELD)}),

@@ -1,30 +1,34 @@
-"""The restore directory: what the team holds of a step, gathered once through a tree and served
-to every node that asks, so that a restart costs O(N) requests in all instead of N².
+"""What the team holds, as a node asks it: ``latest`` through a tree, a step's manifests from
+every node once for all of this node's restores.
 
-Without it (a team without ``--commit-fanout``), a node that restores or asks for the latest
-step asks every live node what it holds: N requests per node, N² when the whole job restarts.
-With it, the live nodes, sorted, form groups of ``fanout`` (the commit's fan-out: the same
-groups as ``--commit-fanout``); the first of each group is its relay, the first of all the root:
+Without it (a team without ``--commit-fanout``), every ``latest`` and every rank's restore asks
+every live node what it holds: N requests each, 8·N² when a job of 8 ranks a node restarts.
+With it (``--commit-fanout K``, on by default from 64 nodes):
 
-- a node asks only its relay (the relay and the root's own group ask the root): one request
-  per restoring node, whatever N;
-- the root gathers the step once: it asks each other group's relay for its group
-  (``directory_part``), and the relay asks its members (``holdings``); the root handles about
-  N/fanout requests and every relay about fanout;
-- each answer is kept ``TTL`` seconds (and for as long as the asker's view does not change) and
-  shared by every request that arrives meanwhile: the eight ranks of a node and the members of
-  a group that restore at once cost one gather.
+- **What every node holds, without manifests** (``latest``; a few dozen bytes a node) goes
+  through a tree. The live nodes, sorted, form groups of K (the commit's groups); the first of
+  each group is its relay, the first of all the root. A node asks its relay (a relay and the
+  root's own group ask the root): one request per node. The root gathers once: it asks each
+  other group's relay for its group (``directory_part``) and the relay asks its members
+  (``holdings``): about N/K requests at the root, K at a relay, 2N in all.
+- **A step's manifests** (what a resharded restore plans from: every rank's tensors, about 300 KB
+  a node for a 70 B-parameter model) are asked of every live node, as without the directory:
+  each node sends its own once to each asker, which spreads the bytes evenly; a tree would send
+  the whole set out of the root once per asker (``benchmarks/RESULTS.md``, "Scale"). What
+  changes is that one gather serves every restore of this node meanwhile: its 8 ranks cost
+  N requests, not 8·N.
 
-An answer carries the number of the gather that made it (``gen``). A node that finds it stale
-(a peer no longer holds what it said, a committed step missing) asks again naming that
-number; every hop with that gather drops it and the root gathers afresh. A relay or root that
-does not answer is left out of the tree: the asker gathers by itself, from every live node, as
-without the directory (``directory_fallbacks`` counts it). Requests go only to lower nodes (a
-relay is the lowest of its group, the root the lowest of all), so no two nodes wait on each
-other, whatever their views.
+Each answer is kept ``TTL`` seconds (and while the view does not change) and shared by every
+request that arrives meanwhile. It carries the number of the gather that made it (``gen``): a
+node that finds it out of date (a peer no longer pins what it said; a committed step missing
+from it) asks again naming that number, and every hop holding that gather drops it. A relay
+or root that does not answer is gone around: the asker asks every live node itself
+(``directory_fallbacks``). Requests go only to lower nodes (a relay is the lowest of its group,
+the root the lowest of all), so no two nodes wait on each other, whatever their views. An
+answer larger than ``PAGE_BYTES`` goes in pages of the same gather.
 
-The tree (:func:`upstream`, :func:`groups`) is pure; :class:`Directory` is the node's end, its
-waits on the peers on threads of its own, never the transport's.
+The tree (:func:`upstream`, :func:`upstreams`, :func:`groups`) is pure; :class:`Directory` is
+the node's end; it waits on the peers on threads of its own, never the transport's.
 """
 
 from __future__ import annotations
@@ -152,9 +156,9 @@ class Directory:
     # --- asking -------------------------------------------------------------------------------------
 
     def held(self, step: int | None, stale: int | None = None, timeout: float = UP_TIMEOUT) -> tuple[int, list[dict]]:
-        """What the live nodes hold (of ``step``, with manifests; None: of every step), as
-        ``(gen, [{node, items}])``; ``stale``: the gather an earlier answer came from, found out
-        of date."""
+        """What the live nodes hold (of ``step``, with manifests, asked of every node; None: of every
+        step, through the tree), as ``(gen, [{node, items}])``; ``stale``: the gather an earlier
+        answer came from, found out of date."""
         return self.answer(step, stale).result(timeout)
 
     def answer(self, step: int | None, stale: int | None = None) -> Future:
@@ -175,18 +179,20 @@ class Directory:
     def _fill(self, step: int | None, got: _Answer, stale: int | None) -> None:
         try:
             up = upstream(self.rank, got.view, self.fanout)
-            if up is None:
-                gen, held = self._new_gen(), self._gather(step, got.view)
+            if step is not None:  # manifests: from every node (their bytes spread), once for this node
+                gen, held = self._new_gen(), self._ask(sorted(got.view), step)
+            elif up is None:
+                gen, held = self._new_gen(), self._gather(got.view)
             else:
-                gen, held = self._ask_up(up, step, stale, got.view)
+                gen, held = self._ask_up(up, stale, got.view)
             got.gen, got.at = gen, self.sources.team.clock()
             got.future.set_result((gen, held))
         except BaseException as exc:  # the askers get it; the next request starts again
             got.at = self.sources.team.clock()
             got.future.set_exception(exc)
 
-    def _ask_up(self, up: int, step: int | None, stale: int | None, view: frozenset) -> tuple[int, list[dict]]:
-        body: dict = {} if step is None else {"step": step}
+    def _ask_up(self, up: int, stale: int | None, view: frozenset) -> tuple[int, list[dict]]:
+        body: dict = {}
         if stale is not None:
             body["stale"] = stale
         try:
@@ -201,9 +207,8 @@ class Directory:
             return gen, held
         except UcpdError as exc:
             self.counters["directory_fallbacks"] += 1
-            log.warning("team: node %d did not answer the directory of %s (%s): asking every live node",
-                        up, "every step" if step is None else f"step {step}", exc)
-            return self._new_gen(), self._ask(sorted(view), step)
+            log.warning("team: node %d did not answer the directory (%s): asking every live node", up, exc)
+            return self._new_gen(), self._ask(sorted(view), None)
 
     def _new_gen(self) -> int:
         with self._lock:
@@ -212,22 +217,22 @@ class Directory:
 
     # --- gathering (the root) -----------------------------------------------------------------------
 
-    def _gather(self, step: int | None, view: frozenset) -> list[dict]:
+    def _gather(self, view: frozenset) -> list[dict]:
         """The root: its own group asked directly, every other group through its relay (asked
         directly when the relay does not answer)."""
         self.counters["directory_gathers"] += 1
         parts = groups(view, self.fanout)
-        out = self._ask(parts[0], step)
+        out = self._ask(parts[0], None)
         results: dict[int, list[dict]] = {}
 
         def via_relay(group: list[int]) -> None:
-            body: dict = {"nodes": group[1:]} if step is None else {"nodes": group[1:], "step": step}
+            body = {"nodes": group[1:]}
             try:
                 reply, _ = self.sources.transport.request(group[0], "directory_part", body, timeout=UP_TIMEOUT)
                 results[group[0]] = reply["held"]
             except UcpdError as exc:
                 log.warning("team: relay %d did not gather its group (%s): asking its nodes", group[0], exc)
-                results[group[0]] = self._ask(group, step)
+                results[group[0]] = self._ask(group, None)
 
         threads = [threading.Thread(target=via_relay, args=(g,)) for g in parts[1:]]
         for t in threads:
@@ -252,7 +257,7 @@ class Directory:
     def serve(self, body: dict) -> Future:
         """A ``directory`` request: the answer, from what this node knows or asks its upstream;
         in pages when it is large (``first``: the page of the answer ``gen`` asked for)."""
-        step, out = body.get("step"), Future()
+        step, out = None, Future()
         if body.get("first") is not None:  # a later page: of the answer the first page came from, if we still have it
             with self._lock:
                 got = self._answers.get(step)
@@ -281,7 +286,7 @@ class Directory:
     def serve_part(self, body: dict) -> Future:
         """A ``directory_part`` request from the root: this node's group, asked now."""
         nodes = sorted(set(body["nodes"]) | {self.rank})
-        return self._parts.submit(lambda: ({"held": self._ask(nodes, body.get("step"))}, []))
+        return self._parts.submit(lambda: ({"held": self._ask(nodes, None)}, []))
 
 
 def _done(reply: dict) -> Future:
