@@ -126,10 +126,10 @@ def test_a_relay_that_does_not_gather_its_group_leaves_the_root_to_ask_its_nodes
 def test_a_lost_node_leaves_the_tree_and_its_part_is_read_from_its_copy(team):
     assert team[3].team.latest() == 1
     team.lose(2)  # node 3's relay, and node 2's part
-    team.wait_live({0, 1, 3, 4})
     forget(team)
-    assert team[3].team.latest() == 1  # the view changed: a new answer, through the new tree
-    assert asked(team, "directory") == {0: 1}  # groups {0, 1}, {3, 4}: node 3 relays and asks the root
+    team.wait_live({0, 1, 3, 4})
+    assert team[3].team.latest() == 1  # the view changed: a new answer (healing may have asked it already)
+    assert set(asked(team, "directory")) == {0}  # groups {0, 1}, {3, 4}: node 3 relays and asks the root
     got = team[3].team.restore_sources(None)
     try:
         assert sorted(got.parts) == [0, 1, 2, 3, 4] and got.where[2].origin == 2  # the copy node 3 holds

@@ -252,7 +252,7 @@ class Replicator:
                    if r.whole and o not in live and team.is_committed(s)]
         if not orphans:
             return
-        holdings = team.sources.holdings_by_node(live)
+        _, holdings = team.sources.held_by_node(None)
         for origin, step in orphans:
             holders = {n for n, items in holdings.items() if any(h.origin == origin and h.step == step for h in items)}
             holders.add(self.rank)

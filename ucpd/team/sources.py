@@ -1,8 +1,9 @@
 """Finding and reading a version across the team: where each rank's part of a step is read from,
 and the bytes brought here, checked on arrival.
 
-``VersionSources.restore_sources(step)`` learns what the live nodes hold of the step (through the
-team's directory, ``team.directory``, when it has one; else by asking every live node), lets
+``VersionSources.restore_sources(step)`` learns what the live nodes hold of the step (every live
+node asked; with the team's directory, ``team.directory``, one such round serves all of this
+node's restores meanwhile, and ``latest`` goes through the directory's tree), lets
 ``decide`` choose a copy per rank (our RAM, a replica we hold, a peer's RAM, a part rebuilt here
 from parity) and pins what is read from peers (a lease on each, ended by ``unpin``). The result,
 ``TeamSources``, says where each rank's part is: a ``LocalRead`` (a file on this node) or a
@@ -12,7 +13,7 @@ plan reads into those files and checks every chunk (``parts.check_tensor``, ``uc
 The flusher's ``gather_for_flush`` fetches whole parts the same way.
 
 Threads: the daemon's worker threads (restore, latest) and the flusher's; the replication thread
-(``holdings_by_node`` for healing). Peer requests are never made holding the store lock.
+(``held_by_node`` for healing). Peer requests are never made holding the store lock.
 """
 
 from __future__ import annotations
