@@ -81,8 +81,7 @@ GOOD_PEER_REPLIES = {
     "holdings": {"node": 1, "items": [{"origin": 0, "step": 3, "world_size": 1, "ranks": [0], "parts": [_PART]},
                                       {"origin": 2, "step": 3, "world_size": 1, "ranks": [0], "via": "parity"}]},
 }
-GOOD_PEER_REPLIES["directory"] = {"gen": 7, "held": [GOOD_PEER_REPLIES["holdings"], {"node": 2, "items": []}]}
-GOOD_PEER_REPLIES["directory_part"] = {"held": [GOOD_PEER_REPLIES["holdings"]]}
+GOOD_PEER_REPLIES["directory"] = {"wave": 7, "held": [GOOD_PEER_REPLIES["holdings"], {"node": 2, "items": []}], "next": 2}
 
 
 def _reply_seeds() -> list[bytes]:
@@ -104,8 +103,8 @@ def _peer_seeds() -> list[bytes]:
         ("replica_data", {"origin": 0, "step": 1, "rank": 0, "offset": 0}),
         ("fetch", {"origin": 0, "step": 1, "rank": 0, "ranges": [[0, 16]]}),
         ("holdings", {"step": 1}),
-        ("directory", {"stale": 7}),
-        ("directory_part", {"nodes": [3, 4]}),
+        ("directory", {"level": 2, "step": 1, "wave": 7}),
+        ("directory", {"level": 3, "of": 7, "first": 4}),
         ("waiting", {}),
         ("flush_share", {"step": 1, "dir": "/flush/.step-1.tmp-9", "chunk": 4 << 20, "run": "a",
                          "pieces": [{"name": "w", "dtype": "float32", "shape": [4], "file": "model.safetensors",

@@ -126,7 +126,8 @@ def test_a_gossiping_team_loses_a_node_while_views_converge_and_another_after_a_
 
 
 def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every_node(make_team):
-    # --commit-fanout 2 on 5 nodes: groups {0, 1}, {2, 3}, {4}; after node 1 is lost, {0, 2}, {3, 4}
+    # --commit-fanout 2: the configuration of a large team, where what every node holds is
+    # gathered by recursive doubling (team.directory), not asked of every node by every rank
     team = make_team(5, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
     procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)  # TP2xDP5
     assert sorted(m[2] for m in done) == [3] * 10, team.logs()
@@ -138,9 +139,8 @@ def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every
     restore_on(survivors, 8, 2, 2, 3, then_snapshot=True)  # TP2xDP4, node 1's part from its copy
 
     c = {i: status(team.nodes[i].run_dir)["team"]["counters"] for i in (0, 2, 3, 4)}
-    assert all(c[i]["directory_fallbacks"] == 0 for i in c), c
-    assert c[0]["directory_gathers"] >= 1 and all(c[i]["directory_gathers"] == 0 for i in (2, 3, 4)), c
-    assert c[3]["directory_requests"] >= 1  # node 4 asked its relay, node 3
+    assert all(c[i]["directory_fallbacks"] == 0 and c[i]["directory_gathers"] >= 1 for i in c), c
+    assert all(c[i]["directory_requests"] >= 1 for i in c), c  # each was asked for a level by another
 
 
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):

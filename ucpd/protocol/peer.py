@@ -43,8 +43,6 @@ HOLDING = Record(
 
 # What one node said it holds, as the directory (``team.directory``) passes it on.
 HELD = Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)})
-MAX_GROUP_ASKED = 4096
-"""Most nodes one ``directory_part`` asks (a group of ``--commit-fanout``)."""
 
 # A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
 WAITING_ITEM = Record(
@@ -169,21 +167,13 @@ PEER_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "directory",
-            {},
-            {"stale": integer(), "gen": integer(), "first": integer()},
-            "what every live node holds (HOLDING items, of every step, without manifests), gathered once through "
-            "the team's tree and shared (team.directory); `stale`: the gather an earlier answer came from, "
-            "found out of date; `gen`, `first`: the page of answer `gen` that starts at entry `first`; reply: "
-            "{gen: the gather's number, held: [{node, items}]; next: where the next page starts, if any}",
-            Record({"gen": integer(), "held": list_of(HELD)}, {"next": integer()}),
-        ),
-        MessageType(
-            "directory_part",
-            {"nodes": list_of(integer(0, MAX_RANKS), MAX_GROUP_ASKED)},
-            {},
-            "the root of the directory asks a relay for its group: `holdings` of each of `nodes` and of the relay; "
-            "reply: {held: [{node, items}]}",
-            Record({"held": list_of(HELD)}),
+            {"level": integer(0, 64)},
+            {"step": integer(), "wave": integer(), "of": integer(), "first": integer()},
+            "what the nodes of our block of 2^level hold (HOLDING items; with step: that step's, with manifests; "
+            "else of every step, without), gathered by recursive doubling (team.directory); `wave`: a wave that "
+            "renews answers (gather it afresh for it); `of`, `first`: the page of our answer of wave `of` that "
+            "starts at entry `first`; reply: {wave, held: [{node, items}]; next: where the next page starts}",
+            Record({"wave": integer(), "held": list_of(HELD)}, {"next": integer()}),
         ),
         MessageType(
             "waiting",

@@ -1,34 +1,33 @@
-"""What the team holds, as a node asks it: ``latest`` through a tree, a step's manifests from
-every node once for all of this node's restores.
+"""What the team holds, gathered by recursive doubling: O(log N) requests a node at a restart
+instead of N per rank, every node's answer sent once to each node that needs it, no hub.
 
-Without it (a team without ``--commit-fanout``), every ``latest`` and every rank's restore asks
-every live node what it holds: N requests each, 8·N² when a job of 8 ranks a node restarts.
-With it (``--commit-fanout K``, on by default from 64 nodes):
+Without it (``--commit-fanout 0``, a small team), every ``latest`` and every restore of every
+rank asks every live node what it holds: with 8 ranks a node, 16 rounds of N−1 requests per
+node at a restart, about 10⁹ requests at 8,192 nodes. With it (``--commit-fanout K``; on by
+default from 64 nodes), a node learns what every live node holds (of every step, without
+manifests, for ``latest``; or of one step, with the manifests a restore plans from) like an
+allgather by recursive doubling over the sorted live nodes:
 
-- **What every node holds, without manifests** (``latest``; a few dozen bytes a node) goes
-  through a tree. The live nodes, sorted, form groups of K (the commit's groups); the first of
-  each group is its relay, the first of all the root. A node asks its relay (a relay and the
-  root's own group ask the root): one request per node. The root gathers once: it asks each
-  other group's relay for its group (``directory_part``) and the relay asks its members
-  (``holdings``): about N/K requests at the root, K at a relay, 2N in all.
-- **A step's manifests** (what a resharded restore plans from: every rank's tensors, about 300 KB
-  a node for a 70 B-parameter model) are asked of every live node, as without the directory:
-  each node sends its own once to each asker, which spreads the bytes evenly; a tree would send
-  the whole set out of the root once per asker (``benchmarks/RESULTS.md``, "Scale"). What
-  changes is that one gather serves every restore of this node meanwhile: its 8 ranks cost
-  N requests, not 8·N.
+- level 0 of a node is its own holdings; level k is what the 2^k nodes of its block hold
+  (:func:`span`: the nodes whose index in the sorted view differs from its own only in the
+  low k bits); it is level k−1 joined with the level k−1 of one node of the other half
+  (:func:`partner`), asked with a ``directory`` request;
+- a node computes each level once per answer and shares it: the ranks of this node and the
+  partners that ask it all get the same one; levels are asked only of lower levels, so no two
+  nodes wait on each other whatever their views;
+- the top level (⌈log₂ N⌉) covers the view: log₂ N requests sent and answered per node, and
+  each node's holdings cross the network once per node that needs them (an allgather's
+  bandwidth: the bytes spread over every link, none through a hub).
 
-Each answer is kept ``TTL`` seconds (and while the view does not change) and shared by every
-request that arrives meanwhile. It carries the number of the gather that made it (``gen``): a
-node that finds it out of date (a peer no longer pins what it said; a committed step missing
-from it) asks again naming that number, and every hop holding that gather drops it. A relay
-or root that does not answer is gone around: the asker asks every live node itself
-(``directory_fallbacks``). Requests go only to lower nodes (a relay is the lowest of its group,
-the root the lowest of all), so no two nodes wait on each other, whatever their views. An
-answer larger than ``PAGE_BYTES`` goes in pages of the same gather.
+An answer is kept ``TTL`` seconds while the view does not change. It carries the id of the
+wave of gathers that made it (``gen``): a node that finds it out of date (a peer no longer pins
+what it said; a committed step missing) asks again naming it, and a new wave recomputes every
+level it needs, on every node it asks. A partner that does not answer, or whose view left
+nodes out, is gone around: the nodes its half lacks are asked directly
+(``directory_fallbacks`` counts them). A level larger than ``PAGE_BYTES`` goes in pages.
 
-The tree (:func:`upstream`, :func:`upstreams`, :func:`groups`) is pure; :class:`Directory` is
-the node's end; it waits on the peers on threads of its own, never the transport's.
+The doubling (:func:`span`, :func:`partner`, :func:`levels`) is pure; :class:`Directory` is the
+node's end; it waits on the peers on threads of its own, never the transport's.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import msgpack
@@ -45,11 +44,11 @@ from ..errors import UcpdError
 
 log = logging.getLogger("ucpd.team")
 
-__all__ = ["Directory", "ask_all", "groups", "upstream", "upstreams", "TTL"]
+__all__ = ["Directory", "ask_all", "levels", "partner", "span", "TTL"]
 
 TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
-UP_TIMEOUT = 60.0  # seconds to wait for the relay or root: it may be gathering the whole team
-PAGE_BYTES = 16 << 20  # an answer larger than this goes in pages (a peer frame holds at most 64 MiB)
+ASK_TIMEOUT = 60.0  # seconds to wait for a partner: it may be gathering its own half first
+PAGE_BYTES = 16 << 20  # a level larger than this goes in pages (a peer frame holds at most 64 MiB)
 
 
 def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
@@ -70,47 +69,52 @@ def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, di
     return replies
 
 
-def groups(live, fanout: int) -> list[list[int]]:
-    """The live nodes, sorted, in groups of ``fanout``; the first of each is its relay."""
-    order = sorted(live)
-    return [order[i : i + fanout] for i in range(0, len(order), fanout)]
+def levels(n: int) -> int:
+    """The top level for ``n`` live nodes: the first whose block holds them all."""
+    return max(0, (n - 1).bit_length())
 
 
-def upstreams(live, fanout: int) -> dict[int, int | None]:
-    """:func:`upstream` of every live node at once (O(N), for the simulator and tests)."""
-    out: dict[int, int | None] = {}
-    for g in groups(live, fanout):
-        for x in g:
-            out[x] = g[0] if x != g[0] else None
-    root = min(out, default=None)
-    return {x: (root if up is None and x != root else up) for x, up in out.items()}
+def span(index: int, level: int, n: int) -> range:
+    """The indices (in the sorted view of ``n`` nodes) whose holdings node ``index`` knows at
+    ``level``: its aligned block of 2^level, cut at ``n``."""
+    base = index >> level << level
+    return range(base, min(base + (1 << level), n))
 
 
-def upstream(node: int, live, fanout: int) -> int | None:
-    """The node ``node`` asks for the directory: its group's relay, or the root for a relay and
-    for the root's own group; None for the root (it gathers). Always a lower node."""
-    order = sorted(set(live) | {node})
-    i = order.index(node)
-    if i == 0:
+def partner(index: int, level: int, n: int) -> int | None:
+    """The index node ``index`` asks for level ``level - 1`` of the other half of its block at
+    ``level`` (every node of that half knows all of it there): the one at the same place in
+    that half, wrapping where the view cuts the half short; None when that half is empty."""
+    half = 1 << (level - 1)
+    other = (index ^ half) >> (level - 1) << (level - 1)
+    if other >= n:
         return None
-    relay = order[(i // fanout) * fanout]
-    return relay if relay != node else order[0]
+    return other + index % half % (min(other + half, n) - other)
 
 
 @dataclass
-class _Answer:
-    """One step's directory as a node knows it: the gather that made it, when, in which view."""
+class _Level:
+    """One level of one step's gather as this node knows it."""
 
-    view: frozenset
+    view: tuple[int, ...]  # the sorted live nodes it was gathered in
+    wave: int
+    fresh: bool = False  # made for a wave that renews answers: its lower levels and partners renew too
     future: Future = field(default_factory=Future)
-    gen: int | None = None
-    at: float | None = None  # when it was answered (None: still on its way)
-    pages: list[int] | None = None  # where each page of the answer starts (made on the first request)
+    at: float | None = None  # when it was done (None: on its way)
+    pages: list[int] | None = None  # where each page of it starts (cut on the first request)
+
+    def usable(self, view: tuple[int, ...], now: float, wave: int | None) -> bool:
+        """Whether it answers a request in ``view`` (``wave``: of that wave only, however old)."""
+        if self.view != view or (wave is not None and wave != self.wave):
+            return False
+        if self.future.done():
+            return self.future.exception() is None and (wave is not None or now - self.at < TTL)
+        return True  # on its way: share it
 
     def page(self, first: int) -> tuple[list[dict], int | None]:
-        """The entries of the answer from ``first`` on, up to ``PAGE_BYTES`` of them (at least one),
-        and where the next page starts (None: the last)."""
-        _, held = self.future.result()
+        """Its entries from ``first`` on, up to ``PAGE_BYTES`` of them (at least one), and where
+        the next page starts (None: the last)."""
+        held = self.future.result()
         if self.pages is None:  # (two threads may both cut it: the same cut)
             pages, size = [0], 0
             for i, e in enumerate(held):
@@ -121,175 +125,147 @@ class _Answer:
                 size += n
             self.pages = pages
         if first not in self.pages:
-            raise UcpdError(f"directory: no page starts at entry {first} (pages start at {self.pages[:8]}...): "
-                            "ask again from the start")
+            raise UcpdError(f"directory: no page starts at entry {first}; ask again from the start")
         k = self.pages.index(first)
         end = self.pages[k + 1] if k + 1 < len(self.pages) else None
         return held[first:end], end
 
-    def fresh(self, view: frozenset, now: float, stale: int | None) -> bool:
-        if self.view != view or (self.gen is not None and self.gen == stale):
-            return False
-        if self.future.done():
-            return self.future.exception() is None and now - self.at < TTL
-        return True  # on its way: share it
-
 
 class Directory:
     """This node's end of the directory. ``sources``: the node's ``VersionSources`` (its
-    transport, rank, live view, clock and own holdings); ``fanout``: the size of a group."""
+    transport, rank, live view, clock and own holdings)."""
 
-    def __init__(self, sources, fanout: int) -> None:
-        self.sources, self.fanout = sources, fanout
+    def __init__(self, sources) -> None:
+        self.sources = sources
         self.rank = sources.rank
         self._lock = threading.Lock()
-        self._answers: dict[int | None, _Answer] = {}
-        self._gen = random.getrandbits(40) << 16  # distinct from a restarted root's numbers
-        self._up = ThreadPoolExecutor(4, thread_name_prefix="ucpd-directory")
-        self._parts = ThreadPoolExecutor(2, thread_name_prefix="ucpd-directory-part")
+        self._levels: dict[tuple[int | None, int], _Level] = {}
         self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
 
     def close(self) -> None:
-        self._up.shutdown(wait=False, cancel_futures=True)
-        self._parts.shutdown(wait=False, cancel_futures=True)
+        pass  # its threads end with the requests they wait on
 
     # --- asking -------------------------------------------------------------------------------------
 
-    def held(self, step: int | None, stale: int | None = None, timeout: float = UP_TIMEOUT) -> tuple[int, list[dict]]:
-        """What the live nodes hold (of ``step``, with manifests, asked of every node; None: of every
-        step, through the tree), as ``(gen, [{node, items}])``; ``stale``: the gather an earlier
-        answer came from, found out of date."""
-        return self.answer(step, stale).result(timeout)
+    def held(self, step: int | None, stale: int | None = None, timeout: float = ASK_TIMEOUT * 4) -> tuple[int, list[dict]]:
+        """What the live nodes hold (of ``step``, with manifests; None: of every step, without),
+        as ``(gen, [{node, items}])``; ``stale``: the ``gen`` of an answer found out of date."""
+        view = self._view()
+        top = levels(len(view))
+        with self._lock:
+            got = self._levels.get((step, top))
+            renew = stale is not None and got is not None and got.wave == stale
+        lvl = self._level(step, top, view, random.getrandbits(62) if renew else None)
+        return lvl.wave, lvl.future.result(timeout)  # (its wave: the gen a stale answer names)
 
-    def answer(self, step: int | None, stale: int | None = None) -> Future:
-        """The future of :meth:`held`'s answer, shared with every request for it meanwhile."""
-        return self._entry(step, stale).future
+    def _view(self) -> tuple[int, ...]:
+        return tuple(sorted(self.sources.team.live() | {self.rank}))
 
-    def _entry(self, step: int | None, stale: int | None) -> _Answer:
-        view = frozenset(self.sources.team.live())
+    def _level(self, step: int | None, level: int, view: tuple[int, ...], wave: int | None) -> _Level:
+        """Level ``level`` of ``step`` in ``view``: the one kept, or a new one being gathered;
+        ``wave``: a wave that renews answers, whose level only will do."""
         now = self.sources.team.clock()
         with self._lock:
-            got = self._answers.get(step)
-            if got is not None and got.fresh(view, now, stale):
+            got = self._levels.get((step, level))
+            if got is not None and got.usable(view, now, wave):
                 return got
-            got = self._answers[step] = _Answer(view)
-        self._up.submit(self._fill, step, got, stale)
+            fresh = wave is not None
+            got = self._levels[(step, level)] = _Level(view, wave if fresh else random.getrandbits(62), fresh)
+        if level == 0:
+            self._finish(got, lambda: [self._own(step)])
+        else:
+            threading.Thread(target=self._finish, args=(got, lambda: self._gather(step, level, got)),
+                             name=f"ucpd-directory-{level}", daemon=True).start()
         return got
 
-    def _fill(self, step: int | None, got: _Answer, stale: int | None) -> None:
+    def _finish(self, got: _Level, make) -> None:
         try:
-            up = upstream(self.rank, got.view, self.fanout)
-            if step is not None:  # manifests: from every node (their bytes spread), once for this node
-                gen, held = self._new_gen(), self._ask(sorted(got.view), step)
-            elif up is None:
-                gen, held = self._new_gen(), self._gather(got.view)
-            else:
-                gen, held = self._ask_up(up, stale, got.view)
-            got.gen, got.at = gen, self.sources.team.clock()
-            got.future.set_result((gen, held))
-        except BaseException as exc:  # the askers get it; the next request starts again
+            out = make()
+            got.at = self.sources.team.clock()
+            got.future.set_result(out)
+        except BaseException as exc:  # its askers get it; the next one starts again
             got.at = self.sources.team.clock()
             got.future.set_exception(exc)
 
-    def _ask_up(self, up: int, stale: int | None, view: frozenset) -> tuple[int, list[dict]]:
-        body: dict = {}
-        if stale is not None:
-            body["stale"] = stale
-        try:
-            reply, _ = self.sources.transport.request(up, "directory", body, timeout=UP_TIMEOUT)
-            gen, held = reply["gen"], list(reply["held"])
-            while reply.get("next") is not None:  # the rest in pages of the same answer
-                page = dict(body, gen=gen, first=reply["next"])
-                reply, _ = self.sources.transport.request(up, "directory", page, timeout=UP_TIMEOUT)
-                if reply["gen"] != gen:
-                    raise UcpdError(f"node {up}'s directory changed between its pages (gather {gen}, then {reply['gen']})")
-                held.extend(reply["held"])
-            return gen, held
-        except UcpdError as exc:
-            self.counters["directory_fallbacks"] += 1
-            log.warning("team: node %d did not answer the directory (%s): asking every live node", up, exc)
-            return self._new_gen(), self._ask(sorted(view), None)
+    def _own(self, step: int | None) -> dict:
+        return {"node": self.rank, "items": self.sources.own_holdings(step)}
 
-    def _new_gen(self) -> int:
-        with self._lock:
-            self._gen += 1
-            return self._gen
-
-    # --- gathering (the root) -----------------------------------------------------------------------
-
-    def _gather(self, view: frozenset) -> list[dict]:
-        """The root: its own group asked directly, every other group through its relay (asked
-        directly when the relay does not answer)."""
-        self.counters["directory_gathers"] += 1
-        parts = groups(view, self.fanout)
-        out = self._ask(parts[0], None)
-        results: dict[int, list[dict]] = {}
-
-        def via_relay(group: list[int]) -> None:
-            body = {"nodes": group[1:]}
+    def _gather(self, step: int | None, level: int, got: _Level) -> list[dict]:
+        """Level ``level``: ours below it, and the other half's from its partner; the nodes of the
+        block still missing (a partner lost, or that saw fewer nodes) asked directly."""
+        view, n = got.view, len(got.view)
+        me = view.index(self.rank)
+        if level == levels(n):
+            self.counters["directory_gathers"] += 1
+        renew = got.wave if got.fresh else None
+        lower = self._level(step, level - 1, view, renew)
+        held = {e["node"]: e for e in lower.future.result(ASK_TIMEOUT * 4)}
+        p = partner(me, level, n)
+        if p is not None:
             try:
-                reply, _ = self.sources.transport.request(group[0], "directory_part", body, timeout=UP_TIMEOUT)
-                results[group[0]] = reply["held"]
+                for e in self._ask_partner(view[p], step, level - 1, renew):
+                    held.setdefault(e["node"], e)
             except UcpdError as exc:
-                log.warning("team: relay %d did not gather its group (%s): asking its nodes", group[0], exc)
-                results[group[0]] = self._ask(group, None)
+                log.warning("team: node %d did not answer level %d of the directory (%s): asking its nodes",
+                            view[p], level - 1, exc)
+        block = {view[i] for i in span(me, level, n)}
+        missing = sorted(block - set(held))
+        if missing:
+            self.counters["directory_fallbacks"] += 1
+            body = {} if step is None else {"step": step}
+            for node, reply in ask_all(self.sources.transport, self.rank, missing, "holdings", body).items():
+                held[node] = {"node": node, "items": reply.get("items", [])}
+        return [held[x] for x in sorted(held) if x in block]
 
-        threads = [threading.Thread(target=via_relay, args=(g,)) for g in parts[1:]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        for g in parts[1:]:
-            out.extend(results.get(g[0], []))
-        return out
-
-    def _ask(self, nodes: list[int], step: int | None) -> list[dict]:
-        """Every node of ``nodes`` (this one from its own store) asked what it holds."""
-        body = {} if step is None else {"step": step}
-        replies = ask_all(self.sources.transport, self.rank, nodes, "holdings", body)
-        out = [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
-        if self.rank in nodes:
-            out.insert(0, {"node": self.rank, "items": self.sources.own_holdings(step)})
-        return out
+    def _ask_partner(self, node: int, step: int | None, level: int, wave: int | None) -> list[dict]:
+        body: dict = {"level": level}
+        if wave is not None:
+            body["wave"] = wave
+        if step is not None:
+            body["step"] = step
+        reply, _ = self.sources.transport.request(node, "directory", body, timeout=ASK_TIMEOUT)
+        held, got = list(reply["held"]), reply["wave"]
+        while reply.get("next") is not None:  # the rest in pages of the same level
+            reply, _ = self.sources.transport.request(node, "directory", dict(body, of=got, first=reply["next"]),
+                                                      timeout=ASK_TIMEOUT)
+            held.extend(reply["held"])
+        return held
 
     # --- answering the peers -----------------------------------------------------------------------
 
     def serve(self, body: dict) -> Future:
-        """A ``directory`` request: the answer, from what this node knows or asks its upstream;
-        in pages when it is large (``first``: the page of the answer ``gen`` asked for)."""
-        step, out = None, Future()
-        if body.get("first") is not None:  # a later page: of the answer the first page came from, if we still have it
+        """A ``directory`` request: our level ``level`` of ``step`` (of the asker's wave when we
+        have one of it, else the one kept; a new one of that wave when neither), in pages."""
+        step, level = body.get("step"), min(body["level"], levels(len(self._view())))
+        if body.get("first") is not None:  # a later page of a level we answered
             with self._lock:
-                got = self._answers.get(step)
-            if got is None or got.gen != body.get("gen") or not got.future.done():
-                raise UcpdError(f"directory: the answer {body.get('gen')} is gone; ask again from the start")
-            held, nxt = got.page(body["first"])
-            return _done({"gen": got.gen, "held": held, **({"next": nxt} if nxt is not None else {})})
+                got = self._levels.get((step, level))
+            if got is None or got.wave != body.get("of") or not got.future.done():
+                raise UcpdError("directory: that answer is gone; ask again from the start")
+            return _done(got, body["first"])
         self.counters["directory_requests"] += 1
-        got = self._entry(step, body.get("stale"))
-        pending = got.future
+        view = self._view()
+        # (a view with fewer nodes than the asker's has a lower top: all we know; it asks the rest)
+        got = self._level(step, level, view, body.get("wave"))
+        out: Future = Future()
 
         def reply(f: Future) -> None:
-            exc = f.exception()
-            if exc is not None:
+            if f.exception() is not None:
+                exc = f.exception()
                 out.set_exception(exc if isinstance(exc, UcpdError) else UcpdError(f"directory: {exc}"))
                 return
             try:
                 held, nxt = got.page(0)
-                out.set_result(({"gen": got.gen, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
+                out.set_result(({"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
             except BaseException as e:
                 out.set_exception(e if isinstance(e, UcpdError) else UcpdError(f"directory: {e}"))
 
-        pending.add_done_callback(reply)
+        got.future.add_done_callback(reply)
         return out
 
-    def serve_part(self, body: dict) -> Future:
-        """A ``directory_part`` request from the root: this node's group, asked now."""
-        nodes = sorted(set(body["nodes"]) | {self.rank})
-        return self._parts.submit(lambda: ({"held": self._ask(nodes, None)}, []))
 
-
-def _done(reply: dict) -> Future:
+def _done(got: _Level, first: int) -> Future:
+    held, nxt = got.page(first)
     out: Future = Future()
-    out.set_result((reply, []))
+    out.set_result(({"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
     return out

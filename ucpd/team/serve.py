@@ -133,12 +133,9 @@ class PeerServer:
         return {"node": self.rank, "items": self.team.sources.own_holdings(b.get("step"))}, []
 
     def _on_directory(self, src: int, b: dict, frames: list):
-        """What the team holds, from this node's directory (``team.directory``): answered later,
-        once its relay or root answers it, or its gather is done."""
+        """A level of what the team holds, from this node's directory (``team.directory``):
+        answered once it is gathered."""
         return self._directory().serve(b)
-
-    def _on_directory_part(self, src: int, b: dict, frames: list):
-        return self._directory().serve_part(b)
 
     def _directory(self):
         d = self.team.sources.directory

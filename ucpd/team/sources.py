@@ -2,8 +2,8 @@
 and the bytes brought here, checked on arrival.
 
 ``VersionSources.restore_sources(step)`` learns what the live nodes hold of the step (every live
-node asked; with the team's directory, ``team.directory``, one such round serves all of this
-node's restores meanwhile, and ``latest`` goes through the directory's tree), lets
+node asked; in a large team, through its directory, ``team.directory``: log N requests a node,
+one answer shared by all of this node's restores meanwhile), lets
 ``decide`` choose a copy per rank (our RAM, a replica we hold, a peer's RAM, a part rebuilt here
 from parity) and pins what is read from peers (a lease on each, ended by ``unpin``). The result,
 ``TeamSources``, says where each rank's part is: a ``LocalRead`` (a file on this node) or a
@@ -131,8 +131,7 @@ class VersionSources:
         self.rank = team.rank
         self.transport = team.transport
         self.shm_dir = team.shm_dir
-        fanout = team.config.fanout
-        self.directory = Directory(self, fanout) if fanout else None
+        self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
 
     def close(self) -> None:
         if self.directory is not None:
