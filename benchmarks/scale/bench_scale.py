@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Scale: the commit protocol, restart planning, placement loss and the flush at 64 / 1,024 / 8,192
+"""Scale: the commit protocol, restart planning and discovery, placement loss and the flush at 64 / 1,024 / 8,192
 nodes (8 ranks each), with the real protocol code on the simulator of ``ucpd/sim``.
 
     .venv/bin/python benchmarks/scale/bench_scale.py [--nodes 64,1024,8192] [--json OUT] [--png DIR]
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-from ucpd.sim import control, flush, loss, recovery
+from ucpd.sim import control, discovery, flush, loss, recovery
 from ucpd.sim.network import NetModel, Topology
 
 HERE = Path(__file__).resolve().parent
@@ -114,6 +114,23 @@ def part_flush(sizes: list[int]) -> tuple[list[dict], str]:
     return res, table(rows, head)
 
 
+def part_discovery(sizes: list[int]) -> tuple[list[dict], str]:
+    res = []
+    for n in sizes:
+        for scheme in ("ask_all", "doubling", "hub"):
+            t0 = time.perf_counter()
+            res.append(discovery.simulate(n, scheme))
+            res[-1]["wall_s"] = time.perf_counter() - t0
+    names = {"ask_all": "every rank asks every node (`--commit-fanout 0`)", "doubling": "directory: recursive doubling",
+             "hub": "a hub (one node gathers, answers all)"}
+    rows = [[f"{r['nodes']:,}", names[r["scheme"]], fmt_b(r["node_manifest_bytes"]), f"{r['requests_total']:,}",
+             f"{r['requests_per_node_max']:,}", f"{r['served_max']:,}", fmt_b(r["in_bytes_max"]), fmt_b(r["out_bytes_max"]),
+             f"{r['time_s']:.3g} s"] for r in res]
+    head = ["nodes", "how a restart learns what the team holds", "manifests a node", "requests in all",
+            "sent by a node (max)", "answered by a node (max)", "max in a node", "max out of a node", "time (model)"]
+    return res, table(rows, head)
+
+
 def plot(ctrl: list[dict], rec: list[dict], png: Path) -> bool:
     try:
         import matplotlib
@@ -156,7 +173,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default=None)
     ap.add_argument("--png", default=str(HERE / "scale.png"))
     ap.add_argument("--trials", type=int, default=2000)
-    ap.add_argument("--parts", default="control,recovery,loss,flush", help="which tables (default all)")
+    ap.add_argument("--parts", default="control,recovery,discovery,loss,flush", help="which tables (default all)")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
     sizes = [int(x) for x in args.nodes.split(",")]
@@ -169,6 +186,10 @@ def main(argv=None) -> int:
     if "recovery" in parts:
         rec, t3 = part_recovery(sizes)
         print("\n## 3. restart after losing nodes (70.6 B params, 16 B/param)\n" + t3, flush=True)
+    disc = []
+    if "discovery" in parts:
+        disc, t6 = part_discovery(sizes)
+        print("\n## 3b. how a restart learns what the team holds (8 ranks a node, --replicas 1)\n" + t6, flush=True)
     if "loss" in parts:
         los, t4 = part_loss(max(sizes), args.trials)
         print(f"\n## 4. loss probability at {max(sizes)} nodes, racks of 32\n" + t4, flush=True)
@@ -179,7 +200,7 @@ def main(argv=None) -> int:
     print(f"\ncurves: {args.png if drawn else 'not drawn (matplotlib not installed)'}; total {time.perf_counter() - t0:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"control": ctrl, "recovery": rec, "loss": los, "flush": fl, "model": NetModel().__dict__}, f, indent=1, default=float)
+            json.dump({"control": ctrl, "recovery": rec, "discovery": disc, "loss": los, "flush": fl, "model": NetModel().__dict__}, f, indent=1, default=float)
     return 0
 
 

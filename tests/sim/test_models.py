@@ -64,3 +64,18 @@ def test_a_writer_lost_halfway_costs_one_batch_written_again():
     assert r["lost"] is not None
     assert 0 < r["rewritten_bytes"] <= batch_bytes(int(r["state_bytes"]), 64)
     assert r["write_max_over_mean"] < 1.25  # the others took its rest, still balanced
+
+
+def test_a_restart_through_the_directory_costs_log_n_requests_a_node_and_no_hub():
+    from ucpd.sim import discovery
+
+    n = 64
+    ask_all, doubling, hub = (discovery.simulate(n, s) for s in ("ask_all", "doubling", "hub"))
+    assert ask_all == discovery.simulate(n, "ask_all", exact=True)  # the closed form is the pair-by-pair count
+    assert ask_all["requests_per_node_max"] == 2 * 8 * (n - 1)  # latest and restore, each rank, each other node
+    assert doubling["requests_per_node_max"] <= 2 * 6 and doubling["served_max"] <= 2 * 6  # log2(64) a gather
+    manifests = n * doubling["node_manifest_bytes"]
+    assert doubling["in_bytes_max"] < 1.01 * manifests  # each node gets every node's holdings once
+    assert doubling["out_bytes_max"] < 1.01 * manifests  # and sends as much: no node is a hub
+    assert hub["out_bytes_max"] > (n - 2) * manifests  # a hub sends the whole set to every node
+    assert doubling["time_s"] < ask_all["time_s"] / 10 and doubling["time_s"] < hub["time_s"] / 10

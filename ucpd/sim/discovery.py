@@ -1,22 +1,23 @@
 """How a restart learns what the team holds, at scale: requests, bytes and time per node.
 
 When a job restarts, each of its ranks asks its node's daemon for the latest step and then
-restores it; the daemon learns what the live nodes hold (``team.sources``). Three ways are
-modelled with the real code of ``team.directory`` (``upstreams``, ``groups``) and the real wire
-size of what each node answers (msgpack of the HOLDING items a node of the restart model in
-``sim.recovery`` holds, ``--replicas 1``):
+restores it; the daemon learns what the live nodes hold (``team.sources``): every node's
+holdings of every step without manifests (for ``latest``), then of the step with manifests
+(what a resharded restore plans from). Three ways, with the real wire size of what a node of
+the restart model in ``sim.recovery`` answers (msgpack of its HOLDING items, ``--replicas 1``):
 
-- ``ask_all`` — no directory (``--commit-fanout 0``): every rank's ``latest`` and every rank's
-  restore asks every live node (8 ranks a node: 16 rounds of N-1 requests per node);
-- ``directory`` — what ``ucpd serve`` does with ``--commit-fanout K``: ``latest`` through the
-  tree (holdings without manifests), the step's manifests asked of every node once a node;
-- ``tree_manifests`` — the manifests through the tree as well (not built: why not). Every node
-  still needs all of them, and the root sends the whole set once per node that asks it.
+- ``ask_all`` — without the directory (``--commit-fanout 0``): every rank's ``latest`` and
+  every rank's restore ask every live node (8 ranks a node: 16 rounds of N−1 requests a node);
+- ``doubling`` — what ``ucpd serve`` does in a large team (``team.directory``, with its real
+  ``levels``, ``span`` and ``partner``): one gather by recursive doubling for ``latest`` and one
+  for the step, each shared by the node's 8 ranks: one request a level and ⌈log₂ N⌉ levels;
+- ``hub`` — for comparison, a directory on one node (a metadata server): each node asks it
+  once, it asks every node once and sends the whole set once per node.
 
-Time (model): each node's CPU for the messages it sends and receives (``NetModel.cpu_per_msg``
-each) plus its bytes over its NIC, the larger of egress and ingress; the tree's three hops
-(gather to the root, root to its askers, relays to theirs) one after the other. Decoding the
-manifests in Python, the same in every scheme that ships them all, is left out.
+Time (model): per round (a level, or an all-to-all round), the slowest node's CPU for the
+messages it sends and receives (``NetModel.cpu_per_msg`` each, a request and its answer) plus
+its bytes over its NIC (the larger of egress and ingress); rounds one after the other.
+Decoding the manifests in Python, the same in every scheme that ships them all, is left out.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections import Counter
 
 import msgpack
 
-from ..team.directory import PAGE_BYTES, groups, upstreams
+from ..team.directory import PAGE_BYTES, levels, partner, span
 from .network import NetModel
 from .recovery import OPTIM_B, PARAMS, TP, WEIGHT_B, Layout
 
@@ -66,83 +67,73 @@ def node_bytes(nodes: int) -> tuple[int, int]:
     return 2 * one, 2 * KEEP * bare  # own + replica; KEEP steps of each without manifests
 
 
-def simulate(nodes: int, scheme: str, fanout: int = 32, model: NetModel | None = None) -> dict:
+def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool = False) -> dict:
     """Requests, bytes and modelled time of one restart of ``nodes`` nodes (every node restoring
-    its 8 ranks at once) under ``scheme``: ``ask_all``, ``directory`` or ``tree_manifests``."""
+    its 8 ranks at once) under ``scheme``: ``ask_all``, ``doubling`` or ``hub``."""
     m = model or NetModel()
     manifest, bare = node_bytes(nodes)
-    live = range(nodes)
-    served, sent = Counter(), Counter()  # requests a node answered / sent
-    out_b, in_b = Counter(), Counter()  # bytes a node sent / received (answers only)
+    sent, served, out_b, in_b = Counter(), Counter(), Counter(), Counter()
+    time_s = 0.0
 
-    def all_to_all(rounds: int, per_node: int) -> None:
-        for x in live:
-            sent[x] += rounds * (nodes - 1)
-            served[x] += rounds * (nodes - 1)
-            out_b[x] += rounds * (nodes - 1) * per_node
-            in_b[x] += rounds * (nodes - 1) * per_node
+    def round_time(before) -> float:
+        """The slowest node's time for what it did since ``before``."""
+        now = (sent, served, out_b, in_b)
+        worst = 0.0
+        for x in range(nodes):
+            d = [a[x] - b[x] for b, a in zip(before, now)]
+            worst = max(worst, 2 * (d[0] + d[1]) * m.cpu_per_msg + max(d[2], d[3]) / m.nic_bw)
+        return worst
 
     def snapshot():
         return tuple(Counter(c) for c in (sent, served, out_b, in_b))
 
-    def slowest(before, nodes_) -> float:
-        counters = (sent, served, out_b, in_b)
-        return max((_time_of(m, tuple(a[x] - b[x] for b, a in zip(before, counters))) for x in nodes_), default=0.0)
+    def ask(x: int, y: int, nbytes: int) -> None:
+        """Node x asks node y, which answers ``nbytes`` (in pages)."""
+        pages = max(1, math.ceil(nbytes / PAGE_BYTES))
+        sent[x] += pages
+        served[y] += pages
+        out_b[y] += nbytes
+        in_b[x] += nbytes
 
-    def tree(per_node: int) -> float:
-        """One gather to the root and its answer to every node: the three hops, one after another."""
-        ups = upstreams(live, fanout)
-        parts = groups(live, fanout)
-        whole = nodes * per_node
-        pages = max(1, math.ceil(whole / PAGE_BYTES))
-        before = snapshot()
-        for g in parts:  # gather: relays ask their members, the root the relays and its own group
-            relay = g[0]
-            for x in g[1:]:
-                sent[relay] += 1
-                served[x] += 1
-                out_b[x] += per_node
-                in_b[relay] += per_node
-            if relay != 0:
-                sent[0] += 1
-                served[relay] += 1
-                out_b[relay] += len(g) * per_node
-                in_b[0] += len(g) * per_node
-        gather = slowest(before, [g[0] for g in parts[1:]]) + slowest(before, [0])
-        before = snapshot()
-        for x, up in ups.items():  # every node's answer, in pages, from its upstream
-            if up is not None:
-                sent[x] += pages
-                served[up] += pages
-                out_b[up] += whole
-                in_b[x] += whole
-        return gather + slowest(before, [0]) + slowest(before, [g[0] for g in parts[1:]])
-
-    if scheme == "ask_all":
-        before = snapshot()
-        all_to_all(RANKS, bare)  # latest, once per rank
-        all_to_all(RANKS, manifest)  # the restore's manifests, once per rank
-        time_s = slowest(before, live)
-    elif scheme == "directory":
-        time_s = tree(bare)
-        before = snapshot()
-        all_to_all(1, manifest)
-        time_s += slowest(before, live)
-    elif scheme == "tree_manifests":
-        time_s = tree(bare) + tree(manifest)
-    else:
-        raise ValueError(f"unknown scheme {scheme!r}")
-    per = [sent[x] for x in live]
+    for per_node in (bare, manifest):  # latest, then the restore's step
+        if scheme == "ask_all":  # symmetric: every node alike (``exact=True`` counts it pair by pair)
+            for _ in range(RANKS):
+                if exact:
+                    before = snapshot()
+                    for x in range(nodes):
+                        for y in range(nodes):
+                            if x != y:
+                                ask(x, y, per_node)
+                    time_s += round_time(before)
+                    continue
+                pages = max(1, math.ceil(per_node / PAGE_BYTES)) * (nodes - 1)
+                for c in (sent, served):
+                    c.update(dict.fromkeys(range(nodes), pages))
+                for c in (out_b, in_b):
+                    c.update(dict.fromkeys(range(nodes), per_node * (nodes - 1)))
+                time_s += 4 * pages * m.cpu_per_msg + per_node * (nodes - 1) / m.nic_bw
+        elif scheme == "doubling":
+            for k in range(1, levels(nodes) + 1):
+                before = snapshot()
+                for x in range(nodes):
+                    p = partner(x, k, nodes)
+                    if p is not None:
+                        ask(x, p, len(span(p, k - 1, nodes)) * per_node)
+                time_s += round_time(before)
+        elif scheme == "hub":
+            before = snapshot()
+            for x in range(1, nodes):
+                ask(0, x, per_node)  # the hub gathers
+            time_s += round_time(before)
+            before = snapshot()
+            for x in range(1, nodes):
+                ask(x, 0, nodes * per_node)  # and answers everyone
+            time_s += round_time(before)
+        else:
+            raise ValueError(f"unknown scheme {scheme!r}")
+    per = [sent[x] for x in range(nodes)]
     return {
-        "nodes": nodes, "scheme": scheme, "fanout": fanout if scheme != "ask_all" else None,
-        "node_manifest_bytes": manifest, "node_bare_bytes": bare,
-        "requests_total": sum(per), "requests_per_node_max": max(per), "requests_per_node_median": sorted(per)[nodes // 2],
-        "served_max": max(served.values()), "in_bytes_max": max(in_b.values()), "out_bytes_max": max(out_b.values()),
-        "time_s": time_s,
+        "nodes": nodes, "scheme": scheme, "node_manifest_bytes": manifest, "node_bare_bytes": bare,
+        "requests_total": sum(per), "requests_per_node_max": max(per), "served_max": max(served.values()),
+        "in_bytes_max": max(in_b.values()), "out_bytes_max": max(out_b.values()), "time_s": time_s,
     }
-
-
-def _time_of(m: NetModel, d: tuple[int, int, int, int]) -> float:
-    """A node's CPU for its messages (a request and its answer each way) and its NIC's bytes."""
-    sent, served, out_b, in_b = d
-    return 2 * (sent + served) * m.cpu_per_msg + max(out_b, in_b) / m.nic_bw
