@@ -10,6 +10,7 @@ import tomllib
 
 from .. import knobs
 from ..errors import UcpdError
+from ..team.liveness import MEMBERSHIPS
 
 GOSSIP_FROM = 64  # --membership auto: nodes from which gossip replaces all-to-all heartbeats
 AUTO_FANOUT = 32  # --commit-fanout's default from GOSSIP_FROM nodes (a rack's worth)
@@ -28,7 +29,7 @@ def add_commands(sub) -> None:
     p.add_argument("--net-limit", help="bandwidth for copies to peers in bytes/s, e.g. 1G (0: unlimited)")
     p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats to peers (default 0.25)")
     p.add_argument("--dead-after", type=float, default=None, help="a peer silent this long is dead (default 3)")
-    p.add_argument("--membership", choices=("auto", "heartbeat", "gossip"), default=None,
+    p.add_argument("--membership", choices=("auto", *MEMBERSHIPS), default=None,
                    help="how the team learns who is alive: heartbeat (every daemon to every other), gossip (SWIM: "
                    "a probe per period whatever the team's size), or auto: gossip from %d nodes (default auto)"
                    % GOSSIP_FROM)
@@ -238,8 +239,8 @@ def team_config(o: dict, nodes: int, node_rank: int):
     replicas = int(o.get("replicas", 0) or 0)
     heartbeat, dead_after = float(o.get("heartbeat") or 0.25), float(o.get("dead_after") or 3.0)
     membership = str(o.get("membership") or "auto")
-    if membership not in ("auto", "heartbeat", "gossip"):
-        raise UcpdError(f"--membership {membership!r}: use auto, heartbeat or gossip")
+    if membership not in ("auto", *MEMBERSHIPS):
+        raise UcpdError(f"--membership {membership!r}: use auto, {' or '.join(MEMBERSHIPS)}")
     if membership == "auto":
         membership = "gossip" if nodes >= GOSSIP_FROM else "heartbeat"
     fanout = o.get("commit_fanout")

@@ -10,6 +10,10 @@
 - ``replicate`` — the replication thread: copies our parts to their holders, heals after a loss.
 - ``serve`` — the peer request server: one handler per peer message type.
 - ``sources`` — finding a version across the team and bringing its bytes here, checked.
+- ``directory`` — what every live node holds, gathered by recursive doubling in a large team.
+- ``shmfiles`` — the private shm files a reader fills: ranges reserved up front, removed quietly.
+- ``flush_plan``, ``flush_lead``, ``flush_share`` — the flush every node writes: the plan, the lead, a writer.
+- ``gossip``, ``liveness`` — SWIM membership, and which membership a daemon runs.
 - ``status`` — the team as ``ucpd status`` shows it.
 - ``parity_group`` — ``--parity``: this node's side of its group (send units, hold blocks, rebuild).
 - ``replicas`` — copies of other nodes' parts held in this node's RAM.

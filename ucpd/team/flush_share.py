@@ -39,7 +39,8 @@ from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
 from ..ucl.plan import SourcePiece, plan_consolidate
 from .parts import run_of
-from .sources import FETCH_PREFIX, PeerRead, _close, _open_file, _unlink, unpin_local
+from .shmfiles import close_map, open_reserved, remove
+from .sources import FETCH_PREFIX, PeerRead, unpin_local
 
 log = logging.getLogger("ucpd.team")
 
@@ -164,8 +165,8 @@ class ShareWriter:
             return crcs
         finally:
             for path, mm in windows:
-                _close(mm)
-                _unlink(path)
+                close_map(mm)
+                remove(path)
 
     def _fetch_window(self, step: int, rank: int, wanted: list, windows: list) -> dict:
         """The source chunks the plan reads of ``rank``'s tensors, fetched from a holder into a
@@ -184,7 +185,7 @@ class ShareWriter:
         s0 = wanted[0][0]
         size = max(s.entry.offset + s.entry.nbytes for s, _ in wanted)
         path = os.path.join(self.team.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
-        mm = _open_file(path, size, ranges)
+        mm = open_reserved(path, size, ranges)
         windows.append((path, mm))
         first, *rest = [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
         self.team.sources.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)

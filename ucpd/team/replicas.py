@@ -24,6 +24,7 @@ from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
 from ..daemon.slots import check_size
 from ..daemon.manifest import RankPart
 from .parts import ALIGN, aligned, check_parts, part_from_wire
+from .shmfiles import remove
 
 log = logging.getLogger("ucpd.team.replicas")
 
@@ -200,9 +201,9 @@ class ReplicaStore:
         with self.lock:
             for rep in self.held.values():
                 rep.close()
-                _unlink(rep.path)
+                remove(rep.path)
             for path, _ in self.spares:
-                _unlink(path)
+                remove(path)
             self.held.clear()
             self.spares.clear()
 
@@ -227,7 +228,7 @@ class ReplicaStore:
             return p, s
         while self.spares and not self._room(size):
             p, _ = self.spares.pop(0)
-            _unlink(p)
+            remove(p)
         if not self._room(size):
             raise SnapshotRejected(
                 f"memory limit: a replica of {size >> 20} MiB does not fit beside this node's own versions; "
@@ -239,7 +240,7 @@ class ReplicaStore:
             os.posix_fallocate(fd, 0, size)  # reserved now: a full /dev/shm fails here, not with SIGBUS
         except OSError:
             os.close(fd)
-            _unlink(path)
+            remove(path)
             raise SnapshotRejected(f"{self.shm_dir} cannot hold a replica of {size >> 20} MiB: /dev/shm is full") from None
         os.close(fd)
         return path, size
@@ -249,11 +250,4 @@ class ReplicaStore:
         if len(self.spares) < 4:
             self.spares.append((rep.path, rep.size))
         else:
-            _unlink(rep.path)
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
+            remove(rep.path)

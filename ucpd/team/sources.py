@@ -35,6 +35,7 @@ from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotF
 from ..native import CHUNK_BYTES
 from .decide import Holding, choose_copies, latest_whole, run_to_read
 from .directory import Directory, ask_all
+from .shmfiles import close_map, open_reserved, remove
 from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 
 log = logging.getLogger("ucpd.team")
@@ -106,7 +107,7 @@ class TeamSources:
         unpin_local(self.reader.store, self.reader.replicas, self.pins)
         self.pins = []
         for f in self.files:
-            _unlink(f)
+            remove(f)
         self.files = []
 
 
@@ -228,30 +229,32 @@ class VersionSources:
         raise AssertionError("unreachable")
 
     def _lease_peers(self, got: TeamSources) -> None:
+        """Pin on each peer what the restore reads there, under one lease: first the optional
+        shares (a holder that cannot pin serves none), then the copy each rank needs."""
         lease = uuid.uuid4().hex[:16]
-        spread = {(n, w.origin) for w in got.remote.values() for n in w.spread}
-        for node, origin in sorted(spread):  # optional: a holder that cannot pin serves no share
+        for node, origin in sorted({(n, w.origin) for w in got.remote.values() for n in w.spread}):
             try:
-                self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+                self._pin(got, node, origin, lease)
             except UcpdError as exc:
                 log.info("team: node %d did not pin node %d's part of step %d (%s): the other holders serve it",
                          node, origin, got.step, exc)
                 for r, w in got.remote.items():
                     if w.origin == origin and node in w.spread:
                         got.where[r] = replace(w, spread=tuple(n for n in w.spread if n != node))
-            finally:
-                if (node, lease) not in got.leases:
-                    got.leases.append((node, lease))
         for node, origin in sorted({(w.node, w.origin) for w in got.remote.values()}):
             try:
-                self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+                self._pin(got, node, origin, lease)
             except VersionNotFound:
                 raise
             except UcpdError as exc:
                 raise VersionNotFound(f"step {got.step}: node {node} did not pin node {origin}'s part: {exc}") from None
-            finally:
-                if (node, lease) not in got.leases:
-                    got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
+
+    def _pin(self, got: TeamSources, node: int, origin: int, lease: str) -> None:
+        try:
+            self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+        finally:
+            if (node, lease) not in got.leases:
+                got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
 
     def _plan_sources(self, step: int | None, stale: int | None = None) -> TeamSources:
         if step is None:
@@ -304,7 +307,7 @@ class VersionSources:
         except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
             man = parity.fetch_manifest(origin, step)
         path = self._new_file(got)
-        mm = _open_file(path, man["size"], [(0, man["size"])])
+        mm = open_reserved(path, man["size"], [(0, man["size"])])
         t0 = time.monotonic()
         parts = {p["rank"]: part_from_wire(p) for p in man["parts"]}
         what = f"node {origin} step {step} rebuilt from parity"
@@ -329,7 +332,7 @@ class VersionSources:
                     raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
                                            "an older step or from the flush dir") from None
         finally:
-            _close(mm)
+            close_map(mm)
         log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
                  origin, step, man["size"], time.monotonic() - t0)
         return path, bases
@@ -428,7 +431,7 @@ class VersionSources:
         for path, rows in wanted.items():
             w = by_path[path]
             part = sources.parts[w.rank]
-            mm = _open_file(path, used_bytes(part), [(s.offset, s.nbytes) for s in rows])
+            mm = open_reserved(path, used_bytes(part), [(s.offset, s.nbytes) for s in rows])
             try:
                 arr = np.frombuffer(mm, np.uint8)
                 for batch in _batches(rows, DATA_BATCH):
@@ -438,7 +441,7 @@ class VersionSources:
                         self.team.counters["fetched_bytes"] += s.nbytes
                 del arr
             finally:
-                _close(mm)
+                close_map(mm)
         sources.unpin_peers()  # all here: the peers may evict it again
         return plan
 
@@ -482,7 +485,7 @@ class VersionSources:
             faults.point("flush.fetch.kill", version.step)
             for r, w in got.remote.items():
                 size = used_bytes(got.parts[r])
-                mm = opened[w.path] = _open_file(w.path, size, [(0, size)])
+                mm = opened[w.path] = open_reserved(w.path, size, [(0, size)])
                 for at in range(0, size, DATA_BATCH):
                     self._fetch_shares(w, got.step, [(at, min(DATA_BATCH, size - at))], mm)
                 self.team.counters["fetched_bytes"] += size
@@ -545,33 +548,6 @@ class VersionSources:
         return _split(frames, [n for _, n in ranges])
 
 
-def _open_file(path: str, nbytes: int, ranges) -> mmap.mmap:
-    """``path`` (a new private shm file of ``nbytes``) mapped writable, the byte ``ranges``
-    (offset, length) reserved now: a full /dev/shm fails here, not with SIGBUS."""
-    size = max(nbytes, 64)
-    spans: list[list[int]] = []  # the ranges, sorted, those less than a page apart joined (one call each)
-    for off, n in sorted(r for r in ranges if r[1]):
-        if spans and off <= spans[-1][1] + mmap.PAGESIZE:
-            spans[-1][1] = max(spans[-1][1], off + n)
-        else:
-            spans.append([off, off + n])
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.ftruncate(fd, size)
-        for lo, hi in spans:
-            os.posix_fallocate(fd, lo, hi - lo)
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
-
-
-def _close(mm: mmap.mmap) -> None:
-    try:
-        mm.close()
-    except BufferError:  # an error's traceback still holds a view of it: unmapped when that goes
-        pass
-
-
 def _shares(ranges: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
     """``ranges`` (offset, length) cut into ``k`` lists of about equal bytes, each range kept
     whole below ``SPLIT_MIN`` and otherwise cut where a share ends."""
@@ -623,8 +599,3 @@ def _split(frames: list, sizes: list[int]) -> list[memoryview]:
     return out
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
