@@ -117,6 +117,17 @@ def test_a_partner_that_does_not_answer_is_gone_around(team):
     assert asked(team, "holdings") == {4: 1}  # the half it answers for, asked directly
 
 
+def test_a_directory_that_fails_or_stalls_falls_back_to_asking_every_node(team, monkeypatch):
+    def broken(self, step, level, got):
+        raise TimeoutError()  # what a level waiting past its time raises
+
+    monkeypatch.setattr(directory.Directory, "_gather", broken)
+    forget(team)
+    assert team[3].team.latest() == 1 and restore(team[3]) == [0, 1, 2, 3, 4]
+    assert counters(team[3])["directory_fallbacks"] == 3  # latest; the restore's latest, then its step
+    assert asked(team, "holdings") == {0: 3, 1: 3, 2: 3, 4: 3}
+
+
 def test_a_lost_node_leaves_the_view_and_its_part_is_read_from_its_copy(team):
     assert team[3].team.latest() == 1
     team.lose(2)

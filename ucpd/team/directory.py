@@ -47,7 +47,7 @@ log = logging.getLogger("ucpd.team")
 __all__ = ["Directory", "ask_all", "levels", "partner", "span", "TTL"]
 
 TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
-ASK_TIMEOUT = 60.0  # seconds to wait for a partner: it may be gathering its own half first
+ASK_TIMEOUT = 10.0  # seconds to wait for a node's answer, and as much more per level it gathers first
 PAGE_BYTES = 16 << 20  # a level larger than this goes in pages (a peer frame holds at most 64 MiB)
 
 
@@ -147,16 +147,25 @@ class Directory:
 
     # --- asking -------------------------------------------------------------------------------------
 
-    def held(self, step: int | None, stale: int | None = None, timeout: float = ASK_TIMEOUT * 4) -> tuple[int, list[dict]]:
+    def held(self, step: int | None, stale: int | None = None) -> tuple[int | None, list[dict]]:
         """What the live nodes hold (of ``step``, with manifests; None: of every step, without),
-        as ``(gen, [{node, items}])``; ``stale``: the ``gen`` of an answer found out of date."""
+        as ``(gen, [{node, items}])``; ``stale``: the ``gen`` of an answer found out of date.
+        Where the directory fails or stalls, every live node is asked (``gen`` None)."""
         view = self._view()
         top = levels(len(view))
         with self._lock:
             got = self._levels.get((step, top))
             renew = stale is not None and got is not None and got.wave == stale
         lvl = self._level(step, top, view, random.getrandbits(62) if renew else None)
-        return lvl.wave, lvl.future.result(timeout)  # (its wave: the gen a stale answer names)
+        try:
+            return lvl.wave, lvl.future.result(_wait(top + 1))  # (its wave: the gen a stale answer names)
+        except Exception as exc:  # (a timeout too): the directory only saves requests; ask as without it
+            self.counters["directory_fallbacks"] += 1
+            log.warning("team: the directory of %s failed (%s): asking every live node",
+                        "every step" if step is None else f"step {step}", str(exc) or type(exc).__name__)
+            body = {} if step is None else {"step": step}
+            replies = ask_all(self.sources.transport, self.rank, view, "holdings", body)
+            return None, [self._own(step)] + [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
 
     def _view(self) -> tuple[int, ...]:
         return tuple(sorted(self.sources.team.live() | {self.rank}))
@@ -169,6 +178,9 @@ class Directory:
             got = self._levels.get((step, level))
             if got is not None and got.usable(view, now, wave):
                 return got
+            for key, old in list(self._levels.items()):  # answers past their time go (manifests are large)
+                if old.at is not None and now - old.at > 2 * TTL:
+                    del self._levels[key]
             fresh = wave is not None
             got = self._levels[(step, level)] = _Level(view, wave if fresh else random.getrandbits(62), fresh)
         if level == 0:
@@ -199,7 +211,7 @@ class Directory:
             self.counters["directory_gathers"] += 1
         renew = got.wave if got.fresh else None
         lower = self._level(step, level - 1, view, renew)
-        held = {e["node"]: e for e in lower.future.result(ASK_TIMEOUT * 4)}
+        held = {e["node"]: e for e in lower.future.result(_wait(level))}
         p = partner(me, level, n)
         if p is not None:
             try:
@@ -223,7 +235,7 @@ class Directory:
             body["wave"] = wave
         if step is not None:
             body["step"] = step
-        reply, _ = self.sources.transport.request(node, "directory", body, timeout=ASK_TIMEOUT)
+        reply, _ = self.sources.transport.request(node, "directory", body, timeout=_wait(level + 1))
         held, got = list(reply["held"]), reply["wave"]
         while reply.get("next") is not None:  # the rest in pages of the same level
             reply, _ = self.sources.transport.request(node, "directory", dict(body, of=got, first=reply["next"]),
@@ -262,6 +274,11 @@ class Directory:
 
         got.future.add_done_callback(reply)
         return out
+
+
+def _wait(level: int) -> float:
+    """Seconds to wait for a level: a node's answer, after the levels below it."""
+    return ASK_TIMEOUT * (level + 1)
 
 
 def _done(got: _Level, first: int) -> Future:
