@@ -99,6 +99,18 @@ def test_latest_through_the_directory_sees_a_step_committed_after_its_last_answe
     assert counters(team[4])["directory_gathers"] == 2
 
 
+def test_the_restores_of_one_answer_share_its_parts_and_indexes(team):
+    first, second = team[3].team.restore_sources(1), team[3].team.restore_sources(1)
+    try:
+        assert first.gen == second.gen and first.version is second.version  # decoded and indexed once
+        assert first.remote  # node 3 reads some ranks from peers ...
+        for rank in first.remote:  # ... each restore into fetched files of its own
+            assert first.sources.tensors[(rank, 0)].path != second.sources.tensors[(rank, 0)].path
+    finally:
+        first.release()
+        second.release()
+
+
 def test_a_holder_that_no_longer_pins_what_it_said_makes_the_restore_ask_afresh(team):
     restore(team[3], 1)  # the manifests of step 1 are kept on node 3
     forget(team)

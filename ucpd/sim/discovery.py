@@ -49,7 +49,7 @@ def _part(layout: Layout, rank: int) -> dict:
                 "crcs": [0xFFFFFFFF] * math.ceil(per_tensor / CHUNK)} for i in range(layers) for k in range(12)]
     zero = int(PARAMS * OPTIM_B / (layout.pp * TP * layout.dp))
     tensors.append({"name": "optim.flat", "dtype": "float32", "shape": [zero // 4],
-                    "placement": {"kind": "flat", "offset": rank * (zero // 4), "length": zero // 4},
+                    "placement": {"kind": "shard", "dim": 0, "index": rank // TP % layout.dp, "parts": layout.dp},
                     "offset": 0, "nbytes": zero, "crcs": [0xFFFFFFFF] * math.ceil(zero / CHUNK)})
     return {"rank": rank, "tensors": tensors, "objects": b"\0" * 256, "used": per_tensor * layers * 12 + zero,
             "objects_crc": 0xFFFFFFFF}

@@ -20,15 +20,17 @@ from __future__ import annotations
 
 import logging
 import mmap
+import threading
 import os
 import time
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .. import checked, faults, native, protocol
-from ..daemon.restore import SourceSet, tensor_signature
+from ..daemon.restore import RamGlobals, RamSame, SourceSet
 from ..daemon.manifest import RankPart
 from ..daemon.versions import SEALED, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
@@ -41,6 +43,7 @@ from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
+SHARED_KEPT = 4  # directory answers whose parts and indexes are kept for the restores that follow
 SPLIT_MIN = 1 << 20  # bytes: a read smaller than this comes from one holder (the request costs more)
 FETCH_PREFIX = "fetch-"
 
@@ -111,6 +114,34 @@ class TeamSources:
         self.files = []
 
 
+class TeamTensors(Mapping):
+    """``SourceSet.tensors`` of a restore across the team, ``(rank, tensor index) -> PlanSource``
+    at the place each rank's part is read (``where``), made when the plan reads it."""
+
+    def __init__(self, parts: dict, where: dict) -> None:
+        self._parts, self._where = parts, where
+
+    def __getitem__(self, key) -> protocol.PlanSource:
+        rank, idx = key
+        try:
+            t, w = self._parts[rank].tensors[idx], self._where[rank]
+        except (KeyError, IndexError, TypeError):
+            raise KeyError(key) from None
+        if t.skipped:
+            raise KeyError(key)
+        base = w.base if isinstance(w, LocalRead) else 0
+        return protocol.PlanSource(w.path, base + t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
+
+    def __iter__(self):
+        for rank, part in self._parts.items():
+            for idx, t in enumerate(part.tensors):
+                if not t.skipped:
+                    yield (rank, idx)
+
+    def __len__(self) -> int:
+        return sum(not t.skipped for part in self._parts.values() for t in part.tensors)
+
+
 def unpin_local(store, replicas, pins: list) -> None:
     """Let go of what a reader pinned on this node: our versions and the replicas we hold."""
     with store.atomic():
@@ -133,6 +164,8 @@ class VersionSources:
         self.transport = team.transport
         self.shm_dir = team.shm_dir
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
+        self._shared: dict[tuple[int, int], tuple[Version, RamSame]] = {}  # (step, gen) -> parts and indexes
+        self._shared_lock = threading.Lock()
 
     def close(self) -> None:
         if self.directory is not None:
@@ -370,11 +403,17 @@ class VersionSources:
         return True
 
     def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict, spread: dict) -> None:
-        """Fill ``out``: each rank's part, where it is read, and the version's source set."""
+        """Fill ``out``: each rank's part, where it is read, and the version's source set. The
+        parts and their indexes made from one directory answer serve every restore of this node
+        planned from it (a team's version has every rank's tensors: 10^5-10^6 of them)."""
         step = out.step
+        with self._shared_lock:
+            shared = self._shared.get((step, out.gen)) if out.gen is not None else None
+        if shared is not None and shared[0].parts.keys() != chosen.keys():
+            shared = None
         with self.store.atomic():
             for rank, (copy, p) in chosen.items():
-                part = out.parts[rank] = part_from_wire(p)
+                out.parts[rank] = shared[0].parts[rank] if shared is not None else part_from_wire(p)
                 if copy.parity:  # (our own part too: a replacement node lost it)
                     path, bases = rebuilt[copy.origin]
                     out.where[rank] = LocalRead(path, bases[rank])
@@ -397,20 +436,17 @@ class VersionSources:
                 else:
                     first, *others = spread[rank]
                     out.where[rank] = PeerRead(first, copy.origin, rank, self._new_file(out), tuple(others))
-        out.version = Version(step, world, VersionState.COMMITTED, out.parts)
-        tensors, same = {}, {}
-        for rank, part in out.parts.items():
-            w = out.where[rank]
-            base = w.base if isinstance(w, LocalRead) else 0
-            for idx, t in enumerate(part.tensors):
-                if t.skipped:
-                    continue
-                tensors[(rank, idx)] = protocol.PlanSource(w.path, base + t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-                same.setdefault(tensor_signature(t.name, t.dtype, t.shape, t.placement), (rank, idx))
-        globals_ = {name: (g.dtype, g.shape, g.sources) for name, g in out.version.globals().items()}
+        if shared is None:
+            shared = (Version(step, world, VersionState.COMMITTED, dict(out.parts)), RamSame(out.parts))
+            if out.gen is not None:
+                with self._shared_lock:
+                    self._shared[(step, out.gen)] = shared
+                    while len(self._shared) > SHARED_KEPT:
+                        del self._shared[next(iter(self._shared))]
+        out.version, same = shared
         out.objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects))
                        for r, p in out.parts.items()}
-        out.sources = SourceSet(globals_, tensors, same)
+        out.sources = SourceSet(RamGlobals(out.version.globals()), TeamTensors(out.parts, out.where), same)
 
     def _new_file(self, got: TeamSources) -> str:
         """A name for a private shm file of ``got`` (deleted when it is released)."""
