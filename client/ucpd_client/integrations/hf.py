@@ -35,6 +35,7 @@ import pickle
 import random
 import shutil
 import tempfile
+import weakref
 from typing import Any
 
 try:
@@ -210,6 +211,9 @@ class UcpdCallback(_Base):
         self._forget_folder()
         shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
         self._folder = tempfile.mkdtemp(prefix=f"ucpd-hf-{self.ckpt.job}-", dir=shm)
+        # removed once the trainer read it, and in any case when the process exits: a run that
+        # fails before its first step leaves no model copy in /dev/shm
+        self._remove_folder = weakref.finalize(_PROCESS, shutil.rmtree, self._folder, True)
         path = os.path.join(self._folder, f"checkpoint-{step}")
         os.makedirs(path)
         save_file(model, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -228,8 +232,15 @@ class UcpdCallback(_Base):
 
     def _forget_folder(self) -> None:
         if self._folder is not None:
-            shutil.rmtree(self._folder, ignore_errors=True)
+            self._remove_folder()
             self._folder = None
+
+
+class _Process:
+    """Lives as long as the process: what is finalized on it goes at exit (or when called)."""
+
+
+_PROCESS = _Process()
 
 
 def _export_callbacks(trainer: Any) -> None:
