@@ -117,3 +117,29 @@ def test_without_the_daemons_state_the_resume_is_not_like_hfs(daemon, tmp_path, 
         again = trainer(tmp_path / "b", 1, [])
         again.train(resume_from_checkpoint=folder)
         assert logged(again)[STOP:] != uninterrupted[0][STOP:]
+
+
+def test_a_resume_folder_never_read_is_gone_when_the_process_exits(daemon, tmp_path):
+    """resume_from writes a whole checkpoint (the model, the optimizer) into /dev/shm; a run that
+    fails before its first step must not leave it there."""
+    import os
+    import subprocess
+    import sys
+
+    with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        trainer(tmp_path / "a", 0, [UcpdCallback(ckpt, every=STOP, wait=True), StopAt(STOP)]).train()
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = (
+        "import sys\n"
+        f"sys.path[:0] = [{tests!r}]\n"
+        "from client.test_hf_resume import trainer\n"
+        "from ucpd_client import Checkpointer\n"
+        "from ucpd_client.integrations.hf import UcpdCallback\n"
+        f"with Checkpointer({str(daemon.run_dir)!r}, rank=0, world_size=1, embedded=False) as ckpt:\n"
+        f"    print(UcpdCallback(ckpt).resume_from(trainer({str(tmp_path / 'b')!r}, 1, [])), flush=True)\n"
+        "raise SystemExit(3)  # the job fails before training\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stderr[-2000:]
+    folder = out.stdout.strip().splitlines()[-1]
+    assert os.path.basename(folder) == f"checkpoint-{STOP}" and not os.path.exists(os.path.dirname(folder))
