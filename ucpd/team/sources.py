@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 import mmap
-import threading
 import os
+import threading
 import time
 import uuid
 from collections.abc import Mapping
@@ -437,7 +437,8 @@ class VersionSources:
                     first, *others = spread[rank]
                     out.where[rank] = PeerRead(first, copy.origin, rank, self._new_file(out), tuple(others))
         if shared is None:
-            shared = (Version(step, world, VersionState.COMMITTED, dict(out.parts)), RamSame(out.parts))
+            parts = dict(out.parts)  # (this restore's own dict stays its own)
+            shared = (Version(step, world, VersionState.COMMITTED, parts), RamSame(parts))
             if out.gen is not None:
                 with self._shared_lock:
                     self._shared[(step, out.gen)] = shared
