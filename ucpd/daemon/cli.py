@@ -34,10 +34,11 @@ def add_commands(sub) -> None:
                    "a probe per period whatever the team's size), or auto: gossip from %d nodes (default auto)"
                    % GOSSIP_FROM)
     p.add_argument("--commit-fanout", type=int, default=None,
-                   help="the team's trees: commit reports and acks go through one aggregator per group of N nodes, "
-                   "so the coordinator handles O(nodes/N) messages per step, and a restoring node asks its group's "
-                   "relay what the team holds instead of every node (0: every node talks to the coordinator and "
-                   "asks every node; default: %d from %d nodes, else 0)" % (AUTO_FANOUT, GOSSIP_FROM))
+                   help="a large team's ways: commit reports and acks go through one aggregator per group of N "
+                   "nodes, so the coordinator handles O(nodes/N) messages per step, and a restart learns what the "
+                   "team holds by recursive doubling, log2(nodes) requests a node instead of nodes for each rank "
+                   "(0: every node talks to the coordinator, every rank asks every node; default: %d from %d nodes, "
+                   "else 0)" % (AUTO_FANOUT, GOSSIP_FROM))
     p.add_argument("--mem-limit", help="RAM for snapshot slots, e.g. 64G (default 80%% of free /dev/shm)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--replicas", type=int, help="copies of each node's part of a version on other nodes")

@@ -21,7 +21,7 @@ class TeamConfig:
     heartbeat: float = 0.25
     dead_after: float = 3.0
     membership: str = "heartbeat"  # or "gossip" (``--membership``; see ``team.liveness.MEMBERSHIPS``)
-    fanout: int | None = None  # the trees' group size (``--commit-fanout``): commit aggregators, the restore directory
+    fanout: int | None = None  # commit aggregators' group size (``--commit-fanout``); set: the directory is used too
     keep: int = 2
     flush_dir: str | None = None
     flush_writers: str = "all"  # or "one" (``--flush-writers``): every node writes its share of a flush
