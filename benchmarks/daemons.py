@@ -230,6 +230,14 @@ def start_daemon(prefix: str, tag: str, args=(), *, log: bool = True, installed:
 # teams on loopback
 
 
+def join_or_kill(procs, timeout: float = 60.0) -> None:
+    """Wait for each process (``multiprocessing``) up to ``timeout``; kill the ones still alive."""
+    for p in procs:
+        p.join(timeout)
+        if p.is_alive():
+            p.kill()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

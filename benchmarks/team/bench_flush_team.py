@@ -29,7 +29,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daemons import Loopback, cleanup, cleanup_on_exit, remove_at_cleanup, wait_for  # noqa: E402
+from daemons import Loopback, cleanup, cleanup_on_exit, join_or_kill, remove_at_cleanup, wait_for  # noqa: E402
 
 
 def rank_main(rank: int, world: int, run_dir: str, per_node: int, mib: int, job: str, rhythm: float, q) -> None:
@@ -84,10 +84,7 @@ def one(loop: Loopback, tag: str, mode: str, a) -> dict:
         f = nodes[0].status()["flush"]
         counters = [d.status()["team"]["counters"] for d in nodes]
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs)
     for d in nodes:
         d.stop()
     total = world * a.mib << 20

@@ -25,7 +25,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from daemons import Loopback, cleanup, cleanup_on_exit  # noqa: E402
+from daemons import Loopback, cleanup, cleanup_on_exit, join_or_kill  # noqa: E402
 
 
 def state_of(rank: int, world: int, tensors: int):
@@ -81,8 +81,7 @@ def one(loop: Loopback, tag: str, fanout: int, a) -> dict:
         p.start()
     for _ in range(world):
         q.get(timeout=600)
-    for p in procs:
-        p.join(60)
+    join_or_kill(procs)
     gate = ctx.Event()
     procs = [ctx.Process(target=restore_main, args=(r, world, nodes[r // a.per_node].run_dir, a.per_node, a.tensors, tag,
                                                     gate, q)) for r in range(world)]
@@ -97,10 +96,7 @@ def one(loop: Loopback, tag: str, fanout: int, a) -> dict:
         done = [q.get(timeout=600) for _ in range(world)]
         after = peer_messages(nodes)
     finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+        join_or_kill(procs)
     for d in nodes:
         d.stop()
     return {"fanout": fanout, "nodes": n, "ranks": world, "messages": after[0] - before[0], "bytes": after[1] - before[1],

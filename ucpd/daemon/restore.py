@@ -62,8 +62,12 @@ class RamTensors(Mapping):
             raise KeyError(key) from None
         if t.skipped:
             raise KeyError(key)
-        path = self._paths[rank] if t.holder is None else self._slot_path(t.holder)
-        return _tuple_new(PlanSource, (path, t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES))
+        path, offset = self._place(rank, t)
+        return _tuple_new(PlanSource, (path, offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES))
+
+    def _place(self, rank: int, t) -> tuple[str, int]:
+        """The file and offset of rank ``rank``'s tensor ``t``."""
+        return (self._paths[rank] if t.holder is None else self._slot_path(t.holder)), t.offset
 
     def __iter__(self):
         for rank, part in self._parts.items():

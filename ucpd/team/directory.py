@@ -142,9 +142,6 @@ class Directory:
         self._levels: dict[tuple[int | None, int], _Level] = {}
         self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
 
-    def close(self) -> None:
-        pass  # its threads end with the requests they wait on
-
     # --- asking -------------------------------------------------------------------------------------
 
     def held(self, step: int | None, stale: int | None = None) -> tuple[int | None, list[dict]]:
@@ -163,9 +160,7 @@ class Directory:
             self.counters["directory_fallbacks"] += 1
             log.warning("team: the directory of %s failed (%s): asking every live node",
                         "every step" if step is None else f"step {step}", str(exc) or type(exc).__name__)
-            body = {} if step is None else {"step": step}
-            replies = ask_all(self.sources.transport, self.rank, view, "holdings", body)
-            return None, [self._own(step)] + [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
+            return None, [self._own(step), *self._asked(view, step)]
 
     def _view(self) -> tuple[int, ...]:
         return tuple(sorted(self.sources.team.live() | {self.rank}))
@@ -202,6 +197,12 @@ class Directory:
     def _own(self, step: int | None) -> dict:
         return {"node": self.rank, "items": self.sources.own_holdings(step)}
 
+    def _asked(self, nodes, step: int | None) -> list[dict]:
+        """Each other node of ``nodes`` asked ``holdings`` directly (one that does not answer is left out)."""
+        body = {} if step is None else {"step": step}
+        replies = ask_all(self.sources.transport, self.rank, nodes, "holdings", body)
+        return [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
+
     def _gather(self, step: int | None, level: int, got: _Level) -> list[dict]:
         """Level ``level``: ours below it, and the other half's from its partner; the nodes of the
         block still missing (a partner lost, or that saw fewer nodes) asked directly."""
@@ -224,9 +225,7 @@ class Directory:
         missing = sorted(block - set(held))
         if missing:
             self.counters["directory_fallbacks"] += 1
-            body = {} if step is None else {"step": step}
-            for node, reply in ask_all(self.sources.transport, self.rank, missing, "holdings", body).items():
-                held[node] = {"node": node, "items": reply.get("items", [])}
+            held.update((e["node"], e) for e in self._asked(missing, step))
         return [held[x] for x in sorted(held) if x in block]
 
     def _ask_partner(self, node: int, step: int | None, level: int, wave: int | None) -> list[dict]:

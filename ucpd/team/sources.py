@@ -24,17 +24,15 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .. import checked, faults, native, protocol
-from ..daemon.restore import RamGlobals, RamSame, SourceSet
+from ..daemon.restore import RamGlobals, RamSame, RamTensors, SourceSet
 from ..daemon.manifest import RankPart
 from ..daemon.versions import SEALED, Version, VersionState
 from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
-from ..native import CHUNK_BYTES
 from .decide import Holding, choose_copies, latest_whole, run_to_read
 from .directory import Directory, ask_all
 from .shmfiles import close_map, open_reserved, remove
@@ -114,32 +112,17 @@ class TeamSources:
         self.files = []
 
 
-class TeamTensors(Mapping):
+class TeamTensors(RamTensors):
     """``SourceSet.tensors`` of a restore across the team, ``(rank, tensor index) -> PlanSource``
     at the place each rank's part is read (``where``), made when the plan reads it."""
 
     def __init__(self, parts: dict, where: dict) -> None:
-        self._parts, self._where = parts, where
+        super().__init__(parts, {})
+        self._where = where
 
-    def __getitem__(self, key) -> protocol.PlanSource:
-        rank, idx = key
-        try:
-            t, w = self._parts[rank].tensors[idx], self._where[rank]
-        except (KeyError, IndexError, TypeError):
-            raise KeyError(key) from None
-        if t.skipped:
-            raise KeyError(key)
-        base = w.base if isinstance(w, LocalRead) else 0
-        return protocol.PlanSource(w.path, base + t.offset, t.nbytes, t.dtype, t.crcs, CHUNK_BYTES)
-
-    def __iter__(self):
-        for rank, part in self._parts.items():
-            for idx, t in enumerate(part.tensors):
-                if not t.skipped:
-                    yield (rank, idx)
-
-    def __len__(self) -> int:
-        return sum(not t.skipped for part in self._parts.values() for t in part.tensors)
+    def _place(self, rank: int, t) -> tuple[str, int]:
+        w = self._where[rank]
+        return w.path, (w.base if isinstance(w, LocalRead) else 0) + t.offset
 
 
 def unpin_local(store, replicas, pins: list) -> None:
@@ -166,10 +149,6 @@ class VersionSources:
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
         self._shared: dict[tuple[int, int], tuple[Version, RamSame]] = {}  # (step, gen) -> parts and indexes
         self._shared_lock = threading.Lock()
-
-    def close(self) -> None:
-        if self.directory is not None:
-            self.directory.close()
 
     @property
     def store(self):

@@ -137,7 +137,6 @@ class Team:
         self.replicator.stop()
         if self.server is not None:
             self.server.close()
-        self.sources.close()
         self.transport.close()
         if self.replicas is not None:
             self.replicas.close()
