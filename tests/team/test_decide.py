@@ -58,6 +58,20 @@ def test_the_run_read_is_one_holding_every_rank_the_current_run_first():
     assert run_to_read([], "a") == ""
 
 
+def test_the_run_is_chosen_on_holdings_without_manifests_too():
+    bare = [Holding(0, 0, 1, 2, (0,), "a"), Holding(1, 1, 1, 2, (1,), "a"), Holding(0, 0, 1, 2, (0,), "b")]
+    assert run_to_read(bare, "b") == "a"  # what the directory says of every node, before any manifest
+
+
+def test_a_restore_of_some_ranks_chooses_and_needs_only_those():
+    held = [holding(1, 1, [2, 3], world=4), holding(2, 1, [2, 3], world=4), holding(2, 0, [0, 1], world=4)]
+    world, chosen = choose_copies(held, 3, 1, "r1", ranks={0, 3})
+    assert world == 4 and {r: c for r, (c, _) in chosen.items()} == {0: Copy(2, 0), 3: Copy(1, 1)}
+    with pytest.raises(VersionNotFound, match=r"ranks \[0\]"):
+        choose_copies(held[:2], 3, 1, "r1", ranks={0, 3})
+    assert set(choose_copies(held, 3, 1, "r1", ranks={0, 3, 9})[1]) == {0, 3}  # a rank past the world: none
+
+
 def test_the_latest_step_is_the_newest_committed_one_held_whole_by_one_run():
     held = [holding(0, 0, [0], step=3), holding(1, 1, [1], step=3, run="other"),  # step 3: two runs, neither whole
             holding(0, 0, [0], step=2), holding(1, 1, [1], step=2), holding(0, 0, [0, 1], step=4)]

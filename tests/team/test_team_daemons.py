@@ -139,8 +139,48 @@ def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every
     restore_on(survivors, 8, 2, 2, 3, then_snapshot=True)  # TP2xDP4, node 1's part from its copy
 
     c = {i: status(team.nodes[i].run_dir)["team"]["counters"] for i in (0, 2, 3, 4)}
-    assert all(c[i]["directory_fallbacks"] == 0 and c[i]["directory_gathers"] >= 1 for i in c), c
-    assert all(c[i]["directory_requests"] >= 1 for i in c), c  # each was asked for a level by another
+    seen = {i: {k: v for k, v in c[i].items() if k.startswith(("directory", "restores", "holdings", "manifests"))} for i in c}
+    assert all(c[i]["directory_gathers"] >= 1 and c[i]["directory_requests"] >= 1 for i in c), seen  # each asked for a level
+    # asking every node would have each node answer `holdings` for each of the 8 ranks' latest and
+    # restore; the directory's rare direct asks (a partner that saw another view) stay far below
+    asked = sum(c[i]["holdings_answered"] + c[i]["manifests_answered"] for i in c)
+    assert asked < 8, (seen, [ln for ln in team.logs().splitlines() if "directory" in ln])
+
+
+def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_its_parts(make_team):
+    # node 1 is replaced by a new daemon (empty RAM); the job restarts in the layout that saved
+    # it, so each rank reads its own part (node 1's ranks from its replica) and rank 0's values
+    team = make_team(5, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
+    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)  # TP2xDP5
+    assert sorted(m[2] for m in done) == [3] * 10, team.logs()
+    ranks.kill(procs)
+    team.lose(1)
+    for d in team.run_dirs()[:1] + team.run_dirs()[2:]:
+        wait_for(lambda d=d: not status(d)["team"]["nodes"][1]["live"], "every survivor to drop node 1")
+    team.start(1)
+    for d in team.run_dirs():
+        wait_for(lambda d=d: all(n["live"] for n in status(d)["team"]["nodes"]), "every node to see node 1 again")
+    before = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
+    restore_on(team.run_dirs(), 10, 2, 2, 3)  # every rank bit-exact
+
+    after = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
+    grew = {i: {k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in after}
+    moved = {i: {k: grew[i][k] for k in ("restores_from_holders", "restores_widened", "manifests_answered")} for i in grew}
+    assert all(grew[i]["restores_from_holders"] == 2 and grew[i]["restores_widened"] == 0 for i in grew), (moved, [l for l in team.logs().splitlines() if "asks every rank" in l])
+    # a rank asks the holders of its own part and of rank 0's for manifests: node 0 (rank 0's
+    # owner) and node 1's replica holder are asked by several nodes, no node by every rank
+    asked = sorted(grew[i]["manifests_answered"] for i in grew)
+    assert sum(asked) <= 2 * 10 and asked[-1] <= 8, grew
+
+
+def test_a_job_restarted_in_another_layout_on_a_large_team_widens_to_every_part(make_team):
+    team = make_team(4, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
+    procs, done = ranks.spawn(snapshot_ranks, 8, team.run_dirs(), 2, 2, (1, 2), True)  # TP2xDP4
+    assert sorted(m[2] for m in done) == [2] * 8, team.logs()
+    ranks.kill(procs)
+    restore_on(team.run_dirs(), 4, 1, 4, 2)  # TP4 on the same nodes, one rank each: bit-exact
+    c = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
+    assert all(c[i]["restores_widened"] == 1 and c[i]["restores_from_holders"] == 0 for i in c), c
 
 
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 
 from helpers.inproc_team import InProcTeam
@@ -173,5 +174,48 @@ def test_a_node_without_a_directory_refuses_to_serve_one(ucpd_isolation):
     try:
         with pytest.raises(ProtocolError, match="no directory"):
             t[0].team._on_request(1, "directory", {"level": 0}, [])
+    finally:
+        t.close()
+
+
+def test_a_restore_in_the_layout_that_saved_it_asks_only_the_holders_of_its_rank_and_rank_0(team):
+    assert team[3].team.latest() == 1
+    forget(team)
+    got = team[3].team.restore_sources(None, (3, 5))  # rank 3 of a job of 5 ranks, as saved
+    try:
+        assert got.partial and sorted(got.parts) == [0, 3]  # its own part (here) and rank 0's
+        assert sum(asked(team, "holdings").values()) == 1  # rank 0's part: from node 0 or its copy, one of them
+        assert not asked(team, "directory")  # the directory's answer latest gathered says who they are
+    finally:
+        got.release()
+    again = [team[3].team.restore_sources(None, (3, 5)) for _ in range(3)]  # the node's other ranks, meanwhile
+    for g in again:
+        g.release()
+    assert sum(asked(team, "holdings").values()) == 1  # they share the answer
+
+
+def test_a_restore_in_another_world_size_reads_every_rank(team):
+    team[3].team.latest()
+    got = team[3].team.restore_sources(None, (1, 4))
+    try:
+        assert not got.partial and sorted(got.parts) == [0, 1, 2, 3, 4]
+        assert team[3].team.counters["restores_widened"] == 1
+    finally:
+        got.release()
+
+
+def test_a_stacked_tensor_whose_count_every_rank_gives_together_reads_every_rank(ucpd_isolation):
+    t = InProcTeam(3, ucpd_isolation, fanout=2, replicas=1)
+    try:
+        for i in range(3):  # item i of a stack whose count no placement names: it is what the items cover
+            t[i].seal_tensors(i, 3, 1, [("experts", np.full(4, i, np.float32), {"kind": "stacked", "dim": 0, "index": i,
+                                                                                     "inner": {"kind": "replicated"}})])
+        t.wait_state(1, COMMITTED)
+        got = t[2].team.restore_sources(None, (2, 3))
+        try:
+            assert not got.partial and sorted(got.parts) == [0, 1, 2]
+            assert tuple(got.sources.globals["experts"][1]) == (3, 4)  # the partial answer would say 2 or 1
+        finally:
+            got.release()
     finally:
         t.close()

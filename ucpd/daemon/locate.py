@@ -35,6 +35,11 @@ class Found:
     version: object | None = None  # this node's RAM version read (a lease pins it)
     team: object | None = None  # the team's gathered sources (they hold their own pins; release())
 
+    @property
+    def partial(self) -> bool:
+        """Only some ranks' parts: a plan they do not cover is made again from every rank's."""
+        return self.team is not None and self.team.partial
+
     def release(self) -> None:
         """Nobody will read it after all (a failed plan, a describe): the team's pins go."""
         if self.team is not None:
@@ -191,12 +196,14 @@ class Locator:
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
-    def find(self, step: int | None, job: str, avoid: set = frozenset()) -> Found:
+    def find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple[int, int] | None = None) -> Found:
         """Where ``step`` of ``job`` (None: the newest committed) is. RAM wins unless disk is newer.
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
-        (a retry): the same step from the other place, or (no step asked) the newest other version."""
+        (a retry): the same step from the other place, or (no step asked) the newest other version.
+        ``reader``: (rank, world size) of the trainer restoring; a large team then plans from
+        that rank's part and rank 0's first (``Found.partial``; ``team.sources``)."""
         if self.team is not None:
-            return self._team_find(step, job, avoid)
+            return self._team_find(step, job, avoid, reader)
         version = self._ram_choice(step, job, avoid)
         disk = self._disk_choice(job, avoid, needed=version is None) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
@@ -240,7 +247,7 @@ class Locator:
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return Found(sources, objects, reader.step, job, "disk")
 
-    def _team_find(self, step: int | None, job: str, avoid: set = frozenset()):
+    def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple[int, int] | None = None):
         """``find`` across the team (a worker thread: it asks the peers). The team's
         RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
         if self.store.team_job is not None and job != self.store.team_job:
@@ -249,7 +256,7 @@ class Locator:
                 "versions (pass Checkpointer(job=...) or $UCPD_JOB to name the job that wrote them)"
             )
         try:
-            got = self.team.restore_sources(step)
+            got = self.team.restore_sources(step, reader)
         except VersionNotFound:
             if not self.flush_dir:
                 raise

@@ -330,9 +330,20 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        found = self.locate.find(body.get("step"), job, avoid)
+        found = self.locate.find(body.get("step"), job, avoid, (body["rank"], body["world_size"]))
         try:
-            plan = restore_plan.plan(found.sources, body["targets"])
+            try:
+                plan = restore_plan.plan(found.sources, body["targets"])
+            except PlacementMismatch as exc:
+                if not found.partial:
+                    raise
+                with self.store.atomic():
+                    found.release()
+                self.team.sources.widen(f"step {found.step}, rank {body['rank']}: {exc}")
+                found = self.locate.find(found.step, job, avoid)
+                plan = restore_plan.plan(found.sources, body["targets"])
+            if found.partial:
+                self.team.counters["restores_from_holders"] += 1
             if found.team is not None:
                 plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
         except BaseException:

@@ -160,9 +160,9 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "holdings",
             {},
-            {"step": integer()},
-            "what versions this node holds (own parts and replicas); with step: that step's manifests; "
-            "reply: {node, items: [HOLDING]}",
+            {"step": integer(), "ranks": list_of(integer(0, MAX_RANKS), 64)},
+            "what versions this node holds (own parts and replicas); with step: that step's manifests "
+            "(with ranks: only those ranks' parts); reply: {node, items: [HOLDING]}",
             Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)}),
         ),
         MessageType(

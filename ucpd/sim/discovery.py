@@ -11,6 +11,12 @@ the restart model in ``sim.recovery`` answers (msgpack of its HOLDING items, ``-
 - ``doubling`` — what ``ucpd serve`` does in a large team (``team.directory``, with its real
   ``levels``, ``span`` and ``partner``): one gather by recursive doubling for ``latest`` and one
   for the step, each shared by the node's 8 ranks: one request a level and ⌈log₂ N⌉ levels;
+- ``holders`` — what ``ucpd serve`` does in a large team when the job restarts in the layout
+  that saved it (a failed node replaced): the directory's gather without manifests for
+  ``latest``, then each node asks one holder of rank 0's part for that part's manifest (the
+  plain values a rank lacks come from rank 0), a different copy on each node; its own ranks'
+  parts are in its RAM. A node whose part was lost also asks its part's holders (not modelled:
+  a few nodes);
 - ``hub`` — for comparison, a directory on one node (a metadata server): each node asks it
   once, it asks every node once and sends the whole set once per node.
 
@@ -55,6 +61,13 @@ def _part(layout: Layout, rank: int) -> dict:
             "objects_crc": 0xFFFFFFFF}
 
 
+def rank_bytes(nodes: int) -> int:
+    """Bytes of what a node answers ``holdings`` of one step for one rank's part (``ranks``)."""
+    item = {"origin": 0, "step": 1000, "world_size": nodes * RANKS, "ranks": [0], "run": "run-0123456789",
+            "parts": [_part(Layout(nodes), 0)]}
+    return len(msgpack.packb(item, use_bin_type=True))
+
+
 def node_bytes(nodes: int) -> tuple[int, int]:
     """Bytes of what one node answers ``holdings``: (of one step, with manifests; of every step,
     without). It holds its own part and one replica of each kept step."""
@@ -69,7 +82,8 @@ def node_bytes(nodes: int) -> tuple[int, int]:
 
 def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool = False) -> dict:
     """Requests, bytes and modelled time of one restart of ``nodes`` nodes (every node restoring
-    its 8 ranks at once) under ``scheme``: ``ask_all``, ``doubling`` or ``hub``."""
+    its 8 ranks at once) under ``scheme``: ``ask_all``, ``doubling``, ``holders`` or
+    ``hub``."""
     m = model or NetModel()
     manifest, bare = node_bytes(nodes)
     sent, served, out_b, in_b = Counter(), Counter(), Counter(), Counter()
@@ -96,6 +110,14 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
         in_b[x] += nbytes
 
     for per_node in (bare, manifest):  # latest, then the restore's step
+        if scheme == "holders" and per_node == manifest:
+            before = snapshot()
+            copies = [0, 1]  # rank 0's part: node 0 and its replica (``--replicas 1``)
+            for x in range(nodes):
+                if x not in copies:
+                    ask(x, copies[x % len(copies)], rank_bytes(nodes))
+            time_s += round_time(before)
+            continue
         if scheme == "ask_all":  # symmetric: every node alike (``exact=True`` counts it pair by pair)
             for _ in range(RANKS):
                 if exact:
@@ -112,7 +134,7 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
                 for c in (out_b, in_b):
                     c.update(dict.fromkeys(range(nodes), per_node * (nodes - 1)))
                 time_s += 4 * pages * m.cpu_per_msg + per_node * (nodes - 1) / m.nic_bw
-        elif scheme == "doubling":
+        elif scheme in ("doubling", "holders"):
             for k in range(1, levels(nodes) + 1):
                 before = snapshot()
                 for x in range(nodes):

@@ -91,16 +91,18 @@ def run_to_read(holdings: Iterable[Holding], current: str) -> str:
     the ranks that run lacks)."""
     ranks: dict[tuple[str, int], set[int]] = {}
     for h in holdings:
-        ranks.setdefault((h.run, h.world_size), set()).update(p["rank"] for p in h.parts)
+        ranks.setdefault((h.run, h.world_size), set()).update(h.ranks)
     best = max(ranks.items(), key=lambda kv: (kv[1] >= set(range(kv[0][1])), kv[0][0] == current, len(kv[1]), kv[0][0]),
                default=(("", 0), set()))
     return best[0][0]
 
 
 def choose_copies(holdings: Iterable[Holding], me: int, step: int, run: str,
-                  damaged: Collection[tuple[int, int]] = ()) -> tuple[int, dict[int, tuple[Copy, dict]]]:
+                  damaged: Collection[tuple[int, int]] = (), ranks: Collection[int] | None = None
+                  ) -> tuple[int, dict[int, tuple[Copy, dict]]]:
     """For a restore of ``step`` read from ``run``'s parts: the world size and, per rank, the
     copy to read and its manifest (PART record). ``damaged``: (node, origin) copies found bad.
+    ``ranks``: only these ranks (those below the world size); None: every rank.
 
     Raises VersionNotFound naming the ranks no live node holds, or a rank whose every copy left
     is damaged."""
@@ -111,9 +113,11 @@ def choose_copies(holdings: Iterable[Holding], me: int, step: int, run: str,
             continue  # a part of another run of the job: a version is read from one run only
         world = h.world_size
         for p in h.parts:
-            candidates.setdefault(p["rank"], []).append((h.copy, p))
-    if world is None or set(candidates) != set(range(world)):
-        lost = sorted(set(range(world or 0)) - set(candidates))
+            if ranks is None or p["rank"] in ranks:
+                candidates.setdefault(p["rank"], []).append((h.copy, p))
+    wanted = set(range(world or 0)) if ranks is None else {r for r in ranks if r < (world or 0)}
+    if world is None or set(candidates) != wanted:
+        lost = sorted(wanted - set(candidates))
         raise VersionNotFound(
             f"step {step} is lost: no live node holds ranks {lost or 'any'} (more nodes failed than "
             "the redundancy survives); restore an older step, or from the flush dir"

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from .. import faults, native, protocol
-from ..errors import UcpdError, VersionNotFound
+from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
 from .holders import group_of, parity_groups
-from .parts import aligned, used_bytes
+from .parts import aligned, check_parts, part_from_wire, used_bytes
+from .shmfiles import close_map, open_reserved
 from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
 
 log = logging.getLogger("ucpd.team.parity")
@@ -252,6 +254,43 @@ class ParityGroup:
                               "to rebuild it from parity")
 
     # --- rebuilding a lost member (a request worker) -------------------------------------------
+
+    def rebuild_checked(self, origin: int, step: int, path: str) -> dict[int, int]:
+        """Rebuild ``origin``'s lost part of ``step`` into the new file ``path`` and check every
+        chunk; where each rank's bytes start. A member whose blocks fail the checksums is left
+        out in turn while the code has a block to spare. Raises ChecksumMismatch when no rebuild
+        passes."""
+        try:
+            man = self.manifest_of(origin, step)
+        except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
+            man = self.fetch_manifest(origin, step)
+        mm = open_reserved(path, man["size"], [(0, man["size"])])
+        t0 = time.monotonic()
+        parts = {p["rank"]: part_from_wire(p) for p in man["parts"]}
+        what = f"node {origin} step {step} rebuilt from parity"
+        try:
+            try:
+                bases = self.rebuild(origin, step, mm)
+                check_parts(mm, bases, parts, what)
+            except ChecksumMismatch as exc:
+                self.team.counters["parity_checksum_errors"] += 1
+                for suspect in sorted(set(self.stripes.members) - {origin}):
+                    try:
+                        bases = self.rebuild(origin, step, mm, distrust=frozenset({suspect}))
+                        check_parts(mm, bases, parts, what)
+                    except (ChecksumMismatch, VersionNotFound):
+                        continue
+                    log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
+                                "failed the checksums", origin, step, suspect)
+                    break
+                else:
+                    raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
+                                           "an older step or from the flush dir") from None
+        finally:
+            close_map(mm)
+        log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
+                 origin, step, man["size"], time.monotonic() - t0)
+        return bases
 
     def rebuild(self, origin: int, step: int, into, distrust: frozenset[int] = frozenset()) -> dict[int, int]:
         """Rebuild ``origin``'s blob of ``step`` into the writable buffer ``into`` (its size);

@@ -130,7 +130,8 @@ class PeerServer:
     # --- what we hold, and reading it ---------------------------------------------------------------------
 
     def _on_holdings(self, src: int, b: dict, frames: list):
-        return {"node": self.rank, "items": self.team.sources.own_holdings(b.get("step"))}, []
+        self.team.counters["holdings_answered" if b.get("step") is None else "manifests_answered"] += 1
+        return {"node": self.rank, "items": self.team.sources.own_holdings(b.get("step"), b.get("ranks"))}, []
 
     def _on_directory(self, src: int, b: dict, frames: list):
         """A level of what the team holds, from this node's directory (``team.directory``):

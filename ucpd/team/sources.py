@@ -22,7 +22,6 @@ import logging
 import mmap
 import os
 import threading
-import time
 import uuid
 from dataclasses import dataclass, replace
 
@@ -32,9 +31,10 @@ from .. import checked, faults, native, protocol
 from ..daemon.restore import RamGlobals, RamSame, RamTensors, SourceSet
 from ..daemon.manifest import RankPart
 from ..daemon.versions import SEALED, Version, VersionState
-from ..errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
+from ..errors import ChecksumMismatch, DaemonUnreachable, PlacementMismatch, UcpdError, VersionNotFound
 from .decide import Holding, choose_copies, latest_whole, run_to_read
 from .directory import Directory, ask_all
+from .holder_answers import HolderAnswers
 from .shmfiles import close_map, open_reserved, remove
 from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 
@@ -81,6 +81,7 @@ class TeamSources:
     def __init__(self, step: int, reader: "VersionSources") -> None:
         self.step, self.reader = step, reader
         self.run = ""  # the run of the job whose parts are read (a step is read from one run)
+        self.partial = False  # only some ranks' parts, their holders asked (``VersionSources.restore_sources``)
         self.gen: int | None = None  # the directory's gather it was planned from (None: every node asked)
         self.holders: dict[int, tuple[int, ...]] = {}  # rank -> every live node with a sound whole copy of its part
         self.sources: SourceSet | None = None
@@ -149,6 +150,7 @@ class VersionSources:
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
         self._shared: dict[tuple[int, int], tuple[Version, RamSame]] = {}  # (step, gen) -> parts and indexes
         self._shared_lock = threading.Lock()
+        self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
 
     @property
     def store(self):
@@ -160,8 +162,17 @@ class VersionSources:
 
     # --- what is held where -----------------------------------------------------------------------
 
-    def own_holdings(self, step: int | None) -> list[dict]:
-        """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items."""
+    def own_holdings(self, step: int | None, ranks: list[int] | None = None) -> list[dict]:
+        """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items.
+        ``ranks`` (with a step): only those ranks' parts."""
+        if ranks is not None and step is not None:
+            want = set(ranks)
+            out = []
+            for item in self.own_holdings(step):
+                parts = [p for p in item["parts"] if p["rank"] in want]
+                if parts:
+                    out.append(dict(item, ranks=[p["rank"] for p in parts], parts=parts))
+            return out
         items = []
         store, parity = self.store, self.team.parity
         with store.atomic():
@@ -222,10 +233,26 @@ class VersionSources:
             step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
         return step
 
-    def restore_sources(self, step: int | None) -> TeamSources:
+    def restore_sources(self, step: int | None, reader: tuple[int, int] | None = None) -> TeamSources:
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
         first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
-        (a lease) until released. Raises VersionNotFound naming what is lost."""
+        (a lease) until released. Raises VersionNotFound naming what is lost.
+
+        ``reader``: (rank, world size) of the trainer restoring. In a large team (a directory),
+        a restore in the world size that saved the step reads that rank's part and rank 0's
+        (the plain values a rank lacks come from rank 0): only the nodes holding them are asked
+        for manifests, and the answer is ``partial``. A restore they do not cover, or another
+        world size, asks for every rank's part (``widen``)."""
+        if reader is not None and self.directory is not None:
+            got = None
+            try:
+                got = self._plan_sources(step, reader=reader)
+                self._lease_peers(got)
+                return got
+            except (VersionNotFound, PlacementMismatch) as exc:
+                if got is not None:
+                    got.release()
+                self.widen(f"step {step}, rank {reader[0]} of {reader[1]}: {exc}")
         stale = None
         for attempt in range(3):
             got = self._plan_sources(step, stale)
@@ -239,6 +266,12 @@ class VersionSources:
                     raise
                 log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
         raise AssertionError("unreachable")
+
+    def widen(self, why: str) -> None:
+        """A restore planned from some ranks' parts needs more: it is planned from every rank's."""
+        self.team.counters["restores_widened"] += 1
+        self.holders.forget()  # (one may be out of date)
+        log.info("team: a restore asks every rank's part: %s", why)
 
     def _lease_peers(self, got: TeamSources) -> None:
         """Pin on each peer what the restore reads there, under one lease: first the optional
@@ -268,21 +301,26 @@ class VersionSources:
             if (node, lease) not in got.leases:
                 got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
 
-    def _plan_sources(self, step: int | None, stale: int | None = None) -> TeamSources:
+    def _plan_sources(self, step: int | None, stale: int | None = None, reader: tuple[int, int] | None = None
+                      ) -> TeamSources:
         if step is None:
             step = self.latest()
             if step is None:
                 raise VersionNotFound("no committed version is held whole by the live nodes of the team")
         if not self.team.is_committed(step):
             raise VersionNotFound(f"step {step} is not committed by the team")
-        gen, held = self._held(step, stale)
-        run = run_to_read(held, self.team.current_run())
+        ranks = None
+        if reader is None:
+            gen, held = self._held(step, stale)
+            run = run_to_read(held, self.team.current_run())
+        else:
+            gen, held, run, ranks = self.holders.held(step, reader)
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
             try:
-                world, chosen = choose_copies(held, self.rank, step, run, damaged)
+                world, chosen = choose_copies(held, self.rank, step, run, damaged, ranks)
             except VersionNotFound:
-                if gen is None:
+                if gen is None or ranks is not None:
                     raise
                 gen, held = self._held(step, gen)  # the directory's answer may be out of date: once afresh
                 run = run_to_read(held, self.team.current_run())
@@ -293,7 +331,7 @@ class VersionSources:
                 break
             damaged |= bad
         out = TeamSources(step, self)
-        out.run, out.gen = run or "", gen
+        out.run, out.gen, out.partial = run or "", gen, ranks is not None
         for rank, (copy, _) in chosen.items():
             out.holders[rank] = tuple(sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
                                               and rank in h.ranks and (h.node, h.origin) not in damaged}))
@@ -313,41 +351,8 @@ class VersionSources:
     def _rebuild(self, origin: int, step: int, got: TeamSources) -> tuple[str, dict[int, int]]:
         """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
         the file and where each rank's bytes start in it."""
-        parity = self.team.parity
-        try:
-            man = parity.manifest_of(origin, step)
-        except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
-            man = parity.fetch_manifest(origin, step)
         path = self._new_file(got)
-        mm = open_reserved(path, man["size"], [(0, man["size"])])
-        t0 = time.monotonic()
-        parts = {p["rank"]: part_from_wire(p) for p in man["parts"]}
-        what = f"node {origin} step {step} rebuilt from parity"
-        try:
-            try:
-                bases = parity.rebuild(origin, step, mm)
-                check_parts(mm, bases, parts, what)
-            except ChecksumMismatch as exc:
-                # a damaged unit or parity block on some member: where the code has a block to
-                # spare, rebuild without each other member in turn until the checksums hold
-                self.team.counters["parity_checksum_errors"] += 1
-                for suspect in sorted(set(parity.stripes.members) - {origin}):
-                    try:
-                        bases = parity.rebuild(origin, step, mm, distrust=frozenset({suspect}))
-                        check_parts(mm, bases, parts, what)
-                    except (ChecksumMismatch, VersionNotFound):
-                        continue
-                    log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
-                                "failed the checksums", origin, step, suspect)
-                    break
-                else:
-                    raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
-                                           "an older step or from the flush dir") from None
-        finally:
-            close_map(mm)
-        log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
-                 origin, step, man["size"], time.monotonic() - t0)
-        return path, bases
+        return path, self.team.parity.rebuild_checked(origin, step, path)
 
     def _spread(self, held: list, run: str, chosen: dict, damaged: set) -> dict[int, tuple[int, ...]]:
         """Per rank read from peers: every live peer with a whole copy of its part (the owner's
@@ -386,8 +391,9 @@ class VersionSources:
         parts and their indexes made from one directory answer serve every restore of this node
         planned from it (a team's version has every rank's tensors: 10^5-10^6 of them)."""
         step = out.step
+        keep = out.gen is not None and not out.partial  # (a partial answer's parts serve only itself)
         with self._shared_lock:
-            shared = self._shared.get((step, out.gen)) if out.gen is not None else None
+            shared = self._shared.get((step, out.gen)) if keep else None
         if shared is not None and shared[0].parts.keys() != chosen.keys():
             shared = None
         with self.store.atomic():
@@ -418,7 +424,9 @@ class VersionSources:
         if shared is None:
             parts = dict(out.parts)  # (this restore's own dict stays its own)
             shared = (Version(step, world, VersionState.COMMITTED, parts), RamSame(parts))
-            if out.gen is not None:
+            if out.partial:
+                _shapes_known(shared[0])
+            if keep:
                 with self._shared_lock:
                     self._shared[(step, out.gen)] = shared
                     while len(self._shared) > SHARED_KEPT:
@@ -562,6 +570,20 @@ class VersionSources:
             node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]},
             timeout=120.0)
         return _split(frames, [n for _, n in ranges])
+
+
+def _shapes_known(version: Version) -> None:
+    """Some ranks' parts give each global tensor's shape only if every fragment states it whole
+    and they agree (a stacked dim whose count no placement gave takes its extent from every
+    rank's items). Raises PlacementMismatch: the restore then reads every rank's parts."""
+    seen: dict[str, tuple] = {}
+    for part in version.parts.values():
+        for t in part.tensors:
+            shared = t.shared if t.shared is not None else t.geometry()
+            for frag in shared or t.fragments():
+                name, shape = t.name if shared else frag.name, tuple(frag.global_shape)
+                if None in shape or seen.setdefault(name, shape) != shape:
+                    raise PlacementMismatch(f"the shape of global tensor {name!r} comes from every rank's parts")
 
 
 def _shares(ranges: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:

@@ -81,7 +81,8 @@ class Team:
         self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
-                         "parity_checksum_errors": 0}
+                         "parity_checksum_errors": 0, "restores_from_holders": 0, "restores_widened": 0,
+                         "holdings_answered": 0, "manifests_answered": 0}
         self.store = None
         self.replicas: ReplicaStore | None = None
         self.leases: Leases | None = None
@@ -365,9 +366,10 @@ class Team:
         """The newest committed step that the live nodes still hold whole (None: none)."""
         return self.sources.latest()
 
-    def restore_sources(self, step: int | None):
-        """Where every rank's part of ``step`` is read from (``sources.TeamSources``)."""
-        return self.sources.restore_sources(step)
+    def restore_sources(self, step: int | None, reader: tuple[int, int] | None = None):
+        """Where every rank's part of ``step`` is read from (``sources.TeamSources``); with
+        ``reader`` (rank, world size), in a large team, first only that rank's and rank 0's."""
+        return self.sources.restore_sources(step, reader)
 
     def localize(self, sources, plan: protocol.RestorePlan) -> protocol.RestorePlan:
         """Bring the plan's bytes that live on peers here, checked (``VersionSources.localize``)."""

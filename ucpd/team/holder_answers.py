@@ -1,0 +1,112 @@
+"""A restore in the layout that saved its step asks only the holders of the parts it reads.
+
+A trainer rank that restores in the world size that saved the step (the job restarted as it
+was, a failed node replaced by a new one) reads the node part its rank's is in (a rank skips
+writing what a lower rank of its node holds), and rank 0's for the plain values it lacks. Who holds those parts comes from the directory's answer without manifests,
+the one ``latest`` gathered (``team.directory``: every node's ranks, a few bytes a node); the
+node then asks only those holders for the parts' manifests (``holdings {step, ranks}``):
+
+- the reader's node part: every live copy, when it is not on this node (the fetch takes its
+  bytes in shares from each, ``PeerRead.spread``);
+- rank 0's part: one copy, a different one on each node (every node of the job asks for it).
+
+An answer serves every restore of this node that wants it for ``SHARED_S`` (a node's ranks
+restore together). ``VersionSources`` plans from these parts alone (``TeamSources.partial``)
+and widens to every rank's part when they do not answer the restore (``docs/PROTOCOL.md``,
+"What the team holds", D5).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from .. import protocol
+from ..errors import UcpdError, VersionNotFound
+from .decide import Holding, run_to_read
+
+log = logging.getLogger("ucpd.team")
+
+SHARED_S = 5.0  # seconds a holder's answer serves the restores of this node that want it
+
+
+class _Answer:
+    """A holder's answer that several restores of this node wait for."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.items: list[dict] | None = None
+
+
+class HolderAnswers:
+    """The holders' answers of this node's restores in the saved layout (``sources``: the node's
+    ``VersionSources``, for its rank, transport, directory and own holdings)."""
+
+    def __init__(self, sources) -> None:
+        self.sources = sources
+        self._answers: dict[tuple, tuple[float, _Answer]] = {}  # (node, step, ranks, gen) -> its answer
+        self._lock = threading.Lock()
+
+    def held(self, step: int, reader: tuple[int, int]) -> tuple[int | None, list[Holding], str, frozenset[int]]:
+        """What the holders of the parts ``reader`` (rank, world size) reads of ``step`` hold
+        of it, with manifests; the directory's gather it came from; the run read (chosen on
+        every node's ranks); and the ranks read. Raises VersionNotFound when the run was saved
+        by another world size (its rank's part is not the reader's)."""
+        me = self.sources.rank
+        rank, world = reader
+        stale = None
+        for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
+            gen, by_node = self.sources.held_by_node(None, stale)
+            items = [h for hs in by_node.values() for h in hs if h.step == step]
+            run = run_to_read(items, self.sources.team.current_run())
+            saved = {h.world_size for h in items if h.run == run}
+            if saved != {world}:
+                raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}")
+            # the whole node part the rank's is in (a rank skips writing what a lower rank of its
+            # node holds: ``snapshots.skip_for``), and rank 0's
+            ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
+            held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.sources.own_holdings(step)]
+            away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
+            asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
+            for r in sorted(away):
+                nodes = sorted({h.node for h in items if h.run == run and r in h.ranks} - {me})
+                for n in nodes if r != 0 or not nodes else [nodes[me % len(nodes)]]:
+                    asks.setdefault(n, set()).add(r)
+            for node, rs in sorted(asks.items()):
+                held += [Holding.from_wire(node, i) for i in self._answer(node, step, tuple(sorted(rs)), gen)]
+            if gen is None or ranks <= {p["rank"] for h in held if h.run == run for p in h.parts} | {r for r in ranks if r >= world}:
+                break
+            self.forget()
+            stale = gen
+        return gen, held, run, ranks
+
+    def forget(self) -> None:
+        """Drop every kept answer (one was found out of date)."""
+        with self._lock:
+            self._answers.clear()
+
+    def _answer(self, node: int, step: int, ranks: tuple[int, ...], gen: int | None) -> list[dict]:
+        """What ``node`` holds of ``ranks``' parts of ``step``, asked once for the restores of
+        this node that want it within ``SHARED_S``; [] when it does not answer."""
+        key = (node, step, ranks, gen)
+        with self._lock:
+            now = time.monotonic()
+            for k in [k for k, (t, _) in self._answers.items() if now - t > SHARED_S]:
+                del self._answers[k]
+            kept = self._answers.get(key)
+            if kept is None:
+                kept = self._answers[key] = (now, _Answer())
+        answer = kept[1]
+        with answer.lock:  # the first restore asks; those that want the same answer meanwhile wait for it
+            if answer.items is None:
+                try:
+                    reply, _ = self.sources.transport.request(node, "holdings", {"step": step, "ranks": list(ranks)},
+                                                              timeout=10.0)
+                except UcpdError as exc:
+                    log.warning("team: node %d did not answer holdings: %s", node, exc)
+                    with self._lock:
+                        self._answers.pop(key, None)
+                    return []
+                answer.items = reply.get("items", [])
+        return answer.items
