@@ -1,7 +1,9 @@
 #!/usr/bin/env python
 """A job restarting on a team, on loopback: what its restore costs the peers, asked of every
-node (``--commit-fanout 0``) against the directory's recursive doubling (``--commit-fanout 2``,
-the configuration of a large team).
+node (``--commit-fanout 0``) against a large team's way (``--commit-fanout 2``): the directory's
+recursive doubling for ``latest``, then, the job restarting in the layout that saved the step,
+manifests asked only of the holders of each rank's node part and rank 0's
+(``team/holder_answers.py``).
 
     .venv/bin/python benchmarks/team/bench_restart_discovery.py [--nodes 6] [--per-node 2]
         [--tensors 64] [--reps 3] [--json OUT]
@@ -128,7 +130,7 @@ def main() -> int:
     print("| `--commit-fanout` | how | peer messages in the restart (median, min–max) | bytes sent | "
           "latest + restore a rank (median of medians, min–max) | bit-exact |")
     print("|---|---|---:|---:|---:|---|")
-    for fanout, how in ((0, "every rank asks every node"), (2, "directory (recursive doubling)")):
+    for fanout, how in ((0, "every rank asks every node"), (2, "directory, then only the holders")):
         rs = [r for r in runs if r["fanout"] == fanout]
         m = [r["messages"] for r in rs]
         t = [statistics.median(r["restore_s"]) for r in rs]
