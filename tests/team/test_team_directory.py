@@ -20,6 +20,7 @@ from helpers.inproc_team import InProcTeam
 from ucpd.daemon.versions import VersionState
 from ucpd.errors import ProtocolError, UcpdError
 from ucpd.team import directory
+from ucpd.team.sources import PeerRead
 
 COMMITTED = VersionState.COMMITTED
 
@@ -217,5 +218,23 @@ def test_a_stacked_tensor_whose_count_every_rank_gives_together_reads_every_rank
             assert tuple(got.sources.globals["experts"][1]) == (3, 4)  # the partial answer would say 2 or 1
         finally:
             got.release()
+    finally:
+        t.close()
+
+
+def test_a_restore_in_the_saved_layout_reads_rank_0_from_a_whole_copy_not_a_parity_rebuild(monkeypatch, ucpd_isolation):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "1024")
+    t = InProcTeam(4, ucpd_isolation, fanout=2, parity=(3, 1))  # the members hold rank 0's manifest too
+    try:
+        for i in range(4):
+            t[i].seal(i, 4, 1)
+        t.wait_state(1, COMMITTED)
+        for node in (1, 2, 3):
+            got = t[node].team.restore_sources(None, (node, 4))
+            try:
+                assert got.partial and sorted(got.parts) == [0, node]
+                assert isinstance(got.where[0], PeerRead) and got.where[0].node == 0  # node 0's RAM
+            finally:
+                got.release()
     finally:
         t.close()

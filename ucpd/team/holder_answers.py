@@ -6,9 +6,11 @@ writing what a lower rank of its node holds), and rank 0's for the plain values 
 the one ``latest`` gathered (``team.directory``: every node's ranks, a few bytes a node); the
 node then asks only those holders for the parts' manifests (``holdings {step, ranks}``):
 
-- the reader's node part: every live copy, when it is not on this node (the fetch takes its
-  bytes in shares from each, ``PeerRead.spread``);
-- rank 0's part: one copy, a different one on each node (every node of the job asks for it).
+- the reader's node part: every live whole copy, when it is not on this node (the fetch takes
+  its bytes in shares from each, ``PeerRead.spread``);
+- rank 0's part: one whole copy, a different one on each node (every node of the job asks);
+- a part no whole copy is left of: one member of its parity group, for its manifest (the part
+  is rebuilt from the group's blocks, as in any restore).
 
 An answer serves every restore of this node that wants it for ``SHARED_S`` (a node's ranks
 restore together). ``VersionSources`` plans from these parts alone (``TeamSources.partial``)
@@ -70,8 +72,14 @@ class HolderAnswers:
             away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
             asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
             for r in sorted(away):
-                nodes = sorted({h.node for h in items if h.run == run and r in h.ranks} - {me})
-                for n in nodes if r != 0 or not nodes else [nodes[me % len(nodes)]]:
+                whole = sorted({h.node for h in items if h.run == run and r in h.ranks and not h.parity} - {me})
+                if not whole:  # lost: rebuilt from parity (its manifest from one member; the rebuild asks the group)
+                    nodes = sorted({h.node for h in items if h.run == run and r in h.ranks} - {me})[:1]
+                elif r == 0:
+                    nodes = [whole[me % len(whole)]]  # one copy, a different one on each node
+                else:
+                    nodes = whole  # every copy of the node part: the fetch takes its shares from each
+                for n in nodes:
                     asks.setdefault(n, set()).add(r)
             for node, rs in sorted(asks.items()):
                 held += [Holding.from_wire(node, i) for i in self._answer(node, step, tuple(sorted(rs)), gen)]
