@@ -195,6 +195,21 @@ def test_a_replaced_member_holds_no_parity_and_the_steps_it_held_are_degraded_th
     assert team[0].team.latest() is None  # node 1's part would need node 2's lost blocks
 
 
+def test_a_member_that_lost_its_blocks_gives_none_and_a_rebuild_counts_them_lost_not_zeros(parity_team, tmp_path):
+    team = parity_team(3, (2, 1), 1)
+    for node in team:
+        node.seal(node.rank, 3, step=1)
+    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
+    with team[2].team.parity._lock:
+        team[2].team.parity.blocks.clear()  # its parity blocks are gone (its own part stays)
+    with pytest.raises(VersionNotFound, match="holds no parity block"):
+        team[2].team.parity.on_block({"step": 1, "inc": "run1", "row": 0})
+    # rebuilding node 1's part (as if lost) needs node 2's blocks in the rows it holds parity
+    # of: a typed loss, never zeros in their place (caught only by the checksums)
+    with pytest.raises(VersionNotFound, match="cannot be rebuilt"):
+        team[0].team.parity.rebuild_checked(1, 1, str(tmp_path / "rebuilt"))
+
+
 def test_health_is_about_committed_versions_and_a_dead_runs_step_is_not_healed_nor_counted(parity_team):
     make = parity_team
     team = make(3, None, 1, replicas=1)

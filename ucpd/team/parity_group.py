@@ -192,9 +192,14 @@ class ParityGroup:
             pb.add(body["row"], body["pos"], data, body["index"])
 
     def on_block(self, body: dict) -> list:
+        """Our parity block of row ``row`` of ``step``. Raises VersionNotFound when we hold none of
+        that step (restarted since, or evicted): a rebuild counts the block lost. (Zeros in its
+        place would rebuild zeros, caught only by the checksums.)"""
         with self._lock:
             pb = self.blocks.get((body["step"], body["inc"]))
-            return [_flipped(pb.block(body["row"]) if pb is not None else bytes(self.stripes.unit), body["step"])]
+            if pb is None:
+                raise VersionNotFound(f"node {self.team.rank} holds no parity block of step {body['step']}")
+            return [_flipped(pb.block(body["row"]), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
         """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
@@ -338,7 +343,10 @@ class ParityGroup:
 
     def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
         if node == self.team.rank:
-            frames = self.on_block(body) if msg_type == "parity_block" else self.on_blob_unit(body)
+            try:
+                frames = self.on_block(body) if msg_type == "parity_block" else self.on_blob_unit(body)
+            except VersionNotFound:
+                return None
         else:
             try:
                 _, frames = self.team.transport.request(node, msg_type, body, timeout=60.0)
