@@ -69,8 +69,8 @@ def _storage(dtype: str) -> np.dtype:
 def merged_values(objects: Mapping[int, bytes], rank: int, crcs: Mapping[int, int | None] | None = None) -> dict[str, Any]:
     """The plain values of a version for ``rank``: its own rank's first, then any name it
     lacks from the other source ranks the daemon sent, lowest first (a new rank gets rank 0's
-    loader state). A large team's restore in the layout that saved it sends only the rank's own
-    and rank 0's. Each rank's pickle is checked against its CRC32C before it is unpickled."""
+    loader state). A large team's restore in the layout that saved it sends only rank 0's and
+    those of the rank's node part. Each rank's pickle is checked against its CRC32C before it is unpickled."""
     out: dict[str, Any] = {}
     for r in sorted(objects, key=lambda r: (r != rank, r)):
         want = (crcs or {}).get(r)

@@ -160,17 +160,20 @@ def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_
     team.start(1)
     for d in team.run_dirs():
         wait_for(lambda d=d: all(n["live"] for n in status(d)["team"]["nodes"]), "every node to see node 1 again")
+    for d in team.run_dirs():  # the copies healed while node 1 was gone have settled
+        wait_for(lambda d=d: status(d)["team"]["health"] == "healthy", "every node to be healthy")
     before = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
     restore_on(team.run_dirs(), 10, 2, 2, 3)  # every rank bit-exact
 
     after = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
     grew = {i: {k: after[i][k] - before[i].get(k, 0) for k in after[i]} for i in after}
     moved = {i: {k: grew[i][k] for k in ("restores_from_holders", "restores_widened", "manifests_answered")} for i in grew}
-    assert all(grew[i]["restores_from_holders"] == 2 and grew[i]["restores_widened"] == 0 for i in grew), (moved, [l for l in team.logs().splitlines() if "asks every rank" in l])
-    # a rank asks the holders of its own part and of rank 0's for manifests: node 0 (rank 0's
-    # owner) and node 1's replica holder are asked by several nodes, no node by every rank
-    asked = sorted(grew[i]["manifests_answered"] for i in grew)
-    assert sum(asked) <= 2 * 10 and asked[-1] <= 8, grew
+    assert all(grew[i]["restores_from_holders"] == 2 and grew[i]["restores_widened"] == 0 for i in grew), (
+        moved, [ln for ln in team.logs().splitlines() if "asks every rank" in ln])
+    # rank 0's manifest came with latest's gather; only node 1's part, on its copy, is asked
+    # for, once for both of node 1's ranks (twice if healing left two copies of it)
+    asked = {i: grew[i]["manifests_answered"] for i in grew if grew[i]["manifests_answered"]}
+    assert 1 not in asked and 1 <= sum(asked.values()) <= 2, moved
 
 
 def test_a_job_restarted_in_another_layout_on_a_large_team_widens_to_every_part(make_team):

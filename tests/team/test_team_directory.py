@@ -179,20 +179,34 @@ def test_a_node_without_a_directory_refuses_to_serve_one(ucpd_isolation):
         t.close()
 
 
-def test_a_restore_in_the_layout_that_saved_it_asks_only_the_holders_of_its_rank_and_rank_0(team):
+def test_a_restore_in_the_layout_that_saved_it_asks_nobody_when_its_part_is_here(team):
     assert team[3].team.latest() == 1
     forget(team)
     got = team[3].team.restore_sources(None, (3, 5))  # rank 3 of a job of 5 ranks, as saved
     try:
         assert got.partial and sorted(got.parts) == [0, 3]  # its own part (here) and rank 0's
-        assert sum(asked(team, "holdings").values()) == 1  # rank 0's part: from node 0 or its copy, one of them
-        assert not asked(team, "directory")  # the directory's answer latest gathered says who they are
+        # rank 0's manifest came with the gather latest made; the directory's answer is kept
+        assert not asked(team, "holdings") and not asked(team, "directory")
+        assert got.where[0].node in (0, 1)  # node 0's RAM or its copy
     finally:
         got.release()
-    again = [team[3].team.restore_sources(None, (3, 5)) for _ in range(3)]  # the node's other ranks, meanwhile
-    for g in again:
-        g.release()
-    assert sum(asked(team, "holdings").values()) == 1  # they share the answer
+
+
+def test_a_restore_of_a_part_lost_here_asks_its_copies_once_for_all_the_nodes_restores(team):
+    team.lose(2)
+    team.wait_live({0, 1, 3, 4})
+    team.replace(2)  # a new daemon, empty RAM: rank 2's part is on its copy only
+    team.wait_live({0, 1, 2, 3, 4})
+    assert team[2].team.latest() == 1
+    forget(team)
+    restores = [team[2].team.restore_sources(None, (2, 5)) for _ in range(3)]  # the node's ranks, together
+    try:
+        assert all(g.partial and sorted(g.parts) == [0, 2] for g in restores)
+        copies = set(restores[0].where[2].nodes)  # its copies (healing may have made a second meanwhile)
+        assert 2 not in copies and asked(team, "holdings") == dict.fromkeys(copies, 1)  # one answer each for the three
+    finally:
+        for g in restores:
+            g.release()
 
 
 def test_a_restore_in_another_world_size_reads_every_rank(team):

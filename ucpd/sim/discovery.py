@@ -13,10 +13,10 @@ the restart model in ``sim.recovery`` answers (msgpack of its HOLDING items, ``-
   for the step, each shared by the node's 8 ranks: one request a level and ⌈log₂ N⌉ levels;
 - ``holders`` — what ``ucpd serve`` does in a large team when the job restarts in the layout
   that saved it (a failed node replaced): the directory's gather without manifests for
-  ``latest``, then each node asks one holder of rank 0's part for that part's manifest (the
-  plain values a rank lacks come from rank 0), a different copy on each node; its own ranks'
-  parts are in its RAM. A node whose part was lost also asks its part's holders (not modelled:
-  a few nodes);
+  ``latest``, in which the items holding rank 0 (node 0's and its replica's) carry rank 0's
+  manifest for each kept step (the plain values a rank lacks come from rank 0); its own ranks'
+  parts are in its RAM, so nobody is asked for manifests. A node whose part was lost asks its
+  part's copies once for its ranks (not modelled: a few nodes);
 - ``hub`` — for comparison, a directory on one node (a metadata server): each node asks it
   once, it asks every node once and sends the whole set once per node.
 
@@ -109,15 +109,10 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
         out_b[y] += nbytes
         in_b[x] += nbytes
 
+    zero = KEEP * rank_bytes(nodes)  # rank 0's manifests, on node 0 and on its replica (node 1)
     for per_node in (bare, manifest):  # latest, then the restore's step
         if scheme == "holders" and per_node == manifest:
-            before = snapshot()
-            copies = [0, 1]  # rank 0's part: node 0 and its replica (``--replicas 1``)
-            for x in range(nodes):
-                if x not in copies:
-                    ask(x, copies[x % len(copies)], rank_bytes(nodes))
-            time_s += round_time(before)
-            continue
+            continue  # (every manifest it reads is here)
         if scheme == "ask_all":  # symmetric: every node alike (``exact=True`` counts it pair by pair)
             for _ in range(RANKS):
                 if exact:
@@ -140,7 +135,9 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
                 for x in range(nodes):
                     p = partner(x, k, nodes)
                     if p is not None:
-                        ask(x, p, len(span(p, k - 1, nodes)) * per_node)
+                        block = span(p, k - 1, nodes)
+                        extra = zero * len({0, 1} & set(block)) if scheme == "holders" else 0
+                        ask(x, p, len(block) * per_node + extra)
                 time_s += round_time(before)
         elif scheme == "hub":
             before = snapshot()

@@ -2,13 +2,16 @@
 
 A trainer rank that restores in the world size that saved the step (the job restarted as it
 was, a failed node replaced by a new one) reads the node part its rank's is in (a rank skips
-writing what a lower rank of its node holds), and rank 0's for the plain values it lacks. Who holds those parts comes from the directory's answer without manifests,
-the one ``latest`` gathered (``team.directory``: every node's ranks, a few bytes a node); the
-node then asks only those holders for the parts' manifests (``holdings {step, ranks}``):
+writing what a lower rank of its node holds), and rank 0's for the plain values it lacks. Who
+holds those parts comes from the directory's answer without manifests, the one ``latest``
+gathered (``team.directory``: every node's ranks, a few bytes a node); the node then asks only
+those holders for the parts' manifests (``holdings {step, ranks}``):
 
 - the reader's node part: every live whole copy, when it is not on this node (the fetch takes
   its bytes in shares from each, ``PeerRead.spread``);
-- rank 0's part: one whole copy, a different one on each node (every node of the job asks);
+- rank 0's part: its manifest came with that gather (an item holding rank 0 carries it,
+  ``VersionSources.own_holdings``): nobody is asked; one whole copy, a different one on each
+  node, is read if a target needs its bytes;
 - a part no whole copy is left of: one member of its parity group, for its manifest (the part
   is rebuilt from the group's blocks, as in any restore).
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import replace
 
 from .. import protocol
 from ..errors import UcpdError, VersionNotFound
@@ -50,14 +54,17 @@ class HolderAnswers:
         self._answers: dict[tuple, tuple[float, _Answer]] = {}  # (node, step, ranks, gen) -> its answer
         self._lock = threading.Lock()
 
-    def held(self, step: int, reader: tuple[int, int]) -> tuple[int | None, list[Holding], str, frozenset[int]]:
+    def held(self, step: int, reader: tuple[int, int], stale: int | None = None
+             ) -> tuple[int | None, list[Holding], str, frozenset[int]]:
         """What the holders of the parts ``reader`` (rank, world size) reads of ``step`` hold
         of it, with manifests; the directory's gather it came from; the run read (chosen on
-        every node's ranks); and the ranks read. Raises VersionNotFound when the run was saved
-        by another world size (its rank's part is not the reader's)."""
+        every node's ranks); and the ranks read. ``stale``: that gather was found out of date.
+        Raises VersionNotFound when the run was saved by another world size (its rank's part is
+        not the reader's)."""
         me = self.sources.rank
         rank, world = reader
-        stale = None
+        if stale is not None:
+            self.forget()
         for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
             gen, by_node = self.sources.held_by_node(None, stale)
             items = [h for hs in by_node.values() for h in hs if h.step == step]
@@ -71,6 +78,12 @@ class HolderAnswers:
             held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.sources.own_holdings(step)]
             away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
             asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
+            if 0 in away:  # rank 0's manifest came with the gather (``own_holdings``): no one is asked for it
+                zero = [h for h in items if h.run == run and not h.parity and h.parts and h.node != me]
+                if zero:
+                    h = zero[me % len(zero)]  # (a different copy on each node)
+                    held.append(replace(h, parts=tuple(p for p in h.parts if p["rank"] == 0)))
+                    away = away - {0}
             for r in sorted(away):
                 whole = sorted({h.node for h in items if h.run == run and r in h.ranks and not h.parity} - {me})
                 if not whole:  # lost: rebuilt from parity (its manifest from one member; the rebuild asks the group)

@@ -164,7 +164,9 @@ class VersionSources:
 
     def own_holdings(self, step: int | None, ranks: list[int] | None = None) -> list[dict]:
         """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items.
-        ``ranks`` (with a step): only those ranks' parts."""
+        ``ranks`` (with a step): only those ranks' parts. Without a step, an item holding rank 0
+        carries rank 0's manifest: every restore in the saved layout reads it (its plain values),
+        so it travels with the gather ``latest`` makes (``holder_answers``)."""
         if ranks is not None and step is not None:
             want = set(ranks)
             out = []
@@ -182,6 +184,8 @@ class VersionSources:
                                      "ranks": sorted(v.parts)}, run_of(v))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
+                    elif 0 in v.parts:
+                        item["parts"] = [protocol.part_to_wire(v.parts[0], used_bytes(v.parts[0]))]
                     items.append(item)
             for (origin, s), rep in self.replicas.held.items():
                 if rep.whole and (step is None or s == step):
@@ -189,6 +193,8 @@ class VersionSources:
                                      "ranks": sorted(rep.parts)}, run_of(rep))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
+                    elif 0 in rep.parts:
+                        item["parts"] = [protocol.part_to_wire(rep.parts[0], rep.used[0])]
                     items.append(item)
         if parity is not None:
             for item in parity.holdings(step):
@@ -244,15 +250,20 @@ class VersionSources:
         for manifests, and the answer is ``partial``. A restore they do not cover, or another
         world size, asks for every rank's part (``widen``)."""
         if reader is not None and self.directory is not None:
-            got = None
-            try:
-                got = self._plan_sources(step, reader=reader)
-                self._lease_peers(got)
-                return got
-            except (VersionNotFound, PlacementMismatch) as exc:
-                if got is not None:
+            stale = None
+            for _ in range(2):  # a holder that evicted or moved a part since: once more on a fresh gather
+                got = None
+                try:
+                    got = self._plan_sources(step, stale, reader)
+                    self._lease_peers(got)
+                    return got
+                except (VersionNotFound, PlacementMismatch) as exc:
+                    why = exc
+                    if got is None:
+                        break
                     got.release()
-                self.widen(f"step {step}, rank {reader[0]} of {reader[1]}: {exc}")
+                    stale = got.gen
+            self.widen(f"step {step}, rank {reader[0]} of {reader[1]}: {why}")
         stale = None
         for attempt in range(3):
             got = self._plan_sources(step, stale)
@@ -314,7 +325,7 @@ class VersionSources:
             gen, held = self._held(step, stale)
             run = run_to_read(held, self.team.current_run())
         else:
-            gen, held, run, ranks = self.holders.held(step, reader)
+            gen, held, run, ranks = self.holders.held(step, reader, stale)
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
             try:
