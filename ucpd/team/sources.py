@@ -164,9 +164,10 @@ class VersionSources:
 
     def own_holdings(self, step: int | None, ranks: list[int] | None = None) -> list[dict]:
         """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items.
-        ``ranks`` (with a step): only those ranks' parts. Without a step, an item holding rank 0
-        carries rank 0's manifest: every restore in the saved layout reads it (its plain values),
-        so it travels with the gather ``latest`` makes (``holder_answers``)."""
+        ``ranks`` (with a step): only those ranks' parts. Without a step, in a large team (a
+        directory), an item holding rank 0 carries rank 0's manifest: every restore in the saved
+        layout reads it (its plain values), so it travels with the gather ``latest`` makes
+        (``holder_answers``)."""
         if ranks is not None and step is not None:
             want = set(ranks)
             out = []
@@ -177,6 +178,7 @@ class VersionSources:
             return out
         items = []
         store, parity = self.store, self.team.parity
+        zero = step is None and self.directory is not None
         with store.atomic():
             for v in store.versions_in(SEALED):
                 if (step is None or v.step == step) and v.parts:
@@ -184,7 +186,7 @@ class VersionSources:
                                      "ranks": sorted(v.parts)}, run_of(v))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
-                    elif 0 in v.parts:
+                    elif zero and 0 in v.parts:
                         item["parts"] = [protocol.part_to_wire(v.parts[0], used_bytes(v.parts[0]))]
                     items.append(item)
             for (origin, s), rep in self.replicas.held.items():
@@ -193,7 +195,7 @@ class VersionSources:
                                      "ranks": sorted(rep.parts)}, run_of(rep))
                     if step is not None:
                         item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
-                    elif 0 in rep.parts:
+                    elif zero and 0 in rep.parts:
                         item["parts"] = [protocol.part_to_wire(rep.parts[0], rep.used[0])]
                     items.append(item)
         if parity is not None:
