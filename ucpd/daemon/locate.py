@@ -201,7 +201,7 @@ class Locator:
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
         (a retry): the same step from the other place, or (no step asked) the newest other version.
         ``reader``: (rank, world size) of the trainer restoring; a large team then plans from
-        that rank's part and rank 0's first (``Found.partial``; ``team.sources``)."""
+        the node part of that rank and rank 0's first (``Found.partial``; ``team.holder_answers``)."""
         if self.team is not None:
             return self._team_find(step, job, avoid, reader)
         version = self._ram_choice(step, job, avoid)

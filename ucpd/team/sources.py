@@ -247,10 +247,10 @@ class VersionSources:
         (a lease) until released. Raises VersionNotFound naming what is lost.
 
         ``reader``: (rank, world size) of the trainer restoring. In a large team (a directory),
-        a restore in the world size that saved the step reads that rank's part and rank 0's
-        (the plain values a rank lacks come from rank 0): only the nodes holding them are asked
-        for manifests, and the answer is ``partial``. A restore they do not cover, or another
-        world size, asks for every rank's part (``widen``)."""
+        a restore in the world size that saved the step reads the node part of that rank and
+        rank 0's part (``holder_answers``): only the nodes holding them are asked for manifests,
+        and the answer is ``partial``. A restore they do not cover, or another world size, asks
+        for every rank's part (``widen``)."""
         if reader is not None and self.directory is not None:
             stale = None
             for _ in range(2):  # a holder that evicted or moved a part since: once more on a fresh gather
