@@ -160,7 +160,7 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "holdings",
             {},
-            {"step": integer(), "ranks": list_of(integer(0, MAX_RANKS), 64)},
+            {"step": integer(), "ranks": list_of(integer(0, MAX_RANKS), 1024)},
             "what versions this node holds (own parts and replicas); with step: that step's manifests "
             "(with ranks: only those ranks' parts); reply: {node, items: [HOLDING]}",
             Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)}),
