@@ -225,6 +225,8 @@ class Directory:
         missing = sorted(block - set(held))
         if missing:
             self.counters["directory_fallbacks"] += 1
+            log.info("team: level %d of the directory lacks nodes %s (partner %s, view %s): asking them directly",
+                     level, missing, None if p is None else view[p], list(view))
             held.update((e["node"], e) for e in self._asked(missing, step))
         return [held[x] for x in sorted(held) if x in block]
 
