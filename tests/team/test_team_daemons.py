@@ -125,17 +125,23 @@ def test_a_gossiping_team_loses_a_node_while_views_converge_and_another_after_a_
     restore_on(team.run_dirs()[:2], 4, 2, 2, 3, then_snapshot=True)  # node 2's part from its copy, then step 4
 
 
-def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every_node(make_team):
-    # --commit-fanout 2: the configuration of a large team, where what every node holds is
-    # gathered by recursive doubling (team.directory), not asked of every node by every rank
+def large_team_that_lost_node_1(make_team):
+    """--commit-fanout 2 (the configuration of a large team: what every node holds is gathered by
+    recursive doubling, team.directory) on 5 daemons; a TP2xDP5 job saved steps 1-3 and was
+    killed; node 1 is lost and every survivor has dropped it."""
     team = make_team(5, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
-    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)  # TP2xDP5
+    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)
     assert sorted(m[2] for m in done) == [3] * 10, team.logs()
     ranks.kill(procs)
     team.lose(1)
-    survivors = [d for i, d in enumerate(team.run_dirs()) if i != 1]
-    for d in survivors:
+    for d in team.run_dirs()[:1] + team.run_dirs()[2:]:
         wait_for(lambda d=d: not status(d)["team"]["nodes"][1]["live"], "every survivor to drop node 1")
+    return team
+
+
+def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every_node(make_team):
+    team = large_team_that_lost_node_1(make_team)
+    survivors = [d for i, d in enumerate(team.run_dirs()) if i != 1]
     restore_on(survivors, 8, 2, 2, 3, then_snapshot=True)  # TP2xDP4, node 1's part from its copy
 
     c = {i: status(team.nodes[i].run_dir)["team"]["counters"] for i in (0, 2, 3, 4)}
@@ -149,14 +155,8 @@ def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every
 
 def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_its_parts(make_team):
     # node 1 is replaced by a new daemon (empty RAM); the job restarts in the layout that saved
-    # it, so each rank reads its own part (node 1's ranks from its replica) and rank 0's values
-    team = make_team(5, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
-    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)  # TP2xDP5
-    assert sorted(m[2] for m in done) == [3] * 10, team.logs()
-    ranks.kill(procs)
-    team.lose(1)
-    for d in team.run_dirs()[:1] + team.run_dirs()[2:]:
-        wait_for(lambda d=d: not status(d)["team"]["nodes"][1]["live"], "every survivor to drop node 1")
+    # it, so each rank reads its node part (node 1's ranks from its copy) and rank 0's values
+    team = large_team_that_lost_node_1(make_team)
     team.start(1)
     for d in team.run_dirs():
         wait_for(lambda d=d: all(n["live"] for n in status(d)["team"]["nodes"]), "every node to see node 1 again")
