@@ -151,6 +151,9 @@ def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every
     # restore; the directory's rare direct asks (a partner that saw another view) stay far below
     asked = sum(c[i]["holdings_answered"] + c[i]["manifests_answered"] for i in c)
     assert asked < 8, (seen, [ln for ln in team.logs().splitlines() if "directory" in ln])
+    # another layout (DP5 -> DP4): each rank reads the parts the piece index names (node 1's
+    # from its copy), not every part
+    assert all(c[i]["restores_from_holders"] == 2 and c[i]["restores_widened"] == 0 for i in c), seen
 
 
 def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_its_parts(make_team):
@@ -176,14 +179,16 @@ def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_
     assert 1 not in asked and 1 <= sum(asked.values()) <= 2, moved
 
 
-def test_a_job_restarted_in_another_layout_on_a_large_team_widens_to_every_part(make_team):
+def test_a_job_restarted_in_another_layout_on_a_large_team_reads_the_parts_the_piece_index_names(make_team):
     team = make_team(4, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
     procs, done = ranks.spawn(snapshot_ranks, 8, team.run_dirs(), 2, 2, (1, 2), True)  # TP2xDP4
     assert sorted(m[2] for m in done) == [2] * 8, team.logs()
     ranks.kill(procs)
     restore_on(team.run_dirs(), 4, 1, 4, 2)  # TP4 on the same nodes, one rank each: bit-exact
     c = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs())}
-    assert all(c[i]["restores_widened"] == 1 and c[i]["restores_from_holders"] == 0 for i in c), c
+    seen = {i: {k: v for k, v in c[i].items() if k.startswith(("index", "restores", "holdings", "manifests"))} for i in c}
+    assert all(c[i]["restores_from_holders"] == 1 and c[i]["restores_widened"] == 0 for i in c), seen
+    assert all(c[i]["index_fallbacks"] == 0 and c[i]["index_gathers"] == 1 for i in c), seen
 
 
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):

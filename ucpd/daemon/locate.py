@@ -196,12 +196,14 @@ class Locator:
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
-    def find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple[int, int] | None = None) -> Found:
+    def find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple | None = None) -> Found:
         """Where ``step`` of ``job`` (None: the newest committed) is. RAM wins unless disk is newer.
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
         (a retry): the same step from the other place, or (no step asked) the newest other version.
-        ``reader``: (rank, world size) of the trainer restoring; a large team then plans from
-        the node part of that rank and rank 0's first (``Found.partial``; ``team.holder_answers``)."""
+        ``reader``: (rank, world size, targets) of the trainer restoring; a large team then
+        plans from the parts that rank reads first (``Found.partial``: in the saved layout its
+        node part and rank 0's, ``team.holder_answers``; in another, those the piece index
+        names for the targets, ``team.piece_index``)."""
         if self.team is not None:
             return self._team_find(step, job, avoid, reader)
         version = self._ram_choice(step, job, avoid)
@@ -247,7 +249,7 @@ class Locator:
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return Found(sources, objects, reader.step, job, "disk")
 
-    def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple[int, int] | None = None):
+    def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple | None = None):
         """``find`` across the team (a worker thread: it asks the peers). The team's
         RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
         if self.store.team_job is not None and job != self.store.team_job:

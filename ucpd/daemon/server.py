@@ -330,7 +330,7 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        found = self.locate.find(body.get("step"), job, avoid, (body["rank"], body["world_size"]))
+        found = self.locate.find(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
         try:
             try:
                 plan = restore_plan.plan(found.sources, body["targets"])

@@ -19,7 +19,7 @@ from typing import Any
 from ..errors import ProtocolError
 from .trainer import EMPTY, TENSOR_ENTRY
 from .wire import (
-    MAX_RANKS, MessageType, Record, any_map, binary, by_tag, crc32, integer, list_of, set_of, text, tuple_of,
+    MAX_RANKS, MessageType, Record, any_map, binary, by_tag, crc32, integer, list_of, nullable, set_of, text, tuple_of,
     validate_fields,
 )
 
@@ -43,6 +43,12 @@ HOLDING = Record(
 
 # What one node said it holds, as the directory (``team.directory``) passes it on.
 HELD = Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)})
+
+# The piece index (``team.piece_index``): a global tensor's pieces, (rank, offsets, lengths) each,
+# and a restore's query for the box of one it reads (offsets and lengths None: all of it).
+INDEX_ENTRY = Record({"n": text, "d": text, "s": list_of(nullable(integer()), 64),
+                      "p": list_of(tuple_of(integer(0, MAX_RANKS), list_of(integer(), 64), list_of(integer(), 64)))})
+INDEX_QUERY = tuple_of(text, nullable(list_of(integer(), 64)), nullable(list_of(integer(), 64)))
 
 # A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
 WAITING_ITEM = Record(
@@ -174,6 +180,24 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "renews answers (gather it afresh for it); `of`, `first`: the page of our answer of wave `of` that "
             "starts at entry `first`; reply: {wave, held: [{node, items}]; next: where the next page starts}",
             Record({"wave": integer(), "held": list_of(HELD)}, {"next": integer()}),
+        ),
+        MessageType(
+            "index",
+            {"step": integer(), "level": integer(0, 64), "m": integer(1, 1 << 40), "r": integer(), "v": integer()},
+            {"first": integer()},
+            "our level `level` of step's piece index (team.piece_index), built by recursive halving in the live "
+            "view whose id is `v` (refused in another), kept to the names whose owner o has o % m == r; from "
+            "entry `first` on; reply: {entries: [INDEX_ENTRY]; next: where the next page starts}",
+            Record({"entries": list_of(INDEX_ENTRY)}, {"next": integer()}),
+        ),
+        MessageType(
+            "pieces",
+            {"step": integer(), "v": integer(), "queries": list_of(INDEX_QUERY), "near": list_of(integer(0, MAX_RANKS))},
+            {},
+            "the ranks whose parts of step hold the boxes `queries` read (names we own in the piece index): one "
+            "rank per distinct saved box, a rank of `near` (parts the asker holds) first; reply: {ranks, missing: "
+            "the names we do not know}",
+            Record({"ranks": list_of(integer(0, MAX_RANKS)), "missing": list_of(text)}),
         ),
         MessageType(
             "waiting",

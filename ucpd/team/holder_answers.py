@@ -31,6 +31,7 @@ from dataclasses import replace
 from .. import protocol
 from ..errors import UcpdError, VersionNotFound
 from .decide import Holding, run_to_read
+from .piece_index import wants_of
 
 log = logging.getLogger("ucpd.team")
 
@@ -54,15 +55,17 @@ class HolderAnswers:
         self._answers: dict[tuple, tuple[float, _Answer]] = {}  # (node, step, ranks, gen) -> its answer
         self._lock = threading.Lock()
 
-    def held(self, step: int, reader: tuple[int, int], stale: int | None = None
+    def held(self, step: int, reader: tuple, stale: int | None = None
              ) -> tuple[int | None, list[Holding], str, frozenset[int]]:
-        """What the holders of the parts ``reader`` (rank, world size) reads of ``step`` hold
-        of it, with manifests; the directory's gather it came from; the run read (chosen on
-        every node's ranks); and the ranks read. ``stale``: that gather was found out of date.
-        Raises VersionNotFound when the run was saved by another world size (its rank's part is
-        not the reader's)."""
+        """What the holders of the parts ``reader`` reads of ``step`` hold of it, with manifests;
+        the directory's gather it came from; the run read (chosen on every node's ranks); and
+        the ranks read. ``reader``: (rank, world size), and the restore's targets (for a
+        restore in another layout: the piece index names the ranks they read). ``stale``: that
+        gather was found out of date. Raises VersionNotFound when the parts to read cannot be
+        named (another world size and no targets or no index answer): the restore reads every part."""
         me = self.sources.rank
-        rank, world = reader
+        rank, world = reader[0], reader[1]
+        targets = reader[2] if len(reader) > 2 else None
         if stale is not None:
             self.forget()
         for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
@@ -70,12 +73,14 @@ class HolderAnswers:
             items = [h for hs in by_node.values() for h in hs if h.step == step]
             run = run_to_read(items, self.sources.team.current_run())
             saved = {h.world_size for h in items if h.run == run}
-            if saved != {world}:
-                raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}")
-            # the whole node part the rank's is in (a rank skips writing what a lower rank of its
-            # node holds: ``snapshots.skip_for``), and rank 0's
-            ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
             held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.sources.own_holdings(step)]
+            if saved == {world}:
+                # the whole node part the rank's is in (a rank skips writing what a lower rank of
+                # its node holds: ``snapshots.skip_for``), and rank 0's
+                ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
+            else:
+                ranks = self._indexed(step, saved, reader, targets, held, run)
+            saved_world = min(saved)
             away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
             asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
             if 0 in away:  # rank 0's manifest came with the gather (``own_holdings``): no one is asked for it
@@ -91,16 +96,34 @@ class HolderAnswers:
                 elif r == 0:
                     nodes = [whole[me % len(whole)]]  # one copy, a different one on each node
                 else:
-                    nodes = whole  # every copy of the node part: the fetch takes its shares from each
+                    nodes = whole  # every copy of the part: the fetch takes its shares from each
                 for n in nodes:
                     asks.setdefault(n, set()).add(r)
             for node, rs in sorted(asks.items()):
                 held += [Holding.from_wire(node, i) for i in self._answer(node, step, tuple(sorted(rs)), gen)]
-            if gen is None or ranks <= {p["rank"] for h in held if h.run == run for p in h.parts} | {r for r in ranks if r >= world}:
+            got = {p["rank"] for h in held if h.run == run for p in h.parts}
+            if gen is None or ranks <= got | {r for r in ranks if r >= saved_world}:
                 break
             self.forget()
             stale = gen
         return gen, held, run, ranks
+
+    def _indexed(self, step: int, saved: set[int], reader: tuple, targets, held: list[Holding], run: str
+                 ) -> frozenset[int]:
+        """The ranks a restore in another layout reads: those the piece index names for its
+        targets' boxes (a part this node holds preferred), rank 0's (its plain values) and the
+        reader's own rank's in the saved world (its own plain values first, as ``merged_values``
+        reads them)."""
+        rank, world = reader[0], reader[1]
+        index = self.sources.index
+        if len(saved) != 1 or targets is None or index is None:
+            raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}")
+        (saved_world,) = saved
+        near = {r for h in held if h.run == run and not h.parity for r in h.ranks}
+        found = index.ranks_for(step, wants_of(targets), near)
+        if found is None:
+            raise VersionNotFound(f"the piece index of step {step} did not answer rank {rank} of {world}")
+        return frozenset(found | {0} | ({rank} if rank < saved_world else set()))
 
     def forget(self) -> None:
         """Drop every kept answer (one was found out of date)."""

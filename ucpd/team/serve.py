@@ -138,6 +138,20 @@ class PeerServer:
         answered once it is gathered."""
         return self._directory().serve(b)
 
+    def _on_index(self, src: int, b: dict, frames: list):
+        """A level of the piece index (``team.piece_index``), answered once it is built."""
+        return self._index().serve_level(b)
+
+    def _on_pieces(self, src: int, b: dict, frames: list):
+        """Which ranks' parts hold the boxes a peer's restore reads, from our shard of the index."""
+        return self._index().serve_queries(src, b)
+
+    def _index(self):
+        i = self.team.sources.index
+        if i is None:
+            raise protocol.ProtocolError(f"node {self.rank} keeps no piece index (started with --commit-fanout 0)")
+        return i
+
     def _directory(self):
         d = self.team.sources.directory
         if d is None:

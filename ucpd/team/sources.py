@@ -35,6 +35,7 @@ from ..errors import ChecksumMismatch, DaemonUnreachable, PlacementMismatch, Ucp
 from .decide import Holding, choose_copies, latest_whole, run_to_read
 from .directory import Directory, ask_all
 from .holder_answers import HolderAnswers
+from .piece_index import PieceIndex
 from .shmfiles import close_map, open_reserved, remove
 from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 
@@ -151,6 +152,7 @@ class VersionSources:
         self._shared: dict[tuple[int, int], tuple[Version, RamSame]] = {}  # (step, gen) -> parts and indexes
         self._shared_lock = threading.Lock()
         self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
+        self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
 
     @property
     def store(self):
@@ -241,16 +243,18 @@ class VersionSources:
             step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
         return step
 
-    def restore_sources(self, step: int | None, reader: tuple[int, int] | None = None) -> TeamSources:
+    def restore_sources(self, step: int | None, reader: tuple | None = None) -> TeamSources:
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
         first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
         (a lease) until released. Raises VersionNotFound naming what is lost.
 
-        ``reader``: (rank, world size) of the trainer restoring. In a large team (a directory),
-        a restore in the world size that saved the step reads the node part of that rank and
-        rank 0's part (``holder_answers``): only the nodes holding them are asked for manifests,
-        and the answer is ``partial``. A restore they do not cover, or another world size, asks
-        for every rank's part (``widen``)."""
+        ``reader``: (rank, world size, targets) of the trainer restoring. In a large team (a
+        directory), a restore reads only some ranks' parts (``holder_answers``): in the world
+        size that saved the step, the node part of that rank and rank 0's; in another, the
+        ranks the piece index names for the targets (``piece_index``), rank 0's and its own.
+        Only the nodes holding them are asked for manifests, and the answer is ``partial``. A
+        restore they do not cover, or one the index cannot answer, asks for every rank's part
+        (``widen``)."""
         if reader is not None and self.directory is not None:
             stale = None
             for _ in range(2):  # a holder that evicted or moved a part since: once more on a fresh gather
@@ -314,7 +318,7 @@ class VersionSources:
             if (node, lease) not in got.leases:
                 got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
 
-    def _plan_sources(self, step: int | None, stale: int | None = None, reader: tuple[int, int] | None = None
+    def _plan_sources(self, step: int | None, stale: int | None = None, reader: tuple | None = None
                       ) -> TeamSources:
         if step is None:
             step = self.latest()

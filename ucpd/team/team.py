@@ -366,9 +366,9 @@ class Team:
         """The newest committed step that the live nodes still hold whole (None: none)."""
         return self.sources.latest()
 
-    def restore_sources(self, step: int | None, reader: tuple[int, int] | None = None):
+    def restore_sources(self, step: int | None, reader: tuple | None = None):
         """Where every rank's part of ``step`` is read from (``sources.TeamSources``); with
-        ``reader`` (rank, world size), in a large team, first only that rank's and rank 0's."""
+        ``reader`` (rank, world size, targets), in a large team, first only the parts it reads."""
         return self.sources.restore_sources(step, reader)
 
     def localize(self, sources, plan: protocol.RestorePlan) -> protocol.RestorePlan:

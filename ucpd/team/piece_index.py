@@ -1,0 +1,381 @@
+"""Which ranks' parts a resharded restore reads: an index of a step's pieces by tensor name,
+sharded over the live nodes and built by recursive halving; a restoring node asks the owners of
+its target tensors' names instead of gathering every node's manifests.
+
+A restore in another layout (another world size, other placements) may read any rank's part:
+before, every node gathered every node's manifests through the directory (2.5 GB a node at 8,192
+nodes) and decoded them all. With the index, a node learns which ranks hold the boxes its
+targets overlap, and then asks only those ranks' holders for their manifests
+(``holder_answers``), as a restart in the saved layout does:
+
+- **entries**: per global tensor name, its dtype, global shape and pieces ``(rank, offsets,
+  lengths)`` — what ``globals_of`` makes from manifests, without chunk CRCs or slot offsets;
+- **owners**: name ``x`` belongs to the node at index ``crc32(x) mod P`` of the sorted live
+  view, ``P`` the largest power of two ≤ N (:func:`owner`);
+- **the build** (a reduce-scatter by recursive halving, :func:`level_keeps`): level 0 of the node
+  at index ``i < P`` is the entries of the parts it holds (its own; a replica or parity copy only
+  of a node that is not live) and those of node ``i + P``; level ``k + 1`` keeps the entries of
+  level ``k`` whose owner agrees with ``i`` in its low ``k + 1`` bits and adds those of the node
+  ``i ^ 2^k`` (its level ``k``, the same filter), asked with an ``index`` request. At level
+  ``log₂ P`` a node holds every entry it owns. Each level moves about half a node's entries:
+  ``log₂ P`` requests a node, O(its own manifests) bytes, no hub;
+- **the queries** (:func:`answer`): a node sends each owner the boxes it wants of its names
+  (``pieces``); the owner returns one rank per distinct saved box they overlap, preferring a
+  rank whose part the asking node holds, else a different copy for different askers.
+
+Levels are asked only of lower levels (as in ``team.directory``), so no two nodes wait on each
+other. Every request names the view it was made in; a node with another view refuses it, and a
+level or query that fails makes the restore plan from every part (``index_fallbacks``): the
+index only saves bytes, the plan it feeds is checked like any other (a missing piece makes the
+planner widen). The pure part (:func:`owner`, :func:`entries_of`, :func:`keep`, :func:`merge`,
+:func:`answer`) has no sockets or threads; :class:`PieceIndex` is the node's end.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import zlib
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import msgpack
+
+from ..errors import UcpdError
+from ..daemon.manifest import fragments_of
+from .parts import part_from_wire
+
+log = logging.getLogger("ucpd.team")
+
+__all__ = ["PieceIndex", "answer", "entries_of", "keep", "level_keeps", "merge", "owner", "owners", "partner", "folded", "to_wire", "from_wire", "wants_of"]
+
+TTL = 5.0  # seconds a level serves the requests that follow it (a restart's storm of them)
+ASK_TIMEOUT = 10.0  # seconds for a node's answer, and as much more per level it gathers first
+PAGE_PIECES = 200_000  # pieces a reply carries at most (about 6 MB); the rest in pages
+ASKERS = 16  # owners a node asks at once
+
+
+# Entries: {name: (dtype, global shape, {(rank, offsets, lengths)})}; global shape entries may be
+# None (a stacked dim whose count no placement gave).
+Entries = dict
+
+
+def owners(n: int) -> int:
+    """How many of ``n`` live nodes own entries: the largest power of two ≤ n."""
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
+def owner(name: str, p: int) -> int:
+    """The index (in the sorted view) of the node that owns ``name`` among ``p`` owners."""
+    return zlib.crc32(name.encode()) % p
+
+
+def level_keeps(index: int, level: int) -> tuple[int, int]:
+    """``(m, r)``: at ``level`` the node at ``index`` keeps the names whose owner ``o`` has
+    ``o % m == r`` (the owners that agree with it in the low ``level`` bits)."""
+    m = 1 << level
+    return m, index % m
+
+
+def partner(index: int, level: int) -> int:
+    """The index node ``index`` asks for level ``level - 1`` when it builds ``level``."""
+    return index ^ (1 << (level - 1))
+
+
+def folded(index: int, n: int) -> int | None:
+    """The node past the owners whose entries node ``index`` takes in at level 0 (None: none)."""
+    p = owners(n)
+    return index + p if index < p and index + p < n else None
+
+
+def entries_of(parts) -> Entries:
+    """The index entries of some ranks' parts (PART records): every piece they hold (a tensor a
+    rank skipped holds none) under its global tensor's name; a tensor of no elements is named
+    with no pieces."""
+    out: Entries = {}
+    for p in parts:
+        part = part_from_wire(p)
+        for t in part.tensors:
+            shared = t.geometry()
+            for frag in shared or t.fragments():
+                name = t.name if shared else frag.name
+                got = out.get(name)
+                if got is None:
+                    got = out[name] = (t.dtype, tuple(frag.global_shape), set())
+                if not t.skipped:
+                    got[2].update((part.rank, tuple(pc.box.offsets), tuple(pc.box.lengths)) for pc in frag.pieces)
+    return out
+
+
+def merge(into: Entries, more: Entries) -> Entries:
+    """``more``'s entries added to ``into`` (the same piece from two copies of a part once)."""
+    for name, (dtype, shape, pieces) in more.items():
+        got = into.get(name)
+        if got is None:
+            into[name] = (dtype, shape, set(pieces))
+        else:
+            got[2].update(pieces)
+    return into
+
+
+def keep(entries: Entries, p: int, m: int, r: int) -> Entries:
+    """The entries whose owner ``o`` (of ``p``) has ``o % m == r``."""
+    return {name: e for name, e in entries.items() if owner(name, p) % m == r}
+
+
+def to_wire(entries: Entries) -> list[dict]:
+    """Entries as INDEX_ENTRY records, sorted by name (pages cut the same every time)."""
+    return [{"n": name, "d": d, "s": list(s), "p": sorted([r, list(o), list(ln)] for r, o, ln in pieces)}
+            for name, (d, s, pieces) in sorted(entries.items())]
+
+
+def from_wire(records: list[dict]) -> Entries:
+    return {e["n"]: (e["d"], tuple(e["s"]), {(r, tuple(o), tuple(ln)) for r, o, ln in e["p"]}) for e in records}
+
+
+def wants_of(targets: list[dict]) -> list:
+    """The queries of a restore's targets (trainer TARGET records): ``[name, offsets, lengths]``
+    of every global box they read (offsets and lengths None where the placement leaves a
+    global dim unknown: all of the tensor)."""
+    out: dict[tuple, list] = {}
+    for t in targets:
+        for frag in fragments_of(t["name"], t["placement"], tuple(t["shape"])):
+            known = None not in frag.global_shape
+            for pc in frag.pieces:
+                q = [frag.name, list(pc.box.offsets), list(pc.box.lengths)] if known else [frag.name, None, None]
+                out.setdefault((q[0], *map(_tuple, q[1:])), q)
+    return list(out.values())
+
+
+def _tuple(v):
+    return None if v is None else tuple(v)
+
+
+def _overlaps(offsets, lengths, box) -> bool:
+    return all(a < bo + bl and bo < a + al for a, al, bo, bl in zip(offsets, lengths, box[0], box[1]))
+
+
+def answer(shard: Entries, queries: list, near: set[int], asker: int) -> tuple[set[int], list[str]]:
+    """The ranks to read for ``queries`` (``[name, offsets | None, lengths | None]``: the box
+    of the global tensor wanted, None: all of it): one rank per distinct saved box the query
+    overlaps, a rank of ``near`` (parts the asker holds) first, else one that differs between
+    askers; and the names the shard does not know."""
+    ranks: set[int] = set()
+    missing: list[str] = []
+    for name, offsets, lengths in queries:
+        got = shard.get(name)
+        if got is None:
+            missing.append(name)
+            continue
+        boxes: dict[tuple, list[int]] = {}
+        for r, o, ln in got[2]:
+            if offsets is None or _overlaps(o, ln, (offsets, lengths)):
+                boxes.setdefault((o, ln), []).append(r)
+        for cands in boxes.values():
+            close = [r for r in cands if r in near]
+            if close:
+                ranks.add(min(close))
+            elif not ranks.intersection(cands):
+                cands.sort()
+                ranks.add(cands[asker % len(cands)])
+    return ranks, missing
+
+
+def _view_id(view: tuple[int, ...]) -> int:
+    return zlib.crc32(msgpack.packb(list(view)))
+
+
+@dataclass
+class _Level:
+    """One level of one step's index as this node knows it."""
+
+    view: tuple[int, ...]
+    future: Future = field(default_factory=Future)
+    at: float | None = None  # when it was done (None: on its way)
+
+    def usable(self, view: tuple[int, ...], now: float) -> bool:
+        if self.view != view:
+            return False
+        if self.future.done():
+            return self.future.exception() is None and now - self.at < TTL
+        return True  # on its way: share it
+
+
+class PieceIndex:
+    """This node's end of the piece index. ``sources``: the node's ``VersionSources`` (its
+    transport, rank, live view, clock and own holdings)."""
+
+    def __init__(self, sources) -> None:
+        self.sources = sources
+        self.rank = sources.rank
+        self._lock = threading.Lock()
+        self._levels: dict[tuple[int, int], _Level] = {}
+        self.counters = {"index_gathers": 0, "index_requests": 0, "index_queries": 0, "index_fallbacks": 0}
+
+    # --- asking -------------------------------------------------------------------------------------
+
+    def ranks_for(self, step: int, wants: list, near: set[int]) -> set[int] | None:
+        """The ranks of ``step`` whose parts hold the boxes ``wants`` (``[name, offsets | None,
+        lengths | None]``) overlap, asked of the names' owners; None when the index cannot say
+        (a node failed or saw another view; a name it does not know): the restore reads every part."""
+        view = self._view()
+        p = owners(len(view))
+        by_owner: dict[int, list] = {}
+        for w in wants:
+            by_owner.setdefault(view[owner(w[0], p)], []).append(w)
+        out: set[int] = set()
+        try:
+            with ThreadPoolExecutor(min(ASKERS, max(1, len(by_owner)))) as pool:
+                asked = {node: pool.submit(self._ask_owner, node, step, qs, sorted(near), view)
+                         for node, qs in sorted(by_owner.items())}
+                for node, f in asked.items():
+                    ranks, missing = f.result()
+                    if missing:
+                        raise UcpdError(f"node {node} knows no saved tensor {missing[0]!r} of step {step}")
+                    out.update(ranks)
+        except Exception as exc:
+            self.counters["index_fallbacks"] += 1
+            log.info("team: the piece index of step %d cannot say which parts to read (%s): reading every part",
+                     step, exc)
+            return None
+        return out
+
+    def _ask_owner(self, node: int, step: int, queries: list, near: list[int], view) -> tuple[set[int], list[str]]:
+        if node == self.rank:
+            return answer(self._top(step, view), queries, set(near), self.rank)
+        reply, _ = self.sources.transport.request(
+            node, "pieces", {"step": step, "v": _view_id(view), "queries": queries, "near": near},
+            timeout=_wait(_top_level(len(view)) + 1))
+        return set(reply["ranks"]), list(reply["missing"])
+
+    def _view(self) -> tuple[int, ...]:
+        return tuple(sorted(self.sources.team.live() | {self.rank}))
+
+    def _top(self, step: int, view) -> Entries:
+        top = _top_level(len(view))
+        return self._level(step, top, view).future.result(_wait(top + 1))
+
+    def _level(self, step: int, level: int, view: tuple[int, ...]) -> _Level:
+        """Level ``level`` of ``step``'s index in ``view``: the one kept, or a new one being built."""
+        now = self.sources.team.clock()
+        with self._lock:
+            got = self._levels.get((step, level))
+            if got is not None and got.usable(view, now):
+                return got
+            for key, old in list(self._levels.items()):
+                if old.at is not None and now - old.at > 2 * TTL:
+                    del self._levels[key]
+            got = self._levels[(step, level)] = _Level(view)
+        threading.Thread(target=self._finish, args=(got, step, level), name=f"ucpd-index-{level}", daemon=True).start()
+        return got
+
+    def _finish(self, got: _Level, step: int, level: int) -> None:
+        try:
+            out = self._build(step, level, got.view)
+            got.at = self.sources.team.clock()
+            got.future.set_result(out)
+        except BaseException as exc:  # its askers get it; the next one starts again
+            got.at = self.sources.team.clock()
+            got.future.set_exception(exc)
+
+    def _build(self, step: int, level: int, view: tuple[int, ...]) -> Entries:
+        n = len(view)
+        p, me = owners(n), view.index(self.rank)
+        if level == 0:
+            out = self._own(step, view)
+            if folded(me, n) is not None:  # the node past the owners folds its entries into ours
+                merge(out, self._ask_level(view[folded(me, n)], step, 0, 1, 0, view))
+            return out
+        if me >= p:
+            raise UcpdError(f"node {self.rank} owns no part of the index ({n} live nodes, {p} owners)")
+        if level == _top_level(n):
+            self.counters["index_gathers"] += 1
+        lower = self._level(step, level - 1, view).future.result(_wait(level))
+        m, r = level_keeps(me, level)
+        out = {name: (d, s, set(pcs)) for name, (d, s, pcs) in keep(lower, p, m, r).items()}
+        return merge(out, self._ask_level(view[partner(me, level)], step, level - 1, m, r, view))
+
+    def _own(self, step: int, view: tuple[int, ...]) -> Entries:
+        """The entries of the parts we hold of ``step``: our own, and a copy of a node that is
+        not live (its replica holders or parity members all add it; merged once)."""
+        live = set(view)
+        parts = [p for item in self.sources.own_holdings(step)
+                 if item["origin"] == self.rank or item["origin"] not in live for p in item.get("parts") or ()]
+        return entries_of(parts)
+
+    def _ask_level(self, node: int, step: int, level: int, m: int, r: int, view) -> Entries:
+        body = {"step": step, "level": level, "m": m, "r": r, "v": _view_id(view)}
+        reply, _ = self.sources.transport.request(node, "index", body, timeout=_wait(level + 1))
+        out = from_wire(reply["entries"])
+        while reply.get("next") is not None:
+            reply, _ = self.sources.transport.request(node, "index", dict(body, first=reply["next"]), timeout=ASK_TIMEOUT)
+            merge(out, from_wire(reply["entries"]))
+        return out
+
+    # --- answering the peers -----------------------------------------------------------------------
+
+    def serve_level(self, body: dict) -> Future:
+        """An ``index`` request: our level ``level`` of ``step`` kept to the owners ``o % m == r``,
+        from entry ``first`` on, once built."""
+        view = self._check_view(body)
+        self.counters["index_requests"] += 1
+        got = self._level(body["step"], body["level"], view)
+
+        def reply(lvl: Entries) -> dict:
+            records = to_wire(keep(lvl, owners(len(view)), body["m"], body["r"]))
+            first, size, end = body.get("first") or 0, 0, None
+            for i in range(first, len(records)):
+                size += len(records[i]["p"]) + 1
+                if size > PAGE_PIECES and i > first:
+                    end = i
+                    break
+            return {"entries": records[first:end], **({"next": end} if end is not None else {})}
+
+        return _then(got.future, reply)
+
+    def serve_queries(self, src: int, body: dict) -> Future:
+        """A ``pieces`` request: the ranks to read for the asker's queries, from our shard."""
+        view = self._check_view(body)
+        self.counters["index_queries"] += 1
+        if view.index(self.rank) >= owners(len(view)):
+            raise UcpdError(f"node {self.rank} owns no part of the index ({len(view)} live nodes)")
+        got = self._level(body["step"], _top_level(len(view)), view)
+
+        def reply(shard: Entries) -> dict:
+            ranks, missing = answer(shard, body["queries"], set(body["near"]), src)
+            return {"ranks": sorted(ranks), "missing": missing}
+
+        return _then(got.future, reply)
+
+    def _check_view(self, body: dict) -> tuple[int, ...]:
+        view = self._view()
+        if body["v"] != _view_id(view):
+            raise UcpdError(f"node {self.rank} sees other live nodes than the asker ({len(view)}): "
+                            "the index is asked again once the views agree, or the restore reads every part")
+        return view
+
+
+def _top_level(n: int) -> int:
+    return owners(n).bit_length() - 1
+
+
+def _wait(level: int) -> float:
+    """Seconds to wait for a level: a node's answer, after the levels below it."""
+    return ASK_TIMEOUT * (level + 2)
+
+
+def _then(source: Future, make) -> Future:
+    """A future of the reply ``make`` makes from ``source``'s result (its error as a UcpdError)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            if f.exception() is not None:
+                exc = f.exception()
+                raise exc if isinstance(exc, UcpdError) else UcpdError(f"index: {exc}")
+            out.set_result((make(f.result()), []))
+        except BaseException as e:
+            out.set_exception(e if isinstance(e, UcpdError) else UcpdError(f"index: {e}"))
+
+    source.add_done_callback(done)
+    return out
