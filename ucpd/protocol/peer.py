@@ -46,9 +46,9 @@ HELD = Record({"node": integer(0, MAX_RANKS), "items": list_of(HOLDING)})
 
 # The piece index (``team.piece_index``): a global tensor's pieces, (rank, offsets, lengths) each,
 # and a restore's query for the box of one it reads (offsets and lengths None: all of it).
-INDEX_ENTRY = Record({"n": text, "d": text, "s": list_of(nullable(integer()), 64),
+INDEX_ENTRY = Record({"n": text, "b": integer(0, 1 << 16), "d": text, "s": list_of(nullable(integer()), 64),
                       "p": list_of(tuple_of(integer(0, MAX_RANKS), list_of(integer(), 64), list_of(integer(), 64)))})
-INDEX_QUERY = tuple_of(text, nullable(list_of(integer(), 64)), nullable(list_of(integer(), 64)))
+INDEX_QUERY = tuple_of(text, integer(0, 1 << 16), nullable(list_of(integer(), 64)), nullable(list_of(integer(), 64)))
 
 # A version this node waits for ranks of (WRITING, some ranks sealed): the team's "why does it wait".
 WAITING_ITEM = Record(
@@ -194,10 +194,10 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "pieces",
             {"step": integer(), "v": integer(), "queries": list_of(INDEX_QUERY), "near": list_of(integer(0, MAX_RANKS))},
             {},
-            "the ranks whose parts of step hold the boxes `queries` read (names we own in the piece index): one "
-            "rank per distinct saved box, a rank of `near` (parts the asker holds) first; reply: {ranks, missing: "
-            "the names we do not know}",
-            Record({"ranks": list_of(integer(0, MAX_RANKS)), "missing": list_of(text)}),
+            "the ranks whose parts of step hold the boxes `queries` read ([name, bucket, offsets, lengths] of keys "
+            "we own in the piece index): one rank per distinct saved box, a rank of `near` (parts the asker "
+            "holds) first; reply: {ranks, known: the names we hold pieces of}",
+            Record({"ranks": list_of(integer(0, MAX_RANKS)), "known": list_of(text)}),
         ),
         MessageType(
             "waiting",

@@ -119,8 +119,7 @@ class HolderAnswers:
         if len(saved) != 1 or targets is None or index is None:
             raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}")
         (saved_world,) = saved
-        near = {r for h in held if h.run == run and not h.parity for r in h.ranks}
-        found = index.ranks_for(step, wants_of(targets), near)
+        found = index.ranks_for(step, wants_of(targets), [p for h in held if h.run == run and not h.parity for p in h.parts])
         if found is None:
             raise VersionNotFound(f"the piece index of step {step} did not answer rank {rank} of {world}")
         return frozenset(found | {0} | ({rank} if rank < saved_world else set()))

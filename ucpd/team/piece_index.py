@@ -55,8 +55,10 @@ PAGE_PIECES = 200_000  # pieces a reply carries at most (about 6 MB); the rest i
 ASKERS = 16  # owners a node asks at once
 
 
-# Entries: {name: (dtype, global shape, {(rank, offsets, lengths)})}; global shape entries may be
-# None (a stacked dim whose count no placement gave).
+BUCKETS = 16  # keys a tensor's pieces are spread over (by their rows): a tensor every rank reads a slice of is no hot spot
+
+# Entries: {(name, bucket): (dtype, global shape, {(rank, offsets, lengths)})}; global shape
+# entries may be None (a stacked dim whose count no placement gave).
 Entries = dict
 
 
@@ -65,13 +67,27 @@ def owners(n: int) -> int:
     return 1 << (n.bit_length() - 1) if n > 0 else 0
 
 
-def owner(name: str, p: int) -> int:
-    """The index (in the sorted view) of the node that owns ``name`` among ``p`` owners."""
-    return zlib.crc32(name.encode()) % p
+def owner(key: tuple[str, int], p: int) -> int:
+    """The index (in the sorted view) of the node that owns ``key`` (name, bucket) among ``p`` owners."""
+    return zlib.crc32(f"{key[0]}\0{key[1]}".encode()) % p
+
+
+def buckets(shape: tuple, offsets, lengths) -> range:
+    """The buckets of a global tensor of ``shape`` that the box ``offsets``/``lengths`` lies in:
+    its first dim cut in ``BUCKETS`` (None: the box is unknown, every bucket; a tensor whose
+    first dim is unknown or empty has one)."""
+    rows = shape[0] if shape else None
+    if not rows:
+        return range(1)
+    if offsets is None:
+        return range(min(BUCKETS, rows))
+    if not lengths[0]:
+        return range(0)
+    return range(offsets[0] * BUCKETS // rows, (offsets[0] + lengths[0] - 1) * BUCKETS // rows + 1)
 
 
 def level_keeps(index: int, level: int) -> tuple[int, int]:
-    """``(m, r)``: at ``level`` the node at ``index`` keeps the names whose owner ``o`` has
+    """``(m, r)``: at ``level`` the node at ``index`` keeps the keys whose owner ``o`` has
     ``o % m == r`` (the owners that agree with it in the low ``level`` bits)."""
     m = 1 << level
     return m, index % m
@@ -90,29 +106,31 @@ def folded(index: int, n: int) -> int | None:
 
 def entries_of(parts) -> Entries:
     """The index entries of some ranks' parts (PART records): every piece they hold (a tensor a
-    rank skipped holds none) under its global tensor's name; a tensor of no elements is named
-    with no pieces."""
+    rank skipped holds none) under its global tensor's name and each bucket it lies in; a tensor
+    of no elements is named with no pieces."""
     out: Entries = {}
     for p in parts:
         part = part_from_wire(p)
         for t in part.tensors:
             shared = t.geometry()
             for frag in shared or t.fragments():
-                name = t.name if shared else frag.name
-                got = out.get(name)
-                if got is None:
-                    got = out[name] = (t.dtype, tuple(frag.global_shape), set())
-                if not t.skipped:
-                    got[2].update((part.rank, tuple(pc.box.offsets), tuple(pc.box.lengths)) for pc in frag.pieces)
+                name, shape = t.name if shared else frag.name, tuple(frag.global_shape)
+                pieces = () if t.skipped else frag.pieces
+                if not pieces:
+                    out.setdefault((name, 0), (t.dtype, shape, set()))
+                for pc in pieces:
+                    piece = (part.rank, tuple(pc.box.offsets), tuple(pc.box.lengths))
+                    for b in buckets(shape, piece[1], piece[2]):
+                        out.setdefault((name, b), (t.dtype, shape, set()))[2].add(piece)
     return out
 
 
 def merge(into: Entries, more: Entries) -> Entries:
     """``more``'s entries added to ``into`` (the same piece from two copies of a part once)."""
-    for name, (dtype, shape, pieces) in more.items():
-        got = into.get(name)
+    for key, (dtype, shape, pieces) in more.items():
+        got = into.get(key)
         if got is None:
-            into[name] = (dtype, shape, set(pieces))
+            into[key] = (dtype, shape, set(pieces))
         else:
             got[2].update(pieces)
     return into
@@ -120,31 +138,45 @@ def merge(into: Entries, more: Entries) -> Entries:
 
 def keep(entries: Entries, p: int, m: int, r: int) -> Entries:
     """The entries whose owner ``o`` (of ``p``) has ``o % m == r``."""
-    return {name: e for name, e in entries.items() if owner(name, p) % m == r}
+    return {key: e for key, e in entries.items() if owner(key, p) % m == r}
 
 
 def to_wire(entries: Entries) -> list[dict]:
-    """Entries as INDEX_ENTRY records, sorted by name (pages cut the same every time)."""
-    return [{"n": name, "d": d, "s": list(s), "p": sorted([r, list(o), list(ln)] for r, o, ln in pieces)}
-            for name, (d, s, pieces) in sorted(entries.items())]
+    """Entries as INDEX_ENTRY records, sorted by key (pages cut the same every time)."""
+    return [{"n": key[0], "b": key[1], "d": d, "s": list(s), "p": sorted([r, list(o), list(ln)] for r, o, ln in pieces)}
+            for key, (d, s, pieces) in sorted(entries.items())]
 
 
 def from_wire(records: list[dict]) -> Entries:
-    return {e["n"]: (e["d"], tuple(e["s"]), {(r, tuple(o), tuple(ln)) for r, o, ln in e["p"]}) for e in records}
+    return {(e["n"], e["b"]): (e["d"], tuple(e["s"]), {(r, tuple(o), tuple(ln)) for r, o, ln in e["p"]})
+            for e in records}
 
 
 def wants_of(targets: list[dict]) -> list:
-    """The queries of a restore's targets (trainer TARGET records): ``[name, offsets, lengths]``
-    of every global box they read (offsets and lengths None where the placement leaves a
-    global dim unknown: all of the tensor)."""
+    """What a restore's targets (trainer TARGET records) read: ``[name, offsets, lengths, global
+    shape]`` of every global box (all but the name None where the placement leaves a global dim
+    unknown: all of the tensor)."""
     out: dict[tuple, list] = {}
     for t in targets:
         for frag in fragments_of(t["name"], t["placement"], tuple(t["shape"])):
-            known = None not in frag.global_shape
+            shape = tuple(frag.global_shape)
             for pc in frag.pieces:
-                q = [frag.name, list(pc.box.offsets), list(pc.box.lengths)] if known else [frag.name, None, None]
-                out.setdefault((q[0], *map(_tuple, q[1:])), q)
+                if None in shape:
+                    q = [frag.name, None, None, None]
+                else:
+                    q = [frag.name, list(pc.box.offsets), list(pc.box.lengths), list(shape)]
+                out.setdefault((q[0], *map(_tuple, q[1:3])), q)
     return list(out.values())
+
+
+def queries_of(wants: list) -> list:
+    """The index queries of ``wants``: ``[name, bucket, offsets, lengths]`` for each bucket a
+    box lies in (every bucket where its global shape is unknown)."""
+    out = []
+    for name, offsets, lengths, shape in wants:
+        span = range(BUCKETS) if shape is None else buckets(tuple(shape), offsets, lengths)
+        out += [[name, b, offsets, lengths] for b in span]
+    return out
 
 
 def _tuple(v):
@@ -155,18 +187,43 @@ def _overlaps(offsets, lengths, box) -> bool:
     return all(a < bo + bl and bo < a + al for a, al, bo, bl in zip(offsets, lengths, box[0], box[1]))
 
 
-def answer(shard: Entries, queries: list, near: set[int], asker: int) -> tuple[set[int], list[str]]:
-    """The ranks to read for ``queries`` (``[name, offsets | None, lengths | None]``: the box
-    of the global tensor wanted, None: all of it): one rank per distinct saved box the query
-    overlaps, a rank of ``near`` (parts the asker holds) first, else one that differs between
-    askers; and the names the shard does not know."""
+def _contains(offsets, lengths, box) -> bool:
+    return all(a <= bo and bo + bl <= a + al for a, al, bo, bl in zip(offsets, lengths, box[0], box[1]))
+
+
+def held_here(wants: list, local: Entries) -> tuple[set[int], list]:
+    """The ranks of parts this node holds (``local``: their entries) that each hold a whole box
+    of ``wants``, and the wants they do not answer (asked of the index)."""
     ranks: set[int] = set()
-    missing: list[str] = []
-    for name, offsets, lengths in queries:
-        got = shard.get(name)
+    rest = []
+    by_name: dict[str, set] = {}
+    for (name, _), (_, _, pieces) in local.items():
+        by_name.setdefault(name, set()).update(pieces)
+    for w in wants:
+        name, offsets, lengths, _ = w
+        hit = None
+        if offsets is not None:
+            fits = sorted(r for r, o, ln in by_name.get(name, ()) if _contains(o, ln, (offsets, lengths)))
+            hit = next((r for r in fits if r in ranks), fits[0] if fits else None)
+        if hit is None:
+            rest.append(w)
+        else:
+            ranks.add(hit)
+    return ranks, rest
+
+
+def answer(shard: Entries, queries: list, near: set[int], asker: int) -> tuple[set[int], list[str]]:
+    """The ranks to read for ``queries`` (``[name, bucket, offsets | None, lengths | None]``:
+    the box of the global tensor wanted, None: all of it): one rank per distinct saved box the
+    query overlaps, a rank of ``near`` (parts the asker holds) first, else one that differs
+    between askers; and the names the shard knows (a bucket may hold no piece of a name)."""
+    ranks: set[int] = set()
+    known: set[str] = set()
+    for name, bucket, offsets, lengths in queries:
+        got = shard.get((name, bucket))
         if got is None:
-            missing.append(name)
             continue
+        known.add(name)
         boxes: dict[tuple, list[int]] = {}
         for r, o, ln in got[2]:
             if offsets is None or _overlaps(o, ln, (offsets, lengths)):
@@ -178,7 +235,7 @@ def answer(shard: Entries, queries: list, near: set[int], asker: int) -> tuple[s
             elif not ranks.intersection(cands):
                 cands.sort()
                 ranks.add(cands[asker % len(cands)])
-    return ranks, missing
+    return ranks, sorted(known)
 
 
 def _view_id(view: tuple[int, ...]) -> int:
@@ -214,25 +271,30 @@ class PieceIndex:
 
     # --- asking -------------------------------------------------------------------------------------
 
-    def ranks_for(self, step: int, wants: list, near: set[int]) -> set[int] | None:
-        """The ranks of ``step`` whose parts hold the boxes ``wants`` (``[name, offsets | None,
-        lengths | None]``) overlap, asked of the names' owners; None when the index cannot say
-        (a node failed or saw another view; a name it does not know): the restore reads every part."""
+    def ranks_for(self, step: int, wants: list, local_parts: list) -> set[int] | None:
+        """The ranks of ``step`` whose parts hold the boxes ``wants`` (``wants_of``) overlap: a
+        part this node holds (``local_parts``, PART records) where one holds a whole box, else
+        asked of the owners of the boxes' keys. None when the index cannot say (a node failed or
+        saw another view; a name no owner knows): the restore reads every part."""
+        local = entries_of(local_parts)
+        out, rest = held_here(wants, local)
+        near = sorted({r for _, _, pieces in local.values() for r, _, _ in pieces})
         view = self._view()
         p = owners(len(view))
         by_owner: dict[int, list] = {}
-        for w in wants:
-            by_owner.setdefault(view[owner(w[0], p)], []).append(w)
-        out: set[int] = set()
+        for q in queries_of(rest):
+            by_owner.setdefault(view[owner((q[0], q[1]), p)], []).append(q)
+        known: set[str] = set()
         try:
             with ThreadPoolExecutor(min(ASKERS, max(1, len(by_owner)))) as pool:
-                asked = {node: pool.submit(self._ask_owner, node, step, qs, sorted(near), view)
-                         for node, qs in sorted(by_owner.items())}
-                for node, f in asked.items():
-                    ranks, missing = f.result()
-                    if missing:
-                        raise UcpdError(f"node {node} knows no saved tensor {missing[0]!r} of step {step}")
-                    out.update(ranks)
+                asked = [pool.submit(self._ask_owner, node, step, qs, near, view) for node, qs in sorted(by_owner.items())]
+                for f in asked:
+                    ranks, names = f.result()
+                    out |= ranks
+                    known.update(names)
+            missing = sorted({w[0] for w in rest} - known)
+            if missing:
+                raise UcpdError(f"no owner knows saved tensor {missing[0]!r}")
         except Exception as exc:
             self.counters["index_fallbacks"] += 1
             log.info("team: the piece index of step %d cannot say which parts to read (%s): reading every part",
@@ -246,7 +308,7 @@ class PieceIndex:
         reply, _ = self.sources.transport.request(
             node, "pieces", {"step": step, "v": _view_id(view), "queries": queries, "near": near},
             timeout=_wait(_top_level(len(view)) + 1))
-        return set(reply["ranks"]), list(reply["missing"])
+        return set(reply["ranks"]), list(reply["known"])
 
     def _view(self) -> tuple[int, ...]:
         return tuple(sorted(self.sources.team.live() | {self.rank}))
@@ -342,8 +404,8 @@ class PieceIndex:
         got = self._level(body["step"], _top_level(len(view)), view)
 
         def reply(shard: Entries) -> dict:
-            ranks, missing = answer(shard, body["queries"], set(body["near"]), src)
-            return {"ranks": sorted(ranks), "missing": missing}
+            ranks, known = answer(shard, body["queries"], set(body["near"]), src)
+            return {"ranks": sorted(ranks), "known": known}
 
         return _then(got.future, reply)
 
