@@ -117,12 +117,13 @@ def part_flush(sizes: list[int]) -> tuple[list[dict], str]:
 def part_discovery(sizes: list[int]) -> tuple[list[dict], str]:
     res = []
     for n in sizes:
-        for scheme in ("ask_all", "doubling", "holders", "hub"):
+        for scheme in ("ask_all", "doubling", "holders", "index", "hub"):
             t0 = time.perf_counter()
             res.append(discovery.simulate(n, scheme))
             res[-1]["wall_s"] = time.perf_counter() - t0
     names = {"ask_all": "every rank asks every node (`--commit-fanout 0`)", "doubling": "directory: recursive doubling",
              "holders": "directory without manifests, then the holders (same layout)",
+             "index": "directory without manifests, the piece index, then the holders (another layout)",
              "hub": "a hub (one node gathers, answers all)"}
     rows = [[f"{r['nodes']:,}", names[r["scheme"]], fmt_b(r["node_manifest_bytes"]), f"{r['requests_total']:,}",
              f"{r['requests_per_node_max']:,}", f"{r['served_max']:,}", fmt_b(r["in_bytes_max"]), fmt_b(r["out_bytes_max"]),

@@ -82,6 +82,9 @@ GOOD_PEER_REPLIES = {
                                       {"origin": 2, "step": 3, "world_size": 1, "ranks": [0], "via": "parity"}]},
 }
 GOOD_PEER_REPLIES["directory"] = {"wave": 7, "held": [GOOD_PEER_REPLIES["holdings"], {"node": 2, "items": []}], "next": 2}
+GOOD_PEER_REPLIES["index"] = {"entries": [{"n": "w", "b": 3, "d": "float32", "s": [64, None], "p": [[5, [12, 0], [4, 8]]]}],
+                              "next": 1}
+GOOD_PEER_REPLIES["pieces"] = {"ranks": [0, 5], "known": ["w"]}
 
 
 def _reply_seeds() -> list[bytes]:
@@ -106,6 +109,8 @@ def _peer_seeds() -> list[bytes]:
         ("directory", {"level": 2, "step": 1, "wave": 7}),
         ("directory", {"level": 3, "of": 7, "first": 4}),
         ("waiting", {}),
+        ("index", {"step": 1, "level": 2, "m": 4, "r": 1, "v": 123456, "first": 3}),
+        ("pieces", {"step": 1, "v": 123456, "queries": [["w", 3, [12, 0], [4, 8]], ["b", 0, None, None]], "near": [1]}),
         ("flush_share", {"step": 1, "dir": "/flush/.step-1.tmp-9", "chunk": 4 << 20, "run": "a",
                          "pieces": [{"name": "w", "dtype": "float32", "shape": [4], "file": "model.safetensors",
                                      "begin": 80, "end": 96, "r0": 0, "r1": 4}],

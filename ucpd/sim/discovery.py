@@ -17,6 +17,17 @@ the restart model in ``sim.recovery`` answers (msgpack of its HOLDING items, ``-
   manifest for each kept step (the plain values a rank lacks come from rank 0); its own ranks'
   parts are in its RAM, so nobody is asked for manifests. A node whose part was lost asks its
   part's copies once for its ranks (not modelled: a few nodes);
+- ``index`` — what ``ucpd serve`` does in a large team when the job restarts in *another*
+  layout (the survivors of a 1% random loss, each keeping its pipeline stage, a smaller DP:
+  every ZeRO range moves): the gather without manifests for ``latest``, then the piece index
+  (``team.piece_index``, its real ``owners``, ``owner``, ``partner``, ``folded``, ``buckets``
+  and the wire size of its records): the fold and ⌈log₂ P⌉ halving levels, each node receiving
+  the pieces of the keys it keeps from its partner's block; then each rank's queries for the
+  boxes no part of its node holds whole (its ZeRO range: its weights are its own), one request
+  an owner; then the manifests of the ranks named, asked of every live copy of each (one
+  request a rank and copy, as ``holder_answers`` asks per restore), and of the rank of its own
+  number in the saved world. Its own part's replicas are not counted as local (a slight
+  overcount of requests);
 - ``hub`` — for comparison, a directory on one node (a metadata server): each node asks it
   once, it asks every node once and sends the whole set once per node.
 
@@ -29,15 +40,20 @@ Decoding the manifests in Python, the same in every scheme that ships them all, 
 from __future__ import annotations
 
 import math
+import random
 from collections import Counter
 
 import msgpack
 
-from ..team.directory import PAGE_BYTES, levels, partner, span
-from .network import NetModel
-from .recovery import OPTIM_B, PARAMS, TP, WEIGHT_B, Layout
+import numpy as np
 
-__all__ = ["node_bytes", "simulate"]
+from ..team import piece_index as pi
+from ..team.directory import PAGE_BYTES, levels, partner, span
+from ..team.holders import HolderRing
+from .network import NetModel, Topology
+from .recovery import OPTIM_B, PARAMS, TP, WEIGHT_B, Layout, copies_of
+
+__all__ = ["index_wire", "node_bytes", "simulate"]
 
 RANKS = 8
 LAYERS = 80  # of the 70.6 B-parameter model; 12 saved tensors a layer and rank, TP-sharded
@@ -80,6 +96,114 @@ def node_bytes(nodes: int) -> tuple[int, int]:
     return 2 * one, 2 * KEEP * bare  # own + replica; KEEP steps of each without manifests
 
 
+def _weight_names(layout: Layout, stage: int) -> list[str]:
+    layers = LAYERS // layout.pp
+    return [f"model.layers.{stage * layers + i}.t{k}.weight" for i in range(layers) for k in range(12)]
+
+
+def index_wire() -> tuple[int, int]:
+    """Bytes of a piece-index record on the wire: (a key with one piece, each piece more)."""
+    key = ("model.layers.41.t7.weight", 5)
+    one = {key: ("bfloat16", (8192, 4311), {(1234567, (2048, 0), (1024, 4311))})}
+    two = {key: ("bfloat16", (8192, 4311), {(1234567, (2048, 0), (1024, 4311)), (7654321, (2048, 0), (1024, 4311))})}
+    a, b = (len(msgpack.packb(pi.to_wire(e)[0], use_bin_type=True)) for e in (one, two))
+    return a, b - a
+
+
+def _index_restart(nodes: int, ask, snapshot, round_time, seed: int = 0, replicas: int = 1) -> float:
+    """The index's rounds of a restart in another layout (``scheme="index"``): its modelled time."""
+    old = Layout(nodes)
+    pp, dp = old.pp, old.dp
+    key_b, piece_b = index_wire()
+    elems = old.optim_elems()
+    ob = old.bounds()
+    p = pi.owners(nodes)
+    # every key and the saved nodes that add a piece to it: a weight key (name, bucket) gets one
+    # piece from each node of its stage; an optimizer key (stage, TP rank, bucket) one from each
+    # node of its stage whose ZeRO range lies in the bucket
+    w_owner = {s: np.array([pi.owner((n, b), p) for n in _weight_names(old, s) for b in range(pi.BUCKETS)])
+               for s in range(pp)}
+    o_keys = []  # (owner, stage, first DP index, last + 1)
+    for s in range(pp):
+        for t in range(TP):
+            for b in range(pi.BUCKETS):
+                ds = [d for d in range(dp) if b in pi.buckets((elems,), (int(ob[d]),), (int(ob[d + 1] - ob[d]),))]
+                if ds:
+                    o_keys.append((pi.owner((f"optim.s{s}.tp{t}", b), p), s, ds[0], ds[-1] + 1))
+    idx = np.arange(p)
+
+    def stage_count(lo, hi, s, dlo=0, dhi=None):
+        """Nodes y = s + pp*d in [lo, hi) with dlo <= d < dhi, for arrays lo, hi."""
+        first = np.maximum(-(-(lo - s) // pp), dlo)
+        last = np.minimum(-(-(hi - s) // pp), dp if dhi is None else dhi)
+        return np.maximum(0, last - first)
+
+    time_s = 0.0
+    before = snapshot()  # level 0: the nodes past the owners fold into them
+    for i in range(p):
+        if pi.folded(i, nodes) is not None:
+            ask(i, pi.folded(i, nodes), TP * (len(w_owner[0]) // pi.BUCKETS * 2 * piece_b + 2 * key_b))
+    time_s += round_time(before)
+    for k in range(1, p.bit_length()):
+        before = snapshot()
+        m = 1 << k
+        partner_lo = (pi.partner(idx, k) >> (k - 1)) << (k - 1)  # the partner's block at level k - 1
+        lo = partner_lo
+        hi = partner_lo + (1 << (k - 1))
+        hi2 = np.where(hi >= p, nodes, hi)  # (its folded nodes count with the owners they fold into)
+        pieces = np.zeros(p)
+        keys = np.zeros(p)
+        for s in range(pp):
+            hist = np.bincount(w_owner[s] % m, minlength=m)[idx % m]
+            c = stage_count(lo, hi, s) + stage_count(lo + p, np.minimum(hi2 + p, nodes), s)
+            pieces += c * hist
+            keys += (c > 0) * hist
+        for o, s, dlo, dhi in o_keys:
+            c = (stage_count(lo, hi, s, dlo, dhi) + stage_count(lo + p, np.minimum(hi2 + p, nodes), s, dlo, dhi))
+            hit = (o % m == idx % m)
+            pieces += hit * c
+            keys += hit * (c > 0)
+        for i in range(p):
+            nbytes = int(keys[i] * key_b + max(0, pieces[i] - keys[i]) * piece_b)
+            for _ in range(max(1, -(-int(pieces[i]) // pi.PAGE_PIECES))):
+                ask(i, pi.partner(i, k), nbytes // max(1, -(-int(pieces[i]) // pi.PAGE_PIECES)))
+        time_s += round_time(before)
+
+    # the restart: 1% random loss, survivors keep their stage, DP = the fewest survivors of a stage
+    rng = random.Random(seed)
+    topo = Topology(nodes, 32)
+    dead = set(rng.sample(range(nodes), max(1, round(nodes * 0.01))))
+    survivors = [i for i in range(nodes) if i not in dead]
+    live, ring = set(survivors), HolderRing(range(nodes), topo.domains())
+    by_stage = [[i for i in survivors if old.stage(i) == s] for s in range(pp)]
+    new = Layout(pp * min(map(len, by_stage)), pp)
+    nb = new.bounds()
+    before = snapshot()  # each rank asks the owners of the buckets of its ZeRO range
+    reads: list[tuple[int, set[int]]] = []  # (node, saved nodes whose parts a rank reads)
+    for j in range(new.nodes):
+        x = by_stage[j % pp][j // pp]
+        s, lo, hi = j % pp, int(nb[j // pp]), int(nb[j // pp + 1])
+        d_own = old.dp_index(x)
+        for t in range(TP):
+            need = {q * pp + s for q in range(dp) if ob[q] < hi and lo < ob[q + 1]}
+            if not (ob[d_own] <= lo and hi <= ob[d_own + 1]):
+                for b in pi.buckets((elems,), (lo,), (hi - lo,)):
+                    ask(x, pi.owner((f"optim.s{s}.tp{t}", b), p), 120)
+            need.discard(x)
+            need.add(j)  # the part of its own rank number in the saved world (saved node j)
+            reads.append((x, need - {x}))
+    time_s += round_time(before)
+    before = snapshot()  # then the manifests of the parts named, from every live copy
+    one = rank_bytes(nodes)
+    for x, origins in reads:
+        for origin in origins:
+            for c in copies_of(origin, live, ring, replicas):
+                if c.node != x:
+                    ask(x, c.node, one)
+    time_s += round_time(before)
+    return time_s
+
+
 def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool = False) -> dict:
     """Requests, bytes and modelled time of one restart of ``nodes`` nodes (every node restoring
     its 8 ranks at once) under ``scheme``: ``ask_all``, ``doubling``, ``holders`` or
@@ -111,8 +235,10 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
 
     zero = KEEP * rank_bytes(nodes)  # rank 0's manifests, on node 0 and on its replica (node 1)
     for per_node in (bare, manifest):  # latest, then the restore's step
-        if scheme == "holders" and per_node == manifest:
-            continue  # (every manifest it reads is here)
+        if scheme in ("holders", "index") and per_node == manifest:
+            if scheme == "index":
+                time_s += _index_restart(nodes, ask, snapshot, round_time)
+            continue  # (every manifest it reads is here, or named by the index)
         if scheme == "ask_all":  # symmetric: every node alike (``exact=True`` counts it pair by pair)
             for _ in range(RANKS):
                 if exact:
@@ -129,14 +255,14 @@ def simulate(nodes: int, scheme: str, model: NetModel | None = None, exact: bool
                 for c in (out_b, in_b):
                     c.update(dict.fromkeys(range(nodes), per_node * (nodes - 1)))
                 time_s += 4 * pages * m.cpu_per_msg + per_node * (nodes - 1) / m.nic_bw
-        elif scheme in ("doubling", "holders"):
+        elif scheme in ("doubling", "holders", "index"):
             for k in range(1, levels(nodes) + 1):
                 before = snapshot()
                 for x in range(nodes):
                     p = partner(x, k, nodes)
                     if p is not None:
                         block = span(p, k - 1, nodes)
-                        extra = zero * len({0, 1} & set(block)) if scheme == "holders" else 0
+                        extra = zero * len({0, 1} & set(block)) if scheme != "doubling" else 0
                         ask(x, p, len(block) * per_node + extra)
                 time_s += round_time(before)
         elif scheme == "hub":
