@@ -3,10 +3,11 @@
 node (``--commit-fanout 0``) against a large team's way (``--commit-fanout 2``): the directory's
 recursive doubling for ``latest``, then, the job restarting in the layout that saved the step,
 manifests asked only of the holders of each rank's node part and rank 0's
-(``team/holder_answers.py``).
+(``team/holder_answers.py``); with ``--new-nodes K``, the job restarts on K nodes (another
+layout), and the piece index names the parts each rank reads (``team/piece_index.py``).
 
     .venv/bin/python benchmarks/team/bench_restart_discovery.py [--nodes 6] [--per-node 2]
-        [--tensors 64] [--reps 3] [--json OUT]
+        [--tensors 64] [--reps 3] [--new-nodes K] [--json OUT]
 
 Per rep and mode (interleaved): ``--nodes`` ``ucpd serve`` processes on loopback with default
 flags but the team ones and ``--replicas 1``; ``--nodes x --per-node`` trainer ranks snapshot
@@ -49,12 +50,27 @@ def save_main(rank: int, world: int, run_dir: str, per_node: int, tensors: int, 
     q.put(rank)
 
 
-def restore_main(rank: int, world: int, run_dir: str, per_node: int, tensors: int, job: str, gate, q) -> None:
+def expected(rank: int, world: int, saved: int, tensors: int):
+    """What rank ``rank`` of ``world`` restores of what ``saved`` ranks saved: its block of rows
+    of the global tensors (every saved rank's block one under another: column parallel)."""
+    import torch
+
+    from ucpd_client import layouts as L
+
+    if world == saved:
+        return state_of(rank, world, tensors)
+    blocks = [state_of(r, saved, tensors)[0] for r in range(saved)]
+    rows = 16 * saved // world
+    state = {k: torch.cat([b[k] for b in blocks])[rank * rows:(rank + 1) * rows].contiguous() for k in blocks[0]}
+    return state, {k: L.column_parallel(rank, world) for k in state}
+
+
+def restore_main(rank: int, world: int, run_dir: str, per_node: int, tensors: int, job: str, gate, q, saved: int) -> None:
     import torch
 
     from ucpd_client import Checkpointer
 
-    want, placements = state_of(rank, world, tensors)
+    want, placements = expected(rank, world, saved, tensors)
     target = {k: torch.empty_like(v) for k, v in want.items()}
     with Checkpointer(run_dir, rank=rank, world_size=world, embedded=False, local_world_size=per_node, job_id=job) as c:
         q.put(("ready", rank))
@@ -85,8 +101,9 @@ def one(loop: Loopback, tag: str, fanout: int, a) -> dict:
         q.get(timeout=600)
     join_or_kill(procs)
     gate = ctx.Event()
+    saved, world = world, (a.new_nodes or n) * a.per_node  # the new job: on the first --new-nodes nodes
     procs = [ctx.Process(target=restore_main, args=(r, world, nodes[r // a.per_node].run_dir, a.per_node, a.tensors, tag,
-                                                    gate, q)) for r in range(world)]
+                                                    gate, q, saved)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -99,10 +116,13 @@ def one(loop: Loopback, tag: str, fanout: int, a) -> dict:
         after = peer_messages(nodes)
     finally:
         join_or_kill(procs)
+    counters = [d.status()["team"]["counters"] for d in nodes]
     for d in nodes:
         d.stop()
     return {"fanout": fanout, "nodes": n, "ranks": world, "messages": after[0] - before[0], "bytes": after[1] - before[1],
-            "restore_s": [d[2] for d in done], "ok": all(d[3] for d in done)}
+            "restore_s": [d[2] for d in done], "ok": all(d[3] for d in done),
+            "partial": sum(c.get("restores_from_holders", 0) for c in counters),
+            "widened": sum(c.get("restores_widened", 0) for c in counters)}
 
 
 def main() -> int:
@@ -111,6 +131,9 @@ def main() -> int:
     ap.add_argument("--per-node", type=int, default=2)
     ap.add_argument("--tensors", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--new-nodes", type=int, default=0,
+                    help="the new job runs on this many nodes (another layout: the piece index names its parts); "
+                         "default: all, in the saved layout")
     ap.add_argument("--json")
     a = ap.parse_args()
     cleanup_on_exit()
@@ -122,21 +145,25 @@ def main() -> int:
                 r = one(loop, f"r{rep}-f{fanout}", fanout, a)
                 runs.append(r)
                 print(f"rep {rep} --commit-fanout {fanout}: {r['messages']} peer messages, {r['bytes'] >> 10} KiB; "
-                      f"restore median {statistics.median(r['restore_s']):.3f} s; all bit-exact: {r['ok']}", flush=True)
+                      f"restore median {statistics.median(r['restore_s']):.3f} s; all bit-exact: {r['ok']}; restores from "
+                      f"some parts {r['partial']}, widened {r['widened']}", flush=True)
     finally:
         cleanup()
-    print(f"\n{a.nodes} nodes x {a.per_node} ranks, {a.tensors} tensors a rank, --replicas 1; {os.cpu_count()} CPUs; "
+    print(f"\n{a.nodes} nodes x {a.per_node} ranks, {a.tensors} tensors a rank, --replicas 1; restored by "
+          f"{a.new_nodes or a.nodes} nodes x {a.per_node} ranks; {os.cpu_count()} CPUs; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     print("| `--commit-fanout` | how | peer messages in the restart (median, min–max) | bytes sent | "
-          "latest + restore a rank (median of medians, min–max) | bit-exact |")
-    print("|---|---|---:|---:|---:|---|")
-    for fanout, how in ((0, "every rank asks every node"), (2, "directory, then only the holders")):
+          "latest + restore a rank (median of medians, min–max) | restores from some parts / widened | bit-exact |")
+    print("|---|---|---:|---:|---:|---:|---|")
+    large = "directory, then only the holders" if not a.new_nodes else "directory, the piece index, then the holders"
+    for fanout, how in ((0, "every rank asks every node"), (2, large)):
         rs = [r for r in runs if r["fanout"] == fanout]
         m = [r["messages"] for r in rs]
         t = [statistics.median(r["restore_s"]) for r in rs]
         print(f"| {fanout} | {how} | {statistics.median(m):.0f} ({min(m)}–{max(m)}) | "
               f"{statistics.median(r['bytes'] for r in rs) / 2**10:.0f} KiB | {statistics.median(t):.3f} s "
-              f"({min(t):.3f}–{max(t):.3f}) | {all(r['ok'] for r in rs)} |")
+              f"({min(t):.3f}–{max(t):.3f}) | {sum(r['partial'] for r in rs)} / {sum(r['widened'] for r in rs)} | "
+              f"{all(r['ok'] for r in rs)} |")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(runs, f, indent=1)

@@ -1,34 +1,38 @@
-"""Which ranks' parts a resharded restore reads: an index of a step's pieces by tensor name,
-sharded over the live nodes and built by recursive halving; a restoring node asks the owners of
-its target tensors' names instead of gathering every node's manifests.
+"""Which ranks' parts a resharded restore reads: an index of a step's pieces by tensor name and
+bucket of rows, sharded over the live nodes and built by recursive halving. A restoring node
+asks the owners of its targets' keys instead of gathering every node's manifests.
 
-A restore in another layout (another world size, other placements) may read any rank's part:
-before, every node gathered every node's manifests through the directory (2.5 GB a node at 8,192
-nodes) and decoded them all. With the index, a node learns which ranks hold the boxes its
-targets overlap, and then asks only those ranks' holders for their manifests
-(``holder_answers``), as a restart in the saved layout does:
+A restore in another layout (another world size, other placements) may read any rank's part.
+Before, every node gathered every node's manifests through the directory (2.5 GB a node at
+8,192 nodes) and decoded them all. With the index, a node learns which ranks hold the boxes its
+targets overlap. It then asks only those ranks' holders for their manifests
+(``holder_answers``), as a restart in the saved layout does.
 
-- **entries**: per global tensor name, its dtype, global shape and pieces ``(rank, offsets,
-  lengths)`` — what ``globals_of`` makes from manifests, without chunk CRCs or slot offsets;
-- **owners**: name ``x`` belongs to the node at index ``crc32(x) mod P`` of the sorted live
+- **entries**: a piece ``(rank, offsets, lengths)`` under its global tensor's dtype and global
+  shape (what ``globals_of`` makes from manifests, without chunk CRCs or slot offsets), filed
+  under the key ``(name, bucket)`` of each of the ``BUCKETS`` row ranges it lies in
+  (:func:`buckets`). A tensor that every rank reads a slice of thus has 16 owners, not one;
+- **owners**: key ``x`` belongs to the node at index ``crc32(x) mod P`` of the sorted live
   view, ``P`` the largest power of two ≤ N (:func:`owner`);
-- **the build** (a reduce-scatter by recursive halving, :func:`level_keeps`): level 0 of the node
-  at index ``i < P`` is the entries of the parts it holds (its own; a replica or parity copy only
-  of a node that is not live) and those of node ``i + P``; level ``k + 1`` keeps the entries of
-  level ``k`` whose owner agrees with ``i`` in its low ``k + 1`` bits and adds those of the node
-  ``i ^ 2^k`` (its level ``k``, the same filter), asked with an ``index`` request. At level
-  ``log₂ P`` a node holds every entry it owns. Each level moves about half a node's entries:
-  ``log₂ P`` requests a node, O(its own manifests) bytes, no hub;
-- **the queries** (:func:`answer`): a node sends each owner the boxes it wants of its names
-  (``pieces``); the owner returns one rank per distinct saved box they overlap, preferring a
-  rank whose part the asking node holds, else a different copy for different askers.
+- **the build** (a reduce-scatter by recursive halving, :func:`level_keeps`): level 0 of the
+  node at index ``i < P`` is the entries of the parts it holds (its own; a replica or parity
+  copy only of a node that is not live) and those of node ``i + P`` (:func:`folded`). Level
+  ``k + 1`` keeps the entries of level ``k`` whose owner agrees with ``i`` in its low ``k + 1``
+  bits. It adds the same selection of level ``k`` of node ``i ^ 2^k`` (:func:`partner`), asked
+  with an ``index`` request. At level ``log₂ P`` a node holds every entry it owns. Each level
+  moves about half a node's entries: ``log₂ P`` requests a node, O(its own manifests) bytes, no hub;
+- **the queries**: a box that a part on this node holds whole is read here (:func:`held_here`).
+  For the others, a node sends each owner of their keys a ``pieces`` request. The owner
+  returns one rank per distinct saved box they overlap (:func:`answer`). It prefers a rank whose
+  part the asking node holds, else a different copy for different askers.
 
 Levels are asked only of lower levels (as in ``team.directory``), so no two nodes wait on each
-other. Every request names the view it was made in; a node with another view refuses it, and a
-level or query that fails makes the restore plan from every part (``index_fallbacks``): the
-index only saves bytes, the plan it feeds is checked like any other (a missing piece makes the
-planner widen). The pure part (:func:`owner`, :func:`entries_of`, :func:`keep`, :func:`merge`,
-:func:`answer`) has no sockets or threads; :class:`PieceIndex` is the node's end.
+other. Every request names the view it was made in, and a node with another view refuses it.
+A level or query that fails makes the restore plan from every part (``index_fallbacks``). The
+index only saves bytes: the plan it feeds is checked like any other, and a missing piece makes
+the planner widen. The pure part (:func:`owner`, :func:`buckets`, :func:`entries_of`,
+:func:`keep`, :func:`merge`, :func:`held_here`, :func:`answer`) has no sockets or threads;
+:class:`PieceIndex` is the node's end.
 """
 
 from __future__ import annotations
