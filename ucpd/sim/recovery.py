@@ -13,7 +13,9 @@ survivors, renumbered densely, the same TP and PP, a smaller DP, so every ZeRO p
   instead of the lowest rank; ``split=True`` reads each part that crosses the network from all
   its live copies in equal shares (the owner's RAM and its holders), as ``team.sources`` does
   (``PeerRead.spread``): a lost node's holders split its part, and a holder busy with one sends
-  its own slivers from its copies too.
+  its own slivers from its copies too; ``split="best"`` splits each part's reads over its copies
+  as unevenly as it takes to make the busiest source the least loaded any split can (an oracle
+  that knows every node's load: the bound for any choice of sources).
 - :func:`plan_rank` — one new rank's plan with the real ``ucpd.ucl.resolve`` + ``plan_restore``;
   ``indexed=True`` hands the planner only the saved pieces that overlap the target (a sorted
   index, ``numpy.searchsorted``), ``False`` every piece of the tensor (what
@@ -117,6 +119,34 @@ def plan_rank(old: Layout, new: Layout, new_node: int, tp: int, src_of: dict[int
     return plan_restore(frags, srcs)
 
 
+def _water_fill(sent: np.ndarray, demand: dict[int, float], shares: dict[int, list[int]], rounds: int = 60) -> None:
+    """Add to ``sent`` each origin's ``demand`` split over its copies (``shares``) so that the
+    busiest source is as little loaded as any split can make it: each origin in turn pours its
+    bytes into its least-loaded copies up to one level, until no origin moves its share (the
+    least-squares split, which for divisible loads is also the min-max one)."""
+    split = {o: np.full(len(shares[o]), d / len(shares[o])) for o, d in demand.items()}
+    for o, x in split.items():
+        np.add.at(sent, shares[o], x)
+    for _ in range(rounds):
+        moved = 0.0
+        for o, d in demand.items():
+            nodes = shares[o]
+            np.subtract.at(sent, nodes, split[o])
+            base = sent[nodes]
+            order = np.sort(base)
+            level = order[0] + d
+            for k in range(1, len(order) + 1):  # the level where the poured bytes fill the lowest k
+                level = (d + order[:k].sum()) / k
+                if k == len(order) or level <= order[k]:
+                    break
+            x = np.maximum(0.0, level - base)
+            moved = max(moved, float(np.abs(x - split[o]).max()))
+            split[o] = x
+            np.add.at(sent, nodes, x)
+        if moved < 1.0:
+            break
+
+
 def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_size: int = 32, replicas: int = 1,
              domain: bool = True, balance: bool = False, split: bool = False, seed: int = 0, net: NetModel | None = None,
              sample_ranks: int = 16, pp: int = 8, keep_stage: bool = True) -> dict:
@@ -166,6 +196,7 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     sent = np.zeros(nodes)
     recv = np.zeros(nodes)
     ob, nb = old.bounds(), new.bounds()
+    demand: dict[int, float] = {}  # origin -> bytes the others read of its part (``split="best"``)
     unit = 4 * TP  # bytes per element, all 8 TP ranks of a node move together
     for j in range(new.nodes):
         dst = place[j]
@@ -182,9 +213,14 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
             srcs = shares.get(origin)
             if srcs is None or dst in srcs:
                 continue  # lost (counted above), or already in this node's RAM
-            for src in srcs:
-                sent[src] += (b - a) * unit / len(srcs)
+            if split == "best":
+                demand[origin] = demand.get(origin, 0.0) + (b - a) * unit
+            else:
+                for src in srcs:
+                    sent[src] += (b - a) * unit / len(srcs)
             recv[dst] += (b - a) * unit
+    if demand:
+        _water_fill(sent, demand, shares)
     # weights: a node that runs another stage than it saved reads the stage's weights (all TP
     # ranks) from a live node that saved that stage, spread round robin over them
     holders_of = {s: [i for i in survivors if old.stage(i) == s] for s in range(pp)}
