@@ -11,6 +11,7 @@ where a restore reads a lost node's part, what error names a loss.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -209,9 +210,9 @@ def _read_lost_part(make_team, monkeypatch):
     """A team of 5 with ``--replicas 2`` that lost node 4 and healed (three copies again), reads
     of any size split in shares: the team, every rank's bytes, a node with no copy of node 4's
     part and its sources of step 1 (released by the caller)."""
-    from ucpd.team import sources
+    from ucpd.team import fetch
 
-    monkeypatch.setattr(sources, "SPLIT_MIN", 0)  # the parts here are a few KB: split them anyway
+    monkeypatch.setattr(fetch, "SPLIT_MIN", 0)  # the parts here are a few KB: split them anyway
     team = make_team(5, replicas=2)
     data = seal_all(team, 1)
     team.wait_state(1, COMMITTED)
@@ -239,28 +240,53 @@ def test_a_lost_nodes_part_is_fetched_in_shares_from_each_of_its_holders(make_te
         got.release()
 
 
-def test_a_share_its_holder_fails_to_send_is_fetched_from_the_first_holder(make_team, monkeypatch):
+def test_a_grain_a_copy_fails_to_send_is_fetched_from_the_other_copies(make_team, monkeypatch):
     team, data, _, reader, got = _read_lost_part(make_team, monkeypatch)
     try:
         w = got.where[4]
         bad = w.spread[0]
-        team.net.fail(dest=bad, msg_type="fetch", nth=team.net.seen[(bad, "fetch")] + 1)
+        before = team.net.seen[(bad, "fetch")]
+        team.net.fail(dest=bad, msg_type="fetch", nth=before + 1)
         plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
-        assert team.net.seen[(w.node, "fetch")] >= 2  # its own share, and the one that failed
+        assert team.net.seen[(bad, "fetch")] == before + 1  # its first grain failed; it was asked no more
         assert _planned_bytes(plan) == data[4]
     finally:
         got.release()
 
 
-def test_reads_are_cut_in_equal_shares_and_small_ones_come_whole_from_the_first_holder(monkeypatch):
-    from ucpd.team import sources
+def test_a_read_comes_from_every_copy_at_once_and_a_slow_copy_serves_less(make_team, monkeypatch):
+    from ucpd.team import fetch
 
-    monkeypatch.setattr(sources, "SPLIT_MIN", 100)
-    assert sources._shares([(0, 50)], 3) == [[(0, 50)], [], []]
-    assert sources._shares([(0, 90), (200, 60)], 1) == [[(0, 90), (200, 60)]]
-    shares = sources._shares([(0, 90), (200, 60), (400, 150)], 3)
-    assert shares == [[(0, 90), (200, 10)], [(210, 50), (400, 50)], [(450, 100)]]
-    assert [sum(n for _, n in s) for s in shares] == [100, 100, 100]
+    monkeypatch.setattr(fetch, "GRAIN", 64)  # a part of a few KB: about 35 grains
+    team, data, _, reader, got = _read_lost_part(make_team, monkeypatch)
+    try:
+        w = got.where[4]
+        slow = w.nodes[1]
+        server = team[slow].team.server
+        fetch = server._on_fetch
+
+        def slowly(*args):  # a copy busy serving other readers
+            time.sleep(0.2)
+            return fetch(*args)
+
+        monkeypatch.setattr(server, "_on_fetch", slowly)
+        before = {h: team.net.seen[(h, "fetch")] for h in w.nodes}
+        plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
+        served = {h: team.net.seen[(h, "fetch")] - before[h] for h in w.nodes}
+        assert _planned_bytes(plan) == data[4]
+        assert all(served.values()), served  # every copy served some
+        assert served[slow] * 3 < min(n for h, n in served.items() if h != slow), served  # the idle ones the most
+    finally:
+        got.release()
+
+
+def test_reads_are_cut_in_grains_of_equal_bytes_a_range_cut_where_a_grain_ends():
+    from ucpd.team import fetch
+
+    assert fetch.grains([(0, 50)], 100) == [[(0, 50)]]
+    grains = fetch.grains([(0, 90), (200, 60), (400, 150)], 100)
+    assert grains == [[(0, 90), (200, 10)], [(210, 50), (400, 50)], [(450, 100)]]
+    assert [sum(n for _, n in g) for g in grains] == [100, 100, 100]
 
 
 def test_a_share_from_a_damaged_copy_fails_its_check_and_the_tensor_comes_whole_from_a_sound_one(make_team, monkeypatch):

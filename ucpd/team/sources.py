@@ -31,9 +31,10 @@ from .. import checked, faults, native, protocol
 from ..daemon.restore import RamGlobals, RamSame, RamTensors, SourceSet
 from ..daemon.manifest import RankPart
 from ..daemon.versions import SEALED, Version, VersionState
-from ..errors import ChecksumMismatch, DaemonUnreachable, PlacementMismatch, UcpdError, VersionNotFound
+from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
 from .decide import Holding, choose_copies, latest_whole, run_to_read
 from .directory import Directory, ask_all
+from .fetch import fetch_shares
 from .holder_answers import HolderAnswers
 from .piece_index import PieceIndex
 from .shmfiles import close_map, open_reserved, remove
@@ -43,7 +44,6 @@ log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
 SHARED_KEPT = 4  # directory answers whose parts and indexes are kept for the restores that follow
-SPLIT_MIN = 1 << 20  # bytes: a read smaller than this comes from one holder (the request costs more)
 FETCH_PREFIX = "fetch-"
 
 
@@ -62,8 +62,9 @@ class LocalRead:
 class PeerRead:
     """A rank's part in live ``node``'s RAM (``origin``'s part: its own, or a replica it holds);
     its bytes land at the same offsets of the local file ``path`` when fetched. ``spread``: other
-    live nodes holding a whole copy of the same part; the fetch takes equal shares from each
-    (``nodes``), so the holders of a lost node's part split its traffic."""
+    live nodes holding a whole copy of the same part; the fetch takes its bytes from all of them
+    at once (``nodes``), each serving as much as it answers, so the holders of a lost node's
+    part split its traffic."""
 
     node: int
     origin: int
@@ -566,27 +567,7 @@ class VersionSources:
             self._fetch_shares(w, step, batch, mm)
 
     def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
-        """Bring the byte ``ranges`` of ``w``'s part into ``mm`` at the same offsets, in equal
-        shares from each of ``w.nodes``; a share another copy fails to send (unreachable, gone)
-        is fetched from ``w.node``. The caller checks the bytes (``_check_fetched``)."""
-        shares = _shares(ranges, len(w.nodes))
-        for node, share in zip(w.nodes, shares):
-            if not share:
-                continue
-            try:
-                bufs = self._fetch(node, w, step, share)
-            except UcpdError:
-                if node == w.node:
-                    raise
-                bufs = self._fetch(w.node, w, step, share)
-            for (off, n), buf in zip(share, bufs):
-                native.copy(memoryview(mm)[off : off + n], buf)
-
-    def _fetch(self, node: int, w: PeerRead, step: int, ranges: list) -> list[memoryview]:
-        _, frames = self.transport.request(
-            node, "fetch", {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]},
-            timeout=120.0)
-        return _split(frames, [n for _, n in ranges])
+        fetch_shares(self.transport, w, step, ranges, mm)
 
 
 def _shapes_known(version: Version) -> None:
@@ -603,29 +584,6 @@ def _shapes_known(version: Version) -> None:
                     raise PlacementMismatch(f"the shape of global tensor {name!r} comes from every rank's parts")
 
 
-def _shares(ranges: list[tuple[int, int]], k: int) -> list[list[tuple[int, int]]]:
-    """``ranges`` (offset, length) cut into ``k`` lists of about equal bytes, each range kept
-    whole below ``SPLIT_MIN`` and otherwise cut where a share ends."""
-    if k <= 1:
-        return [list(ranges)]
-    total = sum(n for _, n in ranges)
-    if total < SPLIT_MIN:  # from the first holder (the order differs per restoring node)
-        return [list(ranges)] + [[] for _ in range(k - 1)]
-    want = -(-total // k)
-    out, cur, room = [], [], want
-    for off, n in ranges:
-        while n:
-            take = min(n, room)
-            cur.append((off, take))
-            off, n, room = off + take, n - take, room - take
-            if room == 0:
-                out.append(cur)
-                cur, room = [], want
-    if cur:
-        out.append(cur)
-    return out + [[] for _ in range(k - len(out))]
-
-
 def _batches(rows: list, limit: int):
     batch, size = [], 0
     for s in rows:
@@ -636,21 +594,3 @@ def _batches(rows: list, limit: int):
         size += s.nbytes
     if batch:
         yield batch
-
-
-def _split(frames: list, sizes: list[int]) -> list[memoryview]:
-    """The reply's frames as one buffer per requested range (the transport may cut a buffer
-    into several frames, or send one frame per range)."""
-    frames = [memoryview(f).cast("B") for f in frames]
-    if len(frames) == len(sizes) and all(f.nbytes == n for f, n in zip(frames, sizes)):
-        return frames
-    whole = bytearray(b"".join(frames))
-    out, at = [], 0
-    for n in sizes:
-        out.append(memoryview(whole)[at : at + n])
-        at += n
-    if at != len(whole):
-        raise DaemonUnreachable(f"a fetch reply carried {len(whole)} bytes, {at} were asked for")
-    return out
-
-
