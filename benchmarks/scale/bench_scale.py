@@ -65,11 +65,13 @@ def part_recovery(sizes: list[int]) -> tuple[list[dict], str]:
     for n in sizes:
         for kw in (dict(lost="random"), dict(lost="rack"), dict(lost="random", keep_stage=False),
                    dict(lost="random", replicas=2), dict(lost="random", replicas=2, split=True),
-                   dict(lost="rack", replicas=2, split=True), dict(lost="random", replicas=2, split="best"),
+                   dict(lost="rack", replicas=2, split=True), dict(lost="random", replicas=2, split="pull"),
+                   dict(lost="rack", replicas=2, split="pull"), dict(lost="random", replicas=2, split="best"),
                    dict(lost="rack", replicas=2, split="best")):
             res.append(recovery.simulate(n, **kw))
     rows = [[r["nodes"], r["lost"] + ("" if r["keep_stage"] else ", renumbered"), r["replicas"],
-             {True: "equal shares", "best": "grains pulled (modelled: water-filling)"}.get(r["split"], "one copy"),
+             {True: "equal shares", "pull": "grains pulled from every copy (fluid model)",
+              "best": "best split (bound: water-filling)"}.get(r["split"], "one copy"),
              r["dead"], r["new_nodes"],
              f"{r['plan_rank_s']['indexed'] * 1e3:.2f} ms", f"{r['plan_rank_s']['all_pieces'] * 1e3:.2f} ms",
              f"{r['choose_sources_s'] * 1e3:.0f} ms", fmt_b(r["moved_bytes"]), fmt_b(r["source_max_bytes"]),

@@ -13,7 +13,9 @@ survivors, renumbered densely, the same TP and PP, a smaller DP, so every ZeRO p
   instead of the lowest rank; ``split=True`` reads each part that crosses the network from all
   its live copies in equal shares (the owner's RAM and its holders), as ``team.sources`` does
   (``PeerRead.spread``): a lost node's holders split its part, and a holder busy with one sends
-  its own slivers from its copies too; ``split="best"`` splits each part's reads over its copies
+  its own slivers from its copies too; ``split="pull"`` models what ``team/fetch.py`` does (each
+  reader pulls from every copy at once, a copy shared equally by the reads open on it: a fluid
+  model); ``split="best"`` splits each part's reads over its copies
   as unevenly as it takes to make the busiest source the least loaded any split can (an oracle
   that knows every node's load: the bound for any choice of sources).
 - :func:`plan_rank` — one new rank's plan with the real ``ucpd.ucl.resolve`` + ``plan_restore``;
@@ -119,6 +121,30 @@ def plan_rank(old: Layout, new: Layout, new_node: int, tp: int, src_of: dict[int
     return plan_restore(frags, srcs)
 
 
+def _pull(sent: np.ndarray, demand: dict[tuple[int, int], float], shares: dict[int, list[int]], bw: float) -> None:
+    """Add to ``sent`` what each copy serves when every reader pulls its bytes of a part from all
+    the part's copies at once (``team/fetch.py``), in a fluid model: a copy sends at ``bw``,
+    shared equally by the reads open on it, and a read ends when its bytes are in. A copy many
+    reads share serves each slowly, so the reads' other copies serve more of them."""
+    pairs = list(demand.items())
+    rem = np.array([d for _, d in pairs])
+    sp = np.array([i for i, ((_, o), _) in enumerate(pairs) for _ in shares[o]])
+    sn = np.array([c for (_, o), _ in pairs for c in shares[o]])
+    n = len(sent)
+    while True:
+        open_ = rem > 1e-3
+        if not open_.any():
+            break
+        on = open_[sp]
+        per_node = np.bincount(sn[on], minlength=n)
+        rate = np.where(on, bw / np.maximum(per_node[sn], 1), 0.0)
+        pair_rate = np.bincount(sp, weights=rate, minlength=len(pairs))
+        dt = float(np.min(rem[open_] / pair_rate[open_]))  # until the next read ends
+        rem = np.where(open_, rem - pair_rate * dt, 0.0)
+        rem[rem < 1e-3 * np.maximum(1.0, pair_rate * dt)] = 0.0
+        sent += np.bincount(sn, weights=rate * dt, minlength=n)
+
+
 def _water_fill(sent: np.ndarray, demand: dict[int, float], shares: dict[int, list[int]], rounds: int = 60) -> None:
     """Add to ``sent`` each origin's ``demand`` split over its copies (``shares``) so that the
     busiest source is as little loaded as any split can make it: each origin in turn pours its
@@ -196,7 +222,7 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
     sent = np.zeros(nodes)
     recv = np.zeros(nodes)
     ob, nb = old.bounds(), new.bounds()
-    demand: dict[int, float] = {}  # origin -> bytes the others read of its part (``split="best"``)
+    demand: dict = {}  # origin (``split="best"``) or (reader, origin) (``"pull"``) -> bytes read of its part
     unit = 4 * TP  # bytes per element, all 8 TP ranks of a node move together
     for j in range(new.nodes):
         dst = place[j]
@@ -213,14 +239,17 @@ def simulate(nodes: int, *, lost: str = "random", fraction: float = 0.01, rack_s
             srcs = shares.get(origin)
             if srcs is None or dst in srcs:
                 continue  # lost (counted above), or already in this node's RAM
-            if split == "best":
-                demand[origin] = demand.get(origin, 0.0) + (b - a) * unit
+            if split in ("best", "pull"):
+                demand[(dst, origin) if split == "pull" else origin] = \
+                    demand.get((dst, origin) if split == "pull" else origin, 0.0) + (b - a) * unit
             else:
                 for src in srcs:
                     sent[src] += (b - a) * unit / len(srcs)
             recv[dst] += (b - a) * unit
-    if demand:
+    if demand and split == "best":
         _water_fill(sent, demand, shares)
+    elif demand:
+        _pull(sent, demand, shares, net.nic_bw)
     # weights: a node that runs another stage than it saved reads the stage's weights (all TP
     # ranks) from a live node that saved that stage, spread round robin over them
     holders_of = {s: [i for i in survivors if old.stage(i) == s] for s in range(pp)}

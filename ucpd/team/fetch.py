@@ -6,11 +6,13 @@ and the live nodes holding a whole copy of it (``PeerRead.nodes``: the owner's R
 replicas, in an order that starts at a different one on each reading node). A read below
 ``SPLIT_MIN`` comes from the first of them: the request costs more than its bytes. A larger
 one is cut in grains of at most ``GRAIN`` bytes (at least one a copy). Each copy is asked for
-one grain, in order, then for the next one left as soon as its last arrived. A copy that is
-busy serving other readers answers more slowly, so it serves less, and the idle copies serve
-the rest: the reads of a restart level out over the copies on their own. The bound of any
-split is ``sim/recovery.py``'s ``split="best"``; equal shares were 2.4× the mean at the
-busiest source of a 1,024-node restart, the bound is 1.8×.
+one grain, in order, then for the next one left as soon as its last arrived. A read thus
+takes the bandwidth of every copy at once (the shares were fetched one after another before),
+and a copy that answers slowly (busy serving other readers, or far) serves less of it. In the
+fluid model of a restart (``sim/recovery.py``, ``split="pull"``) that trims the busiest source
+little (2.41 → 2.37× the mean at 1,024 nodes): every copy stays busy while reads are open, so
+the busiest one still serves until the end. The bound of any split, which needs every reader's
+demand in one place, is 1.80× (``split="best"``).
 
 A grain a copy fails to send (unreachable, the part gone) goes back to the others; what no
 copy sent is asked of the first holder once more, whose error then stands. The caller checks
