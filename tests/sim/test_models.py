@@ -79,3 +79,22 @@ def test_a_restart_through_the_directory_costs_log_n_requests_a_node_and_no_hub(
     assert doubling["out_bytes_max"] < 1.01 * manifests  # and sends as much: no node is a hub
     assert hub["out_bytes_max"] > (n - 2) * manifests  # a hub sends the whole set to every node
     assert doubling["time_s"] < ask_all["time_s"] / 10 and doubling["time_s"] < hub["time_s"] / 10
+
+
+def test_a_resharded_restart_through_the_piece_index_receives_a_few_parts_not_every_manifest():
+    from ucpd.sim import discovery
+
+    for n in (64, 256):
+        doubling, index = discovery.simulate(n, "doubling"), discovery.simulate(n, "index")
+        manifests = n * doubling["node_manifest_bytes"]
+        assert index["in_bytes_max"] < manifests / 10  # a few ranks' manifests and the index's share
+        assert index["out_bytes_max"] < manifests / 10  # no node is a hub either
+        assert index["requests_per_node_max"] < 100 and index["served_max"] < 100
+
+
+def test_pulled_reads_load_the_busiest_source_no_more_than_equal_shares_and_no_less_than_the_bound():
+    for lost in ("random", "rack"):
+        equal, pulled, best = (recovery.simulate(256, lost=lost, replicas=2, split=s, sample_ranks=1)
+                               for s in (True, "pull", "best"))
+        assert equal["moved_bytes"] == pytest.approx(pulled["moved_bytes"]) == pytest.approx(best["moved_bytes"])
+        assert best["source_max_bytes"] <= pulled["source_max_bytes"] * 1.0001 <= equal["source_max_bytes"] * 1.0002
