@@ -124,3 +124,17 @@ def test_a_node_lost_before_the_survivors_notice_still_restores_every_target(tea
         assert index["index_fallbacks"] >= 1 or got.partial
     finally:
         got.release()
+
+
+def test_a_replaced_node_s_pieces_are_indexed_by_its_copy(team):
+    team.lose(2)
+    team.wait_live({0, 1, 3, 4})
+    team.replace(2)  # a new daemon in its place, empty RAM: rank 2's part is on its copy only
+    team.wait_live({0, 1, 2, 3, 4})
+    assert not team[1].team.replicas.get(2, 1)  # (node 1 holds no copy of it: the index must name it)
+    got, _ = restore(team[1], 0, 2)  # rows 0..9 include rank 2's
+    try:
+        assert got.partial and 2 in got.parts and 2 not in got.holders[2]
+        assert team[1].team.sources.index.counters["index_fallbacks"] == 0
+    finally:
+        got.release()

@@ -16,7 +16,8 @@ targets overlap. It then asks only those ranks' holders for their manifests
   view, ``P`` the largest power of two ≤ N (:func:`owner`);
 - **the build** (a reduce-scatter by recursive halving, :func:`level_keeps`): level 0 of the
   node at index ``i < P`` is the entries of the parts it holds (its own; a replica or parity
-  copy only of a node that is not live) and those of node ``i + P`` (:func:`folded`). Level
+  copy only of a node that does not hold its own part) and those of node ``i + P``
+  (:func:`folded`). Level
   ``k + 1`` keeps the entries of level ``k`` whose owner agrees with ``i`` in its low ``k + 1``
   bits. It adds the same selection of level ``k`` of node ``i ^ 2^k`` (:func:`partner`), asked
   with an ``index`` request. At level ``log₂ P`` a node holds every entry it owns. Each level
@@ -362,11 +363,14 @@ class PieceIndex:
         return merge(out, self._ask_level(view[partner(me, level)], step, level - 1, m, r, view))
 
     def _own(self, step: int, view: tuple[int, ...]) -> Entries:
-        """The entries of the parts we hold of ``step``: our own, and a copy of a node that is
-        not live (its replica holders or parity members all add it; merged once)."""
-        live = set(view)
+        """The entries of the parts we hold of ``step``: our own, and a copy of a node that does
+        not hold its own part (lost, or replaced by a new daemon: the directory's gather, the
+        one ``latest`` made, says which do). Every holder of such a copy adds it; merged once."""
+        _, by_node = self.sources.held_by_node(None)
+        whole = {h.origin for hs in by_node.values() for h in hs
+                 if h.step == step and h.node == h.origin and h.node in view and not h.parity}
         parts = [p for item in self.sources.own_holdings(step)
-                 if item["origin"] == self.rank or item["origin"] not in live for p in item.get("parts") or ()]
+                 if item["origin"] == self.rank or item["origin"] not in whole for p in item.get("parts") or ()]
         return entries_of(parts)
 
     def _ask_level(self, node: int, step: int, level: int, m: int, r: int, view) -> Entries:
