@@ -156,7 +156,7 @@ def test_a_job_restarted_on_a_large_teams_survivors_asks_the_directory_not_every
     assert all(c[i]["restores_from_holders"] == 2 and c[i]["restores_widened"] == 0 for i in c), seen
 
 
-def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_its_parts(make_team):
+def test_a_job_restarted_on_a_large_team_with_a_replaced_node_asks_only_the_holders_in_its_layout_and_another(make_team):
     # node 1 is replaced by a new daemon (empty RAM); the job restarts in the layout that saved
     # it, so each rank reads its node part (node 1's ranks from its copy) and rank 0's values
     team = large_team_that_lost_node_1(make_team)
@@ -177,6 +177,14 @@ def test_a_job_restarted_in_its_layout_on_a_large_team_asks_only_the_holders_of_
     # for, once for both of node 1's ranks (twice if healing left two copies of it)
     asked = {i: grew[i]["manifests_answered"] for i in grew if grew[i]["manifests_answered"]}
     assert 1 not in asked and 1 <= sum(asked.values()) <= 2, moved
+
+    # then in another layout (TP2xDP4 on nodes 0-3): node 1, replaced, holds no part; its
+    # ranks' pieces are indexed by its copy, and every restore reads only the parts named
+    restore_on(team.run_dirs()[:4], 8, 2, 2, 3)  # every rank bit-exact
+    last = {i: status(d)["team"]["counters"] for i, d in enumerate(team.run_dirs()[:4])}
+    more = {i: {k: last[i][k] - after[i].get(k, 0) for k in ("restores_from_holders", "restores_widened", "index_fallbacks")}
+            for i in last}
+    assert all(m == {"restores_from_holders": 2, "restores_widened": 0, "index_fallbacks": 0} for m in more.values()), more
 
 
 def test_a_job_restarted_in_another_layout_on_a_large_team_reads_the_parts_the_piece_index_names(make_team):
