@@ -198,6 +198,13 @@ def test_a_job_restarted_in_another_layout_on_a_large_team_reads_the_parts_the_p
     assert all(c[i]["restores_from_holders"] == 1 and c[i]["restores_widened"] == 0 for i in c), seen
     assert all(c[i]["index_fallbacks"] == 0 and c[i]["index_gathers"] == 1 for i in c), seen
 
+    # the saved world size (8 ranks) in another placement (TP1xDP8): the node part and rank 0's
+    # do not answer it, so the parts the index names are read next, not every part
+    restore_on(team.run_dirs(), 8, 2, 1, 2)  # bit-exact
+    d = {i: status(r)["team"]["counters"] for i, r in enumerate(team.run_dirs())}
+    more = {i: {k: d[i][k] - c[i][k] for k in ("restores_from_holders", "restores_widened", "index_fallbacks")} for i in d}
+    assert all(m == {"restores_from_holders": 2, "restores_widened": 0, "index_fallbacks": 0} for m in more.values()), more
+
 
 def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
     import glob

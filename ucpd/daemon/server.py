@@ -330,18 +330,15 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        found = self.locate.find(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
+        reader = (body["rank"], body["world_size"], body["targets"])
+        found = self.locate.find(body.get("step"), job, avoid, reader)
         try:
             try:
                 plan = restore_plan.plan(found.sources, body["targets"])
             except PlacementMismatch as exc:
                 if not found.partial:
                     raise
-                with self.store.atomic():
-                    found.release()
-                self.team.sources.widen(f"step {found.step}, rank {body['rank']}: {exc}")
-                found = self.locate.find(found.step, job, avoid)
-                plan = restore_plan.plan(found.sources, body["targets"])
+                found, plan = self._restore_wider(found, job, avoid, reader, exc)
             if found.partial:
                 self.team.counters["restores_from_holders"] += 1
             if found.team is not None:
@@ -352,6 +349,27 @@ class Daemon:
             raise
         with self.store.atomic():
             return self._lease_reply(body, found, plan)
+
+    def _restore_wider(self, found, job: str, avoid: set, reader: tuple, why: Exception):
+        """A team restore planned from some ranks' parts that do not answer the targets: in the
+        world size that saved the step (its node part and rank 0's: another placement), the
+        parts the piece index names next; then every rank's part (``sources.widen``)."""
+        step, indexed = found.step, found.team.indexed
+        with self.store.atomic():
+            found.release()
+        if not indexed:
+            found = self.locate.find(step, job, avoid, (*reader, True))
+            try:
+                return found, restore_plan.plan(found.sources, reader[2])
+            except PlacementMismatch as exc:
+                if not found.partial:
+                    raise
+                why = exc
+                with self.store.atomic():
+                    found.release()
+        self.team.sources.widen(f"step {step}, rank {reader[0]}: {why}")
+        found = self.locate.find(step, job, avoid)
+        return found, restore_plan.plan(found.sources, reader[2])
 
     def _lease_reply(self, body, found, plan):
         lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))

@@ -56,16 +56,17 @@ class HolderAnswers:
         self._lock = threading.Lock()
 
     def held(self, step: int, reader: tuple, stale: int | None = None
-             ) -> tuple[int | None, list[Holding], str, frozenset[int]]:
+             ) -> tuple[int | None, list[Holding], str, frozenset[int], bool]:
         """What the holders of the parts ``reader`` reads of ``step`` hold of it, with manifests;
-        the directory's gather it came from; the run read (chosen on every node's ranks); and
-        the ranks read. ``reader``: (rank, world size), and the restore's targets (for a
-        restore in another layout: the piece index names the ranks they read). ``stale``: that
-        gather was found out of date. Raises VersionNotFound when the parts to read cannot be
+        the directory's gather it came from; the run read (chosen on every node's ranks); the
+        ranks read; and whether the piece index named them. ``reader``: (rank, world size), and
+        the restore's targets (for a restore in another world size, or with a fourth item True:
+        the piece index names the ranks they read). ``stale``: that gather was found out of date. Raises VersionNotFound when the parts to read cannot be
         named (another world size and no targets or no index answer): the restore reads every part."""
         me = self.sources.rank
         rank, world = reader[0], reader[1]
         targets = reader[2] if len(reader) > 2 else None
+        by_index = len(reader) > 3 and reader[3]
         if stale is not None:
             self.forget()
         for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
@@ -74,7 +75,7 @@ class HolderAnswers:
             run = run_to_read(items, self.sources.team.current_run())
             saved = {h.world_size for h in items if h.run == run}
             held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.sources.own_holdings(step)]
-            if saved == {world}:
+            if saved == {world} and not by_index:
                 # the whole node part the rank's is in (a rank skips writing what a lower rank of
                 # its node holds: ``snapshots.skip_for``), and rank 0's
                 ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
@@ -106,7 +107,7 @@ class HolderAnswers:
                 break
             self.forget()
             stale = gen
-        return gen, held, run, ranks
+        return gen, held, run, ranks, by_index or saved != {world}
 
     def _indexed(self, step: int, saved: set[int], reader: tuple, targets, held: list[Holding], run: str
                  ) -> frozenset[int]:
@@ -117,7 +118,8 @@ class HolderAnswers:
         rank, world = reader[0], reader[1]
         index = self.sources.index
         if len(saved) != 1 or targets is None or index is None:
-            raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}")
+            raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}"
+                                  + ("" if index is not None else " (no piece index: --commit-fanout 0)"))
         (saved_world,) = saved
         found = index.ranks_for(step, wants_of(targets), [p for h in held if h.run == run and not h.parity for p in h.parts])
         if found is None:

@@ -84,6 +84,7 @@ class TeamSources:
         self.step, self.reader = step, reader
         self.run = ""  # the run of the job whose parts are read (a step is read from one run)
         self.partial = False  # only some ranks' parts, their holders asked (``VersionSources.restore_sources``)
+        self.indexed = False  # ... those the piece index named
         self.gen: int | None = None  # the directory's gather it was planned from (None: every node asked)
         self.holders: dict[int, tuple[int, ...]] = {}  # rank -> every live node with a sound whole copy of its part
         self.sources: SourceSet | None = None
@@ -327,12 +328,12 @@ class VersionSources:
                 raise VersionNotFound("no committed version is held whole by the live nodes of the team")
         if not self.team.is_committed(step):
             raise VersionNotFound(f"step {step} is not committed by the team")
-        ranks = None
+        ranks, indexed = None, False
         if reader is None:
             gen, held = self._held(step, stale)
             run = run_to_read(held, self.team.current_run())
         else:
-            gen, held, run, ranks = self.holders.held(step, reader, stale)
+            gen, held, run, ranks, indexed = self.holders.held(step, reader, stale)
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
             try:
@@ -349,7 +350,7 @@ class VersionSources:
                 break
             damaged |= bad
         out = TeamSources(step, self)
-        out.run, out.gen, out.partial = run or "", gen, ranks is not None
+        out.run, out.gen, out.partial, out.indexed = run or "", gen, ranks is not None, indexed
         for rank, (copy, _) in chosen.items():
             out.holders[rank] = tuple(sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
                                               and rank in h.ranks and (h.node, h.origin) not in damaged}))
