@@ -2,7 +2,8 @@
 each, every committed step read back whole by every rank.
 
     .venv/bin/python benchmarks/reliability/team_chaos.py --seed 7 --minutes 10 \\
-        [--nodes 4] [--ranks-per-node 2] [--redundancy replicas|xor|rs] [--dead-after 1.5] [--out FILE.json]
+        [--nodes 4] [--ranks-per-node 2] [--redundancy replicas|xor|rs] [--dead-after 1.5] [--reshard]
+        [--out FILE.json]
 
 Real ``ucpd serve`` daemons on loopback (one per node, its own run and shm dirs), real trainer
 processes (``--ranks-per-node`` per node, TP = ranks per node x DP = nodes, told who they are by
@@ -32,14 +33,15 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 def campaign(seed: int, seconds: float, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
              dead_after: float = 1.5, log=print, min_trials: int = 0, max_trials: int | None = None,
-             fresh_after_failure: bool = True, partitions: bool = False, kinds: tuple[str, ...] | None = None):
+             fresh_after_failure: bool = True, partitions: bool = False, kinds: tuple[str, ...] | None = None,
+             reshard: bool = False):
     """Trials drawn from ``seed`` for ``seconds`` (and on until ``min_trials``); returns them.
     ``kinds``: the faults to draw from (default: every kind)."""
     from helpers import team_chaos
 
     c = team_chaos.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log,
                                fresh_after_failure=fresh_after_failure, partitions=partitions,
-                               kinds=kinds or team_chaos.KINDS)
+                               kinds=kinds or team_chaos.KINDS, reshard=reshard)
     return c.go(seconds, min_trials=min_trials, max_trials=max_trials)
 
 
@@ -64,6 +66,8 @@ def main() -> int:
     ap.add_argument("--partitions", action="store_true",
                     help="every node in a network namespace of its own (root, ip netns), and a fifth fault: a node's "
                          "link taken down past --dead-after, then up")
+    ap.add_argument("--reshard", action="store_true",
+                    help="every other run uses TP 1 instead of TP = ranks per node: each restart restores another layout")
     ap.add_argument("--out", default="team_chaos.json")
     args = ap.parse_args()
     t0 = time.time()
@@ -76,7 +80,7 @@ def main() -> int:
             return 2
     trials = campaign(args.seed, args.minutes * 60, args.nodes, args.ranks_per_node, args.redundancy, args.dead_after,
                       log=lambda s: print(s, flush=True), min_trials=args.min_trials, fresh_after_failure=not args.keep_team,
-                      partitions=args.partitions)
+                      partitions=args.partitions, reshard=args.reshard)
     text, per = table(trials)
     print(text)
     failed = [t for t in trials if t.injected and not t.passed]

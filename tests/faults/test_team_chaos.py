@@ -1,8 +1,8 @@
 """A short seeded team chaos campaign, one per redundancy kind: 4 daemons on loopback, 2 trainer
 ranks each, one trial of each fault kind (a node lost and replaced, a daemon killed and
 restarted on its shm, a daemon paused past --dead-after, a trainer killed; for parity the first
-two), the job restarted as a new run after each, every committed step read back whole by every
-rank.
+two; in a large team's configuration, with every restart in the other layout, the first two),
+the job restarted as a new run after each, every committed step read back whole by every rank.
 
 The long one is ``benchmarks/reliability/team_chaos.py --seed S --minutes M --redundancy KIND``;
 what each trial checks is in ``tests/helpers/team_chaos.py``. A failure prints the seed and the
@@ -29,20 +29,26 @@ def _campaign_module():
 # flushed version is checked whole and of one run); parity the two that take a node's RAM (its
 # part is rebuilt from the group, or re-sent to a restarted member): the long campaign draws
 # every kind for each.
-CASES = [("--replicas 1 --flush-dir {tmp}", ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")),
-         ("xor", ("node_lost", "daemon_restart")),
-         ("rs", ("node_lost", "daemon_restart"))]
+# A large team's configuration (--commit-fanout) with every restart in the other layout (TP 2 and
+# TP 1 by turns): the restores go through the directory and the piece index.
+CASES = [("--replicas 1 --flush-dir {tmp}", ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed"), False),
+         ("xor", ("node_lost", "daemon_restart"), False),
+         ("rs", ("node_lost", "daemon_restart"), False),
+         ("--replicas 1 --commit-fanout 2", ("node_lost", "daemon_restart"), True)]
 
 
-@pytest.mark.parametrize("redundancy,kinds", CASES, ids=["replicas-1", "xor-parity-3", "rs-parity-2+2"])
-def test_a_short_seeded_team_chaos_campaign_finds_no_failure(redundancy, kinds, monkeypatch, tmp_path):
+@pytest.mark.parametrize("redundancy,kinds,reshard", CASES,
+                         ids=["replicas-1", "xor-parity-3", "rs-parity-2+2", "large-team-resharded"])
+def test_a_short_seeded_team_chaos_campaign_finds_no_failure(redundancy, kinds, reshard, monkeypatch, tmp_path):
     redundancy = redundancy.format(tmp=tmp_path / "flush")
     mod = _campaign_module()
     lines = []
     trials = mod.campaign(SEED, 0, nodes=4, per_node=2, redundancy=redundancy, dead_after=1.0,
-                          log=lines.append, min_trials=len(kinds), max_trials=len(kinds), kinds=kinds)
+                          log=lines.append, min_trials=len(kinds), max_trials=len(kinds), kinds=kinds, reshard=reshard)
     text, per = mod.table(trials)
     print("\n".join(lines) + "\n" + text)
     assert {t.kind for t in trials if t.injected} == set(kinds), text
     failed = [(t.index, t.kind, t.failures) for t in trials if not t.passed]
     assert not failed, f"seed {SEED}, {redundancy}:\n" + "\n".join(lines) + "\n" + text
+    if reshard:  # the restores of another layout read some ranks' parts, named by the index
+        assert trials[-1].restores["restores_from_holders"] > 0 and trials[-1].restores["index_fallbacks"] == 0, text

@@ -66,7 +66,7 @@ PARTITION = "partition"  # with partitions=True (root, ``ip netns``): a node's l
 JOB = "chaos"
 CODE = 10_000  # code = run * CODE + step
 SCALE = 10 ** 8  # an element = code * SCALE + its global index
-TP_ROWS, TP_COLS = 128, 512  # each rank's shard of the TP-split weight (float64): 512 KiB
+TP_GLOBAL_ROWS, TP_COLS = 256, 512  # the TP-split weight (float64), 1 MiB: 512 KiB a rank at TP 2
 ZERO_N = 128 * 1024  # each rank's ZeRO partition of a flat optimizer buffer (int64): 1 MiB
 REP_N = 128 * 1024  # a replicated tensor (float32): 512 KiB
 STEPS_A, STEPS_B = 4, 2  # steps of the faulted run, of the run after it
@@ -80,9 +80,9 @@ def job_state(step: int, run: int, rank: int, world: int, tp: int):
     from ucpd_client import placement as P
 
     code = run * CODE + step
-    tp_rank = rank % tp
-    w = torch.arange(TP_ROWS * TP_COLS, dtype=torch.float64).view(TP_ROWS, TP_COLS)
-    w += tp_rank * TP_ROWS * TP_COLS + code * SCALE
+    tp_rank, rows = rank % tp, TP_GLOBAL_ROWS // tp
+    w = torch.arange(rows * TP_COLS, dtype=torch.float64).view(rows, TP_COLS)
+    w += tp_rank * rows * TP_COLS + code * SCALE
     z = torch.arange(ZERO_N, dtype=torch.int64) + rank * ZERO_N + code * SCALE
     r = torch.full((REP_N,), float(code), dtype=torch.float32)
     state = {
@@ -110,9 +110,9 @@ def decode(state: dict, rank: int, world: int, tp: int) -> dict:
     import torch
 
     out = {}
-    tp_rank = rank % tp
+    tp_rank, rows = rank % tp, TP_GLOBAL_ROWS // tp
     expect = {
-        "model.tp.weight": torch.arange(TP_ROWS * TP_COLS, dtype=torch.int64).view(TP_ROWS, TP_COLS) + tp_rank * TP_ROWS * TP_COLS,
+        "model.tp.weight": torch.arange(rows * TP_COLS, dtype=torch.int64).view(rows, TP_COLS) + tp_rank * rows * TP_COLS,
         "optim.zero.exp_avg": torch.arange(ZERO_N, dtype=torch.int64) + rank * ZERO_N,
         "model.norm.weight": None,
     }
@@ -462,6 +462,7 @@ class Trial:
     checked_steps: list = field(default_factory=list)
     phases: dict = field(default_factory=dict)  # seconds each part of the trial took
     seconds: float = 0.0
+    restores: dict = field(default_factory=dict)  # the team's restore counters at the trial's end
 
     @property
     def passed(self) -> bool:
@@ -518,12 +519,15 @@ def category(msg: str) -> str:
 class Campaign:
     def __init__(self, seed: int, nodes: int = 4, per_node: int = 2, redundancy: str = "replicas",
                  dead_after: float = 1.5, workdir: str | None = None, log=print, fresh_after_failure: bool = True,
-                 partitions: bool = False, kinds: tuple[str, ...] = KINDS):
-        """``kinds``: the faults drawn from (all of them by default; a short test may pick some)."""
+                 partitions: bool = False, kinds: tuple[str, ...] = KINDS, reshard: bool = False):
+        """``kinds``: the faults drawn from (all of them by default; a short test may pick some).
+        ``reshard``: odd runs use TP 1 (DP over every rank) and even runs TP = ranks per node, so
+        every restart restores the steps of a run of the other layout."""
         import tempfile
 
         self.seed, self.nodes, self.per_node, self.redundancy = seed, nodes, per_node, redundancy
         self.world = nodes * per_node
+        self.reshard = reshard
         self.fresh_after_failure = fresh_after_failure
         self.dead_after = dead_after
         self.rng = random.Random(seed)
@@ -559,7 +563,7 @@ class Campaign:
         ctx = _context()
         procs = []
         for r in range(self.world):
-            a = {"tp": self.per_node, "run": run, "wait": 10, **args}
+            a = {"tp": 1 if self.reshard and run % 2 else self.per_node, "run": run, "wait": 10, **args}
             p = ctx.Process(target=rank_main, args=(mode, self.env(r, run), os.path.join(workdir, f"rank{r}.jsonl"), a),
                             daemon=True)
             p.start()
@@ -873,6 +877,9 @@ class Campaign:
             if not wait_until(healthy, 10, poll=0.25):
                 fail(f"ucpd status is not healthy 10 s after the trial: {bad}")
             lap("health")
+            counters = [((self.team.status(i) or {}).get("team") or {}).get("counters") or {} for i in range(self.nodes)]
+            t.restores = {k: sum(c.get(k, 0) for c in counters)  # (since each daemon started)
+                          for k in ("restores_from_holders", "restores_widened", "index_fallbacks")}
         except Exception as exc:  # the harness itself: a daemon that would not start, ...
             fail(f"harness: {type(exc).__name__}: {str(exc)[:600]}")
             t.notes.append(self.team.logs())
@@ -957,7 +964,8 @@ class Campaign:
                 t = self.trial(i)
                 self.trials.append(t)
                 self.log(f"[{i:3d}] {t.kind:15s} {'passed' if t.passed else 'FAILED' if t.injected else 'not injected'}"
-                         f" ({t.seconds:.1f} s {t.phases}, runs {t.runs}, latest {t.latest}, checked {t.checked_steps})"
+                         f" ({t.seconds:.1f} s {t.phases}, runs {t.runs}, latest {t.latest}, checked {t.checked_steps}"
+                         f"{', restores ' + str(t.restores) if t.restores else ''})"
                          + "".join(f"\n        - {m[:400]}" for m in t.failures))
                 i += 1
         finally:
