@@ -355,21 +355,31 @@ class Daemon:
         world size that saved the step (its node part and rank 0's: another placement), the
         parts the piece index names next; then every rank's part (``sources.widen``)."""
         step, indexed = found.step, found.team.indexed
-        with self.store.atomic():
-            found.release()
+        self._release(found)  # (what it returns, the caller releases)
         if not indexed:
             found = self.locate.find(step, job, avoid, (*reader, True))
             try:
                 return found, restore_plan.plan(found.sources, reader[2])
             except PlacementMismatch as exc:
                 if not found.partial:
+                    self._release(found)
                     raise
                 why = exc
-                with self.store.atomic():
-                    found.release()
+            except BaseException:
+                self._release(found)
+                raise
+            self._release(found)
         self.team.sources.widen(f"step {step}, rank {reader[0]}: {why}")
         found = self.locate.find(step, job, avoid)
-        return found, restore_plan.plan(found.sources, reader[2])
+        try:
+            return found, restore_plan.plan(found.sources, reader[2])
+        except BaseException:
+            self._release(found)
+            raise
+
+    def _release(self, found) -> None:
+        with self.store.atomic():
+            found.release()
 
     def _lease_reply(self, body, found, plan):
         lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
