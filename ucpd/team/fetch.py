@@ -54,9 +54,10 @@ def fetch_shares(transport, w, step: int, ranges: list[tuple[int, int]], mm) -> 
         while grain is not None:
             try:
                 _fetch_into(transport, node, w, step, grain, mm)
-            except UcpdError as exc:
-                log.info("team: node %d did not send its share of rank %d step %d (%s): the other copies do",
-                         node, w.rank, step, exc)
+            except Exception as exc:  # (anything: the grain must not be lost with this thread)
+                (log.info if isinstance(exc, UcpdError) else log.exception)(
+                    "team: node %d did not send its share of rank %d step %d (%s): the other copies do",
+                    node, w.rank, step, exc)
                 with lock:
                     left.appendleft(grain)
                 return
