@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from .. import knobs, native
-from ..errors import ChecksumMismatch, FormatError, StorageError, VersionNotFound
+from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, StorageError, VersionNotFound
 from ..format.objstore import join
 from . import restore as restore_plan
 
@@ -248,6 +248,38 @@ class Locator:
             # the reader checked these against the version's own checksums
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return Found(sources, objects, reader.step, job, "disk")
+
+    def find_planned(self, step: int | None, job: str, avoid: set, reader: tuple):
+        """``find`` for the restore of ``reader`` (rank, world size, targets), and its plan:
+        ``(Found, RestorePlan)``. A team restore planned from some ranks' parts that do not
+        answer the targets is found again, wider: in the world size that saved the step (its
+        node part and rank 0's: another placement), from the parts the piece index names; then
+        from every rank's part (``VersionSources.widen``). Raises PlacementMismatch when every
+        part does not answer them either."""
+        found = self.find(step, job, avoid, reader)
+        wider: list = []
+        if found.partial:
+            wider = ([] if found.team.indexed else [(*reader, True)]) + [None]
+        while True:
+            try:
+                return found, restore_plan.plan(found.sources, reader[2])
+            except PlacementMismatch as exc:
+                if not found.partial or not wider:
+                    self._release(found)
+                    raise
+                why = exc
+            except BaseException:
+                self._release(found)
+                raise
+            self._release(found)
+            step, again = found.step, wider.pop(0)
+            if again is None:
+                self.team.sources.widen(f"step {step}, rank {reader[0]}: {why}")
+            found = self.find(step, job, avoid, again)
+
+    def _release(self, found: Found) -> None:
+        with self.store.atomic():
+            found.release()
 
     def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple | None = None):
         """``find`` across the team (a worker thread: it asks the peers). The team's

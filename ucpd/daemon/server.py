@@ -25,7 +25,7 @@ from ..errors import (
     InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError,
 )
 from ..rpc import SOCKET_NAME
-from . import restore as restore_plan, stalls
+from . import stalls
 from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
@@ -330,15 +330,8 @@ class Daemon:
     def _restore(self, body):
         job = _job(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        reader = (body["rank"], body["world_size"], body["targets"])
-        found = self.locate.find(body.get("step"), job, avoid, reader)
+        found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
         try:
-            try:
-                plan = restore_plan.plan(found.sources, body["targets"])
-            except PlacementMismatch as exc:
-                if not found.partial:
-                    raise
-                found, plan = self._restore_wider(found, job, avoid, reader, exc)
             if found.partial:
                 self.team.counters["restores_from_holders"] += 1
             if found.team is not None:
@@ -349,37 +342,6 @@ class Daemon:
             raise
         with self.store.atomic():
             return self._lease_reply(body, found, plan)
-
-    def _restore_wider(self, found, job: str, avoid: set, reader: tuple, why: Exception):
-        """A team restore planned from some ranks' parts that do not answer the targets: in the
-        world size that saved the step (its node part and rank 0's: another placement), the
-        parts the piece index names next; then every rank's part (``sources.widen``)."""
-        step, indexed = found.step, found.team.indexed
-        self._release(found)  # (what it returns, the caller releases)
-        if not indexed:
-            found = self.locate.find(step, job, avoid, (*reader, True))
-            try:
-                return found, restore_plan.plan(found.sources, reader[2])
-            except PlacementMismatch as exc:
-                if not found.partial:
-                    self._release(found)
-                    raise
-                why = exc
-            except BaseException:
-                self._release(found)
-                raise
-            self._release(found)
-        self.team.sources.widen(f"step {step}, rank {reader[0]}: {why}")
-        found = self.locate.find(step, job, avoid)
-        try:
-            return found, restore_plan.plan(found.sources, reader[2])
-        except BaseException:
-            self._release(found)
-            raise
-
-    def _release(self, found) -> None:
-        with self.store.atomic():
-            found.release()
 
     def _lease_reply(self, body, found, plan):
         lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
