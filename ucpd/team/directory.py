@@ -44,7 +44,7 @@ from ..errors import UcpdError
 
 log = logging.getLogger("ucpd.team")
 
-__all__ = ["Directory", "ask_all", "levels", "partner", "span", "TTL"]
+__all__ = ["Directory", "Level", "ask_all", "levels", "partner", "span", "TTL"]
 
 TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
 ASK_TIMEOUT = 10.0  # seconds to wait for a node's answer, and as much more per level it gathers first
@@ -93,8 +93,9 @@ def partner(index: int, level: int, n: int) -> int | None:
 
 
 @dataclass
-class _Level:
-    """One level of one step's gather as this node knows it."""
+class Level:
+    """One level of one step's gather as this node knows it (the piece index keeps its levels
+    in the same way: ``team.piece_index``)."""
 
     view: tuple[int, ...]  # the sorted live nodes it was gathered in
     wave: int
@@ -139,7 +140,7 @@ class Directory:
         self.sources = sources
         self.rank = sources.rank
         self._lock = threading.Lock()
-        self._levels: dict[tuple[int | None, int], _Level] = {}
+        self._levels: dict[tuple[int | None, int], Level] = {}
         self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
 
     # --- asking -------------------------------------------------------------------------------------
@@ -165,7 +166,7 @@ class Directory:
     def _view(self) -> tuple[int, ...]:
         return tuple(sorted(self.sources.team.live() | {self.rank}))
 
-    def _level(self, step: int | None, level: int, view: tuple[int, ...], wave: int | None) -> _Level:
+    def _level(self, step: int | None, level: int, view: tuple[int, ...], wave: int | None) -> Level:
         """Level ``level`` of ``step`` in ``view``: the one kept, or a new one being gathered;
         ``wave``: a wave that renews answers, whose level only will do."""
         now = self.sources.team.clock()
@@ -177,7 +178,7 @@ class Directory:
                 if old.at is not None and now - old.at > 2 * TTL:
                     del self._levels[key]
             fresh = wave is not None
-            got = self._levels[(step, level)] = _Level(view, wave if fresh else random.getrandbits(62), fresh)
+            got = self._levels[(step, level)] = Level(view, wave if fresh else random.getrandbits(62), fresh)
         if level == 0:
             self._finish(got, lambda: [self._own(step)])
         else:
@@ -185,7 +186,7 @@ class Directory:
                              name=f"ucpd-directory-{level}", daemon=True).start()
         return got
 
-    def _finish(self, got: _Level, make) -> None:
+    def _finish(self, got: Level, make) -> None:
         try:
             out = make()
             got.at = self.sources.team.clock()
@@ -203,7 +204,7 @@ class Directory:
         replies = ask_all(self.sources.transport, self.rank, nodes, "holdings", body)
         return [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
 
-    def _gather(self, step: int | None, level: int, got: _Level) -> list[dict]:
+    def _gather(self, step: int | None, level: int, got: Level) -> list[dict]:
         """Level ``level``: ours below it, and the other half's from its partner; the nodes of the
         block still missing (a partner lost, or that saw fewer nodes) asked directly."""
         view, n = got.view, len(got.view)
@@ -282,7 +283,7 @@ def _wait(level: int) -> float:
     return ASK_TIMEOUT * (level + 1)
 
 
-def _done(got: _Level, first: int) -> Future:
+def _done(got: Level, first: int) -> Future:
     held, nxt = got.page(first)
     out: Future = Future()
     out.set_result(({"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}, []))

@@ -42,19 +42,18 @@ import logging
 import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import msgpack
 
 from ..errors import UcpdError
 from ..daemon.manifest import fragments_of
+from .directory import TTL, Level
 from .parts import part_from_wire
 
 log = logging.getLogger("ucpd.team")
 
 __all__ = ["PieceIndex", "answer", "entries_of", "keep", "level_keeps", "merge", "owner", "owners", "partner", "folded", "to_wire", "from_wire", "wants_of"]
 
-TTL = 5.0  # seconds a level serves the requests that follow it (a restart's storm of them)
 ASK_TIMEOUT = 10.0  # seconds for a node's answer, and as much more per level it gathers first
 PAGE_PIECES = 200_000  # pieces a reply carries at most (about 6 MB); the rest in pages
 ASKERS = 16  # owners a node asks at once
@@ -247,22 +246,6 @@ def _view_id(view: tuple[int, ...]) -> int:
     return zlib.crc32(msgpack.packb(list(view)))
 
 
-@dataclass
-class _Level:
-    """One level of one step's index as this node knows it."""
-
-    view: tuple[int, ...]
-    future: Future = field(default_factory=Future)
-    at: float | None = None  # when it was done (None: on its way)
-
-    def usable(self, view: tuple[int, ...], now: float) -> bool:
-        if self.view != view:
-            return False
-        if self.future.done():
-            return self.future.exception() is None and now - self.at < TTL
-        return True  # on its way: share it
-
-
 class PieceIndex:
     """This node's end of the piece index. ``sources``: the node's ``VersionSources`` (its
     transport, rank, live view, clock and own holdings)."""
@@ -271,7 +254,7 @@ class PieceIndex:
         self.sources = sources
         self.rank = sources.rank
         self._lock = threading.Lock()
-        self._levels: dict[tuple[int, int], _Level] = {}
+        self._levels: dict[tuple[int, int], Level] = {}
         self.counters = {"index_gathers": 0, "index_requests": 0, "index_queries": 0, "index_fallbacks": 0}
 
     # --- asking -------------------------------------------------------------------------------------
@@ -322,21 +305,21 @@ class PieceIndex:
         top = _top_level(len(view))
         return self._level(step, top, view).future.result(_wait(top + 1))
 
-    def _level(self, step: int, level: int, view: tuple[int, ...]) -> _Level:
+    def _level(self, step: int, level: int, view: tuple[int, ...]) -> Level:
         """Level ``level`` of ``step``'s index in ``view``: the one kept, or a new one being built."""
         now = self.sources.team.clock()
         with self._lock:
             got = self._levels.get((step, level))
-            if got is not None and got.usable(view, now):
+            if got is not None and got.usable(view, now, None):
                 return got
             for key, old in list(self._levels.items()):
                 if old.at is not None and now - old.at > 2 * TTL:
                     del self._levels[key]
-            got = self._levels[(step, level)] = _Level(view)
+            got = self._levels[(step, level)] = Level(view, 0)  # (one wave: the index is not renewed by waves)
         threading.Thread(target=self._finish, args=(got, step, level), name=f"ucpd-index-{level}", daemon=True).start()
         return got
 
-    def _finish(self, got: _Level, step: int, level: int) -> None:
+    def _finish(self, got: Level, step: int, level: int) -> None:
         try:
             out = self._build(step, level, got.view)
             got.at = self.sources.team.clock()
