@@ -97,6 +97,8 @@ POINTS: dict[str, tuple[str, str]] = {
     "client.restored": ("crash", "client"),
     "replica.refuse": ("once", "team"),
     "parity.flip": ("once", "team"),
+    "lane.cut.put": ("once", "team"),
+    "lane.cut.get": ("once", "team"),
     "flush.enospc": ("fail", "daemon"),
     "flush.fetch": ("stall", "team"),
     "flush.hang": ("stall", "daemon"),

@@ -27,6 +27,16 @@ def add_commands(sub) -> None:
     p.add_argument("--secret-file", help="job secret that peers prove (default $UCPD_SECRET_FILE)")
     p.add_argument("--domain", help="this node's failure domain (rack, switch): copies go to other domains")
     p.add_argument("--net-limit", help="bandwidth for copies to peers in bytes/s, e.g. 1G (0: unlimited)")
+    p.add_argument("--data-transport", choices=("tcp", "nixl", "zmq"), default=None,
+                   help="how bulk bytes (replicas, restore and flush fetches) move between daemons: tcp (plain TCP "
+                   "streams beside the control lane, received straight into place), nixl (one-sided reads and "
+                   "writes through NIXL/UCX; `pip install 'ucpd[nixl]'`), or zmq (on the control lane itself) "
+                   "(default tcp)")
+    p.add_argument("--data-listen", metavar="HOST[:PORT]",
+                   help="address (the NIC) for bulk bytes from peers (default: --listen's host, any free port)")
+    p.add_argument("--link-floor", metavar="GB/S", type=float, default=None,
+                   help="warn loudly when the measured link to a peer is slower than this (the bulk bytes may take "
+                   "the wrong network; 0: never; default 1)")
     p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats to peers (default 0.25)")
     p.add_argument("--dead-after", type=float, default=None, help="a peer silent this long is dead (default 3)")
     p.add_argument("--membership", choices=("auto", *MEMBERSHIPS), default=None,
@@ -256,7 +266,16 @@ def team_config(o: dict, nodes: int, node_rank: int):
                         "periods before it is dead; use e.g. --heartbeat 0.25 --dead-after 3")
     if not 0 <= replicas < nodes:
         raise UcpdError(f"--replicas {replicas} needs at least {replicas + 1} nodes; the team has {nodes}")
+    data_transport = str(o.get("data_transport") or "tcp")
+    if data_transport not in ("tcp", "nixl", "zmq"):
+        raise UcpdError(f"--data-transport {data_transport!r}: use tcp, nixl or zmq")
+    link_floor = float(o["link_floor"]) if o.get("link_floor") is not None else 1.0
+    if link_floor < 0:
+        raise UcpdError(f"--link-floor {link_floor:g}: give GB/s, 0 or more")
     return TeamConfig(
+        data_transport=data_transport,
+        data_listen=o.get("data_listen"),
+        link_floor=link_floor,
         nodes=nodes,
         node_rank=node_rank,
         listen=listen,

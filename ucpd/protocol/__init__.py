@@ -14,7 +14,7 @@ tables: docs/ARCHITECTURE.md, section ``ucpd.protocol``.
 
 from ..errors import ProtocolError, UcpdError
 from .peer import (
-    COMMIT_MESSAGE, COMMIT_MESSAGES, HOLDING, MAX_PENDING, MAX_RUN, MAX_STEP, MAX_WORLD, PART, PEER_REQUESTS, RETIRED,
+    COMMIT_MESSAGE, COMMIT_MESSAGES, HOLDING, LANE_REQUESTS, MAX_PENDING, MAX_RUN, MAX_STEP, MAX_WORLD, PART, PEER_REQUESTS, RETIRED,
     WINDOW, part_to_wire, report, run_id, validate_peer,
 )
 from .trainer import (
@@ -31,7 +31,7 @@ from .wire import (
 
 __all__ = [
     "ProtocolError", "UcpdError",
-    "HOLDING", "PART", "PEER_REQUESTS", "part_to_wire", "validate_peer",
+    "HOLDING", "LANE_REQUESTS", "PART", "PEER_REQUESTS", "part_to_wire", "validate_peer",
     "COMMIT_MESSAGE", "COMMIT_MESSAGES", "MAX_PENDING", "MAX_RUN", "MAX_STEP", "MAX_WORLD", "RETIRED", "WINDOW", "report",
     "run_id",
     "EMPTY", "OBJECTS", "OBJECTS_CRCS", "REQUESTS", "TARGET_ENTRY", "TENSOR_ENTRY", "VERSION_STATES", "WHERE",

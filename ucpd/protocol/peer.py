@@ -270,10 +270,52 @@ PEER_REQUESTS: dict[str, MessageType] = {
                     EMPTY, reply_payload=True),
         MessageType("commit", {"m": COMMIT_MESSAGE}, {}, "a message of the commit protocol (COMMIT_MESSAGES); one-way",
                     None),
-        MessageType("hello", {"domain": text}, {}, "the sender's failure domain (--domain); one-way", None),
+        MessageType("hello", {"domain": text}, {"data": text},
+                    "the sender's failure domain (--domain) and where its data lane listens (HOST:PORT; none: it has "
+                    "none, send bulk bytes on this lane); one-way", None),
         MessageType("gossip", {"m": any_map}, {},
                     "a message of the membership protocol (ucpd.team.gossip, --membership gossip), checked there; "
                     "one-way", None),
+    ]
+}
+
+
+# The data lane (``ucpd.team.lane``): bulk bytes on plain TCP streams beside the control lane. A
+# request is a map with ``op`` naming one of these; ``payload``: raw bytes follow it (a put's
+# ``nbytes``), ``reply_payload``: raw bytes follow the reply (its ``nbytes``).
+LANE_MAX_PROBE = 64 << 20
+LANE_REQUESTS: dict[str, MessageType] = {
+    m.name: m
+    for m in [
+        MessageType(
+            "put",
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer(),
+             "nbytes": integer(0, 1 << 40)},
+            {"mac": binary},
+            "bytes [offset, offset + nbytes) of rank's slot, for the replica of origin's step that a replica_begin "
+            "made room for; each whole chunk checked as it lands (mac: keyed BLAKE2b of the bytes, with "
+            "UCPD_PEER_PAYLOAD_MAC); reply: {verified: chunks checked} once every byte landed",
+            Record({"verified": integer()}),
+            payload=True,
+        ),
+        MessageType(
+            "get",
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
+             "ranges": list_of(list_of(integer(), 2))},
+            {},
+            "bytes of rank's part of step, as (offset, nbytes) ranges of its slot (the peer pinned it first); "
+            "reply: {nbytes, mac?}, then the ranges' bytes one after another",
+            Record({"nbytes": integer()}, {"mac": binary}),
+            reply_payload=True,
+        ),
+        MessageType(
+            "probe",
+            {"nbytes": integer(1, LANE_MAX_PROBE)},
+            {},
+            "measure the link: reply {nbytes}, then that many bytes",
+            Record({"nbytes": integer()}),
+            reply_payload=True,
+        ),
     ]
 }
 

@@ -14,7 +14,9 @@ little (2.41 → 2.37× the mean at 1,024 nodes): every copy stays busy while re
 the busiest one still serves until the end. The bound of any split, which needs every reader's
 demand in one place, is 1.80× (``split="best"``).
 
-A grain a copy fails to send (unreachable, the part gone) goes back to the others; what no
+Bytes move on the data lane (``team.lane``: received straight into ``mm``) where the copy's
+node has one, else as ``fetch`` requests on the control lane (copied into ``mm`` from the
+frames). A grain a copy fails to send (unreachable, the part gone) goes back to the others; what no
 copy sent is asked of the first holder once more, whose error then stands. The caller checks
 every byte (``VersionSources._check_fetched``).
 
@@ -38,13 +40,14 @@ SPLIT_MIN = 1 << 20  # bytes: a read smaller than this comes from one holder (th
 GRAIN = 4 << 20  # bytes asked of one copy at a time when several serve a read
 
 
-def fetch_shares(transport, w, step: int, ranges: list[tuple[int, int]], mm) -> None:
+def fetch_shares(transport, w, step: int, ranges: list[tuple[int, int]], mm, lane=None) -> None:
     """Bring the byte ``ranges`` of ``w``'s part (a ``PeerRead``) of ``step`` into ``mm`` at
-    the same offsets, from every copy of ``w.nodes`` at once (see the module's docstring)."""
+    the same offsets, from every copy of ``w.nodes`` at once (see the module's docstring);
+    ``lane``: the team's data lane (``lane.DataLane``), or None."""
     nodes = w.nodes
     total = sum(n for _, n in ranges)
     if len(nodes) == 1 or total < SPLIT_MIN:
-        _fetch_into(transport, nodes[0], w, step, ranges, mm, fallback=True)
+        _fetch_into(transport, lane, nodes[0], w, step, ranges, mm, fallback=True)
         return
     left = deque(grains(ranges, min(GRAIN, -(-total // len(nodes)))))
     lock = threading.Lock()
@@ -53,7 +56,7 @@ def fetch_shares(transport, w, step: int, ranges: list[tuple[int, int]], mm) -> 
         grain = first
         while grain is not None:
             try:
-                _fetch_into(transport, node, w, step, grain, mm)
+                _fetch_into(transport, lane, node, w, step, grain, mm)
             except Exception as exc:  # (anything: the grain must not be lost with this thread)
                 (log.info if isinstance(exc, UcpdError) else log.exception)(
                     "team: node %d did not send its share of rank %d step %d (%s): the other copies do",
@@ -72,19 +75,26 @@ def fetch_shares(transport, w, step: int, ranges: list[tuple[int, int]], mm) -> 
     for t in threads:
         t.join()
     if left:  # every copy failed some: the first holder once more, or its error
-        _fetch_into(transport, w.node, w, step, [r for grain in left for r in grain], mm)
+        _fetch_into(transport, lane, w.node, w, step, [r for grain in left for r in grain], mm)
 
 
-def _fetch_into(transport, node: int, w, step: int, ranges: list, mm, fallback: bool = False) -> None:
+def _fetch_into(transport, lane, node: int, w, step: int, ranges: list, mm, fallback: bool = False) -> None:
     """``ranges`` of ``w``'s part fetched from ``node`` into ``mm`` (``fallback``: from
     ``w.node`` if ``node`` fails)."""
     try:
-        bufs = _fetch(transport, node, w, step, ranges)
+        _fetch_from(transport, lane, node, w, step, ranges, mm)
     except UcpdError:
         if not fallback or node == w.node:
             raise
-        bufs = _fetch(transport, w.node, w, step, ranges)
-    for (off, n), buf in zip(ranges, bufs):
+        _fetch_from(transport, lane, w.node, w, step, ranges, mm)
+
+
+def _fetch_from(transport, lane, node: int, w, step: int, ranges: list, mm) -> None:
+    if lane is not None and lane.reaches(node):
+        body = {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]}
+        lane.get(node, body, [memoryview(mm)[off : off + n] for off, n in ranges])
+        return
+    for (off, n), buf in zip(ranges, _fetch(transport, node, w, step, ranges)):
         native.copy(memoryview(mm)[off : off + n], buf)
 
 

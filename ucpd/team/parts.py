@@ -55,6 +55,37 @@ def check_tensor(buffer: np.ndarray, offset: int, t: TensorEntry, where: str) ->
                                                 recorded="the origin's manifest"))
 
 
+def chunk_table(part: RankPart) -> np.ndarray:
+    """Every checksummed chunk of ``part``'s tensors as rows ``(start, end, crc32c, tensor
+    index)`` in slot offsets, sorted by start: what a receiver checks as the bytes land."""
+    rows = []
+    for i, t in enumerate(part.tensors):
+        if t.skipped or not t.nbytes:
+            continue
+        for k, crc in enumerate(t.crcs):
+            start = t.offset + k * CHUNK_BYTES
+            rows.append((start, min(start + CHUNK_BYTES, t.offset + t.nbytes), crc, i))
+    table = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    return table[np.argsort(table[:, 0], kind="stable")]
+
+
+def chunk_batches(part: RankPart, used: int, limit: int) -> list[tuple[int, int]]:
+    """``[0, used)`` of ``part``'s slot cut into ``(offset, nbytes)`` batches of at most
+    ``limit`` bytes, each cut where a chunk ends, so that every chunk lands whole in one batch
+    and is checked there (a chunk larger than ``limit`` is cut anyway, and checked at the end)."""
+    ends = np.unique(chunk_table(part)[:, 1])
+    out, start = [], 0
+    while start < used:
+        end = used if used - start <= limit else start + limit
+        if end < used:
+            i = int(np.searchsorted(ends, end, side="right")) - 1
+            if i >= 0 and ends[i] > start:
+                end = int(ends[i])
+        out.append((start, end - start))
+        start = end
+    return out
+
+
 def check_parts(buffer, bases: Mapping[int, int], parts: Mapping[int, RankPart], what: str) -> None:
     """Every tensor of ``parts`` (rank -> part), rank r's slot bytes starting at ``bases[r]`` of
     ``buffer``; raises ``ChecksumMismatch`` naming ``what``, the rank and the tensor."""

@@ -7,6 +7,10 @@ A replica is one shm file per (origin node, step) in the daemon's ``--shm-dir``
 origin's manifest (``finish``). Freed files are kept as spares and reused, so the next
 replica writes into warm pages.
 
+Bytes arrive by ``write`` (a ``replica_data`` message on the control lane: checked at
+``finish``) or ``landing`` (a ``put`` on the data lane, ``team.lane``: each chunk checked as it
+lands, and not again at ``finish``, which checks only the chunks no put verified).
+
 Thread-safety: every method takes the store's lock (``lock``: ``store.atomic()``), which the
 transport's I/O thread and the daemon's workers share.
 """
@@ -19,11 +23,14 @@ import os
 import uuid
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from .. import native
 from ..errors import ChecksumMismatch, ProtocolError, SnapshotRejected
 from ..daemon.slots import check_size
 from ..daemon.manifest import RankPart
-from .parts import ALIGN, aligned, check_parts, part_from_wire
+from .lane import Landing
+from .parts import ALIGN, aligned, check_tensor, chunk_table, part_from_wire
 from .shmfiles import remove
 
 log = logging.getLogger("ucpd.team.replicas")
@@ -43,9 +50,12 @@ class Replica:
     used: dict[int, int]  # rank -> bytes of its slot we hold
     run: str = ""  # the run of the job that wrote it (a version is read from one run only)
     whole: bool = False
+    damaged: bool = False  # a chunk failed its check as it landed
     verified: bool = False  # checked again before the first restore served from it
     pins: int = 0  # restores and pushes reading it
     frames: int = 0  # replica_data messages received
+    chunks: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # rank -> parts.chunk_table
+    checked: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # rank -> which chunks landed checked
     _map: mmap.mmap | None = field(default=None, repr=False)
 
     def mapping(self) -> mmap.mmap:
@@ -114,6 +124,9 @@ class ReplicaStore:
             self._drop_old(origin, step)
             path, size = self._file(max(size, ALIGN))
             rep = Replica(origin, step, world_size, path, size, manifests, bases, used, run)
+            for rank, part in manifests.items():
+                rep.chunks[rank] = chunk_table(part)
+                rep.checked[rank] = np.zeros(len(rep.chunks[rank]), dtype=bool)
             self.held[(origin, step)] = rep
             return rep
 
@@ -132,6 +145,38 @@ class ReplicaStore:
             native.copy(dst[pos : pos + f.nbytes], f)
             pos += f.nbytes
 
+    def landing(self, origin: int, step: int, rank: int, offset: int, nbytes: int) -> Landing:
+        """Where a data lane ``put`` of bytes ``[offset, offset + nbytes)`` of ``rank``'s slot
+        lands, with the chunks it holds whole (checked as they land). A chunk that fails marks
+        the replica damaged: ``finish`` then drops it."""
+        with self.lock:
+            rep = self.held.get((origin, step))
+            if rep is None or rep.whole:
+                raise ProtocolError(f"replica data for node {origin} step {step} without a replica_begin")
+            rep.frames += 1
+            dst = rep.view(rank, offset, nbytes)
+            table = rep.chunks[rank]
+            lo = int(np.searchsorted(table[:, 0], offset, side="left"))
+            hi = int(np.searchsorted(table[:, 0], offset + nbytes, side="left"))
+            inside = [i for i in range(lo, hi) if table[i, 1] <= offset + nbytes]
+        chunks = [(int(table[i, 0]) - offset, int(table[i, 1]) - offset, int(table[i, 2]) & 0xFFFFFFFF) for i in inside]
+
+        def done(ok: list[int], bad: list[int]) -> None:
+            with self.lock:
+                rep.checked[rank][[inside[i] for i in ok]] = True
+                if bad:
+                    self.checksum_errors += 1
+                    rep.damaged = True
+            if bad:
+                first = inside[bad[0]] if bad[0] >= 0 else None
+                what = (f"tensor {rep.parts[rank].tensors[int(table[first, 3])].name!r}" if first is not None
+                        else "its payload MAC")
+                raise ChecksumMismatch(
+                    f"the copy of node {origin}'s step {step} (rank {rank}, {what}) arrived damaged in {len(bad)} "
+                    "chunk(s): the origin sends it again")
+
+        return Landing(dst, chunks, done)
+
     def finish(self, origin: int, step: int, frames: int) -> Replica:
         """Check every chunk of every tensor against the origin's CRCs; the replica is whole then.
 
@@ -148,7 +193,9 @@ class ReplicaStore:
                     f"replica of node {origin} step {step}: {rep.frames} of {frames} data messages arrived; send it again"
                 )
         try:
-            check_parts(rep.mapping(), rep.bases, rep.parts, f"replica of node {origin} step {step}")
+            if rep.damaged:
+                raise ChecksumMismatch(f"replica of node {origin} step {step}: some of its bytes arrived damaged")
+            self._check_unchecked(rep)
         except ChecksumMismatch:
             with self.lock:
                 self.checksum_errors += 1
@@ -159,6 +206,21 @@ class ReplicaStore:
         with self.lock:
             rep.whole = True
         return rep
+
+    def _check_unchecked(self, rep: Replica) -> None:
+        """Every tensor with a chunk no put checked on landing, against the origin's CRCs."""
+        arr = np.frombuffer(rep.mapping(), np.uint8)
+        try:
+            for rank, part in rep.parts.items():
+                table, checked = rep.chunks[rank], rep.checked[rank]
+                if checked.all():
+                    continue
+                for i in np.unique(table[~checked, 3]):
+                    t = part.tensors[int(i)]
+                    check_tensor(arr, rep.bases[rank] + t.offset, t,
+                                 f"replica of node {rep.origin} step {rep.step}: rank {rank} tensor {t.name!r}")
+        finally:
+            del arr
 
     def get(self, origin: int, step: int) -> Replica | None:
         rep = self.held.get((origin, step))

@@ -27,7 +27,7 @@ from ..errors import UcpdError
 from .decide import Pushed, orphan_heal_targets, own_heal_targets, under_protected
 from .holders import replica_holders
 from .parity_group import DEGRADED, FAILED
-from .parts import run_of, used_bytes, with_run
+from .parts import chunk_batches, run_of, used_bytes, with_run
 from .directory import ask_all
 from .sources import DATA_BATCH
 
@@ -182,8 +182,10 @@ class Replicator:
 
     def _push(self, holder: int, origin: int, step: int, world: int, parts: list[RankPart], read, run: str) -> bool:
         """Send origin's parts of step (written by the job's run ``run``) to ``holder``; True once
-        it verified and kept them."""
-        transport, counters = self.team.transport, self.team.counters
+        it verified and kept them. The bytes go on the data lane where the holder has one (in
+        batches cut where chunks end: each is checked as it lands), else on the control lane."""
+        transport, counters, lane = self.team.transport, self.team.counters, self.team.lane
+        on_lane = lane is not None and lane.reaches(holder)
         t0 = time.monotonic()
         try:
             transport.request(
@@ -191,7 +193,11 @@ class Replicator:
                 with_run({"origin": origin, "step": step, "world_size": world,
                           "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts]}, run),
             )
-            batches = [(p, off, min(DATA_BATCH, used_bytes(p) - off)) for p in parts for off in range(0, used_bytes(p), DATA_BATCH)]
+            if on_lane:
+                batches = [(p, off, n) for p in parts for off, n in chunk_batches(p, used_bytes(p), DATA_BATCH)]
+            else:
+                batches = [(p, off, min(DATA_BATCH, used_bytes(p) - off))
+                           for p in parts for off in range(0, used_bytes(p), DATA_BATCH)]
             total = sum(n for _, _, n in batches)
             frames = len(batches)
             half = len(batches) // 2
@@ -200,6 +206,10 @@ class Replicator:
                 i, (p, off, n) = i_batch
                 if i == half:
                     faults.point("replicate.mid", step)
+                body = {"origin": origin, "step": step, "rank": p.rank, "offset": off}
+                if on_lane:
+                    lane.put(holder, body, [read(p.rank, off, n)])
+                    return
                 transport.request(
                     holder, "replica_data", {"origin": origin, "step": step, "rank": p.rank, "offset": off},
                     [read(p.rank, off, n)], timeout=60.0,

@@ -79,7 +79,7 @@ class PeerServer:
         self.team.on_gossip(src, b["m"])
 
     def _on_hello(self, src: int, b: dict) -> None:
-        self.team.domains[src] = b["domain"]
+        self.team.on_hello(src, b)
 
     def _on_unpin(self, src: int, b: dict) -> None:
         self.leases.end_peer(src, b["lease"])
@@ -185,6 +185,18 @@ class PeerServer:
         """The lead hands us pieces of a flush to write (``flush_share.ShareWriter``), one batch
         at a time, on a thread of their own: the transport goes on meanwhile."""
         return self._writer.submit(lambda: ({"crcs": self.team.flush_share.write(b)}, []))
+
+    # --- the data lane (``team.lane``): its threads call these ------------------------------------------
+
+    def on_put(self, src: int, b: dict):
+        """Where a peer's ``put`` of replica bytes lands (``lane.Landing``), checked as it lands."""
+        if b["offset"] == 0:
+            faults.point("replica.put", b["step"])
+        return self.team.replicas.landing(b["origin"], b["step"], b["rank"], b["offset"], b["nbytes"])
+
+    def on_get(self, src: int, b: dict) -> list:
+        """The views a peer's ``get`` reads (as a ``fetch`` on the control lane)."""
+        return self._on_fetch(src, b, [])[1]
 
     def _on_fetch(self, src: int, b: dict, frames: list):
         origin, step, rank, ranges = b["origin"], b["step"], b["rank"], b["ranges"]

@@ -568,7 +568,7 @@ class VersionSources:
             self._fetch_shares(w, step, batch, mm)
 
     def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
-        fetch_shares(self.transport, w, step, ranges, mm)
+        fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
 
 
 def _shapes_known(version: Version) -> None:

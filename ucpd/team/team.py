@@ -42,6 +42,8 @@ from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
 from .flush_lead import TeamFlush
 from .flush_share import ShareWriter
+from .holders import replica_holders
+from .lane import DataLane
 from .liveness import GossipThread, make_membership, node_ranges
 from .parity_group import ParityGroup
 from .parts import run_of
@@ -55,6 +57,23 @@ from .transport import PeerTransport
 log = logging.getLogger("ucpd.team")
 
 JOIN_TIMEOUT = 120.0  # seconds a new run's first request waits for the team to fence the earlier runs
+
+
+def make_lane(config: TeamConfig, on_put, on_get) -> DataLane:
+    """The data lane of ``config``: on ``--data-listen``, else ``--listen``'s host (any free port),
+    reached at our own entry of ``--peers`` when we listen on every interface."""
+    listen_host = config.listen.split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    own_host = config.peers[config.node_rank].split("://", 1)[-1].rpartition(":")[0].strip("[]")
+    listen = config.data_listen or listen_host
+    if listen.rpartition(":")[2].isdigit() and (":" not in listen.strip("[]") or listen.startswith("[")):
+        host = listen.rpartition(":")[0].strip("[]")
+    else:
+        host, listen = listen.strip("[]"), f"{listen}:0"
+    if host in ("*", ""):
+        host, listen = "0.0.0.0", f"0.0.0.0:{listen.rpartition(':')[2]}"
+    advertise = own_host if host in ("0.0.0.0", "::") else None
+    return DataLane(config.node_rank, config.secret, listen, on_put=on_put, on_get=on_get,
+                    net_limit=config.net_limit, advertise=advertise, link_floor=config.link_floor)
 
 
 class Team:
@@ -99,6 +118,13 @@ class Team:
             incarnation=self.incarnation,
             schemas=protocol.PEER_REQUESTS,
         )
+        # bulk bytes on a lane of their own (``team.lane``); an in-process link (tests) keeps them
+        # on itself, where its faults reach them
+        self.lane: DataLane | None = None
+        if link is None and config.data_transport != "zmq":
+            self.lane = make_lane(config, lambda src, b: self.server.on_put(src, b),
+                                  lambda src, b: self.server.on_get(src, b))
+        self._probing = threading.Lock()
         self.replicator = Replicator(self)
         self.sources = VersionSources(self)
         self.flush_lead = TeamFlush(self) if self.flushes else None
@@ -119,6 +145,8 @@ class Team:
         self.leases = leases if leases is not None else Leases(store, clock=self.clock)
         self.server = PeerServer(self, self.leases)
         self.address = self.transport.bind()
+        if self.lane is not None:
+            self.lane.start()
         self.transport.start(self.config.peers)
         self.replicator.start()
         if self.gossip and self.clock is time.monotonic:  # a test's clock is driven through tick()
@@ -126,7 +154,7 @@ class Team:
             self._membership_thread.start()
         for peer in range(self.config.nodes):
             if peer != self.rank:
-                self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+                self.transport.send(peer, "hello", self.hello())
         for v in held:  # re-adopted versions not yet committed: protect them again
             if v.state in (VersionState.COMPLETE, VersionState.PROTECTED):
                 self.replicator.protect(v.step)
@@ -139,6 +167,8 @@ class Team:
         if self.server is not None:
             self.server.close()
         self.transport.close()
+        if self.lane is not None:
+            self.lane.close()
         if self.replicas is not None:
             self.replicas.close()
         for name in os.listdir(self.shm_dir):
@@ -188,11 +218,40 @@ class Team:
         log.info("team: live nodes %s (epoch %d)", node_ranges(view.live), view.epoch)
         for peer in set(range(self.config.nodes)) - set(view.live):
             self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
+            if self.lane is not None:
+                self.lane.forget(peer)
         for peer in view.rejoined:
             # its predecessor never answers what we asked it: fail those requests now, not at
             # their timeout (a copy stuck on it would hold up the replication thread)
             self.transport.fail_pending(peer, "restarted (a new incarnation)")
-            self.transport.send(peer, "hello", {"domain": self.domains[self.rank]})
+            if self.lane is not None:
+                self.lane.forget(peer)
+            self.transport.send(peer, "hello", self.hello())
+
+    def hello(self) -> dict:
+        """What we tell a peer when we join or it rejoins: our failure domain, our data lane."""
+        body = {"domain": self.domains[self.rank]}
+        if self.lane is not None and self.lane.address:
+            body["data"] = self.lane.address
+        return body
+
+    def on_hello(self, src: int, body: dict) -> None:
+        """A peer's ``hello`` (the I/O thread): its domain, and where its data lane listens. The
+        link to a node we copy to is probed (in the background: a bounded transfer)."""
+        self.domains[src] = body["domain"]
+        if self.lane is None:
+            return
+        self.lane.set_peer(src, body.get("data"))
+        if body.get("data") and src in replica_holders(self.rank, sorted(self.live() | {src}),
+                                                       max(1, self.config.replicas), self.domains):
+            threading.Thread(target=self._probe, args=(src,), name="ucpd-lane-probe", daemon=True).start()
+
+    def _probe(self, peer: int) -> None:
+        with self._probing:  # one at a time: probes measure the link, not each other
+            try:
+                self.lane.probe(peer)
+            except Exception as exc:  # (the link's figure stays unknown; status shows it so)
+                log.info("team: could not probe the data lane to node %d: %s", peer, exc)
 
     def _next_wakeup(self) -> float:
         with self._lock:
