@@ -146,6 +146,7 @@ def degraded(daemon, flush: dict | None, team: dict | None) -> list[str]:
         dead = [n["node"] for n in team["nodes"] if not n["live"]]
         if dead:
             out.append(f"team: nodes {dead} not answering (dead or stuck)")
+        out.extend(f"team: {p['warning']}" for p in team.get("lane", {}).get("peers", []) if p.get("warning"))
         few = [v["step"] for v in team["versions"] if v["health"] == "degraded"]
         if few:
             out.append(f"team: committed steps {few} survive fewer node losses than configured (--replicas / --parity)")
@@ -243,11 +244,22 @@ def _render_team(team: dict, console) -> None:
 
     nodes = Table(title=f"team: {team['level']}, {team['health']}, coordinator node {team['coordinator']}, "
                         f"latest committed {team['team_latest']}")
-    for col in ("node", "address", "domain", "state"):
+    for col in ("node", "address", "domain", "state", "data lane (path)", "link GB/s (probe / seen)"):
         nodes.add_column(col)
+    lane = team.get("lane") or {}
+    links = {p["node"]: p for p in lane.get("peers", [])}
     for n in team["nodes"]:
         state = ("live" if n["live"] else "DEAD") + (" (coordinator)" if n["coordinator"] else "")
-        nodes.add_row(str(n["node"]) + (" *" if n["node"] == team["node_rank"] else ""), str(n["address"]), str(n["domain"] or "-"), state)
+        link = links.get(n["node"], {})
+        if n["node"] == team["node_rank"]:
+            path, speed = f"{lane.get('transport', '-')} on {lane.get('address') or '-'}", ""
+        else:
+            path = link.get("path") or ("-" if lane.get("transport") != "zmq" else "control lane (zmq)")
+            speed = " / ".join("-" if link.get(k) is None else f"{link[k]:.2f}" for k in ("probe_gbps", "observed_gbps"))
+            if link.get("warning"):
+                speed += " SLOW"
+        nodes.add_row(str(n["node"]) + (" *" if n["node"] == team["node_rank"] else ""), str(n["address"]),
+                      str(n["domain"] or "-"), state, path, speed)
     console.print(nodes)
     b = team["bytes"]
     h = team["healing"]

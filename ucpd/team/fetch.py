@@ -92,7 +92,12 @@ def _fetch_into(transport, lane, node: int, w, step: int, ranges: list, mm, fall
 def _fetch_from(transport, lane, node: int, w, step: int, ranges: list, mm) -> None:
     if lane is not None and lane.reaches(node):
         body = {"origin": w.origin, "step": step, "rank": w.rank, "ranges": [list(r) for r in ranges]}
-        lane.get(node, body, [memoryview(mm)[off : off + n] for off, n in ranges])
+        into = [memoryview(mm)[off : off + n] for off, n in ranges]
+        try:
+            lane.get(node, body, into)
+        except DaemonUnreachable as exc:  # a stream cut: once more on a new one, then the error stands
+            log.info("team: fetching rank %d of step %d from node %d again: %s", w.rank, step, node, exc)
+            lane.get(node, body, into)
         return
     for (off, n), buf in zip(ranges, _fetch(transport, node, w, step, ranges)):
         native.copy(memoryview(mm)[off : off + n], buf)

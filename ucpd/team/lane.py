@@ -75,7 +75,6 @@ POOL_PER_PEER = 8  # idle connections kept per peer
 PACE = 1 << 20  # bytes per token-bucket take
 PROBE_BYTES = 32 << 20
 PROBE_MAX = 64 << 20
-SOCK_BUF = 4 << 20
 WARN_EVERY_S = 5.0
 _LEN = struct.Struct("<I")
 _COUNTERS = ("connections_opened", "connections_accepted", "auth_failures", "malformed", "puts_sent", "puts_received",
@@ -635,11 +634,8 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
-        except OSError:
-            pass
+    # (no SO_SNDBUF/SO_RCVBUF: setting them turns off the kernel's buffer autotuning, which
+    # grows them past what net.core.rmem_max lets a process ask for)
 
 
 def _shut(sock: socket.socket) -> None:
