@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A team of ucpd daemons on loopback: replication, recovery after a node loss, memory, commit latency.
 
-    .venv/bin/python benchmarks/team/bench_team.py [--size-mib 512] [--recovery-mib 256]
+    .venv/bin/python benchmarks/team/bench_team.py [--size-mib 512] [--recovery-mib 342]
         [--overhead-mib 64] [--steps 6] [--reps 3] [--latency-nodes 2,4,8] [--latency-steps 10]
         [--rhythm 0.4] [--only replication,recovery,overhead,latency] [--json OUT] [--keep-logs DIR]
 
@@ -20,15 +20,22 @@ Times across processes use CLOCK_MONOTONIC. Four cases, in one run:
    the last ``wait()`` return. Step 1 is reported as the cold step; a step is warm when every
    rank wrote into a slot it had written before and no daemon made a new slot or replica file
    (the first steps fill keep=2 versions, the one being written and a spare); steps run until
-   --steps warm ones were measured. Replication throughput = bytes
-   replicated per step (``team.counters.replicated_bytes``, summed over the nodes) / (team time -
-   plain time) of the same step. Against raw pyzmq PUSH/PULL moving the same bytes over tcp
-   loopback in 4 MiB frames between two processes (and two such pairs at once, one each way, as
-   the team replicates), interleaved with the steps.
+   --steps warm ones were measured. Replication throughput = bytes replicated per step
+   (``team.counters.replicated_bytes``, summed over the nodes) / (team time - plain time) of the
+   same step. Its reference is the socket floor (``floors_net.py``): a plain
+   loopback TCP socket between two processes moving the same bytes, ``sendall()`` from a warm
+   buffer, ``recv_into(MSG_WAITALL)`` in 4 MiB slices into a preallocated warm buffer, timed from
+   the first byte sent to the last received; 1 stream (the reference: target >= 0.8x) and 2
+   streams at once, one each way, half the bytes each (the 2-node team replicates both ways).
+   Each warm step also gets a bound: plain time + 1.25 x bytes / the socket floor (1 stream) of
+   that step, and the ratio team time / bound (target <= 1.0). Beside them, raw pyzmq PUSH/PULL
+   moving the same bytes in 4 MiB frames between two processes (and two such pairs at once, one
+   each way). The floors run after each warm step (socket 1 stream, 2 streams, pyzmq 1 pair, 2
+   pairs), interleaved with the steps.
 2. recovery: 3-node team, ``--replicas 1 --flush-dir <temp dir on disk>``, one rank per node
-   (TP=3: every tensor split by rows, ``Shard(0, r, 3)``), --recovery-mib MiB per node, 4 steps;
-   once step 4 is complete on disk, node 2's daemon and trainer are SIGKILLed and its shm dir
-   deleted. A new job of 2 ranks (TP=2, ``Shard(0, r, 2)``: a real reshard) on nodes 0 and 1
+   (TP=3: every tensor split by rows, ``Shard(0, r, 3)``), --recovery-mib MiB per node (342: 1 GiB
+   in all, 512 MiB for each restoring rank), 4 steps; once step 4 is complete on disk, node 2's
+   daemon and trainer are SIGKILLed and its shm dir deleted. A new job of 2 ranks (TP=2, ``Shard(0, r, 2)``: a real reshard) on nodes 0 and 1
    restores the whole state, after re-protection settled: from the survivors' RAM (the default
    path), from the flush dir through a fresh plain daemon (``ucpd serve`` with only
    ``--flush-dir``, plus its private run/shm dirs; the 2 ranks use it as their node daemon) with
@@ -36,6 +43,11 @@ Times across processes use CLOCK_MONOTONIC. Four cases, in one run:
    each rank's state saved with ``torch.save`` to /dev/shm, and the memcpy floor of the same
    bytes (native copy_batch, no CRC, from a warm buffer into the same targets). The 2 ranks run
    each case at once; time = first start to last end. Every ucpd restore is checked bit-exact.
+   The reference is the socket floor (``floors_net.py``, as in 1.) moving one rank's bytes over 1
+   stream: every case is also given as its time / that time (target for the RAM restore <= 1.0),
+   the restore RPC too (``restore`` sent until the plan came back: before the client can copy
+   its first byte); the socket floor moving both ranks' bytes, 2 streams at once one each way,
+   is reported beside it. The socket floors run at the end of each repetition.
 3. overhead: ``team.bytes.own``, ``team.bytes.replicas``, ``team.overhead`` of every node from
    ``ucpd status --json`` after 5 steps (3 nodes, --overhead-mib MiB per node, R=1 and R=2), with
    the bytes the node's shm dir really holds, against 1+R.
@@ -45,10 +57,11 @@ Times across processes use CLOCK_MONOTONIC. Four cases, in one run:
    ``wait()`` then ``latest()`` on its node). A plain daemon with 1 rank is the reference.
 
 Everything started is stopped, and every folder made is removed, on every exit path (signals too).
-At the defaults a run takes 2.5-4.5 minutes on 2 cores and needs about 12 GiB of RAM at its peak
+At the defaults a run takes 3-5 minutes on 2 cores and needs about 14 GiB of RAM at its peak
 (the replication case: 2 team nodes x (4 slots + 2 replica files) + the plain daemon's slots +
-the ranks' states). The daemons' log lines about membership views, warnings and errors are printed
-at the end (--keep-logs keeps the whole logs). The machine is shared and noisy (2 cores): compare
+the ranks' states + the socket floor's two buffers of the bytes replicated per step). The
+daemons' log lines about membership views, warnings and errors are printed at the end
+(--keep-logs keeps the whole logs). The machine is shared and noisy (2 cores): compare
 figures of one run; run it several times.
 """
 
@@ -69,14 +82,17 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[2]
-sys.path[:0] = [str(HERE.parents[1]), str(ROOT), str(ROOT / "client")]
+sys.path[:0] = [str(HERE.parent), str(HERE.parents[1]), str(ROOT), str(ROOT / "client")]
 
 from common import MiB, fmt_num, fmt_seconds, fmt_spread, fmt_spread_num, log, machine, median, table, write_json  # noqa: E402
 from daemons import FOREIGN_ENV, Daemon, Loopback, cleanup, cleanup_on_exit, on_cleanup, wait_for  # noqa: E402
+from floors_net import SocketFloor  # noqa: E402
 
 SHM_PREFIX = "ucpd-bench-team-"
 BLOCKS = 6  # every tensor's rows are cut into 6 blocks: TP=1, 2, 3 and 6 all own whole blocks
 FRAME = 4 * MiB
+BOUND_FACTOR = 1.25  # a team's snapshot -> committed <= the plain daemon's + 1.25 x bytes / socket floor
+THROUGHPUT_TARGET = 0.8  # replication throughput >= 0.8 x the socket floor (1 stream)
 
 BENCH_JOB = "bench"  # the job of the benchmark's versions: flushed under <flush-dir>/bench/
 
@@ -514,6 +530,16 @@ def raw_transfer(pairs: list[RawPair], total_each: int) -> float:
     return max(ends) - t0
 
 
+def socket_floor_started(warm_bytes: int) -> SocketFloor:
+    """The socket floor's two processes (``floors_net.py``), their connections made and used once
+    (``warm_bytes``, 1 stream and 2 streams one each way) untimed; stopped at cleanup."""
+    floor = SocketFloor()
+    on_cleanup(floor)
+    floor.measure(warm_bytes)
+    floor.measure(warm_bytes, streams=2, both_ways=True)
+    return floor
+
+
 # ------------------------------------------------------------------------------------------------
 # what the team's daemons hold and say
 
@@ -594,7 +620,8 @@ def bench_replication(env: Loopback, args, out: dict) -> None:
               local_world_size=2, job_id=job_single)
     pairs1 = [RawPair()]
     pairs2 = [RawPair(), RawPair()]
-    rows = []  # per step: {"step", "team", "single", "replicated", "raw1", "raw2", "team_staged", "single_staged"}
+    floor = socket_floor_started(64 * MiB)
+    rows = []  # per step: {"step", "team", "single", "replicated", "sock1", "sock2", "raw1", "raw2", "team_staged", ...}
     before = replicated(team)
     watch = FileWatch(team + [single])
     step, nwarm = 0, 0
@@ -620,20 +647,25 @@ def bench_replication(env: Loopback, args, out: dict) -> None:
         if row["warm"]:
             nwarm += 1
             total = row["replicated"]
+            row["sock1"] = floor.measure(total)
+            row["sock2"] = floor.measure(total, streams=2, both_ways=True)
             row["raw1"] = raw_transfer(pairs1, total)
             row["raw2"] = raw_transfer(pairs2, total // 2)
+            row["bound"] = row["single"] + BOUND_FACTOR * row["sock1"]  # plain + 1.25 x bytes / floor (1 stream)
             time.sleep(args.rhythm)
         rows.append(row)
         log("  step %d (%s): team %s, plain %s, replicated %.0f MiB%s" % (
             step, "warm" if row["warm"] else f"{fresh_slots} fresh slots, {row['new_files']} new files",
             fmt_seconds(row["team"]), fmt_seconds(row["single"]), row["replicated"] / MiB,
-            f", raw 1 pair {fmt_seconds(row['raw1'])}, 2 pairs {fmt_seconds(row['raw2'])}" if "raw1" in row else ""))
+            f"; socket 1 stream {fmt_seconds(row['sock1'])}, 2 streams {fmt_seconds(row['sock2'])}; raw pyzmq 1 pair "
+            f"{fmt_seconds(row['raw1'])}, 2 pairs {fmt_seconds(row['raw2'])}; bound {fmt_seconds(row['bound'])}, "
+            f"team / bound {row['team'] / row['bound']:.2f}" if "raw1" in row else ""))
     statuses = [d.cli_status() for d in team]
     shm = [shm_bytes(d.shm_dir) for d in team]
     all_ranks(ranks, "drop")
     for r in ranks:
         r.stop()
-    for p in pairs1 + pairs2:
+    for p in pairs1 + pairs2 + [floor]:
         p.stop()
     for d in team + [single]:
         d.stop()
@@ -652,12 +684,17 @@ def report_replication(r: dict) -> tuple[str, dict]:
     extra = [x["team"] - x["single"] for x in warm]
     per_step = [x["replicated"] for x in warm]
     thr = [x["replicated"] / (x["team"] - x["single"]) / 1e9 if x["team"] > x["single"] else None for x in warm]
+    sock1 = [x["replicated"] / x["sock1"] / 1e9 for x in warm]
+    sock2 = [x["replicated"] / x["sock2"] / 1e9 for x in warm]
     raw1 = [x["replicated"] / x["raw1"] / 1e9 for x in warm]
     raw2 = [x["replicated"] / x["raw2"] / 1e9 for x in warm]
+    bound = [x["bound"] for x in warm]
+    over = [x["team"] / x["bound"] for x in warm]
     med_bytes = median(per_step)
     thr_med = med_bytes / median(extra) / 1e9 if median(extra) > 0 else float("nan")
-    ratio1 = thr_med / median(raw1)
-    ratio2 = thr_med / median(raw2)
+    ratio_s1, ratio_s2 = thr_med / median(sock1), thr_med / median(sock2)
+    ratio1, ratio2 = thr_med / median(raw1), thr_med / median(raw2)
+    over_med = median(over)
     t = [
         ["plain daemon (--nodes 1, both ranks): snapshot -> committed", fmt_seconds(cold["single"]), fmt_spread(x["single"] for x in warm)],
         ["team of 2, --replicas 1: snapshot -> committed", fmt_seconds(cold["team"]), fmt_spread(x["team"] for x in warm)],
@@ -666,7 +703,12 @@ def report_replication(r: dict) -> tuple[str, dict]:
         ["  the snapshot() call (team)", fmt_seconds(cold["team_call"]), fmt_spread(x["team_call"] for x in warm)],
         ["extra time of the team (team - plain, same step)", fmt_seconds(cold["team"] - cold["single"]), fmt_spread(extra)],
         ["bytes replicated per step (both nodes)", f"{cold['replicated'] / MiB:.0f} MiB", f"{med_bytes / MiB:.0f} MiB"],
+        [f"bound = plain + {BOUND_FACTOR} x bytes / socket floor (1 stream), same step", "-", fmt_spread(bound)],
+        ["team / bound (target <= 1.0)", "-", fmt_spread_num(over, 2)],
         ["replication throughput = bytes / extra time", "-", fmt_spread_num(thr, 2, " GB/s")],
+        ["socket floor: loopback TCP, 1 stream, same bytes, recv_into a preallocated buffer (the reference)", "-",
+         fmt_spread_num(sock1, 2, " GB/s")],
+        ["socket floor, 2 streams at once (one each way, half the bytes each)", "-", fmt_spread_num(sock2, 2, " GB/s")],
         ["raw pyzmq PUSH/PULL, 1 pair, same bytes, 4 MiB frames", "-", fmt_spread_num(raw1, 2, " GB/s")],
         ["raw pyzmq PUSH/PULL, 2 pairs at once (one each way)", "-", fmt_spread_num(raw2, 2, " GB/s")],
     ]
@@ -675,12 +717,22 @@ def report_replication(r: dict) -> tuple[str, dict]:
              f"{allocating}; warm steps: {[x['step'] for x in warm]}.")
     summary = {"team_warm_median": median([x["team"] for x in warm]), "plain_warm_median": median([x["single"] for x in warm]),
                "extra_median": median(extra), "bytes_per_step": med_bytes, "throughput_gbps": thr_med,
+               "socket1_gbps": median(sock1), "socket2_gbps": median(sock2), "ratio_socket1": ratio_s1, "ratio_socket2": ratio_s2,
+               "throughput_target_met": ratio_s1 >= THROUGHPUT_TARGET,
+               "bound_median": median(bound), "team_over_bound_median": over_med, "team_over_bound": over,
+               "bound_target_met": over_med <= 1.0,
                "raw1_gbps": median(raw1), "raw2_gbps": median(raw2), "ratio_raw1": ratio1, "ratio_raw2": ratio2,
                "cold_team": cold["team"], "cold_plain": cold["single"],
                "status_replicated_bytes": r["status_replicated_bytes"]}
-    text += (f"\nReplication throughput (median bytes / median extra) {thr_med:.2f} GB/s = **{ratio1:.2f}x** raw 1 pair "
-             f"({median(raw1):.2f} GB/s), {ratio2:.2f}x raw 2 pairs ({median(raw2):.2f} GB/s); target >= 0.7x: "
-             f"{'met' if ratio1 >= 0.7 else 'NOT met'}. `ucpd status --json` team.counters.replicated_bytes at the end: "
+    text += (f"\nReplication throughput (median bytes / median extra) {thr_med:.2f} GB/s = **{ratio_s1:.2f}x** the socket floor, "
+             f"1 stream ({median(sock1):.2f} GB/s); target >= {THROUGHPUT_TARGET}x: {'met' if ratio_s1 >= THROUGHPUT_TARGET else 'NOT met'}. "
+             f"{ratio_s2:.2f}x the socket floor with 2 streams one each way ({median(sock2):.2f} GB/s); "
+             f"{ratio1:.2f}x raw pyzmq 1 pair ({median(raw1):.2f} GB/s), {ratio2:.2f}x 2 pairs ({median(raw2):.2f} GB/s)."
+             f"\nTeam snapshot -> committed / (plain + {BOUND_FACTOR} x bytes / socket floor), median of the warm steps: "
+             f"**{over_med:.2f}** (bound {fmt_seconds(median(bound))}); target <= 1.0: {'met' if over_med <= 1.0 else 'NOT met'}. "
+             f"Per step: " + "; ".join(f"{x['step']}: {fmt_seconds(x['team'])} / {fmt_seconds(x['bound'])} = {x['team'] / x['bound']:.2f}"
+                                       for x in warm) + "."
+             f"\n`ucpd status --json` team.counters.replicated_bytes at the end: "
              f"{', '.join(f'{b / MiB:.0f} MiB' for b in r['status_replicated_bytes'])} (nodes 0, 1)")
     return text, summary
 
@@ -794,6 +846,7 @@ def bench_recovery(env: Loopback, args, out: dict) -> None:
     all_ranks(new, "open", lambda i: {"rank": i}, key="flush", run_dir=plain.run_dir, world=2,
               local_world_size=2, job_id=uuid.uuid4().hex, fresh=True)
     fetched0 = sum(d.status()["team"]["counters"]["fetched_bytes"] for d in survivors)
+    floor = socket_floor_started(64 * MiB)
 
     def restore(key):
         res = all_ranks(new, "restore", key=key)
@@ -810,21 +863,22 @@ def bench_recovery(env: Loopback, args, out: dict) -> None:
     tfiles = [os.path.join(env.shm, f"torch-rank{i}.pt") for i in range(2)]
     all_ranks(new, "torch_save", lambda i: {"path": tfiles[i]})
     cases = {"ram": [], "ram_rpc": [], "flush_warm": [], "flush_warm_rpc": [], "flush_cold": [], "flush_cold_rpc": [],
-             "torch_load": [], "floor": [], "where": set(), "resident_before_cold": [], "resident_warm": []}
+             "torch_load": [], "floor": [], "sock1": [], "sock2": [], "where": set(), "resident_before_cold": [],
+             "resident_warm": []}
     for rep in range(args.reps):
         res = restore("ram")
         cases["ram"].append(pair_time(res))
         cases["ram_rpc"].append(max(r["rpc_s"] for r in res))
         cases["where"].update(f"ram:{r['where']}" for r in res)
         time.sleep(args.rhythm)
-        cases["resident_warm"].append(resident_bytes(os.path.join(flush_dir, f"step-{last}")))
+        cases["resident_warm"].append(resident_bytes(os.path.join(flush_dir, BENCH_JOB, f"step-{last}")))
         res = restore("flush")
         cases["flush_warm"].append(pair_time(res))
         cases["flush_warm_rpc"].append(max(r["rpc_s"] for r in res))
         cases["where"].update(f"flush:{r['where']}" for r in res)
         time.sleep(args.rhythm)
         drop_page_cache(flush_dir)
-        cases["resident_before_cold"].append(resident_bytes(os.path.join(flush_dir, f"step-{last}")))
+        cases["resident_before_cold"].append(resident_bytes(os.path.join(flush_dir, BENCH_JOB, f"step-{last}")))
         res = restore("flush")
         cases["flush_cold"].append(pair_time(res))
         cases["flush_cold_rpc"].append(max(r["rpc_s"] for r in res))
@@ -833,11 +887,16 @@ def bench_recovery(env: Loopback, args, out: dict) -> None:
         time.sleep(args.rhythm)
         cases["floor"].append(pair_time(all_ranks(new, "floor")))
         time.sleep(args.rhythm)
-        log(f"  rep {rep + 1}: RAM {fmt_seconds(cases['ram'][-1])}, flush dir warm {fmt_seconds(cases['flush_warm'][-1])} "
-            f"/ cold {fmt_seconds(cases['flush_cold'][-1])}, torch.load {fmt_seconds(cases['torch_load'][-1])}, "
-            f"floor {fmt_seconds(cases['floor'][-1])}")
+        cases["sock1"].append(floor.measure(max(tbytes)))  # one rank's bytes, 1 stream
+        cases["sock2"].append(floor.measure(sum(tbytes), streams=2, both_ways=True))  # both ranks' bytes, one each way
+        time.sleep(args.rhythm)
+        log(f"  rep {rep + 1}: RAM {fmt_seconds(cases['ram'][-1])} (RPC {fmt_seconds(cases['ram_rpc'][-1])}), flush dir warm "
+            f"{fmt_seconds(cases['flush_warm'][-1])} / cold {fmt_seconds(cases['flush_cold'][-1])}, torch.load "
+            f"{fmt_seconds(cases['torch_load'][-1])}, memcpy floor {fmt_seconds(cases['floor'][-1])}, socket floor: a rank's "
+            f"bytes {fmt_seconds(cases['sock1'][-1])}, both ranks' 2 streams {fmt_seconds(cases['sock2'][-1])}")
     fetched_total = sum(d.status()["team"]["counters"]["fetched_bytes"] for d in survivors) - fetched0
-    flushed = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(flush_dir, f"step-{last}")) for f in fs)
+    flushed = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(flush_dir, BENCH_JOB, f"step-{last}")) for f in fs)
+    floor.stop()
     all_ranks(new, "drop")
     for r in new:
         r.stop()
@@ -864,32 +923,48 @@ def bench_recovery(env: Loopback, args, out: dict) -> None:
 
 def report_recovery(r: dict) -> tuple[str, dict]:
     g = r["global_bytes"]
+    rank_bytes = max(r["restore_bytes_per_rank"])
     gb = lambda xs: fmt_spread_num([g / x / 1e9 for x in xs], 2)  # noqa: E731
+    sock = median(r["sock1"])  # seconds to move one rank's bytes at the socket floor (1 stream)
+    vs = lambda x: fmt_num(x / sock)  # noqa: E731  (a time / the socket floor's time of one rank's bytes)
     rows = [
         ["restore from the survivors' RAM (default path), first", fmt_seconds(r["first_ram"]), f"{g / r['first_ram'] / 1e9:.2f}",
-         f"RPC {fmt_seconds(r['first_ram_rpc'])}"],
-        ["restore from the survivors' RAM (default path)", fmt_spread(r["ram"]), gb(r["ram"]), f"RPC (plan + peer fetch) {fmt_spread(r['ram_rpc'])}"],
+         vs(r["first_ram"]), f"RPC {fmt_seconds(r['first_ram_rpc'])}"],
+        ["restore from the survivors' RAM (default path)", fmt_spread(r["ram"]), gb(r["ram"]), vs(median(r["ram"])),
+         f"RPC (plan + peer fetch) {fmt_spread(r['ram_rpc'])} = {vs(median(r['ram_rpc']))}x the socket floor"],
         ["restore from the flush dir, plain daemon, first", fmt_seconds(r["first_flush"]), f"{g / r['first_flush'] / 1e9:.2f}",
-         f"RPC {fmt_seconds(r['first_flush_rpc'])}"],
+         vs(r["first_flush"]), f"RPC {fmt_seconds(r['first_flush_rpc'])}"],
         ["restore from the flush dir, plain daemon, page cache warm", fmt_spread(r["flush_warm"]), gb(r["flush_warm"]),
-         f"RPC {fmt_spread(r['flush_warm_rpc'])}"],
+         vs(median(r["flush_warm"])), f"RPC {fmt_spread(r['flush_warm_rpc'])}"],
         ["restore from the flush dir, plain daemon, page cache dropped", fmt_spread(r["flush_cold"]), gb(r["flush_cold"]),
-         f"RPC {fmt_spread(r['flush_cold_rpc'])}"],
-        ["torch.load <- /dev/shm (each rank its own file, new layout)", fmt_spread(r["torch_load"]), gb(r["torch_load"]), "no reshard, no checks"],
-        ["memcpy floor (native copy_batch, no CRC, warm buffers)", fmt_spread(r["floor"]), gb(r["floor"]), ""],
+         vs(median(r["flush_cold"])), f"RPC {fmt_spread(r['flush_cold_rpc'])}"],
+        ["torch.load <- /dev/shm (each rank its own file, new layout)", fmt_spread(r["torch_load"]), gb(r["torch_load"]),
+         vs(median(r["torch_load"])), "no reshard, no checks"],
+        ["memcpy floor (native copy_batch, no CRC, warm buffers)", fmt_spread(r["floor"]), gb(r["floor"]), vs(median(r["floor"])), ""],
+        [f"socket floor: one rank's bytes ({rank_bytes / MiB:.0f} MiB), 1 loopback TCP stream (the reference)", fmt_spread(r["sock1"]),
+         fmt_spread_num([rank_bytes / x / 1e9 for x in r["sock1"]], 2), "1.00", "GB/s of the one rank's bytes; recv_into a preallocated buffer"],
+        ["socket floor: both ranks' bytes, 2 streams at once (one each way)", fmt_spread(r["sock2"]), gb(r["sock2"]),
+         vs(median(r["sock2"])), ""],
     ]
-    text = table(["2 ranks at once, whole state (min / median / max)", "time", "GB/s", "note"], rows, markdown=True)
+    text = table(["2 ranks at once, whole state (min / median / max)", "time", "GB/s", "time / socket floor", "note"], rows,
+                 markdown=True)
     ram = median(r["ram"])
     ratios = {
         "flush_warm": median(r["flush_warm"]) / ram, "flush_cold": median(r["flush_cold"]) / ram,
         "torch_load": median(r["torch_load"]) / ram, "ram_over_floor": ram / median(r["floor"]),
     }
     per_rep = {k: [a / b for a, b in zip(r[k], r["ram"])] for k in ("flush_warm", "flush_cold", "torch_load")}
+    per_sock = {k: [a / b for a, b in zip(r[k], r["sock1"])] for k in ("ram", "ram_rpc", "flush_cold", "flush_warm")}
     text += (
         f"\n\nRAM restore vs flush dir (median of the per-rep ratios): **{median(per_rep['flush_warm']):.2f}x** faster "
         f"(page cache warm), **{median(per_rep['flush_cold']):.2f}x** (cold); target >= 5x: "
         f"{'met' if median(per_rep['flush_warm']) >= 5 else 'NOT met'} warm, {'met' if median(per_rep['flush_cold']) >= 5 else 'NOT met'} cold. "
-        f"vs torch.load {median(per_rep['torch_load']):.2f}x; RAM restore = {ratios['ram_over_floor']:.2f}x the memcpy floor. "
+        f"vs torch.load {median(per_rep['torch_load']):.2f}x; RAM restore = {ratios['ram_over_floor']:.2f}x the memcpy floor."
+        f"\nRAM restore (2 ranks at once) / the socket floor's time to move one rank's bytes ({rank_bytes / MiB:.0f} MiB, 1 stream, "
+        f"{fmt_seconds(sock)} = {rank_bytes / sock / 1e9:.2f} GB/s), median of the per-rep ratios: **{median(per_sock['ram']):.2f}** "
+        f"(target <= 1.0: {'met' if median(per_sock['ram']) <= 1.0 else 'NOT met'}); its restore RPC (plan + peer fetch, until the "
+        f"client may copy its first byte) {median(per_sock['ram_rpc']):.2f}; flush dir, page cache dropped "
+        f"{median(per_sock['flush_cold']):.2f}, warm {median(per_sock['flush_warm']):.2f}.\n"
         f"Bytes fetched from peers per restore: {r['fetched_per_restore'] / MiB:.0f} MiB of {g / MiB:.0f} MiB. "
         f"Node 2 declared dead {r['dead_after']:.2f} s after the kill, re-protection done {r['reprotected_after']:.2f} s after it; "
         f"step 4 complete on disk {fmt_seconds(r['flush_after_commit'])} after its commit. Sources: {', '.join(r['where'])}. "
@@ -902,7 +977,11 @@ def report_recovery(r: dict) -> tuple[str, dict]:
                "floor_median": median(r["floor"]), "ram_over_floor": ratios["ram_over_floor"], "first_ram": r["first_ram"],
                "dead_after": r["dead_after"], "reprotected_after": r["reprotected_after"],
                "fetched_per_restore": r["fetched_per_restore"], "resident_before_cold": r["resident_before_cold"],
-               "resident_warm": r["resident_warm"]}
+               "resident_warm": r["resident_warm"], "restore_bytes_per_rank": rank_bytes,
+               "socket1_median": sock, "socket1_gbps": rank_bytes / sock / 1e9, "socket2_median": median(r["sock2"]),
+               "ram_rpc_median": median(r["ram_rpc"]),
+               **{f"{k}_over_socket": median(v) for k, v in per_sock.items()},
+               "socket_target_met": median(per_sock["ram"]) <= 1.0}
     return text, summary
 
 
@@ -1048,7 +1127,8 @@ def main(argv=None) -> int:
     os.environ["UCPD_JOB"] = BENCH_JOB  # every Checkpointer of the run, in every process: one job
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size-mib", type=int, default=512, help="replication: MiB per rank (2 ranks)")
-    ap.add_argument("--recovery-mib", type=int, default=256, help="recovery: MiB per node (3 nodes)")
+    ap.add_argument("--recovery-mib", type=int, default=342,
+                    help="recovery: MiB per node (3 nodes); each of the 2 restoring ranks restores 3/2 of it (342: 512 MiB)")
     ap.add_argument("--overhead-mib", type=int, default=64, help="overhead: MiB per node (3 nodes)")
     ap.add_argument("--steps", type=int, default=6, help="replication: warm steps (after 3 that fill the slots)")
     ap.add_argument("--reps", type=int, default=3, help="recovery: repetitions of each restore")

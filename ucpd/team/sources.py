@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import logging
 import mmap
+import itertools
 import os
 import threading
+import time
 import uuid
 from dataclasses import dataclass, replace
 
@@ -43,6 +45,7 @@ from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
+ASKED_TTL = 5.0  # seconds the peers' answers about a step serve the restores that follow (a small team's)
 SHARED_KEPT = 4  # directory answers whose parts and indexes are kept for the restores that follow
 FETCH_PREFIX = "fetch-"
 
@@ -151,7 +154,9 @@ class VersionSources:
         self.transport = team.transport
         self.shm_dir = team.shm_dir
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
-        self._shared: dict[tuple[int, int], tuple[Version, RamSame]] = {}  # (step, gen) -> parts and indexes
+        self._shared: dict[tuple, tuple[Version, RamSame]] = {}  # (step, gen, run) -> parts and indexes
+        self._asked: dict[tuple, tuple[int, float, dict]] = {}  # (step, live) -> (gen, when, peers' holdings)
+        self._asked_gen = itertools.count(1)
         self._shared_lock = threading.Lock()
         self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
         self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
@@ -221,14 +226,42 @@ class VersionSources:
 
     def held_by_node(self, step: int | None, stale: int | None = None) -> tuple[int | None, dict[int, list[Holding]]]:
         """What every live node holds (of ``step``, with manifests; None: of every step) and the
-        directory's gather it came from (None: asked of every node now). ``stale``: that gather
-        was found out of date; ask again."""
+        gather it came from: the directory's, or in a small team the peers' answers about a
+        step, kept ``ASKED_TTL`` seconds for the restores that follow (the ranks of a job
+        restore at once; ours are read afresh each time) (None: asked of every node now).
+        ``stale``: that gather was found out of date; ask again."""
         live = self.team.live()
         if self.directory is None:
-            return None, self.holdings_by_node(sorted(live), step)
+            if step is None:
+                return None, self.holdings_by_node(sorted(live), step)
+            return self._asked_of(step, live, stale)
         gen, held = self.directory.held(step, stale)
         out = {e["node"]: [Holding.from_wire(e["node"], i) for i in e["items"]]
                for e in held if e["node"] in live and e["node"] != self.rank}
+        out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+        return gen, out
+
+    def _asked_of(self, step: int, live: frozenset, stale: int | None) -> tuple[int, dict[int, list[Holding]]]:
+        """A small team's gather about ``step``: the peers' answers, asked again when older than
+        ``ASKED_TTL``, when the live nodes changed or when ``stale`` names them; ours afresh.
+        A peer that evicted what it said it held refuses the pin, and the restore asks again."""
+        key = (step, live)
+        now = time.monotonic()
+        with self._shared_lock:
+            for k in [k for k, (_, when, _) in self._asked.items() if now - when > ASKED_TTL]:
+                del self._asked[k]
+            got = self._asked.get(key)
+            if got is not None and got[0] == stale:
+                got = None
+        if got is None:
+            replies = ask_all(self.transport, self.rank, sorted(live), "holdings", {"step": step})
+            peers = {node: [Holding.from_wire(node, i) for i in reply.get("items", [])]
+                     for node, reply in sorted(replies.items())}
+            got = (next(self._asked_gen), now, peers)
+            with self._shared_lock:
+                self._asked[key] = got
+        gen, _, peers = got
+        out = dict(peers)
         out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
         return gen, out
 
@@ -412,7 +445,7 @@ class VersionSources:
         step = out.step
         keep = out.gen is not None and not out.partial  # (a partial answer's parts serve only itself)
         with self._shared_lock:
-            shared = self._shared.get((step, out.gen)) if keep else None
+            shared = self._shared.get((step, out.gen, out.run)) if keep else None
         if shared is not None and shared[0].parts.keys() != chosen.keys():
             shared = None
         with self.store.atomic():
@@ -447,7 +480,7 @@ class VersionSources:
                 _shapes_known(shared[0])
             if keep:
                 with self._shared_lock:
-                    self._shared[(step, out.gen)] = shared
+                    self._shared[(step, out.gen, out.run)] = shared
                     while len(self._shared) > SHARED_KEPT:
                         del self._shared[next(iter(self._shared))]
         out.version, same = shared
