@@ -266,3 +266,16 @@ def test_an_unknown_operation_is_refused_typed(pair):
         sock.close()
     with pytest.raises(ProtocolError):
         a.lane.get(1, {"origin": 1, "step": 1, "rank": 1, "ranges": "all"}, [])
+
+
+def test_a_get_checks_the_chunks_it_is_given_as_they_land(pair):
+    a, b = pair
+    into = np.zeros(3 * C, np.uint8)
+    body = {"origin": 1, "step": 2, "rank": 1, "ranges": [[0, 3 * C]]}
+    good = [(k * C, (k + 1) * C, native.crc32c(b.src[k * C : (k + 1) * C])) for k in range(3)]
+    a.lane.get(1, body, [memoryview(into)], [good])
+    assert np.array_equal(into, b.src[: 3 * C])
+    wrong = good[:1] + [(C, 2 * C, good[1][2] ^ 1)] + good[2:]  # the manifest and the bytes disagree
+    with pytest.raises(ChecksumMismatch, match="1 chunk"):
+        a.lane.get(1, body, [memoryview(into)], [wrong])
+    assert a.lane.counters["checksum_errors"] == 1

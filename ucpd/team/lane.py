@@ -59,7 +59,7 @@ from typing import Callable, Sequence
 import msgpack
 
 from .. import faults, native
-from ..errors import AuthError, DaemonUnreachable, ProtocolError, UcpdError, error_from_code
+from ..errors import AuthError, ChecksumMismatch, DaemonUnreachable, ProtocolError, UcpdError, error_from_code
 from ..protocol import LANE_REQUESTS, reply_from_wire, reply_to_wire, validate_fields
 from .frames import derive_key, payload_mac_enabled
 from .links import TokenBucket
@@ -239,9 +239,11 @@ class DataLane:
         self._observe(dest, nbytes, time.monotonic() - t0, sent=True)
         return reply
 
-    def get(self, dest: int, body: dict, into: Sequence[memoryview]) -> None:
+    def get(self, dest: int, body: dict, into: Sequence[memoryview], checks=None) -> None:
         """Ask ``dest`` for the bytes ``body`` names (a ``get``) and land them in ``into`` (its
-        ranges in order); the caller checks them."""
+        ranges in order). ``checks``: per view, ``(start, end, crc32c)`` chunks to check as they
+        land (relative to the view); a chunk that fails raises ChecksumMismatch once every byte
+        arrived. What ``checks`` leaves out, the caller checks."""
         into = [memoryview(v).cast("B") for v in into]
         nbytes = sum(v.nbytes for v in into)
         body = dict(body, op="get")
@@ -251,10 +253,16 @@ class DataLane:
             if reply["nbytes"] != nbytes:
                 raise ProtocolError(f"node {dest} answered a get of {nbytes} bytes with {reply['nbytes']}")
             digest = hashlib.blake2b(key=self._pkey, digest_size=32) if self.payload_mac else None
-            for v in into:
-                _recv_exact(sock, v)
-                if digest is not None:
-                    digest.update(v)
+            bad = 0
+            for i, v in enumerate(into):
+                if checks and checks[i]:
+                    bad += len(_land_checked(sock, v, checks[i], digest)[1])
+                else:
+                    _recv_exact(sock, v, digest)
+            if bad:
+                self._count(checksum_errors=bad)
+                raise ChecksumMismatch(f"{bad} chunk(s) of rank {body['rank']}'s step {body['step']} from node {dest} "
+                                       "failed their CRC32C as they landed: another copy is asked")
             if digest is not None and not hmac.compare_digest(digest.digest(), reply.get("mac") or b""):
                 self._count(auth_failures=1)
                 raise AuthError(f"the bytes node {dest} sent fail their payload MAC: the link is tampered with")
@@ -518,19 +526,9 @@ class DataLane:
 
     def _land(self, sock, landing: Landing, nbytes: int, mac: bytes | None, step: int) -> tuple[list[int], list[int]]:
         """Receive the put's bytes into ``landing.dst``, checking each chunk as soon as it is in."""
-        dst, ok, bad, at = landing.dst, [], [], 0
         digest = hashlib.blake2b(key=self._pkey, digest_size=32) if self.payload_mac else None
         cut = len(landing.chunks) // 2 if faults.once("lane.cut.put", step) else -1
-        for i, (start, end, crc) in enumerate(landing.chunks):
-            if i == cut:  # (a test's fault: the stream breaks halfway through)
-                raise ConnectionResetError("the data lane was cut mid-put (fault injected)")
-            if start > at:
-                _recv_exact(sock, dst[at:start], digest)
-            _recv_exact(sock, dst[start:end], digest)
-            (ok if native.crc32c(dst[start:end]) == crc else bad).append(i)
-            at = end
-        if at < nbytes:
-            _recv_exact(sock, dst[at:nbytes], digest)
+        ok, bad = _land_checked(sock, landing.dst[:nbytes], landing.chunks, digest, cut)
         if digest is not None and not hmac.compare_digest(digest.digest(), mac or b""):
             self._count(auth_failures=1)
             return [], list(range(len(landing.chunks))) or [-1]
@@ -620,6 +618,24 @@ def _recv_exact(sock: socket.socket, view: memoryview, digest=None) -> None:
         got += k
     if digest is not None:
         digest.update(view)
+
+
+def _land_checked(sock: socket.socket, dst: memoryview, chunks, digest=None, cut: int = -1) -> tuple[list[int], list[int]]:
+    """Receive ``dst`` whole, checking each of ``chunks`` ((start, end, crc32c), sorted, inside
+    ``dst``) as soon as it is in, while it is in cache: (the chunks that matched, those that
+    did not), by index. ``cut``: a test's fault, the stream breaks before that chunk."""
+    ok, bad, at = [], [], 0
+    for i, (start, end, crc) in enumerate(chunks):
+        if i == cut:
+            raise ConnectionResetError("the data lane was cut mid-put (fault injected)")
+        if start > at:
+            _recv_exact(sock, dst[at:start], digest)
+        _recv_exact(sock, dst[start:end], digest)
+        (ok if native.crc32c(dst[start:end]) == crc else bad).append(i)
+        at = end
+    if at < dst.nbytes:
+        _recv_exact(sock, dst[at:], digest)
+    return ok, bad
 
 
 def _drain(sock: socket.socket, nbytes: int) -> None:

@@ -511,9 +511,11 @@ class VersionSources:
             try:
                 arr = np.frombuffer(mm, np.uint8)
                 for batch in _batches(rows, DATA_BATCH):
-                    self._fetch_shares(w, sources.step, [(s.offset, s.nbytes) for s in batch], mm)
+                    # on the data lane each chunk is checked as it lands: not read again here
+                    checked = self._fetch_shares(w, sources.step, [(s.offset, s.nbytes, s.crcs, s.chunk) for s in batch], mm)
                     for s in batch:
-                        self._check_fetched(w, sources.step, s, arr, mm)
+                        if not checked:
+                            self._check_fetched(w, sources.step, s, arr, mm)
                         self.team.counters["fetched_bytes"] += s.nbytes
                 del arr
             finally:
@@ -600,8 +602,8 @@ class VersionSources:
         if batch:
             self._fetch_shares(w, step, batch, mm)
 
-    def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple[int, int]], mm) -> None:
-        fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
+    def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple], mm) -> bool:
+        return fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
 
 
 def _shapes_known(version: Version) -> None:
