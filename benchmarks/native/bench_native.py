@@ -159,6 +159,11 @@ def main(argv=None) -> int:
     run("xor_parity k=4 2T", lambda: native.xor_parity(parity[0], members, threads=2), 4 * q)
     run("rs_encode k=4 m=2 1T", lambda: native.rs_encode(members, parity, threads=1), 4 * q)
     run("rs_encode k=4 m=2 2T", lambda: native.rs_encode(members, parity, threads=2), 4 * q)
+    # a rebuild: two members lost, rebuilt from the two others and both parity blocks
+    rebuilt = {0: bytearray(q), 1: bytearray(q)}
+    shards = [None, None, members[2], members[3], parity[0], parity[1]]
+    run("rs_decode k=4 m=2, 2 lost 1T", lambda: native.rs_decode(shards, 4, 2, out=rebuilt, threads=1), 4 * q)
+    run("xor rebuild k=4, 1 lost 1T", lambda: native.xor_parity(rebuilt[0], [parity[0], *members[1:]], threads=1), 4 * q)
 
     res = {
         name: {"seconds": t, "best_seconds": best, "bytes": b, "gbps": b / t / 1e9}
