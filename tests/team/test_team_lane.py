@@ -69,3 +69,43 @@ def test_the_control_lane_still_carries_bytes_when_asked(make_team):
     ranks.kill(procs)
     s0 = status(team.nodes[0].run_dir)["team"]
     assert s0["lane"]["transport"] == "zmq" and s0["transport"]["bytes_sent"] >= s0["counters"]["replicated_bytes"] > 0
+
+
+def test_a_forged_or_replayed_lane_connection_is_refused_and_the_team_keeps_committing(make_team):
+    import socket
+    import struct
+
+    import msgpack
+
+    from ucpd.errors import AuthError, DaemonUnreachable
+    from ucpd.team.lane import DataLane
+
+    team = make_team(2, "--replicas", "1", secret=SECRET)
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (1,), True)
+    assert sorted(m[2] for m in done) == [1] * 2, team.logs()
+    ranks.kill(procs)
+    address = status(team.nodes[1].run_dir)["team"]["lane"]["address"]
+
+    forged = DataLane(0, b"not-the-job-secret-but-as-long!!", "127.0.0.1:0", on_put=None, on_get=None)
+    forged.set_peer(1, address)  # it claims to be node 0, without the secret
+    with pytest.raises((AuthError, DaemonUnreachable)):
+        forged.probe(1, 1 << 20)
+    assert forged.counters["auth_failures"] == 1  # the daemon could not prove the secret to it either
+    host, port = address.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=5) as s:  # junk instead of a handshake
+        s.sendall(b"\x10\x00\x00\x00" + b"x" * 16)
+        s.recv(100)
+    with socket.create_connection((host, int(port)), timeout=5) as s:  # a handshake replayed: a stale proof
+        hello = msgpack.packb({"v": 1, "src": 0, "dst": 1, "nonce": b"n" * 16}, use_bin_type=True)
+        s.sendall(struct.pack("<I", len(hello)) + hello)
+        s.recv(4096)
+        proof = msgpack.packb({"mac": b"r" * 32}, use_bin_type=True)
+        s.sendall(struct.pack("<I", len(proof)) + proof)
+        s.recv(4096)
+    s1 = status(team.nodes[1].run_dir)["team"]["lane"]["counters"]
+    assert s1["malformed"] >= 1 and s1["auth_failures"] >= 1
+
+    procs, done = ranks.spawn(snapshot_ranks, 2, team.run_dirs(), 1, 2, (2,), True)  # the team goes on
+    assert sorted(m[2] for m in done) == [2] * 2, team.logs()
+    ranks.kill(procs)
+    assert status(team.nodes[0].run_dir)["team"]["lane"]["counters"]["puts_sent"] >= 2

@@ -151,6 +151,7 @@ class DataLane:
         self._closed = False
         self._last_warn: dict[str, float] = {}
         self.address: str | None = None
+        self.fallback: str | None = None  # why the transport asked for (--data-transport) could not start
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -218,7 +219,7 @@ class DataLane:
     def status(self) -> dict:
         with self._lock:
             peers = [p.to_status() for _, p in sorted(self.peers.items())]
-        return {"transport": "tcp", "address": self.address, "authenticated": self.secured,
+        return {"transport": "tcp", "fallback": self.fallback, "address": self.address, "authenticated": self.secured,
                 "payload_mac": self.payload_mac, "link_floor_gbps": self.link_floor or None,
                 "peers": peers, "counters": dict(self.counters)}
 

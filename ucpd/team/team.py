@@ -37,7 +37,7 @@ import uuid
 from .. import faults, knobs, protocol
 from ..daemon.leases import Leases
 from ..daemon.versions import RESTORABLE, Version, VersionState
-from ..errors import SnapshotRejected
+from ..errors import SnapshotRejected, UcpdError
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
 from .flush_lead import TeamFlush
@@ -59,9 +59,10 @@ log = logging.getLogger("ucpd.team")
 JOIN_TIMEOUT = 120.0  # seconds a new run's first request waits for the team to fence the earlier runs
 
 
-def make_lane(config: TeamConfig, on_put, on_get) -> DataLane:
-    """The data lane of ``config``: on ``--data-listen``, else ``--listen``'s host (any free port),
-    reached at our own entry of ``--peers`` when we listen on every interface."""
+def make_lane(config: TeamConfig, on_put, on_get, transport: str | None = None) -> DataLane:
+    """The data lane of ``config`` (``--data-transport``, or ``transport``): on ``--data-listen``,
+    else ``--listen``'s host (any free port), reached at our own entry of ``--peers`` when we
+    listen on every interface."""
     listen_host = config.listen.split("://", 1)[-1].rpartition(":")[0].strip("[]")
     own_host = config.peers[config.node_rank].split("://", 1)[-1].rpartition(":")[0].strip("[]")
     listen = config.data_listen or listen_host
@@ -72,7 +73,12 @@ def make_lane(config: TeamConfig, on_put, on_get) -> DataLane:
     if host in ("*", ""):
         host, listen = "0.0.0.0", f"0.0.0.0:{listen.rpartition(':')[2]}"
     advertise = own_host if host in ("0.0.0.0", "::") else None
-    return DataLane(config.node_rank, config.secret, listen, on_put=on_put, on_get=on_get,
+    kind = DataLane
+    if (transport or config.data_transport) == "nixl":
+        from .lane_nixl import NixlLane  # (imports nothing of nixl until it starts)
+
+        kind = NixlLane
+    return kind(config.node_rank, config.secret, listen, on_put=on_put, on_get=on_get,
                     net_limit=config.net_limit, advertise=advertise, link_floor=config.link_floor)
 
 
@@ -146,7 +152,7 @@ class Team:
         self.server = PeerServer(self, self.leases)
         self.address = self.transport.bind()
         if self.lane is not None:
-            self.lane.start()
+            self._start_lane()
         self.transport.start(self.config.peers)
         self.replicator.start()
         if self.gossip and self.clock is time.monotonic:  # a test's clock is driven through tick()
@@ -227,6 +233,18 @@ class Team:
             if self.lane is not None:
                 self.lane.forget(peer)
             self.transport.send(peer, "hello", self.hello())
+
+    def _start_lane(self) -> None:
+        """Start the data lane; a NIXL lane that cannot start gives way to the TCP one, loudly."""
+        try:
+            self.lane.start()
+        except UcpdError as exc:
+            if self.config.data_transport != "nixl":
+                raise
+            log.error("team: --data-transport nixl cannot start (%s); bulk bytes go on the TCP data lane instead", exc)
+            self.lane = make_lane(self.config, self.lane._on_put, self.lane._on_get, transport="tcp")
+            self.lane.fallback = f"nixl asked for, tcp used: {exc}"
+            self.lane.start()
 
     def hello(self) -> dict:
         """What we tell a peer when we join or it rejoins: our failure domain, our data lane."""
