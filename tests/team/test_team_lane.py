@@ -39,6 +39,12 @@ def test_replicas_move_on_the_authenticated_lane_and_a_cut_one_heals_then_serves
     assert s0["transport"]["bytes_sent"] < s0["counters"]["replicated_bytes"]
     peer = lane0["peers"][0]
     assert peer["node"] == 1 and "(lo)" in peer["path"] and peer["probe_gbps"] > 0
+    from ucpd.daemon.metrics import _team_metrics
+
+    families = {f.name: f for f in _team_metrics(s0)}  # what Prometheus scrapes of this status
+    assert [x.labels for x in families["ucpd_team_link_gbps"].samples if x.labels["kind"] == "probe"] == \
+        [{"node": "1", "kind": "probe"}]
+    assert families["ucpd_team_lane_streams_cut"].samples[0].value >= 1
 
     ranks.kill(procs)
     team.lose(0)  # node 0's part of step 3 now lives only in the copy that was cut, then made again

@@ -71,8 +71,22 @@ def _team_metrics(team: dict):
     yield GaugeMetricFamily("ucpd_team_healthy", "1 when every version is protected as configured", value=1 if team["health"] == "healthy" else 0)
     yield GaugeMetricFamily("ucpd_team_coordinator", "node rank of the commit coordinator", value=team["coordinator"] if team["coordinator"] is not None else -1)
     yield GaugeMetricFamily("ucpd_team_reprotect_pending", "copies being made again after a node loss", value=team["healing"]["pending"])
-    for name, value in {**team["counters"], **{f"peer_{k}": v for k, v in team["transport"].items()}}.items():
+    lane = team.get("lane") or {}
+    counters = {**team["counters"], **{f"peer_{k}": v for k, v in team["transport"].items()},
+                **{f"lane_{k}": v for k, v in lane.get("counters", {}).items()}}
+    for name, value in counters.items():
         yield CounterMetricFamily(f"ucpd_team_{name}", f"ucpd team counter {name}", value=value)
+    link = GaugeMetricFamily("ucpd_team_link_gbps", "measured GB/s of the data lane to a peer (probe: at join; "
+                             "observed: a moving average of real transfers)", labels=["node", "kind"])
+    slow = GaugeMetricFamily("ucpd_team_link_slow", "1 when the link to a peer measured below --link-floor",
+                             labels=["node"])
+    for p in lane.get("peers", []):
+        for kind in ("probe", "observed"):
+            if p.get(f"{kind}_gbps") is not None:
+                link.add_metric([str(p["node"]), kind], p[f"{kind}_gbps"])
+        slow.add_metric([str(p["node"])], 1 if p.get("warning") else 0)
+    yield link
+    yield slow
 
 
 class Metrics:

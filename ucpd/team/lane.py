@@ -198,6 +198,7 @@ class DataLane:
             if link.address == parsed:
                 return
             old, link.idle = link.idle, []
+            link.streams -= len(old)
             link.address, link.path, link.probe_gbps, link.observed_gbps, link.warning = parsed, None, None, None, None
         for _, s in old:
             _shut(s)
@@ -209,6 +210,7 @@ class DataLane:
             old = link.idle if link is not None else []
             if link is not None:
                 link.idle = []
+                link.streams -= len(old)
         for _, s in old:
             _shut(s)
 
@@ -358,6 +360,7 @@ class DataLane:
                 made_for, sock = link.idle.pop()
                 if made_for == address:
                     return sock
+                link.streams -= 1
                 _shut(sock)
         sock = self._connect(dest, address)
         with self._lock:
@@ -445,6 +448,8 @@ class DataLane:
             if not self._closed:
                 self._count(streams_cut=1)
                 log.info("team: a data lane from %s ended mid-request: %s", peer, exc)
+        except Exception:  # a bug in a handler: this stream ends, the lane serves on
+            log.exception("node %d: serving a data lane from %s failed", self.rank, peer)
         finally:
             with self._lock:
                 self._accepted.discard(sock)
