@@ -383,10 +383,10 @@ class DataLane:
     def _connect(self, dest: int, address: tuple[str, int]) -> socket.socket:
         try:
             sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT_S)
+            _tune(sock)
         except OSError as exc:
             raise DaemonUnreachable(f"cannot open the data lane to node {dest} at {address[0]}:{address[1]}: {exc}") from None
         try:
-            _tune(sock)
             nonce = os.urandom(16)
             _send_map(sock, {"v": LANE_VERSION, "src": self.rank, "dst": dest, "nonce": nonce})
             msg = _recv_map(sock)
@@ -401,7 +401,7 @@ class DataLane:
             _send_map(sock, {"mac": self._mac(b"C", theirs, nonce, self.rank, dest)})
             if _recv_map(sock).get("ok") is not True:
                 raise AuthError(f"node {dest} refused our proof of the job's secret (different --secret-file?)")
-            sock.settimeout(IO_TIMEOUT_S)
+            _limit(sock, IO_TIMEOUT_S)
         except (OSError, EOFError, ValueError) as exc:
             _shut(sock)
             raise DaemonUnreachable(f"the data lane handshake with node {dest} failed: {exc}") from None
@@ -436,12 +436,12 @@ class DataLane:
                 return
             self._count(connections_accepted=1)
             while not self._closed:
-                sock.settimeout(IDLE_TIMEOUT_S)
+                _limit(sock, IDLE_TIMEOUT_S)
                 try:
                     body = _recv_map(sock)
-                except (socket.timeout, EOFError):
+                except (BlockingIOError, socket.timeout, EOFError):  # idle too long, or closed
                     return
-                sock.settimeout(IO_TIMEOUT_S)
+                _limit(sock, IO_TIMEOUT_S)
                 if not self._answer(sock, src, body):
                     return
         except (OSError, EOFError, ValueError, msgpack.ExtraData) as exc:
@@ -456,7 +456,6 @@ class DataLane:
             _shut(sock)
 
     def _accept_handshake(self, sock: socket.socket, peer) -> int | None:
-        sock.settimeout(HANDSHAKE_TIMEOUT_S)
         _tune(sock)
         if not self.secured and not _is_loopback(peer[0]):
             return self._refuse(sock, peer, "a peer from another host without a job secret (only loopback is allowed)")
@@ -618,7 +617,7 @@ def _recv_map(sock: socket.socket) -> dict:
 def _recv_exact(sock: socket.socket, view: memoryview, digest=None) -> None:
     got, n = 0, view.nbytes
     while got < n:
-        k = sock.recv_into(view[got:], n - got)
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
         if not k:
             raise EOFError("the peer closed the data lane mid-transfer")
         got += k
@@ -654,10 +653,22 @@ def _drain(sock: socket.socket, nbytes: int) -> None:
 
 
 def _tune(sock: socket.socket) -> None:
+    """A blocking stream whose waits the kernel bounds (SO_RCVTIMEO/SO_SNDTIMEO), so that a
+    receive of a whole chunk (MSG_WAITALL) and a send of a whole batch are one system call
+    each: Python's own timeouts would poll before every partial read."""
+    sock.settimeout(None)
+    _limit(sock, HANDSHAKE_TIMEOUT_S)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     # (no SO_SNDBUF/SO_RCVBUF: setting them turns off the kernel's buffer autotuning, which
     # grows them past what net.core.rmem_max lets a process ask for)
+
+
+def _limit(sock: socket.socket, seconds: float) -> None:
+    """A receive or send that waits longer than ``seconds`` fails (EAGAIN: an OSError)."""
+    tv = struct.pack("ll", int(seconds), int((seconds % 1) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
 
 
 def _shut(sock: socket.socket) -> None:

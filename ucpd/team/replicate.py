@@ -218,15 +218,19 @@ class Replicator:
             # PUSH_IN_FLIGHT batches in flight: the holder copies some while others are on the wire; each
             # is acknowledged, so replica_end (a small message that may overtake queued bulk
             # frames) is sent only after every byte arrived
+            t1 = time.monotonic()
             for _ in self.pushers.map(put, enumerate(batches)):
                 pass
+            t2 = time.monotonic()
             transport.request(holder, "replica_end", {"origin": origin, "step": step, "frames": frames}, timeout=120.0)
         except UcpdError as exc:
             counters["push_failures"] += 1
             log.warning("team: copying node %d's step %d to node %d failed: %s", origin, step, holder, exc)
             return False
         counters["replicated_bytes"] += total
-        log.debug("team: node %d step %d -> node %d: %d bytes in %.3f s", origin, step, holder, total, time.monotonic() - t0)
+        log.debug("team: node %d step %d -> node %d: %d bytes in %.3f s (begin %.3f, data %.3f on the %s, end %.3f)",
+                  origin, step, holder, total, time.monotonic() - t0, t1 - t0, t2 - t1, "lane" if on_lane else "control lane",
+                  time.monotonic() - t2)
         return True
 
     def _forget_old_pushes(self) -> None:

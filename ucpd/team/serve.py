@@ -15,6 +15,7 @@ takes the store lock; a handler that reads several things of the store as one ta
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults, protocol
@@ -89,7 +90,9 @@ class PeerServer:
     def _on_replica_begin(self, src: int, b: dict, frames: list):
         if faults.once("replica.refuse", b["step"]):
             raise UcpdError(f"node {self.rank} refuses the copy of step {b['step']} (fault injected)")
+        t0 = time.perf_counter()
         self.team.replicas.begin(b["origin"], b["step"], b["world_size"], b["parts"], b.get("run") or "")
+        log.debug("team: room for node %d's step %d made in %.1f ms", b["origin"], b["step"], 1e3 * (time.perf_counter() - t0))
         return {}, []
 
     def _on_replica_data(self, src: int, b: dict, frames: list):
