@@ -264,6 +264,9 @@ class Replicator:
         # a dead origin's committed steps only (a dead run's undecided ones are not healed)
         orphans = [(o, s) for (o, s), r in list(team.replicas.held.items())
                    if r.whole and o not in live and team.is_committed(s)]
+        # a lost node's parts are what a restart reads next: checked now (once), off its path,
+        # and never copied on damaged
+        orphans = [(o, s) for o, s in orphans if team.sources.replica_sound(o, s)]
         if not orphans:
             return
         _, holdings = team.sources.held_by_node(None)

@@ -10,6 +10,8 @@ import os
 
 __all__ = ["close_map", "open_reserved", "remove"]
 
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+
 
 def open_reserved(path: str, nbytes: int, ranges) -> mmap.mmap:
     """``path`` (a new private shm file of ``nbytes``) mapped writable, the byte ``ranges``
@@ -26,9 +28,16 @@ def open_reserved(path: str, nbytes: int, ranges) -> mmap.mmap:
         os.ftruncate(fd, size)
         for lo, hi in spans:
             os.posix_fallocate(fd, lo, hi - lo)
-        return mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     finally:
         os.close(fd)
+    for lo, hi in spans:  # mapped now, in one call a span: a fault per 4 KiB page as bytes land costs far more
+        start = lo - lo % mmap.PAGESIZE
+        try:
+            mm.madvise(_MADV_POPULATE_WRITE, start, hi - start)
+        except (OSError, ValueError):  # a kernel before 5.14: the pages fault in as they are written
+            break
+    return mm
 
 
 def close_map(mm: mmap.mmap) -> None:

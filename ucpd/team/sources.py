@@ -241,6 +241,12 @@ class VersionSources:
         out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
         return gen, out
 
+    def forget_asked(self) -> None:
+        """The team committed or fenced: what the peers said they hold may have changed (a new
+        run's part of a step) — the next restore asks again."""
+        with self._shared_lock:
+            self._asked.clear()
+
     def _asked_of(self, step: int, live: frozenset, stale: int | None) -> tuple[int, dict[int, list[Holding]]]:
         """A small team's gather about ``step``: the peers' answers, asked again when older than
         ``ASKED_TTL``, when the live nodes changed or when ``stale`` names them; ours afresh.
@@ -420,6 +426,11 @@ class VersionSources:
             k = self.rank % len(nodes)
             out[rank] = tuple(nodes[k:] + nodes[:k])
         return out
+
+    def replica_sound(self, origin: int, step: int) -> bool:
+        """Check a replica we hold (once) before serving from it; a damaged one is dropped. The
+        healing thread checks a lost node's parts at once, so the restore that follows does not."""
+        return self._replica_sound(origin, step)
 
     def _replica_sound(self, origin: int, step: int) -> bool:
         """Check a replica we hold (once) before serving from it; a damaged one is dropped."""

@@ -295,12 +295,14 @@ class Team:
                     point = "commit.record_sent_one" if kind == "record" else "commit.visible_one"
                     faults.point(point, out.msg.get("step"), settle=0.3)
             elif isinstance(out, Commit):
+                self.sources.forget_asked()
                 self.store.commit(out.step)
                 log.debug("team: step %d committed", out.step)
             elif isinstance(out, Decided):
                 log.debug("team: step %d decided, recorded", out.step)
             elif isinstance(out, Fence):
                 log.info("team: run %r of the job is the current one; earlier runs are fenced off", out.run)
+                self.sources.forget_asked()
                 self._drop_fenced(out)
 
     def _fault_points(self, outputs: list) -> None:
