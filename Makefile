@@ -22,6 +22,8 @@ $(STAMP): $(NATIVE)
 	# lightning's own dependencies that do not require torch (its wheel also names pytorch-lightning, which it does not import)
 	$(BIN)/python -m pip install -q "lightning-utilities>=0.10,<2" "fsspec>=2022.5" "packaging>=23"
 	$(BIN)/python -m pip install -q "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
+	# the NIXL data lane is tested on loopback through UCX (CPU only); its wheel names torch for type hints only
+	$(BIN)/python -m pip install -q --no-deps "nixl-cu12==1.5.1"
 	touch $@
 
 # Tests run in parallel (pytest-xdist): each test has its own run, shm and temp dirs

@@ -17,7 +17,7 @@ import pytest
 
 from ucpd import faults, native
 from ucpd.errors import AuthError, ChecksumMismatch, DaemonUnreachable, ProtocolError, VersionNotFound
-from ucpd.team.lane import DataLane, Landing
+from ucpd.team.lane import DataLane, Landing, handshake_mac
 from ucpd.team.parts import chunk_batches, chunk_table
 from ucpd.daemon.manifest import RankPart, TensorEntry
 
@@ -163,7 +163,7 @@ def test_a_replayed_handshake_meets_a_fresh_nonce_and_is_refused(pair):
     nonce = b"n" * 16
     with socket.create_connection((host, int(port))) as s:  # a recording of a genuine handshake
         first = _exchange(s, {"v": 1, "src": 0, "dst": 1, "nonce": nonce})
-        proof = a.lane._mac(b"C", first["nonce"], nonce, 0, 1)
+        proof = handshake_mac(a.lane.key, b"C", first["nonce"], nonce, 0, 1)
         assert _exchange(s, {"mac": proof}) == {"ok": True}
     with socket.create_connection((host, int(port))) as s:  # the same bytes again
         second = _exchange(s, {"v": 1, "src": 0, "dst": 1, "nonce": nonce})

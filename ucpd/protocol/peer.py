@@ -316,6 +316,59 @@ LANE_REQUESTS: dict[str, MessageType] = {
             Record({"nbytes": integer()}),
             reply_payload=True,
         ),
+        # --data-transport nixl (ucpd.team.lane_nixl): the bytes of a put or a get move one-sided
+        # through NIXL/UCX; these small messages set each transfer up and end it, on one connection.
+        # descs: packed little-endian (address, length) u64 pairs; regs: the registrations they lie
+        # in; md: NIXL's metadata of those registrations (loaded once per registration by the peer)
+        MessageType(
+            "nixl_meta",
+            {},
+            {},
+            "the NIXL agent of this lane: reply {agent: its name (one per incarnation), md: its metadata, to load}",
+            Record({"agent": text, "md": binary}),
+        ),
+        MessageType(
+            "nixl_put_begin",
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer(),
+             "nbytes": integer(0, 1 << 40)},
+            {},
+            "a put's bytes are about to be written one-sided: the receiver lands them (as a put) and registers "
+            "the destination; reply {token, agent, descs, regs, md}: where the sender WRITEs them",
+            Record({"token": integer(), "agent": text, "descs": binary, "regs": list_of(integer()), "md": binary}),
+        ),
+        MessageType(
+            "nixl_put_end",
+            {"token": integer()},
+            {"mac": binary},
+            "the put begun on this connection is written: the receiver checks every chunk in one pass (and the "
+            "mac, with UCPD_PEER_PAYLOAD_MAC); reply: {verified: chunks checked}",
+            Record({"verified": integer()}),
+        ),
+        MessageType(
+            "nixl_get",
+            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
+             "ranges": list_of(list_of(integer(), 2))},
+            {},
+            "the ranges of a get, to be read one-sided: the peer registers them and holds them until nixl_get_end; "
+            "reply {token, agent, nbytes, descs, regs, md, mac?}",
+            Record({"token": integer(), "agent": text, "nbytes": integer(), "descs": binary, "regs": list_of(integer()),
+                    "md": binary}, {"mac": binary}),
+        ),
+        MessageType(
+            "nixl_probe",
+            {"nbytes": integer(1, LANE_MAX_PROBE)},
+            {},
+            "measure the NIXL path: a scratch buffer of nbytes to read as a nixl_get's (then nixl_get_end)",
+            Record({"token": integer(), "agent": text, "nbytes": integer(), "descs": binary, "regs": list_of(integer()),
+                    "md": binary}, {"mac": binary}),
+        ),
+        MessageType(
+            "nixl_get_end",
+            {"token": integer()},
+            {},
+            "the get (or probe) begun on this connection is read: the peer lets its views go; reply {}",
+            Record({}),
+        ),
     ]
 }
 

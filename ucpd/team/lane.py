@@ -109,6 +109,16 @@ class PeerLink:
     warning: str | None = None
     idle: list = field(default_factory=list)
 
+    def probed(self, gbps: float, floor: float) -> None:
+        """A probe measured ``gbps``: kept, and below ``floor`` (GB/s; 0: none) warned about."""
+        self.probe_gbps, self.warning = round(gbps, 3), None
+        if floor and gbps < floor:
+            self.warning = (f"the link to node {self.node} ({self.path}) measured {gbps:.2f} GB/s, below --link-floor "
+                            f"{floor:g} GB/s: bulk bytes may take the wrong network (check --data-listen names the fast NIC)")
+            log.warning("team: %s", self.warning)
+        else:
+            log.info("team: lane to node %d: %.2f GB/s over %s", self.node, gbps, self.path)
+
     def to_status(self) -> dict:
         return {"node": self.node, "address": f"{self.address[0]}:{self.address[1]}" if self.address else None,
                 "path": self.path, "probe_gbps": self.probe_gbps, "observed_gbps": self.observed_gbps,
@@ -283,18 +293,7 @@ class DataLane:
                    lambda sock, reply: _recv_exact(sock, memoryview(buf)))
         gbps = nbytes / max(time.monotonic() - t0, 1e-9) / 1e9
         with self._lock:
-            link = self.peers[dest]
-            link.probe_gbps = round(gbps, 3)
-            if self.link_floor and gbps < self.link_floor:
-                link.warning = (f"the link to node {dest} ({link.path}) measured {gbps:.2f} GB/s, below "
-                                f"--link-floor {self.link_floor:g} GB/s: bulk bytes may take the wrong network "
-                                "(check --data-listen names the fast NIC)")
-            else:
-                link.warning = None
-        if link.warning:
-            log.warning("team: %s", link.warning)
-        else:
-            log.info("team: lane to node %d: %.2f GB/s over %s", dest, gbps, link.path)
+            self.peers[dest].probed(gbps, self.link_floor)
         return gbps
 
     def _call(self, dest: int, body: dict, send_payload, receive=None) -> dict:
@@ -387,32 +386,18 @@ class DataLane:
         except OSError as exc:
             raise DaemonUnreachable(f"cannot open the data lane to node {dest} at {address[0]}:{address[1]}: {exc}") from None
         try:
-            nonce = os.urandom(16)
-            _send_map(sock, {"v": LANE_VERSION, "src": self.rank, "dst": dest, "nonce": nonce})
-            msg = _recv_map(sock)
-            if "e" in msg:
-                raise AuthError(f"node {dest} refused our data lane: {msg['e'][1]}")
-            theirs = msg.get("nonce")
-            if not isinstance(theirs, bytes) or not hmac.compare_digest(
-                    msg.get("mac") or b"", self._mac(b"S", nonce, theirs, self.rank, dest)):
-                self._count(auth_failures=1)
-                raise AuthError(f"the daemon at {address[0]}:{address[1]} (node {dest}'s data lane) could not prove "
-                                "it holds the job's secret: another job, or a forged peer")
-            _send_map(sock, {"mac": self._mac(b"C", theirs, nonce, self.rank, dest)})
-            if _recv_map(sock).get("ok") is not True:
-                raise AuthError(f"node {dest} refused our proof of the job's secret (different --secret-file?)")
+            _prove(sock, self.key, self.rank, dest, f"{address[0]}:{address[1]}")
             _limit(sock, IO_TIMEOUT_S)
         except (OSError, EOFError, ValueError) as exc:
             _shut(sock)
             raise DaemonUnreachable(f"the data lane handshake with node {dest} failed: {exc}") from None
-        except BaseException:
+        except BaseException as exc:
             _shut(sock)
+            if isinstance(exc, AuthError):
+                self._count(auth_failures=1)
             raise
         self._count(connections_opened=1)
         return sock
-
-    def _mac(self, side: bytes, first: bytes, second: bytes, src: int, dst: int) -> bytes:
-        return hmac.new(self.key, side + first + second + struct.pack("<QQ", src, dst), hashlib.sha256).digest()
 
     # --- serving (accept thread, a thread per connection) --------------------------------------
 
@@ -460,20 +445,9 @@ class DataLane:
         if not self.secured and not _is_loopback(peer[0]):
             return self._refuse(sock, peer, "a peer from another host without a job secret (only loopback is allowed)")
         try:
-            hello = _recv_map(sock)
-        except (ValueError, msgpack.ExtraData) as exc:
-            return self._refuse(sock, peer, f"a malformed hello ({exc})", counter="malformed")
-        src, dst, theirs = hello.get("src"), hello.get("dst"), hello.get("nonce")
-        if hello.get("v") != LANE_VERSION or not isinstance(src, int) or dst != self.rank or src == self.rank \
-                or not isinstance(theirs, bytes) or len(theirs) != 16:
-            return self._refuse(sock, peer, f"a hello that is not for node {self.rank} (lane version {LANE_VERSION})")
-        nonce = os.urandom(16)
-        _send_map(sock, {"nonce": nonce, "mac": self._mac(b"S", theirs, nonce, src, self.rank)})
-        proof = _recv_map(sock)
-        if not hmac.compare_digest(proof.get("mac") or b"", self._mac(b"C", nonce, theirs, src, self.rank)):
-            return self._refuse(sock, peer, f"node {src} did not prove it holds the job's secret")
-        _send_map(sock, {"ok": True})
-        return src
+            return _admit(sock, self.key, self.rank)
+        except _Refused as exc:
+            return self._refuse(sock, peer, exc.why, exc.counter)
 
     def _refuse(self, sock, peer, why: str, counter: str = "auth_failures") -> None:
         self._count(**{counter: 1})
@@ -506,7 +480,11 @@ class DataLane:
             return self._serve_put(sock, src, spec, b)
         if op == "get":
             return self._serve_get(sock, src, spec, b)
-        return self._serve_probe(sock, spec, b)
+        if op == "probe":
+            return self._serve_probe(sock, spec, b)
+        self._count(malformed=1)  # another backend's operation (a peer on --data-transport nixl misconfigured)
+        _send_map(sock, {"e": ["protocol", f"this data lane ({self.status()['transport']}) does not serve {op!r}"]})
+        return not spec.payload
 
     def _serve_put(self, sock, src: int, spec, b: dict) -> bool:
         nbytes = b["nbytes"]
@@ -591,6 +569,58 @@ class DataLane:
             if nbytes >= 4 << 20 and seconds > 0:  # a moving average of real transfers
                 gbps = nbytes / seconds / 1e9
                 link.observed_gbps = round(gbps if link.observed_gbps is None else 0.8 * link.observed_gbps + 0.2 * gbps, 3)
+
+
+# --- the handshake (docs/PROTOCOL.md, "The data lane") -------------------------------------------------
+
+class _Refused(Exception):
+    def __init__(self, why: str, counter: str = "auth_failures"):
+        super().__init__(why)
+        self.why, self.counter = why, counter
+
+
+def handshake_mac(key: bytes, side: bytes, first: bytes, second: bytes, src: int, dst: int) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``side`` ("S": the server's proof, "C": the client's), the
+    two nonces and the two node ranks."""
+    return hmac.new(key, side + first + second + struct.pack("<QQ", src, dst), hashlib.sha256).digest()
+
+
+def _prove(sock: socket.socket, key: bytes, src: int, dst: int, where: str) -> None:
+    """The client's side: check that node ``dst`` holds the secret, then prove we do. Raises
+    AuthError."""
+    nonce = os.urandom(16)
+    _send_map(sock, {"v": LANE_VERSION, "src": src, "dst": dst, "nonce": nonce})
+    msg = _recv_map(sock)
+    if "e" in msg:
+        raise AuthError(f"node {dst} refused our data lane: {msg['e'][1]}")
+    theirs = msg.get("nonce")
+    if not isinstance(theirs, bytes) or not hmac.compare_digest(msg.get("mac") or b"",
+                                                                handshake_mac(key, b"S", nonce, theirs, src, dst)):
+        raise AuthError(f"the daemon at {where} (node {dst}'s data lane) could not prove it holds the job's secret: "
+                        "another job, or a forged peer")
+    _send_map(sock, {"mac": handshake_mac(key, b"C", theirs, nonce, src, dst)})
+    if _recv_map(sock).get("ok") is not True:
+        raise AuthError(f"node {dst} refused our proof of the job's secret (different --secret-file?)")
+
+
+def _admit(sock: socket.socket, key: bytes, rank: int) -> int:
+    """The server's side: the peer's node rank once it proved it holds the secret. Raises
+    _Refused."""
+    try:
+        hello = _recv_map(sock)
+    except (ValueError, msgpack.ExtraData) as exc:
+        raise _Refused(f"a malformed hello ({exc})", "malformed") from None
+    src, dst, theirs = hello.get("src"), hello.get("dst"), hello.get("nonce")
+    if hello.get("v") != LANE_VERSION or not isinstance(src, int) or dst != rank or src == rank \
+            or not isinstance(theirs, bytes) or len(theirs) != 16:
+        raise _Refused(f"a hello that is not for node {rank} (lane version {LANE_VERSION})")
+    nonce = os.urandom(16)
+    _send_map(sock, {"nonce": nonce, "mac": handshake_mac(key, b"S", theirs, nonce, src, rank)})
+    proof = _recv_map(sock)
+    if not hmac.compare_digest(proof.get("mac") or b"", handshake_mac(key, b"C", nonce, theirs, src, rank)):
+        raise _Refused(f"node {src} did not prove it holds the job's secret")
+    _send_map(sock, {"ok": True})
+    return src
 
 
 # --- socket helpers ------------------------------------------------------------------------------------

@@ -142,6 +142,41 @@ def unpin_local(store, replicas, pins: list) -> None:
                 replicas.unpin(p)
 
 
+class PeersAsked:
+    """A small team's answers of the peers about a step (``holdings`` with manifests), kept
+    ``ASKED_TTL`` seconds for the restores that follow (the ranks of a job restore at once), asked
+    again when the live nodes changed, when a restore found them out of date (``stale``: their
+    gen), and after a commit or a fence (``forget``: a new run's part of a step). A peer that
+    evicted what it said it held refuses the pin, and the restore asks again."""
+
+    def __init__(self, ask) -> None:
+        self._ask = ask  # (live nodes, step) -> {node: reply}
+        self._lock = threading.Lock()
+        self._held: dict[tuple, tuple[int, float, dict]] = {}  # (step, live) -> (gen, when, holdings)
+        self._gen = itertools.count(1)
+
+    def held(self, step: int, live: frozenset, stale: int | None) -> tuple[int, dict[int, list[Holding]]]:
+        """(gen, {peer: its holdings of ``step``})."""
+        key, now = (step, live), time.monotonic()
+        with self._lock:
+            for k in [k for k, (_, when, _) in self._held.items() if now - when > ASKED_TTL]:
+                del self._held[k]
+            got = self._held.get(key)
+            if got is not None and got[0] == stale:
+                got = None
+        if got is None:
+            replies = self._ask(sorted(live), step)
+            peers = {node: [Holding.from_wire(node, i) for i in reply.get("items", [])] for node, reply in sorted(replies.items())}
+            got = (next(self._gen), now, peers)
+            with self._lock:
+                self._held[key] = got
+        return got[0], dict(got[2])
+
+    def forget(self) -> None:
+        with self._lock:
+            self._held.clear()
+
+
 class VersionSources:
     """Finds a version across the team and brings its bytes here, checked.
 
@@ -155,8 +190,7 @@ class VersionSources:
         self.shm_dir = team.shm_dir
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
         self._shared: dict[tuple, tuple[Version, RamSame]] = {}  # (step, gen, run) -> parts and indexes
-        self._asked: dict[tuple, tuple[int, float, dict]] = {}  # (step, live) -> (gen, when, peers' holdings)
-        self._asked_gen = itertools.count(1)
+        self._asked = PeersAsked(lambda live, step: ask_all(self.transport, self.rank, live, "holdings", {"step": step}))
         self._shared_lock = threading.Lock()
         self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
         self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
@@ -234,7 +268,9 @@ class VersionSources:
         if self.directory is None:
             if step is None:
                 return None, self.holdings_by_node(sorted(live), step)
-            return self._asked_of(step, live, stale)
+            gen, out = self._asked.held(step, live, stale)
+            out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+            return gen, out
         gen, held = self.directory.held(step, stale)
         out = {e["node"]: [Holding.from_wire(e["node"], i) for i in e["items"]]
                for e in held if e["node"] in live and e["node"] != self.rank}
@@ -242,34 +278,8 @@ class VersionSources:
         return gen, out
 
     def forget_asked(self) -> None:
-        """The team committed or fenced: what the peers said they hold may have changed (a new
-        run's part of a step) — the next restore asks again."""
-        with self._shared_lock:
-            self._asked.clear()
-
-    def _asked_of(self, step: int, live: frozenset, stale: int | None) -> tuple[int, dict[int, list[Holding]]]:
-        """A small team's gather about ``step``: the peers' answers, asked again when older than
-        ``ASKED_TTL``, when the live nodes changed or when ``stale`` names them; ours afresh.
-        A peer that evicted what it said it held refuses the pin, and the restore asks again."""
-        key = (step, live)
-        now = time.monotonic()
-        with self._shared_lock:
-            for k in [k for k, (_, when, _) in self._asked.items() if now - when > ASKED_TTL]:
-                del self._asked[k]
-            got = self._asked.get(key)
-            if got is not None and got[0] == stale:
-                got = None
-        if got is None:
-            replies = ask_all(self.transport, self.rank, sorted(live), "holdings", {"step": step})
-            peers = {node: [Holding.from_wire(node, i) for i in reply.get("items", [])]
-                     for node, reply in sorted(replies.items())}
-            got = (next(self._asked_gen), now, peers)
-            with self._shared_lock:
-                self._asked[key] = got
-        gen, _, peers = got
-        out = dict(peers)
-        out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
-        return gen, out
+        """The team committed or fenced: the next restore asks the peers again."""
+        self._asked.forget()
 
     # --- restore ------------------------------------------------------------------------------------
 
@@ -384,7 +394,7 @@ class VersionSources:
                 run = run_to_read(held, self.team.current_run())
                 world, chosen = choose_copies(held, self.rank, step, run, damaged)
             bad = {(c.node, c.origin) for c, _ in chosen.values()
-                   if c.node == self.rank and c.origin != self.rank and not c.parity and not self._replica_sound(c.origin, step)}
+                   if c.node == self.rank and c.origin != self.rank and not c.parity and not self.replica_sound(c.origin, step)}
             if not bad:
                 break
             damaged |= bad
@@ -430,10 +440,6 @@ class VersionSources:
     def replica_sound(self, origin: int, step: int) -> bool:
         """Check a replica we hold (once) before serving from it; a damaged one is dropped. The
         healing thread checks a lost node's parts at once, so the restore that follows does not."""
-        return self._replica_sound(origin, step)
-
-    def _replica_sound(self, origin: int, step: int) -> bool:
-        """Check a replica we hold (once) before serving from it; a damaged one is dropped."""
         rep = self.replicas.get(origin, step)
         if rep is None:
             return False

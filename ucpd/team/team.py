@@ -13,7 +13,8 @@ The jobs around it are objects of their own, built here with this driver as thei
 - ``replicate.Replicator`` — the thread that copies our parts to their holders and heals;
 - ``serve.PeerServer`` — what we answer the peers, one handler per message type;
 - ``sources.VersionSources`` — where a restore or flush reads each part, and fetching it here;
-- ``replicas.ReplicaStore`` / ``parity_group.ParityGroup`` — what we hold for the others.
+- ``replicas.ReplicaStore`` / ``parity_group.ParityGroup`` — what we hold for the others;
+- ``lane_keeper.LaneKeeper`` — the data lane bulk bytes move on (``lane``, ``lane_nixl``).
 
 A new run of the job waits in ``join_run`` until the team fenced the earlier runs; parts,
 replicas and holdings carry their run, and a restore reads a step from one run's parts.
@@ -37,18 +38,19 @@ import uuid
 from .. import faults, knobs, protocol
 from ..daemon.leases import Leases
 from ..daemon.versions import RESTORABLE, Version, VersionState
-from ..errors import SnapshotRejected, UcpdError
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
 from .flush_lead import TeamFlush
 from .flush_share import ShareWriter
 from .holders import replica_holders
 from .lane import DataLane
+from .lane_keeper import LaneKeeper, NoLane
 from .liveness import GossipThread, make_membership, node_ranges
 from .parity_group import ParityGroup
 from .parts import run_of
 from .replicas import ReplicaStore
 from .replicate import Replicator
+from .runs import wait_admitted
 from .serve import PeerServer
 from .sources import FETCH_PREFIX, VersionSources
 from .status import team_status
@@ -57,29 +59,6 @@ from .transport import PeerTransport
 log = logging.getLogger("ucpd.team")
 
 JOIN_TIMEOUT = 120.0  # seconds a new run's first request waits for the team to fence the earlier runs
-
-
-def make_lane(config: TeamConfig, on_put, on_get, transport: str | None = None) -> DataLane:
-    """The data lane of ``config`` (``--data-transport``, or ``transport``): on ``--data-listen``,
-    else ``--listen``'s host (any free port), reached at our own entry of ``--peers`` when we
-    listen on every interface."""
-    listen_host = config.listen.split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    own_host = config.peers[config.node_rank].split("://", 1)[-1].rpartition(":")[0].strip("[]")
-    listen = config.data_listen or listen_host
-    if listen.rpartition(":")[2].isdigit() and (":" not in listen.strip("[]") or listen.startswith("[")):
-        host = listen.rpartition(":")[0].strip("[]")
-    else:
-        host, listen = listen.strip("[]"), f"{listen}:0"
-    if host in ("*", ""):
-        host, listen = "0.0.0.0", f"0.0.0.0:{listen.rpartition(':')[2]}"
-    advertise = own_host if host in ("0.0.0.0", "::") else None
-    kind = DataLane
-    if (transport or config.data_transport) == "nixl":
-        from .lane_nixl import NixlLane  # (imports nothing of nixl until it starts)
-
-        kind = NixlLane
-    return kind(config.node_rank, config.secret, listen, on_put=on_put, on_get=on_get,
-                    net_limit=config.net_limit, advertise=advertise, link_floor=config.link_floor)
 
 
 class Team:
@@ -124,13 +103,10 @@ class Team:
             incarnation=self.incarnation,
             schemas=protocol.PEER_REQUESTS,
         )
-        # bulk bytes on a lane of their own (``team.lane``); an in-process link (tests) keeps them
-        # on itself, where its faults reach them
-        self.lane: DataLane | None = None
-        if link is None and config.data_transport != "zmq":
-            self.lane = make_lane(config, lambda src, b: self.server.on_put(src, b),
-                                  lambda src, b: self.server.on_get(src, b))
-        self._probing = threading.Lock()
+        # bulk bytes on a lane of their own; an in-process link (tests) keeps them on itself, where its faults reach them
+        self.lanes = NoLane() if link is not None or config.data_transport == "zmq" else LaneKeeper(
+            config, lambda src, b: self.server.on_put(src, b), lambda src, b: self.server.on_get(src, b),
+            lambda also: set(replica_holders(self.rank, sorted(self.live() | {also}), max(1, config.replicas), self.domains)))
         self.replicator = Replicator(self)
         self.sources = VersionSources(self)
         self.flush_lead = TeamFlush(self) if self.flushes else None
@@ -151,8 +127,7 @@ class Team:
         self.leases = leases if leases is not None else Leases(store, clock=self.clock)
         self.server = PeerServer(self, self.leases)
         self.address = self.transport.bind()
-        if self.lane is not None:
-            self._start_lane()
+        self.lanes.start()
         self.transport.start(self.config.peers)
         self.replicator.start()
         if self.gossip and self.clock is time.monotonic:  # a test's clock is driven through tick()
@@ -173,8 +148,7 @@ class Team:
         if self.server is not None:
             self.server.close()
         self.transport.close()
-        if self.lane is not None:
-            self.lane.close()
+        self.lanes.close()
         if self.replicas is not None:
             self.replicas.close()
         for name in os.listdir(self.shm_dir):
@@ -224,52 +198,27 @@ class Team:
         log.info("team: live nodes %s (epoch %d)", node_ranges(view.live), view.epoch)
         for peer in set(range(self.config.nodes)) - set(view.live):
             self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
-            if self.lane is not None:
-                self.lane.forget(peer)
+            self.lanes.forget(peer)
         for peer in view.rejoined:
             # its predecessor never answers what we asked it: fail those requests now, not at
             # their timeout (a copy stuck on it would hold up the replication thread)
             self.transport.fail_pending(peer, "restarted (a new incarnation)")
-            if self.lane is not None:
-                self.lane.forget(peer)
+            self.lanes.forget(peer)
             self.transport.send(peer, "hello", self.hello())
 
-    def _start_lane(self) -> None:
-        """Start the data lane; a NIXL lane that cannot start gives way to the TCP one, loudly."""
-        try:
-            self.lane.start()
-        except UcpdError as exc:
-            if self.config.data_transport != "nixl":
-                raise
-            log.error("team: --data-transport nixl cannot start (%s); bulk bytes go on the TCP data lane instead", exc)
-            self.lane = make_lane(self.config, self.lane._on_put, self.lane._on_get, transport="tcp")
-            self.lane.fallback = f"nixl asked for, tcp used: {exc}"
-            self.lane.start()
+    @property
+    def lane(self) -> DataLane | None:
+        """The data lane bulk bytes move on (None: they go on the control lane)."""
+        return self.lanes.lane
 
     def hello(self) -> dict:
         """What we tell a peer when we join or it rejoins: our failure domain, our data lane."""
-        body = {"domain": self.domains[self.rank]}
-        if self.lane is not None and self.lane.address:
-            body["data"] = self.lane.address
-        return body
+        return {"domain": self.domains[self.rank], **self.lanes.hello()}
 
     def on_hello(self, src: int, body: dict) -> None:
-        """A peer's ``hello`` (the I/O thread): its domain, and where its data lane listens. The
-        link to a node we copy to is probed (in the background: a bounded transfer)."""
+        """A peer's ``hello`` (the I/O thread): its domain, and where its data lane listens."""
         self.domains[src] = body["domain"]
-        if self.lane is None:
-            return
-        self.lane.set_peer(src, body.get("data"))
-        if body.get("data") and src in replica_holders(self.rank, sorted(self.live() | {src}),
-                                                       max(1, self.config.replicas), self.domains):
-            threading.Thread(target=self._probe, args=(src,), name="ucpd-lane-probe", daemon=True).start()
-
-    def _probe(self, peer: int) -> None:
-        with self._probing:  # one at a time: probes measure the link, not each other
-            try:
-                self.lane.probe(peer)
-            except Exception as exc:  # (the link's figure stays unknown; status shows it so)
-                log.info("team: could not probe the data lane to node %d: %s", peer, exc)
+        self.lanes.on_hello(src, body.get("data"))
 
     def _next_wakeup(self) -> float:
         with self._lock:
@@ -352,32 +301,8 @@ class Team:
     # --- runs of the job ------------------------------------------------------------------------
 
     def join_run(self, run: str | None, timeout: float = JOIN_TIMEOUT) -> None:
-        """Block until ``run`` (a run of the team's job) may read ``latest()`` and snapshot: every
-        live node fenced the earlier runs (their undecided parts never commit) and the steps
-        decided before are visible here. Raises SnapshotRejected for a run a later one superseded,
-        or when the team cannot fence it in ``timeout`` seconds."""
-        run = run or ""
-        deadline = time.monotonic() + timeout
-        with self._lock:
-            out = self.commit.on_run(run, self.clock())  # asks once: the protocol's ticks ask again
-        self._apply(out)
-        while True:
-            with self._lock:
-                ready = self.commit.run_ready(run)
-            if ready:
-                return
-            if ready is None:
-                raise SnapshotRejected(
-                    f"run {run!r} of this job was superseded by a later run ({self.commit.run!r}) that the team "
-                    "fenced: a restarted job's processes replace the old ones; stop this process"
-                )
-            if time.monotonic() > deadline:
-                raise SnapshotRejected(
-                    f"the team did not admit run {run!r} in {timeout:.0f} s (coordinator: node "
-                    f"{self.commit.coordinator}, live: {sorted(self.live())}): check that every daemon of the team "
-                    "is up and reachable, then retry"
-                )
-            time.sleep(0.005)
+        """Block until ``run`` may read ``latest()`` and snapshot (``runs.wait_admitted``)."""
+        wait_admitted(run or "", timeout, self._lock, lambda: self.commit, self._apply, self.clock, self.live)
 
     def run_ready(self, run: str | None) -> bool:
         with self._lock:
