@@ -36,7 +36,7 @@ def add_commands(sub) -> None:
                    help="address (the NIC) for bulk bytes from peers (default: --listen's host, any free port)")
     p.add_argument("--link-floor", metavar="GB/S", type=float, default=None,
                    help="warn loudly when the measured link to a peer is slower than this (the bulk bytes may take "
-                   "the wrong network; 0: never; default 1)")
+                   "the wrong network, e.g. a 1 GbE management port; 0: never; default 0.5)")
     p.add_argument("--heartbeat", type=float, default=None, help="seconds between heartbeats to peers (default 0.25)")
     p.add_argument("--dead-after", type=float, default=None, help="a peer silent this long is dead (default 3)")
     p.add_argument("--membership", choices=("auto", *MEMBERSHIPS), default=None,
@@ -269,7 +269,7 @@ def team_config(o: dict, nodes: int, node_rank: int):
     data_transport = str(o.get("data_transport") or "tcp")
     if data_transport not in ("tcp", "nixl", "zmq"):
         raise UcpdError(f"--data-transport {data_transport!r}: use tcp, nixl or zmq")
-    link_floor = float(o["link_floor"]) if o.get("link_floor") is not None else 1.0
+    link_floor = float(o["link_floor"]) if o.get("link_floor") is not None else 0.5
     if link_floor < 0:
         raise UcpdError(f"--link-floor {link_floor:g}: give GB/s, 0 or more")
     return TeamConfig(

@@ -26,5 +26,5 @@ class TeamConfig:
     flush_dir: str | None = None
     data_transport: str = "tcp"  # or "nixl", "zmq" (``--data-transport``): where bulk bytes move
     data_listen: str | None = None  # HOST[:PORT] of the data lane (``--data-listen``; default: --listen's host)
-    link_floor: float = 1.0  # GB/s below which a probed link is warned about (``--link-floor``)
+    link_floor: float = 0.5  # GB/s below which a probed link is warned about (``--link-floor``)
     flush_writers: str = "all"  # or "one" (``--flush-writers``): every node writes its share of a flush

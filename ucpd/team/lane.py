@@ -73,7 +73,8 @@ IO_TIMEOUT_S = 60.0  # a transfer that makes no progress this long is cut
 IDLE_TIMEOUT_S = 600.0  # a pooled connection unused this long is closed by the server
 POOL_PER_PEER = 8  # idle connections kept per peer
 PACE = 1 << 20  # bytes per token-bucket take
-PROBE_BYTES = 32 << 20
+PROBE_BYTES = 16 << 20
+PROBE_ROUNDS = 3
 PROBE_MAX = 64 << 20
 WARN_EVERY_S = 5.0
 _LEN = struct.Struct("<I")
@@ -287,11 +288,13 @@ class DataLane:
     def probe(self, dest: int, nbytes: int = PROBE_BYTES) -> float:
         """Measure the link to ``dest`` with a bounded transfer; returns GB/s and keeps it (a
         figure below ``link_floor`` is logged as a warning and shown in status)."""
-        buf = bytearray(nbytes)
-        t0 = time.monotonic()
-        self._call(dest, {"op": "probe", "nbytes": nbytes}, None,
-                   lambda sock, reply: _recv_exact(sock, memoryview(buf)))
-        gbps = nbytes / max(time.monotonic() - t0, 1e-9) / 1e9
+        buf = memoryview(bytearray(b"\1" * nbytes))  # touched: the probe measures the link, not page faults
+        best = 0.0
+        for _ in range(PROBE_ROUNDS):  # the best of a few: the first also opens the stream and its window
+            t0 = time.monotonic()
+            self._call(dest, {"op": "probe", "nbytes": nbytes}, None, lambda sock, reply: _recv_exact(sock, buf))
+            best = max(best, nbytes / max(time.monotonic() - t0, 1e-9) / 1e9)
+        gbps = best
         with self._lock:
             self.peers[dest].probed(gbps, self.link_floor)
         return gbps
