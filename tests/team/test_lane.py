@@ -279,3 +279,20 @@ def test_a_get_checks_the_chunks_it_is_given_as_they_land(pair):
     with pytest.raises(ChecksumMismatch, match="1 chunk"):
         a.lane.get(1, body, [memoryview(into)], [wrong])
     assert a.lane.counters["checksum_errors"] == 1
+
+
+@pytest.mark.parametrize("listen, data_listen, bind, advertise", [
+    ("tcp://127.0.0.1:7420", None, ("127.0.0.1", 0), None),  # --listen's host, any free port
+    ("tcp://0.0.0.0:7420", None, ("0.0.0.0", 0), "node0.example"),  # every interface: peers reach our --peers name
+    ("tcp://0.0.0.0:7420", "10.1.0.7", ("10.1.0.7", 0), None),  # the NIC for bulk bytes
+    ("tcp://0.0.0.0:7420", "10.1.0.7:7500", ("10.1.0.7", 7500), None),
+    ("tcp://[::1]:7420", "[::1]:7501", ("::1", 7501), None),
+])
+def test_the_lane_listens_where_data_listen_says_and_peers_are_told_a_name_they_reach(listen, data_listen, bind, advertise):
+    from ucpd.team.config import TeamConfig
+    from ucpd.team.lane_keeper import make_lane
+
+    config = TeamConfig(nodes=2, node_rank=0, listen=listen, peers=["tcp://node0.example:7420", "tcp://node1.example:7420"],
+                        secret=SECRET, data_listen=data_listen)
+    lane = make_lane(config, None, None)
+    assert (lane._listen, lane._advertise) == (bind, advertise)

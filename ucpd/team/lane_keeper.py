@@ -27,7 +27,8 @@ def make_lane(config: TeamConfig, on_put, on_get, transport: str | None = None) 
     listen_host = config.listen.split("://", 1)[-1].rpartition(":")[0].strip("[]")
     own_host = config.peers[config.node_rank].split("://", 1)[-1].rpartition(":")[0].strip("[]")
     listen = config.data_listen or listen_host
-    if listen.rpartition(":")[2].isdigit() and (":" not in listen.strip("[]") or listen.startswith("[")):
+    has_port = "]:" in listen if listen.startswith("[") else listen.count(":") == 1  # (a bare IPv6 has many)
+    if has_port:
         host = listen.rpartition(":")[0].strip("[]")
     else:
         host, listen = listen.strip("[]"), f"{listen}:0"
