@@ -433,8 +433,10 @@ class Checkpointer:
         handle.skipped = len(skipped)
         handle.shared, handle.shared_bytes = len(refs), sum(e.nbytes for e in entries if e.name in refs)
         handle.copied_bytes = sum(e.nbytes for e in write)
-        handle._sealed.set()
+        # queued before the step says sealed: whoever waits for it and then for the spares
+        # (``_ahead.join()``) finds them queued, not a thread still on its way to queue them
         self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
+        handle._sealed.set()
 
     def _map_ahead(self, paths) -> None:
         """Get the rank's spare slots ready between snapshots, on a thread of their own (the
