@@ -21,39 +21,13 @@ from ucpd.team.lane import DataLane, Landing, handshake_mac
 from ucpd.team.parts import chunk_batches, chunk_table
 from ucpd.daemon.manifest import RankPart, TensorEntry
 
-SECRET = b"a-job-secret-of-32-bytes-or-so!!"
-C = native.CHUNK_BYTES
-
-
-class Peer:
-    """One end: a DataLane whose puts land in ``self.dst`` and whose gets read ``self.src``."""
-
-    def __init__(self, rank: int, secret=SECRET, **kw):
-        self.dst = np.zeros(8 * C, np.uint8)
-        self.src = np.random.default_rng(rank).integers(0, 256, 8 * C, dtype=np.uint8)
-        self.landed: list[tuple[list[int], list[int]]] = []
-        self.lane = DataLane(rank, secret, "127.0.0.1:0", on_put=self.on_put, on_get=self.on_get, **kw)
-        self.lane.start()
-
-    def on_put(self, src, b):
-        off, n = b["offset"], b["nbytes"]
-        if b["step"] == 404:
-            raise VersionNotFound("no replica_begin for step 404")
-        chunks = [(s - off, e - off, native.crc32c(self.expect[s:e]))
-                  for s in range(off, off + n, C) for e in [min(s + C, off + n)]]
-        return Landing(memoryview(self.dst)[off : off + n], chunks, lambda ok, bad: self.landed.append((ok, bad)))
-
-    def on_get(self, src, b):
-        if b["step"] == 404:
-            raise VersionNotFound("node holds no step 404")
-        return [memoryview(self.src)[o : o + n] for o, n in b["ranges"]]
+from helpers.lane_peers import C, SECRET, Peer
+from helpers.lane_peers import pair as make_pair
 
 
 @pytest.fixture
 def pair():
-    a, b = Peer(0), Peer(1)
-    a.lane.set_peer(1, b.lane.address)
-    b.lane.set_peer(0, a.lane.address)
+    a, b = make_pair()
     yield a, b
     a.lane.close()
     b.lane.close()

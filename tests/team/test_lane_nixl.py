@@ -27,47 +27,25 @@ from ucpd.team import lane_nixl
 from ucpd.team.lane import DataLane, Landing
 from ucpd.team.lane_nixl import NixlLane, NixlUnavailable
 
+from helpers import lane_peers
+from helpers.lane_peers import C, SECRET
+from helpers.lane_peers import chunks_of as _chunks
+
 if lane_nixl.nixl_module() is None:
     pytest.skip(f"NIXL is not importable: {lane_nixl.nixl_missing_reason()}", allow_module_level=True)
 
-SECRET = b"a-job-secret-of-32-bytes-or-so!!"
-C = native.CHUNK_BYTES
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _chunks(expect: np.ndarray, off: int, n: int):
-    return [(s - off, e - off, native.crc32c(expect[s:e])) for s in range(off, off + n, C) for e in [min(s + C, off + n)]]
-
-
-class Peer:
-    """One end: a lane whose puts land in ``self.dst`` and whose gets read ``self.src``."""
+class Peer(lane_peers.Peer):
+    """A NIXL lane's end by default (``kind=DataLane`` for a peer on the TCP lane)."""
 
     def __init__(self, rank: int, secret=SECRET, kind=NixlLane, **kw):
-        self.dst = np.zeros(8 * C, np.uint8)
-        self.src = np.random.default_rng(rank).integers(0, 256, 8 * C, dtype=np.uint8)
-        self.expect = np.zeros(8 * C, np.uint8)
-        self.landed: list[tuple[list[int], list[int]]] = []
-        self.lane = kind(rank, secret, "127.0.0.1:0", on_put=self.on_put, on_get=self.on_get, **kw)
-        self.lane.start()
-
-    def on_put(self, src, b):
-        off, n = b["offset"], b["nbytes"]
-        if b["step"] == 404:
-            raise VersionNotFound("no replica_begin for step 404")
-        return Landing(memoryview(self.dst)[off : off + n], _chunks(self.expect, off, n),
-                       lambda ok, bad: self.landed.append((ok, bad)))
-
-    def on_get(self, src, b):
-        if b["step"] == 404:
-            raise VersionNotFound("node holds no step 404")
-        return [memoryview(self.src)[o : o + n] for o, n in b["ranges"]]
+        super().__init__(rank, secret, kind, **kw)
 
 
 def _pair(**kw):
-    a, b = Peer(0, **kw), Peer(1, **kw)
-    a.lane.set_peer(1, b.lane.address)
-    b.lane.set_peer(0, a.lane.address)
-    return a, b
+    return lane_peers.pair(kind=NixlLane, **kw)
 
 
 @pytest.fixture

@@ -284,13 +284,18 @@ PEER_REQUESTS: dict[str, MessageType] = {
 # request is a map with ``op`` naming one of these; ``payload``: raw bytes follow it (a put's
 # ``nbytes``), ``reply_payload``: raw bytes follow the reply (its ``nbytes``).
 LANE_MAX_PROBE = 64 << 20
+# what a put writes (bytes [offset, offset + nbytes) of rank's slot in origin's step) and what a
+# get reads (ranges of it): the same on the TCP lane and set up by NIXL's messages
+SLOT_RANGE = {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer(),
+              "nbytes": integer(0, 1 << 40)}
+SLOT_RANGES = {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
+               "ranges": list_of(list_of(integer(), 2))}
 LANE_REQUESTS: dict[str, MessageType] = {
     m.name: m
     for m in [
         MessageType(
             "put",
-            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer(),
-             "nbytes": integer(0, 1 << 40)},
+            SLOT_RANGE,
             {"mac": binary},
             "bytes [offset, offset + nbytes) of rank's slot, for the replica of origin's step that a replica_begin "
             "made room for; each whole chunk checked as it lands (mac: keyed BLAKE2b of the bytes, with "
@@ -300,8 +305,7 @@ LANE_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "get",
-            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
-             "ranges": list_of(list_of(integer(), 2))},
+            SLOT_RANGES,
             {},
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot (the peer pinned it first); "
             "reply: {nbytes, mac?}, then the ranges' bytes one after another",
@@ -329,8 +333,7 @@ LANE_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "nixl_put_begin",
-            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS), "offset": integer(),
-             "nbytes": integer(0, 1 << 40)},
+            SLOT_RANGE,
             {},
             "a put's bytes are about to be written one-sided: the receiver lands them (as a put) and registers "
             "the destination; reply {token, agent, descs, regs, md}: where the sender WRITEs them",
@@ -346,8 +349,7 @@ LANE_REQUESTS: dict[str, MessageType] = {
         ),
         MessageType(
             "nixl_get",
-            {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
-             "ranges": list_of(list_of(integer(), 2))},
+            SLOT_RANGES,
             {},
             "the ranges of a get, to be read one-sided: the peer registers them and holds them until nixl_get_end; "
             "reply {token, agent, nbytes, descs, regs, md, mac?}",
