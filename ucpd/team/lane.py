@@ -151,7 +151,6 @@ class DataLane:
         self._advertise = advertise
         self._on_put, self._on_get = on_put, on_get
         self._bucket = TokenBucket(net_limit)
-        self._bucket_lock = threading.Lock()
         self.link_floor = link_floor
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
         self._count_lock = threading.Lock()
@@ -335,13 +334,7 @@ class DataLane:
             return
         for at in range(0, v.nbytes, PACE):
             piece = v[at : at + PACE]
-            while True:
-                with self._bucket_lock:
-                    wait = self._bucket.wait(piece.nbytes)
-                    if wait <= 0:
-                        self._bucket.take(piece.nbytes)
-                        break
-                time.sleep(wait)
+            self._bucket.acquire(piece.nbytes)
             sock.sendall(piece)
 
     def _digest(self, views) -> bytes:

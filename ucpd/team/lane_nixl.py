@@ -737,12 +737,12 @@ class _Mover:
     the daemon's bucket under ``--net-limit``; at most ``UCX_WORKERS`` at once), each polled to
     completion or its deadline, cancelled otherwise. A failed transfer retires the peer's agent."""
 
-    def __init__(self, agent, errors: tuple, registry: _Registry, remotes: _Remotes, bucket, bucket_lock):
+    def __init__(self, agent, errors: tuple, registry: _Registry, remotes: _Remotes, bucket):
         self._agent = agent
         self._errors = errors
         self._registry = registry
         self._remotes = remotes
-        self._bucket, self._bucket_lock = bucket, bucket_lock
+        self._bucket = bucket
         self._posting = threading.BoundedSemaphore(UCX_WORKERS)
 
     def close(self) -> None:
@@ -805,15 +805,7 @@ class _Mover:
             self._posting.release()
 
     def _pace(self, nbytes: int) -> None:
-        if self._bucket.rate <= 0:
-            return
-        while True:
-            with self._bucket_lock:
-                wait = self._bucket.wait(nbytes)
-                if wait <= 0:
-                    self._bucket.take(nbytes)
-                    return
-            time.sleep(wait)
+        self._bucket.acquire(nbytes)
 
 
 # --- serving (a thread per connection) -----------------------------------------------------------------
@@ -1068,7 +1060,7 @@ class NixlLane(DataLane):
         errors = _nixl_errors(api)
         self._registry = _Registry(agent, self._count)
         self._remotes = _Remotes(agent, errors, self._count)
-        self._mover = _Mover(agent, errors, self._registry, self._remotes, self._bucket, self._bucket_lock)
+        self._mover = _Mover(agent, errors, self._registry, self._remotes, self._bucket)
         self._serving = _Serving(self.rank, api, agent, name, errors, self._registry,
                                  on_put=lambda src, b: self._on_put(src, b),  # (looked up at each call: replaceable)
                                  on_get=lambda src, b: self._on_get(src, b), payload_mac=self.payload_mac,

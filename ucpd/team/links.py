@@ -6,6 +6,7 @@ messages but never one already on the wire, and payload frames paced by a token 
 from __future__ import annotations
 
 import collections
+import threading
 import time
 from typing import Callable, Iterable
 
@@ -29,6 +30,7 @@ class TokenBucket:
         self.rate = rate
         self.capacity = max(rate * 0.05, 64 << 10)
         self.tokens, self.stamp = self.capacity, time.monotonic()
+        self._lock = threading.Lock()
 
     def wait(self, nbytes: int) -> float:
         """Seconds until ``nbytes`` may go (0: now)."""
@@ -43,6 +45,19 @@ class TokenBucket:
     def take(self, nbytes: int) -> None:
         if self.rate > 0:
             self.tokens -= nbytes
+
+    def acquire(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` may go, and take them (any thread: the data lane's senders
+        share one bucket; the I/O thread uses ``wait``/``take``, which never block)."""
+        if self.rate <= 0:
+            return
+        while True:
+            with self._lock:
+                wait = self.wait(nbytes)
+                if wait <= 0:
+                    self.take(nbytes)
+                    return
+            time.sleep(wait)
 
 
 SendHead = Callable[["Link", Outgoing], None]  # signs and sends a message's header and MAC frames
