@@ -65,7 +65,8 @@ FLUSH_SOURCE = Record({"rank": integer(0, MAX_RANKS), "idx": integer(), "t": TEN
 
 MANIFEST_FIELDS = {"origin": integer(0, MAX_RANKS), "step": integer(), "inc": text, "world_size": integer(1, MAX_RANKS),
                    "size": integer(), "bases": list_of(integer()), "parts": list_of(PART)}
-MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS))}
+# healed: a replaced or restarted member holds its share of the parity of these origins' parts again
+MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS)), "healed": list_of(integer(0, MAX_RANKS))}
 
 # --- the commit protocol (ucpd.team.commit) --------------------------------------------------
 
