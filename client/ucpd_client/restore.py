@@ -162,6 +162,12 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     return reply["step"], values
 
 
+def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan) -> None:
+    """Fill ``entries`` by ``plan`` (its tensors in their order), verified: a receiver's pull
+    (``ucpd_client.weights``), which reads tensors only, under a lease it releases itself."""
+    _apply_plan(session, entries, plan, {"objects": {}, "objects_crcs": {}})
+
+
 def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
     """Verify the source chunks the plan reads and the plain values, then copy and fill.
 
