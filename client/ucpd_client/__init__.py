@@ -10,5 +10,6 @@
 from . import errors, placement
 from . import dataloader  # noqa: F401  (ShardedSampler: a data-loader position any dp can resume)
 from .checkpointer import Checkpointer, SnapshotHandle
+from .weights import Subscription, Weights
 
-__all__ = ["Checkpointer", "SnapshotHandle", "placement", "errors"]
+__all__ = ["Checkpointer", "SnapshotHandle", "Weights", "Subscription", "placement", "errors"]

@@ -67,6 +67,8 @@ GOOD_REPLIES = {
     "restore": {"lease": 7, "step": 3, "where": "ram", "objects": {0: b"\x80\x04N."}, "objects_crcs": {0: 5}, **PLAN_WIRE},
     "describe": {"step": 3, "where": "disk", "tensors": {"w": {"dtype": "float32", "shape": [4]}}, "objects": {0: b""},
                  "objects_crcs": {0: None}},
+    "subscribe": {"step": 4},
+    "pull": {"lease": 8, "step": 3, "where": "ram", "plan_id": 2, **PLAN_WIRE},
     "release": {},
     "status": {"pid": 1, "jobs": {"j": {"steps": [1, 2]}}},
     "drop": {"job": "j", "steps": [1, 2], "bytes": 8192},

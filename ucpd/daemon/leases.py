@@ -35,6 +35,9 @@ import psutil
 log = logging.getLogger("ucpd.leases")
 
 LEASE_SECONDS = 600.0
+# a receiver's pull (``daemon/pulls.py``): the most a slow or hung receiver holds a version
+# past --keep ($UCPD_PULL_LEASE_S)
+PULL_LEASE_SECONDS = float(os.environ.get("UCPD_PULL_LEASE_S", "30"))
 READERS_CHECKED_EVERY_S = 1.0
 
 
@@ -87,12 +90,12 @@ class Leases:
 
     # --- a client's restore ---------------------------------------------------------------------
 
-    def grant(self, found, pid: int | None = None, pidns: str | None = None) -> int:
+    def grant(self, found, pid: int | None = None, pidns: str | None = None, seconds: float = LEASE_SECONDS) -> int:
         """Lease what a restore reads, as ``Locator.find`` found it (``found.team``: sources
         gathered across the team; ``found.version``: a RAM version here; neither: a flushed
-        step). Returns the lease id."""
+        step), for at most ``seconds``. Returns the lease id."""
         reader = pid if pidns and pidns == PIDNS else None
-        lease = Lease(LeaseKind.DISK, found.job, found.step, self.clock() + LEASE_SECONDS, reader, found.where)
+        lease = Lease(LeaseKind.DISK, found.job, found.step, self.clock() + seconds, reader, found.where)
         if found.team is not None:
             lease.kind, lease.releases = LeaseKind.TEAM, [found.team.release]  # pinned while gathered
         elif found.version is not None:

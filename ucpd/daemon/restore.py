@@ -307,4 +307,4 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
                 out.append(_tuple_new(PlanCopy, (idx, sv, dv)))
             fills = tuple([_tuple_new(PlanFill, (f.view, f.value)) for f in fills]) if fills else ()
             out_tensors.append(_tuple_new(PlanTensor, (t["name"], tuple(out), fills)))
-    return RestorePlan(tuple(table), tuple(out_tensors))
+    return RestorePlan(tuple(table), tuple(out_tensors), keys=tuple(used))  # used: keys in table order

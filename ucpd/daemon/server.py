@@ -30,9 +30,11 @@ from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
 from .parking import Parked, Parking, Workers, begin_reply, wait_answer
+from .pulls import Pulls
 from .slot_prep import SlotPreparer
 from .status import ChecksumFailures
 from .store import NodeStore
+from .subscribers import Subscribers
 from .versions import DEFAULT_JOB
 
 log = logging.getLogger("ucpd.server")
@@ -96,6 +98,9 @@ class Daemon:
             self.store.add_commit_listener(self.flusher.on_commit)
             self.flusher.resume()
         self.leases = Leases(self.store)  # a client's restore, a peer reading our RAM
+        self.subscribers = Subscribers(self._reply)  # receivers told of each commit (RL rollout engines)
+        self.store.add_commit_listener(self.subscribers.on_commit)
+        self.pulls = Pulls(self.locate, self.team, self.leases, self.store)  # receivers' reads, plans cached
         if self.team is not None:
             self.team.attach(self.store, self.leases)
         self._done: queue.Queue = queue.Queue()
@@ -139,7 +144,7 @@ class Daemon:
         poller.register(sock, zmq.POLLIN)
         try:
             while not self._stopping:
-                busy = self.parking or not self._done.empty() or self.team is not None
+                busy = self.parking or not self._done.empty() or self.team is not None or self.subscribers
                 events = dict(poller.poll(10 if busy else 200))
                 if sock in events:
                     for _ in range(64):  # drain a burst before housekeeping
@@ -155,7 +160,7 @@ class Daemon:
                                 "a request is one frame (a msgpack envelope); this message had several")))
                             continue
                         self._handle(ident, frame)
-                for step in (self._drain_done, self._answer_waits, self._housekeeping, self._team_tick):
+                for step in (self._drain_done, self.subscribers.notify, self._answer_waits, self._housekeeping, self._team_tick):
                     try:
                         step()
                     except Exception:  # a bug or an I/O error must not take the daemon down
@@ -351,6 +356,14 @@ class Daemon:
         )
         faults.point("restore.planned", found.step)
         return {"lease": lease, "step": found.step, "where": found.where, **_objects_body(found.objects), "plan": plan}
+
+    def _on_subscribe(self, ident, req_id, body):
+        v = self.store.version_for_restore(None, _job(body))
+        return self.subscribers.add(ident, req_id, _job(body), body.get("seconds"), v.step if v is not None else None)
+
+    def _on_pull(self, ident, req_id, body):
+        pull = self._joined(body, lambda: self.pulls.pull(body, _job(body)))
+        return self._workers.defer(ident, req_id, "pull", pull) if self.team is not None else pull()
 
     def _on_describe(self, ident, req_id, body):
         if self.team is not None:

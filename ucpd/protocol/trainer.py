@@ -16,7 +16,7 @@ only ``to_wire``/``from_wire`` here know their wire form.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field as _field
 from typing import Any, ClassVar, NamedTuple
 
 from ..errors import ProtocolError, UcpdError
@@ -194,6 +194,9 @@ class RestorePlan:
 
     sources: tuple[PlanSource, ...]
     tensors: tuple[PlanTensor, ...]
+    # the daemon's keys of the sources, in table order (never on the wire): a cached plan reads
+    # the same keys of the next version (``ucpd.daemon.pulls``)
+    keys: tuple = _field(default=(), compare=False, repr=False)
 
     def to_wire(self) -> dict:
         return {"sources": [s.to_wire() for s in self.sources], "tensors": [t.to_wire() for t in self.tensors]}
@@ -449,6 +452,26 @@ REQUESTS: dict[str, MessageType] = {
             "what a version holds: {step, where, tensors: {name: {dtype, shape}}, objects by rank}",
             Record({"step": integer(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS,
                     "tensors": map_of(text, Record({"dtype": text, "shape": list_of(integer(), 16)}))}),
+        ),
+        MessageType(
+            # a receiver of the job's weights (an RL rollout engine, an evaluator): one request, then
+            # one reply per version the daemon commits until `seconds` pass without a renewal
+            "subscribe", {}, {"job": job_name, "seconds": number},
+            "tell this connection of each newly committed version: a reply at once ({step}: the newest "
+            "committed, or None), then one per commit, pushed by the daemon; send it again to renew",
+            Record({"step": nullable(integer())}),
+        ),
+        MessageType(
+            # a receiver pulls the tensors it names (targets, its own layout) of `step`; a warm pull
+            # names the plan a cold one got (plan) and moves only the sources' places and CRCs
+            "pull", {"step": integer()},
+            {"job": job_name, "targets": list_of(TARGET_ENTRY), "plan": integer(), "pid": integer(), "pidns": text,
+             "incarnation": text},
+            "plan (or reuse the cached plan `plan` of) the copies that fill a receiver's targets from step; reply: "
+            "the lease to release, the step, where it is read, the plan's id, and the RestorePlan inline (its "
+            "tensors empty when the plan is reused: the client keeps them)",
+            Record({"lease": integer(), "step": integer(), "where": WHERE, "plan_id": integer()},
+                   inline={"plan": RestorePlan}),
         ),
         MessageType(
             "release",
