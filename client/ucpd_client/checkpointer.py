@@ -31,7 +31,7 @@ from ucpd import faults, gcpause, knobs, native
 from ucpd.errors import ProtocolError, UcpdError
 from ucpd.protocol import job_name, tensor_entry
 
-from . import embedded as embedded_daemon, launchers, restore as restore_mod, state as state_mod
+from . import dedup as dedup_mod, embedded as embedded_daemon, launchers, restore as restore_mod, state as state_mod
 from .errors import CommitTimeout, InvalidJobName
 from .incremental import Tracker
 from .session import DaemonSession
@@ -111,7 +111,8 @@ class SnapshotHandle:
         self._sealed = threading.Event()
         self._error: BaseException | None = None
         self._committed = False
-        self.skipped = 0  # tensors not written because a lower rank holds the same elements
+        self.skipped = 0  # tensors not written: a lower rank holds them (lowest), or other holders' shares cover them
+        self.shares = 0  # tensors of which this rank wrote only its share (balanced dedup)
         self.shared = 0  # tensors not copied: unchanged since the rank's previous snapshot (incremental)
         self.shared_bytes = 0  # their bytes
         self.copied_bytes = 0  # bytes copied into the slot
@@ -216,6 +217,12 @@ class Checkpointer:
             checksums, computed read-only, all equal) is not copied again: the new version
             refers to the previous one's bytes (default True). CUDA tensors are always copied;
             a team of daemons (``--nodes > 1``) always gets full copies.
+        dedup: what a rank writes of the tensors other ranks hold alike (replicated across data
+            parallel, replicated norms). ``"balanced"`` (default): the holders cut them into even
+            shares at checksum-chunk bounds and each writes its own, from the first snapshot on
+            (``ucpd_client.dedup``; needs ``torch.distributed``, else it acts as ``"lowest"``, and
+            every rank snapshots the same steps); ``"lowest"``: after the first snapshot, a rank
+            skips the tensors a lower rank of its node holds; ``"off"``: every rank writes all.
     Raises:
         DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
     """
@@ -230,7 +237,10 @@ class Checkpointer:
         local_world_size: int | None = None,
         job: str | None = None,
         incremental: bool = True,
+        dedup: str = "balanced",
     ):
+        if dedup not in dedup_mod.MODES:
+            raise ValueError(f"Checkpointer(dedup={dedup!r}): use one of {', '.join(map(repr, dedup_mod.MODES))}")
         r, w = _default_rank_world()
         try:
             self.job = job_name("job", job if job is not None else default_job())
@@ -257,6 +267,8 @@ class Checkpointer:
         self._closed = False
         self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
+        self.dedup = dedup
+        self._balancer: dedup_mod.Balancer | None = None  # made on the first snapshot (a collective)
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
         # a team of daemons copies parts by their slot bytes: it never takes references
         self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
@@ -313,6 +325,8 @@ class Checkpointer:
         unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
+        if self.dedup == "balanced" and self._balancer is None:
+            self._start_balancing()
         with self._closing:
             if self._closed:
                 raise UcpdError("this Checkpointer is closed")
@@ -320,6 +334,17 @@ class Checkpointer:
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
+
+    def _start_balancing(self) -> None:
+        """The gloo group balanced dedup plans on (made by every rank at its first snapshot),
+        or ``"lowest"`` where no ``torch.distributed`` group spans the job."""
+        if dedup_mod.Exchange.available(self.world_size):
+            self._balancer = dedup_mod.Balancer(dedup_mod.Exchange(knobs.commit_timeout() or 900.0))
+            return
+        self.dedup = "lowest"
+        if self.world_size > 1:
+            log.info("rank %d: dedup='balanced' plans over torch.distributed, which spans no %d ranks here; "
+                     "replicated tensors are written by the lowest rank of a node instead", self.rank, self.world_size)
 
     def _work(self) -> None:
         while True:
@@ -350,6 +375,8 @@ class Checkpointer:
         The slot is asked for with last time's skip list; the reply's fresh list may only let
         us skip more (the layout shrinks, so it still fits), else we ask again."""
         last = self._signatures
+        if self.dedup == "off":
+            self._skip = set()
         unchanged = {e.name for e in entries if last.get(e.name) == e.signature} if self._skip else set()
         skip = self._skip & unchanged
         while True:
@@ -359,7 +386,7 @@ class Checkpointer:
                 "begin", rank=self.rank, world_size=self.world_size, step=step,
                 nbytes=layout(write, knobs.slot_alignment()), **self._job, **base,
             )
-            self._skip = set(reply.get("skip") or ())
+            self._skip = set(reply.get("skip") or ()) if self.dedup != "off" else set()
             if self._skip and not unchanged:  # told to skip for the first time: which tensors kept their layout
                 unchanged = {e.name for e in entries if last.get(e.name) == e.signature}
             fresh = self._skip & unchanged
@@ -389,6 +416,11 @@ class Checkpointer:
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
         conn = self.session.conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
+        left = 0
+        if self._balancer is not None:  # first: every rank meets here, whatever fails after
+            shares = self._balancer.shares(handle.step, entries)
+            entries, left = dedup_mod.apply(entries, shares)
+            handle.shares = sum(1 for s in shares.values() if s is not None and s.placement is not None)
         incr = self._incremental
         seen = incr.observe(entries) if incr is not None else []
         refs = incr.unchanged(entries, seen, knobs.copy_threads(), self._skip) if incr is not None else {}
@@ -430,7 +462,7 @@ class Checkpointer:
         if incr is not None:
             incr.sealed(handle.step, entries, seen, {**crcs, **refs})
         handle.timings["sealed"] = time.perf_counter()
-        handle.skipped = len(skipped)
+        handle.skipped = len(skipped) + left
         handle.shared, handle.shared_bytes = len(refs), sum(e.nbytes for e in entries if e.name in refs)
         handle.copied_bytes = sum(e.nbytes for e in write)
         # queued before the step says sealed: whoever waits for it and then for the spares

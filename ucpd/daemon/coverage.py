@@ -56,7 +56,7 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                 frag = shared[0]
                 piece = frag.pieces[0]
                 pieces = [_source_piece(SourcePiece, (key, piece.local, piece.box, frag.global_shape))]
-                out[t.name] = GlobalTensor(t.name, t.dtype, frag.global_shape, t.placement, [] if t.skipped else pieces[:])
+                out[t.name] = GlobalTensor(t.name, t.dtype, frag.global_shape, _pattern(t), [] if t.skipped else pieces[:])
                 claims[t.name] = pieces
                 continue
             for frag in shared or t.fragments():
@@ -71,7 +71,7 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                 pieces = [SourcePiece(key, piece.local, piece.box, gs) for piece in frag.pieces]
                 g = out.get(name)
                 if g is None:
-                    out[name] = GlobalTensor(name, t.dtype, gs, t.placement, [] if t.skipped else pieces[:])
+                    out[name] = GlobalTensor(name, t.dtype, gs, _pattern(t), [] if t.skipped else pieces[:])
                     claims[name] = pieces
                     continue
                 if g.dtype != t.dtype:
@@ -93,6 +93,17 @@ def globals_of(version: "Version") -> dict[str, GlobalTensor]:
                     f"step {version.step}: {exc} (sources are (rank, tensor index)); check the placements those ranks save it with"
                 ) from None
     return out
+
+
+def _pattern(t) -> dict:
+    """The placement a global tensor's universal pattern is taken from: a balanced-dedup share
+    (a flat over the one tensor it cuts, ``ucpd_client.dedup``) stands for the tensor's own."""
+    p = t.placement
+    if p.get("kind") == "flat":
+        entries = p.get("of", {}).get("entries", ())
+        if len(entries) == 1 and entries[0].get("name") == t.name:
+            return entries[0].get("inner", p)
+    return p
 
 
 _source_piece = tuple.__new__  # SourcePiece(...) without its Python-level __new__
