@@ -174,27 +174,6 @@ def test_a_step_protected_without_a_dead_member_commits_degraded_and_is_offered_
         team[1].team.restore_sources(1)
 
 
-def test_a_replaced_member_holds_no_parity_and_the_steps_it_held_are_degraded_then_not_offered(parity_team):
-    make = parity_team
-    team = make(3, (2, 1), 1)
-    # every member heard from every other (a member's incarnation is known from its heartbeats)
-    wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank), tick=ticking(team))
-    for node in team:
-        node.seal(node.rank, 3, step=1)
-    wait_until(lambda: all(n.state(1) is VersionState.COMMITTED for n in team), tick=ticking(team))
-    team.lose(2)
-    wait_until(lambda: all(n.team.live() == frozenset({0, 1}) for n in team[:2]), tick=ticking(team[:2]))
-    team.replace(2)  # same rank, empty RAM: the parity blocks it held are gone
-    wait_until(lambda: all(n.team.live() == frozenset({0, 1, 2}) for n in team), tick=ticking(team))
-    wait_until(lambda: team[0].status()["versions"][0]["parity_survives"] == 0, tick=ticking(team))
-    assert team[0].status()["versions"][0]["health"] == "degraded"
-    assert team[0].team.latest() == 1  # node 2's part can still be rebuilt from nodes 0 and 1
-    team.lose(1)
-    wait_until(lambda: all(n.team.live() == frozenset({0, 2}) for n in (team[0], team[2])),
-               tick=ticking([team[0], team[2]]))
-    assert team[0].team.latest() is None  # node 1's part would need node 2's lost blocks
-
-
 def test_a_member_that_lost_its_blocks_gives_none_and_a_rebuild_counts_them_lost_not_zeros(parity_team, tmp_path):
     team = parity_team(3, (2, 1), 1)
     for node in team:

@@ -1,6 +1,9 @@
 """The team's decisions about copies, as pure functions: which copy a restore reads, which run
 of the job it reads, the newest step the team still holds whole, and where to copy a part again.
 
+``parity_heal`` is what a member of a parity group does to hold its share of a step again
+after it was replaced or restarted (``team.parity_heal`` carries it out).
+
 No sockets, threads, clocks or store in here: the inputs are plain records (what every node
 said it holds, the live nodes, the failure domains), the outputs are choices the callers carry
 out (``team.sources`` reads the copies, ``team.replicate`` pushes them). ``ucpd.sim.recovery``
@@ -19,8 +22,8 @@ from dataclasses import dataclass, field
 from ..errors import VersionNotFound
 from .holders import replica_holders
 
-__all__ = ["Copy", "Holding", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
-           "own_heal_targets", "run_to_read", "under_protected"]
+__all__ = ["Copy", "Holding", "ParityHeal", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
+           "own_heal_targets", "parity_heal", "run_to_read", "under_protected"]
 
 MINE, OWN_RAM, REPLICA, PARITY = 0, 1, 2, 3
 
@@ -169,3 +172,56 @@ def orphan_heal_targets(origin: int, me: int, live: Sequence[int], replicas: int
         return []
     ring = [n for n in replica_holders(origin, list(live) + [origin], len(live), domains) if n != origin]
     return [n for n in ring if n not in holders][: max(0, replicas + 1 - len(holders))]
+
+
+@dataclass(frozen=True)
+class ParityHeal:
+    """What member ``me`` of a parity group does to hold its share of ``step`` again (it was
+    replaced or restarted: its RAM held its blob, its parity blocks and the members' manifests):
+    ``rebuild`` its own blob from the group's parity (a replacement lost it), encode again the
+    parity blocks of ``rows`` (each row decoded from the live members' shards). ``cannot``: why it cannot (more
+    members lost than the code survives); the step then stays degraded, never filled with
+    zeros."""
+
+    step: int
+    rebuild: bool
+    rows: tuple[int, ...]
+    cannot: str | None = None
+
+
+def parity_heal(stripes, me: int, step: int, sizes: Mapping[int, int | None], live: Collection[int],
+                have_data: bool) -> ParityHeal | None:
+    """The heal of ``me``'s share of ``step`` in the group laid out by ``stripes``
+    (``stripes.Stripes``). ``sizes``: each member's blob of the step in bytes (0: it held no
+    part; None or absent: unknown, a lost member whose manifest nobody keeps); ``live``: the
+    live nodes; ``have_data``: ``me`` holds its own blob (a restarted daemon re-adopted it).
+    None: nothing to do (no blob to rebuild, no row whose parity we hold has data)."""
+    live = set(live)
+    size_of = lambda g: sizes.get(g) or 0  # noqa: E731
+    rows: set[int] = set()
+    for d in stripes.members:
+        if d == me:
+            continue
+        for u in range(stripes.units(size_of(d))):
+            row, _ = stripes.row_of(d, u)
+            if me in stripes.parity_holders(row):
+                rows.add(row)
+    rebuild = not have_data and size_of(me) > 0
+    if not rows and not rebuild:
+        return None
+    why = []
+    mine = {stripes.row_of(me, u)[0] for u in range(stripes.units(size_of(me)))} if rebuild else set()
+    for row in sorted(rows | mine):  # each row is decoded with our shard missing: at most m may be
+        lost = 1 + sum(d != me and d not in live and (sizes.get(d) is None or stripes.unit_in_row(d, row)
+                                                       < stripes.units(sizes[d])) for d in stripes.data_members(row))
+        lost += sum(h != me and h not in live for h in stripes.parity_holders(row))
+        if lost > stripes.m:
+            gone = sorted(g for g in stripes.members if g != me and g not in live)
+            why.append(f"row {row} lost {lost} of {stripes.size} blocks (node {me}'s and lost node(s) {gone}'s) "
+                       f"and the code survives {stripes.m}")
+            break
+    cannot = None
+    if why:
+        cannot = (f"step {step}: node {me}'s share of parity group {list(stripes.members)} cannot be rebuilt — "
+                  + "; ".join(why) + "; the step stays degraded until it leaves RAM")
+    return ParityHeal(step, rebuild, tuple(sorted(rows)), cannot)

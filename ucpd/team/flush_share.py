@@ -233,7 +233,7 @@ class _LocalParts:
     def _open(self, s: Source):
         store, replicas = self.team.store, self.team.replicas
         with store.atomic():
-            if s.origin == self.team.rank:
+            if s.origin == self.team.rank and replicas.get(s.origin, self.step) is None:  # (else: rebuilt from parity)
                 v = store.sealed(self.step)
                 part = v.parts.get(s.rank) if v is not None else None
                 if part is None or run_of(v) != self.run:

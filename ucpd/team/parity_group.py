@@ -78,6 +78,8 @@ class ParityGroup:
         groups = parity_groups(team.config.nodes, k, m)
         g = group_of(groups, team.rank)
         self.stripes = Stripes(g.members, g.k, g.m, unit)
+        # every group's layout: a restore here rebuilds a lost node of another group in its own
+        self._layouts = {n: Stripes(o.members, o.k, o.m, unit) for o in groups for n in o.members}
         self.blocks: dict[tuple[int, str], ParityBlocks] = {}  # (step, job run) -> our blocks
         self.manifests: dict[tuple[int, int], dict] = {}  # (member, step) -> its manifest
         self.seen: dict[tuple[int, int], dict] = {}  # (member, step) -> {member holding it: incarnation}
@@ -88,6 +90,10 @@ class ParityGroup:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self.blocks.values())
+
+    def stripes_of(self, origin: int) -> Stripes:
+        """The layout of ``origin``'s group (ours, or another group's)."""
+        return self._layouts[origin]
 
     # --- protecting our part (the replication thread) -------------------------------------------
 
@@ -166,8 +172,13 @@ class ParityGroup:
 
     def on_manifest(self, src: int, body: dict) -> None:
         """A member's manifest: its units of the step reached every holder it names (``held``);
-        kept with the incarnations of the members as we see them now."""
+        kept with the incarnations of the members as we see them now. With ``healed`` (a
+        replaced or restarted member holds its share of the step again: ``parity_heal``): the
+        sender, as it is now, holds the parity of those origins' parts of the step."""
         now = self._members_now()
+        if body.get("healed") is not None:
+            self._on_healed(src, body, now.get(src))
+            return
         held = body.get("held")
         seen = {g: now.get(g) for g in (held if held is not None else now) if g in now}
         with self._lock:
@@ -177,6 +188,38 @@ class ParityGroup:
             for old in mine[: -self.keep]:
                 self.manifests.pop((body["origin"], old), None)
                 self.seen.pop((body["origin"], old), None)
+
+    def _on_healed(self, src: int, body: dict, inc: str | None) -> None:
+        step = body["step"]
+        with self._lock:
+            if body["parts"] and (body["origin"], step) not in self.manifests:
+                self.manifests[(body["origin"], step)] = body
+                self.seen[(body["origin"], step)] = {}
+            for origin in body["healed"]:
+                if (origin, step) in self.seen:
+                    self.seen[(origin, step)][src] = inc
+            if self.team.rank in body["healed"] and step in self.acked:
+                self.acked[step][src] = inc
+
+    def healed_here(self, step: int, manifests: dict, blocks: tuple | None) -> None:
+        """We hold our share of ``step`` again (``parity_heal``): every member's manifest
+        (``manifests``: origin -> manifest) and, where we hold parity of the step, ``blocks``
+        ((job run, ``ParityBlocks``))."""
+        now = self._members_now()
+        with self._lock:
+            if blocks is not None:
+                self.blocks[(step, blocks[0])] = blocks[1]
+            for origin, man in manifests.items():
+                held = man.get("held")
+                self.manifests[(origin, step)] = man
+                self.seen[(origin, step)] = {g: now.get(g) for g in (held if held is not None else now) if g in now}
+                self.seen[(origin, step)][self.team.rank] = now.get(self.team.rank)
+
+    def has_manifests(self, step: int, origins) -> bool:
+        """Whether we keep the manifests of ``origins``' parts of ``step`` (a member that
+        does holds its parity of them: manifests arrive after the units)."""
+        with self._lock:
+            return all((o, step) in self.manifests for o in origins)
 
     def on_unit(self, body: dict, frames: list) -> None:
         data = b"".join(bytes(f) for f in frames)
@@ -203,14 +246,24 @@ class ParityGroup:
 
     def on_blob_unit(self, body: dict) -> list:
         """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
-        store, s = self.team.store, self.stripes
-        with store.atomic():
-            v = store.sealed(body["step"])
-            if v is None:
-                raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {body['step']}")
-            _, _, size, spans = blob_spans(store, v)
+        s = self.stripes
+        size, spans = self.own_blob(body["step"])
         u = body["u"]
         return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
+
+    def own_blob(self, step: int) -> tuple[int, list]:
+        """Our blob of ``step``: its size and spans (``blob_spans``), from our own parts or, on a
+        replacement node, from the copy of them it rebuilt from parity (``parity_heal``)."""
+        store, replicas = self.team.store, self.team.replicas
+        with store.atomic():
+            v = store.sealed(step)
+            if v is not None:
+                return blob_spans(store, v)[2:]
+            rep = replicas.get(self.team.rank, step) if replicas is not None else None
+            if rep is None:
+                raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {step}")
+            size = max(rep.bases[r] + aligned(n) for r, n in rep.used.items()) if rep.used else 0
+            return size, [(rep.bases[r], n, rep.view(r, 0, n)) for r, n in rep.used.items()]
 
     def holdings(self, step: int | None) -> list[dict]:
         """The manifests we hold of other members (their parts can be rebuilt from parity)."""
@@ -241,19 +294,21 @@ class ParityGroup:
             raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
         return m
 
-    def fetch_manifest(self, origin: int, step: int) -> dict:
-        """``origin``'s manifest of ``step`` from a live member that keeps it, kept here for the
-        rebuild (not offered in ``holdings``: what it held then is its holder's to say)."""
+    def fetch_manifest(self, origin: int, step: int, keep: bool = True) -> dict:
+        """``origin``'s manifest of ``step`` from a live member that keeps it (``origin`` first),
+        kept here for the rebuild (not offered in ``holdings``: what it held then is its holder's
+        to say; ``keep=False``: not kept)."""
         team = self.team
-        for member in sorted(set(self.stripes.members) & team.live() - {team.rank}):
+        for member in sorted(set(self.stripes_of(origin).members) & team.live() - {team.rank}, key=lambda g: (g != origin, g)):
             try:
                 m, _ = team.transport.request(member, "parity_manifest_of", {"origin": origin, "step": step}, timeout=10.0)
             except UcpdError as exc:
                 log.info("team: node %d has no manifest of node %d step %d: %s", member, origin, step, exc)
                 continue
             if m["origin"] == origin and m["step"] == step:
-                with self._lock:
-                    self.manifests[(origin, step)] = m
+                if keep:
+                    with self._lock:
+                        self.manifests[(origin, step)] = m
                 return m
         raise VersionNotFound(f"step {step}: no live member of the parity group keeps node {origin}'s manifest "
                               "to rebuild it from parity")
@@ -270,42 +325,53 @@ class ParityGroup:
         except VersionNotFound:  # (we replaced the lost node: its manifests were in its RAM) a member has it
             man = self.fetch_manifest(origin, step)
         mm = open_reserved(path, man["size"], [(0, man["size"])])
+        try:
+            return self.rebuild_into(origin, step, mm)
+        finally:
+            close_map(mm)
+
+    def rebuild_into(self, origin: int, step: int, into, mans: dict | None = None) -> dict[int, int]:
+        """``rebuild_checked`` into the writable buffer ``into`` (at least the blob's size);
+        ``mans``: the members' manifests of the step to use ({origin: manifest}; None: those kept)."""
+        man = mans[origin] if mans is not None else self.manifest_of(origin, step)
         t0 = time.monotonic()
         parts = {p["rank"]: part_from_wire(p) for p in man["parts"]}
         what = f"node {origin} step {step} rebuilt from parity"
         try:
-            try:
-                bases = self.rebuild(origin, step, mm)
-                check_parts(mm, bases, parts, what)
-            except ChecksumMismatch as exc:
-                self.team.counters["parity_checksum_errors"] += 1
-                for suspect in sorted(set(self.stripes.members) - {origin}):
-                    try:
-                        bases = self.rebuild(origin, step, mm, distrust=frozenset({suspect}))
-                        check_parts(mm, bases, parts, what)
-                    except (ChecksumMismatch, VersionNotFound):
-                        continue
-                    log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
-                                "failed the checksums", origin, step, suspect)
-                    break
-                else:
-                    raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
-                                           "an older step or from the flush dir") from None
-        finally:
-            close_map(mm)
+            bases = self.rebuild(origin, step, into, mans=mans)
+            check_parts(into, bases, parts, what)
+        except ChecksumMismatch as exc:
+            self.team.counters["parity_checksum_errors"] += 1
+            for suspect in sorted(set(self.stripes.members) - {origin}):
+                try:
+                    bases = self.rebuild(origin, step, into, distrust=frozenset({suspect}), mans=mans)
+                    check_parts(into, bases, parts, what)
+                except (ChecksumMismatch, VersionNotFound):
+                    continue
+                log.warning("team: node %d's part of step %d rebuilt without node %d, whose parity data "
+                            "failed the checksums", origin, step, suspect)
+                break
+            else:
+                raise ChecksumMismatch(f"{exc}; no rebuild without one other member passes either: restore "
+                                       "an older step or from the flush dir") from None
         log.info("team: rebuilt node %d's part of step %d from parity (%d bytes) in %.3f s",
                  origin, step, man["size"], time.monotonic() - t0)
         return bases
 
-    def rebuild(self, origin: int, step: int, into, distrust: frozenset[int] = frozenset()) -> dict[int, int]:
+    def rebuild(self, origin: int, step: int, into, distrust: frozenset[int] = frozenset(),
+                mans: dict | None = None) -> dict[int, int]:
         """Rebuild ``origin``'s blob of ``step`` into the writable buffer ``into`` (its size);
         returns the base of each rank's bytes in it. Members in ``distrust`` are treated as
         lost (a rebuild that failed its checksums is tried again without each member in turn).
+        ``mans``: the members' manifests of the step ({origin: manifest}; None: those we keep).
         Raises VersionNotFound when more members of the group are lost than the code survives."""
-        team, s = self.team, self.stripes
-        with self._lock:
-            m = self.manifests.get((origin, step))
-            sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
+        team, s = self.team, self.stripes_of(origin)
+        if mans is not None:
+            m, sizes = mans.get(origin), {o: man["size"] for o, man in mans.items()}
+        else:
+            with self._lock:
+                m = self.manifests.get((origin, step))
+                sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
         if m is None:
             raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
         bases = {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
@@ -318,28 +384,36 @@ class ParityGroup:
         live = team.live() - distrust
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(origin, u)
-            shards: list = []
-            for d in s.data_members(row):
-                ud = s.unit_in_row(d, row)
-                if d == origin or (d not in live and (d not in sizes or ud < s.units(sizes[d]))):
-                    shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
-                elif d not in live:
-                    shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
-                else:
-                    shards.append(self._fetch(d, "blob_unit", {"step": step, "u": ud}))
-            for h in s.parity_holders(row):
-                shards.append(None if h not in live else self._fetch(h, "parity_block", {"step": step, "inc": m["inc"], "row": row}))
-            lost = sum(x is None for x in shards)
-            if lost > s.m:
-                raise VersionNotFound(
-                    f"step {step}: node {origin}'s part cannot be rebuilt — row {row} of its parity group "
-                    f"{list(s.members)} lost {lost} of {s.k + s.m} blocks and the code survives {s.m}"
-                )
-            full = recover(s, shards)
+            full = self.recover_row(s, step, row, origin, sizes, live, m["inc"])
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
         team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
         return bases
+
+    def recover_row(self, s: Stripes, step: int, row: int, missing: int, sizes: dict, live, inc: str) -> list:
+        """Every shard of ``row`` of ``step`` in the group laid out by ``s`` (``k`` data units,
+        then ``m`` parity blocks): the live members' fetched, ``missing``'s and the lost ones'
+        decoded. ``sizes``: the blob sizes of the members whose manifests we have. Raises
+        VersionNotFound when the row lost more than the code survives."""
+        shards: list = []
+        for d in s.data_members(row):
+            ud = s.unit_in_row(d, row)
+            if d != missing and d in sizes and ud >= s.units(sizes[d]):
+                shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
+            elif d == missing or d not in live:
+                shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
+            else:
+                shards.append(self._fetch(d, "blob_unit", {"step": step, "u": ud}))
+        for h in s.parity_holders(row):
+            shards.append(None if h not in live or h == missing
+                          else self._fetch(h, "parity_block", {"step": step, "inc": inc, "row": row}))
+        lost = sum(x is None for x in shards)
+        if lost > s.m:
+            raise VersionNotFound(
+                f"step {step}: node {missing}'s share cannot be rebuilt — row {row} of its parity group "
+                f"{list(s.members)} lost {lost} of {s.k + s.m} blocks and the code survives {s.m}"
+            )
+        return recover(s, shards)
 
     def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
         if node == self.team.rank:

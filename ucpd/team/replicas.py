@@ -7,6 +7,9 @@ A replica is one shm file per (origin node, step) in the daemon's ``--shm-dir``
 origin's manifest (``finish``). Freed files are kept as spares and reused, so the next
 replica writes into warm pages.
 
+A replaced node's own part rebuilt from its group's parity is kept here too (``rebuilt``:
+origin = this node).
+
 Bytes arrive by ``write`` (a ``replica_data`` message on the control lane: checked at
 ``finish``) or ``landing`` (a ``put`` on the data lane, ``team.lane``: each chunk checked as it
 lands, and not again at ``finish``, which checks only the chunks no put verified).
@@ -226,6 +229,24 @@ class ReplicaStore:
                                  f"replica of node {rep.origin} step {rep.step}: rank {rank} tensor {t.name!r}")
         finally:
             del arr
+
+    def rebuilt(self, origin: int, step: int, world_size: int, parts: list[dict], run: str, fill) -> Replica:
+        """A copy of ``origin``'s parts of ``step`` made here rather than sent: ``fill(buffer)``
+        writes them (a replaced node's own part rebuilt from parity, ``parity_heal``) and checks
+        every chunk, raising if any fails; the copy is whole then, else dropped. ``parts`` in
+        rank order lay the file out as the origin's parity blob."""
+        rep = self.begin(origin, step, world_size, sorted(parts, key=lambda p: p["rank"]), run)
+        try:
+            fill(rep.mapping())
+        except BaseException:
+            with self.lock:
+                if self.held.get((origin, step)) is rep:
+                    del self.held[(origin, step)]
+                    self._free(rep)
+            raise
+        with self.lock:
+            rep.whole = rep.verified = True
+        return rep
 
     def get(self, origin: int, step: int) -> Replica | None:
         rep = self.held.get((origin, step))

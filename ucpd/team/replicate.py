@@ -4,7 +4,8 @@ parts again when a holder or an origin is lost.
 One thread works a queue: ``protect`` (a version complete here: copy our part to its replica
 holders, or into the group's parity, then report it protected to the commit protocol), ``heal``
 (the view changed, or a copy failed: bring every part we answer for back to its copies; where to
-is ``decide.own_heal_targets`` / ``decide.orphan_heal_targets``) and ``survey`` (ask the peers which
+is ``decide.own_heal_targets`` / ``decide.orphan_heal_targets``), ``parity_heal`` (a replaced or
+restarted member of a parity group takes its share of the parity back: ``parity_heal``) and ``survey`` (ask the peers which
 ranks of which undecided versions they hold: ``ucpd.daemon.stalls``).
 
 ``team``: the driver (``team.Team``): this node's rank, config, store, replicas, parity group,
@@ -27,6 +28,7 @@ from ..errors import UcpdError
 from .decide import Pushed, orphan_heal_targets, own_heal_targets, under_protected
 from .holders import replica_holders
 from .parity_group import DEGRADED, FAILED
+from .parity_heal import ParityHealer
 from .parts import chunk_batches, run_of, used_bytes, with_run
 from .directory import ask_all
 from .sources import DATA_BATCH
@@ -53,6 +55,8 @@ class Replicator:
         self._survey_due = 0.0  # when the next tick looks for versions waiting for ranks (the team's clock)
         self._seen_waiting: dict[tuple[str, int], dict[int, dict]] = {}  # the last survey: (job, step) -> {node: item}
         self._lock = threading.Lock()
+        self._protects = 0  # protects queued: a heal pass gives way to them (a snapshot waits)
+        self.parity_heal: ParityHealer | None = None  # made at the first tick (the group is made after us)
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -71,7 +75,14 @@ class Replicator:
 
     def protect(self, step: int) -> None:
         """Copy our part of ``step`` to its holders, then report it protected (queued)."""
+        with self._lock:
+            self._protects += 1
         self._work.put(("protect", step))
+
+    def protects_waiting(self) -> bool:
+        """Whether a snapshot's copy waits for this thread (healing gives way to it)."""
+        with self._lock:
+            return self._protects > 0
 
     # --- what the driver's tick asks -------------------------------------------------------------
 
@@ -84,6 +95,11 @@ class Replicator:
             self._survey_due = now + max(1.0, knobs.stall_warn() / 2)
             if self._stalled(time.time()):
                 self._work.put(("survey", None))
+        if self.team.parity is not None:
+            if self.parity_heal is None:
+                self.parity_heal = ParityHealer(self.team, self.protects_waiting)
+            if self.parity_heal.due(now, rejoined is not None):
+                self._work.put(("parity_heal", 0))
         if rejoined is not None:
             for rec in list(self.pushed.values()):
                 rec.holders -= rejoined
@@ -114,7 +130,11 @@ class Replicator:
             kind, step = self._work.get()
             try:
                 if kind == "protect":
+                    with self._lock:
+                        self._protects -= 1
                     self._protect(step)
+                elif kind == "parity_heal":
+                    self.parity_heal.run(self.healing)
                 elif kind == "heal":
                     self._heal()
                 elif kind == "survey":
@@ -139,7 +159,7 @@ class Replicator:
                 # an error, not a dead member: the parity does not hold our part, so it is not
                 # reported protected; tried again (by then a member that died is known dead)
                 log.warning("team: step %d is not in its group's parity yet; trying again in %.0f s", step, HEAL_RETRY)
-                retry = threading.Timer(HEAL_RETRY, self._work.put, (("protect", step),))
+                retry = threading.Timer(HEAL_RETRY, self.protect, (step,))
                 retry.daemon = True
                 retry.start()
                 return

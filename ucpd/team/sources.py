@@ -471,7 +471,7 @@ class VersionSources:
                 if copy.parity:  # (our own part too: a replacement node lost it)
                     path, bases = rebuilt[copy.origin]
                     out.where[rank] = LocalRead(path, bases[rank])
-                elif copy.node == self.rank and copy.origin == self.rank:
+                elif copy.node == self.rank and copy.origin == self.rank and self.replicas.get(self.rank, step) is None:
                     v = self.store.version(step)
                     own = v.parts.get(rank) if v is not None else None
                     if own is None:

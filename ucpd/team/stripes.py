@@ -132,6 +132,12 @@ class ParityBlocks:
         np.bitwise_xor(block, c, out=block)
         self.seen.add((row, position))
 
+    def put(self, row: int, block) -> None:
+        """Our whole block of ``row``, decoded from the row's other shards (a healed member):
+        every data position counts as added (a unit sent again adds nothing)."""
+        self.blocks[row] = np.frombuffer(bytes(block), np.uint8)[: self.stripes.unit].copy()
+        self.seen.update((row, p) for p in range(self.stripes.k))
+
     def block(self, row: int) -> bytes:
         b = self.blocks.get(row)
         return b.tobytes() if b is not None else _zeros(self.stripes.unit)
