@@ -171,7 +171,7 @@ class PeerServer:
         lease expires or the peer is declared dead."""
         origin, step, replicas = b["origin"], b["step"], self.team.replicas
         with self.team.store.atomic():
-            if origin == self.rank:
+            if origin == self.rank and replicas.get(origin, step) is None:  # (else our part rebuilt from parity)
                 v = self.team.store.sealed(step)
                 if v is None:
                     raise VersionNotFound(f"node {self.rank} no longer holds its part of step {step}")
@@ -205,7 +205,7 @@ class PeerServer:
         origin, step, rank, ranges = b["origin"], b["step"], b["rank"], b["ranges"]
         store = self.team.store
         with store.atomic():
-            if origin == self.rank:
+            if origin == self.rank and self.team.replicas.get(origin, step) is None:  # (else rebuilt from parity)
                 v = store.sealed(step)
                 part = v.parts.get(rank) if v is not None else None
                 if part is None:
