@@ -1,0 +1,1 @@
+"""Weight refit for RL from ucpd's RAM copy (refit.py)."""
