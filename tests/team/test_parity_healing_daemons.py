@@ -1,0 +1,68 @@
+"""Parity groups heal, with real daemons: a member lost and replaced takes its share back with
+no job running (``status`` healthy, ``healing.done`` counting it), so a second loss is survived
+and the job restores bit for bit; a daemon killed and restarted on its own shared memory
+encodes its parity blocks again (the gossip and ``--commit-fanout`` configuration the issue's
+campaign stopped at).
+
+4 ``ucpd serve`` processes on loopback, 2 gloo trainer ranks each (TP2 x DP4), as in
+``test_team_daemons.py`` (whose helpers these use)."""
+
+from __future__ import annotations
+
+import pytest
+
+from helpers import ranks
+
+from .test_team_daemons import restore_on, snapshot_ranks, status, wait_for
+
+pytestmark = pytest.mark.slow
+
+NODES, PER_NODE, TP = 4, 2, 2
+
+
+def all_healthy(team, nodes) -> bool:
+    for i in nodes:
+        t = status(team.nodes[i].run_dir)["team"]
+        if t["health"] != "healthy" or any(v["health"] != "healthy" for v in t["versions"]):
+            return False
+    return True
+
+
+def snapshot_two_steps(team):
+    procs, done = ranks.spawn(snapshot_ranks, NODES * PER_NODE, team.run_dirs(), PER_NODE, TP, (1, 2), True, timeout=240)
+    assert sorted(m[2] for m in done) == [2] * NODES * PER_NODE, team.logs()
+    ranks.kill(procs)  # no job runs from here on
+    wait_for(lambda: all_healthy(team, range(NODES)), "the team healthy after two steps", 30)
+
+
+@pytest.mark.parametrize("parity", ["3", "2+2"])
+def test_a_lost_parity_member_replaced_heals_with_no_job_and_a_second_loss_restores_bit_for_bit(make_team, monkeypatch,
+                                                                                                  parity):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")  # several rows per member even for this small state
+    team = make_team(NODES, "--parity", parity)
+    snapshot_two_steps(team)
+    team.lose(1)
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][1]["live"], "node 1 to be declared dead")
+    assert not all_healthy(team, (0, 2, 3))  # the group's parity lacks a member: degraded, honestly
+    team.start(1)  # the replacement: same node rank, empty RAM
+    wait_for(lambda: all_healthy(team, range(NODES)), "every node healthy again with no job running", 60)
+    healed = status(team.nodes[1].run_dir)["team"]["healing"]
+    assert healed["done"] >= 2 and healed["pending"] == 0, healed  # steps 1 and 2
+    team.lose(2)  # a second loss: the healed group survives it
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    restore_on([team.nodes[i].run_dir for i in (0, 1, 3)], 3 * PER_NODE, PER_NODE, TP, 2)  # bit for bit, another DP
+
+
+def test_a_daemon_restarted_on_its_shm_encodes_its_parity_again_with_gossip_and_fanout(make_team, monkeypatch):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
+    team = make_team(NODES, "--parity", "2+2", "--membership", "gossip", "--commit-fanout", "2")
+    snapshot_two_steps(team)
+    team.nodes[3].kill()  # its shm stays: it re-adopts its own parts, but its blocks were in RAM
+    team.start(3)
+    wait_for(lambda: all_healthy(team, range(NODES)), "every node healthy again after the restart", 60)
+    assert status(team.nodes[3].run_dir)["team"]["healing"]["done"] >= 1
+    team.lose(0)
+    team.lose(1)  # two losses: RS 2+2 survives them only with node 3's blocks back
+    wait_for(lambda: not any(n["live"] for n in status(team.nodes[2].run_dir)["team"]["nodes"] if n["node"] in (0, 1)),
+             "nodes 0 and 1 to be declared dead", 30)
+    restore_on([team.nodes[i].run_dir for i in (2, 3)], 2 * PER_NODE, PER_NODE, TP, 2)
