@@ -19,6 +19,7 @@ def test_two_daemons_hold_the_shares_of_four_ranks_and_restore_them_on_three_and
     per_node = [sum(res[r][0][-1][1] for r in (2 * n, 2 * n + 1)) for n in range(2)]
     replicated = sum(v.nbytes for k, v in states(1, 0)["model"].items() if k != "e")
     assert all(abs(b - replicated / 2) <= 3 * CHUNK for b in per_node), per_node  # half of it each, not all of it
+    restore(team.run_dirs(), 4, 2, 4, 2)  # the layout that saved it: shares from both nodes
     restore(team.run_dirs(), 3, 2, 4, 2)
     restore(team.run_dirs()[1:], 1, 1, 4, 2)
 
