@@ -26,6 +26,14 @@ class AsyncSaveUnsupported(UcpdError, TypeError):
     code = "async_save_unsupported"
 
 
+class LocalSizeWrong(CommitTimeout):
+    """A step can never commit: the job's ranks seal on several nodes, but a node was told that
+    the whole world runs on it (no launcher variable gave the local size). Raised by
+    ``SnapshotHandle.wait()`` as soon as the team sees it, with the text that says what to set."""
+
+    code = "local_size_wrong"
+
+
 class InvalidJobName(UcpdError, ValueError):
     """``Checkpointer(job=...)`` or ``$UCPD_JOB`` is not a usable job name (it names a folder
     of the flush directory: 1-128 letters, digits, ``.``, ``_`` or ``-``)."""

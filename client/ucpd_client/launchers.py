@@ -54,6 +54,10 @@ LAUNCHERS: tuple[Launcher, ...] = (
     Launcher("Slurm", ("SLURM_PROCID",), ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS"), ("SLURM_LOCALID",), ()),
 )
 
+# where a local size came from when no launcher said it (the Checkpointer then assumes the world)
+NO_LOCAL_SIZE = ("no launcher variable says it (torchrun's LOCAL_WORLD_SIZE, Slurm's, Open MPI's, PMI's), "
+                 "so the whole world size was assumed")
+
 _SLURM_ITEM = re.compile(r"^(\d+)(?:\(x(\d+)\))?$")
 
 

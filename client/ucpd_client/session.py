@@ -18,6 +18,8 @@ from typing import Any
 from ucpd import knobs
 from ucpd.rpc import Connection
 
+from . import launchers
+from .errors import LocalSizeWrong
 from .mapping import Mappings
 from .streams import TORCH_CUDA, DeviceStreams
 
@@ -43,8 +45,35 @@ class DaemonConn:
         return self.connection.call(msg_type, **body)
 
     def call_wait(self, step: int, timeout: float) -> dict:
-        """``wait`` for ``step`` up to ``timeout`` seconds (the socket waits that long more)."""
-        return self.connection.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout, job=self._job)
+        """``wait`` for ``step`` up to ``timeout`` seconds (the socket waits that long more).
+        Raises ``LocalSizeWrong`` as soon as the team's answer shows the step can never commit."""
+        reply = self.connection.call("wait", timeout=timeout + knobs.rpc_timeout(), step=step, seconds=timeout, job=self._job)
+        waiting = reply.get("waiting") if reply.get("state") == "pending" else None
+        if waiting and never_commits(waiting):
+            from ucpd.daemon.stalls import describe
+
+            raise LocalSizeWrong(f"step {step} can never commit: {describe(self._job, step, waiting)} "
+                                 f"(this rank's local size {waiting['local_size']}: {local_size_said(waiting)})")
+        return reply
+
+
+def never_commits(waiting: dict) -> bool:
+    """Whether a pending step's ``WAITING`` record (``ucpd.daemon.stalls.record``) shows that it
+    can never commit: this node was told the whole world seals here, yet the team has seen ranks
+    of the step sealed on other nodes too (a rank seals on one node only)."""
+    world = waiting["world_size"]
+    nodes = [n for n, ranks in (waiting.get("seen") or {}).items() if ranks]
+    return world > 1 and waiting["local_size"] >= world and len(nodes) > 1
+
+
+def local_size_said(waiting: dict) -> str:
+    """Where this rank's local size came from, as the Checkpointer chose it."""
+    place = launchers.detect(world_size=waiting["world_size"])
+    if place.local_size:
+        return place.describe("local_size")
+    if waiting["local_size"] >= waiting["world_size"]:
+        return launchers.NO_LOCAL_SIZE
+    return "Checkpointer(local_world_size=...)"
 
 
 class DaemonSession:

@@ -4,7 +4,8 @@ Only torchrun sets ``LOCAL_WORLD_SIZE``; a team of daemons needs the local size 
 node's part of a version is complete. Trainers here are real gloo ranks, two per node, with
 ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set as a plain launcher (or a user's wrapper) sets them,
 and the variables srun or mpirun set beside them. Found, the job commits; not found, every
-rank's ``wait()`` raises ``CommitTimeout`` within its timeout, naming the ranks each node waits
+rank's ``wait()`` raises ``CommitTimeout`` within its timeout (``LocalSizeWrong`` as soon as the
+team sees every node was told the whole world), naming the ranks each node waits
 for and saying that the local size is wrong, and the daemons log it — never a silent hang.
 """
 
@@ -88,7 +89,7 @@ def test_without_any_local_size_every_rank_fails_in_time_naming_the_ranks_and_th
         node = rank // PER_NODE
         mine = f"{2 * node}-{2 * node + 1}"
         others = {0: "2-5", 1: "0-1, 4-5", 2: "0-3"}[node]
-        assert "step 1 was not committed within 15 s" in text
+        assert "step 1 can never commit" in text  # LocalSizeWrong (a CommitTimeout) once the team has seen it
         assert f"on node {node}: it holds rank(s) [{mine}] of 6 and was told a local size of 6 (waits for 4 more: of ranks [{others}])" in text, text
         assert "the team has seen [0-1] on node 0, [2-3] on node 1, [4-5] on node 2" in text, text
         assert "The local size is wrong" in text and "local_world_size" in text, text
