@@ -7,6 +7,7 @@ import os
 import subprocess
 import time
 
+from ucpd.daemon.runtime import exit_with_parent
 from ucpd.launch import lock_pid
 from ucpd.rpc import SOCKET_NAME
 
@@ -25,13 +26,15 @@ def spawn_and_wait(args: list[str], run_dir: str, log_path: str, cwd: str, env: 
     """Start ``args`` (a ``ucpd serve``) logging to ``log_path`` and return once this process
     serves the run dir's socket: after a kill the dead daemon's socket file is still there, so
     its mere existence proves nothing (the daemon writes its pid into the run dir's lock once it
-    holds it, then binds a new socket). Raises RuntimeError with the log if it exits or hangs."""
+    holds it, then binds a new socket). The daemon exits (SIGTERM) when this process dies
+    (``runtime.exit_with_parent``): a test run or campaign killed (``timeout``, a crash) leaves
+    no daemon behind. Raises RuntimeError with the log if it exits or hangs."""
     sock = os.path.join(run_dir, SOCKET_NAME)
     stale = socket_id(sock)
     with open(log_path, "ab") as log:
         if header:
             log.write(header)
-        proc = subprocess.Popen(args, stdout=log, stderr=log, cwd=cwd, env=env)
+        proc = subprocess.Popen(exit_with_parent(args), stdout=log, stderr=log, cwd=cwd, env=env)
     deadline = time.monotonic() + timeout
     while True:
         now = socket_id(sock)
