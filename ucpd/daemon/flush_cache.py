@@ -55,7 +55,7 @@ class FlushCache:
                 for stale in clean_temp(self.local(job)):
                     log.warning("removed %s, left by a fetch that did not finish", stale)
                 log.info("fetching step %d of job %r from %s", step, job, store.url)
-                store.fetch(step, self.local(job))
+                store.fetch(step, self.local(job), keep_damaged=True)  # restores meet damage as in a file
         return self.local(job), step
 
     def prune(self, job: str, keep: set[int]) -> None:

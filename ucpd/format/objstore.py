@@ -128,6 +128,16 @@ def _marked_sizes(vdir_url: str, marker: dict, meta: spec.Meta) -> dict[str, int
     return sizes
 
 
+def _copy_problems(path: Path, meta) -> tuple[list[str], bool]:
+    """A downloaded copy's checksum problems, and whether each is bytes failing their CRC32C
+    (``VersionReader.checksum_report``) rather than a copy that does not read."""
+    try:
+        with VersionReader(path, meta) as r:
+            return r.checksum_report()
+    except FormatError as exc:
+        return [str(exc)], False
+
+
 class ObjectRoot:
     """One checkpoint root at an fsspec URL. Methods raise StorageError when the store fails a
     request after its retries (naming the URL), FormatError for a malformed version, and
@@ -467,12 +477,15 @@ class ObjectRoot:
     # -- fetching -------------------------------------------------------------------------------
 
     def fetch(self, step: int | None, dest: str | os.PathLike, *, verify: bool = True,
-              progress: Callable[[int, int], None] | None = None) -> Path:
+              progress: Callable[[int, int], None] | None = None, keep_damaged: bool = False) -> Path:
         """Download committed version ``step`` (None: ``default_step``) into the local root
         ``dest`` as ``dest/step-<N>/`` (ranged reads, many in flight, into a temporary folder
         renamed into place) and return that folder. A complete copy already there is reused.
         ``verify``: check every chunk CRC32C of the copy against ``ucp.json`` (FormatError
-        naming each problem, and the copy is removed)."""
+        naming each problem, and the copy is removed). ``keep_damaged``: a copy whose bytes fail
+        their CRC32Cs is downloaded once more (a byte changed in transit), and if it still fails
+        (the objects themselves are damaged) it is kept and returned: its reader then meets the
+        damage chunk by chunk, as in a damaged file (the daemon's restores)."""
         step = self.default_step() if step is None else step
         dest = Path(dest)
         final = dest / spec.step_dirname(step)
@@ -484,31 +497,37 @@ class ObjectRoot:
             raise VersionNotFound(f"{self._u(spec.step_dirname(step))}: not committed; committed versions under "
                                   f"{self.url}: {have or 'none'}")
         meta_bytes, meta = self.read_meta(step, marker)
+        for attempt in range(2 if keep_damaged else 1):
+            self._download_copy(step, dest, marker, meta_bytes, meta, progress)
+            problems, flipped = _copy_problems(final, meta) if verify else ([], True)
+            if not problems:
+                return final
+            if flipped and keep_damaged and attempt == 1:
+                log.error("%s: its objects fail their checksums in two downloads (damaged in the store); the copy is "
+                          "kept, for restores to meet the damage as in a damaged file: %s",
+                          self._u(spec.step_dirname(step)), "; ".join(problems[:3]))
+                return final
+            shutil.rmtree(final, ignore_errors=True)
+            if not (flipped and keep_damaged):
+                break
+        raise FormatError(f"{self._u(spec.step_dirname(step))}: the downloaded copy fails its checks: "
+                          + "; ".join(p.replace(str(dest), self.url) for p in problems[:5]))
+
+    def _download_copy(self, step: int, dest: Path, marker: dict, meta_bytes: bytes, meta, progress) -> None:
+        """Every file of ``step`` into ``dest/step-<N>/``, through a temporary folder."""
         dest.mkdir(parents=True, exist_ok=True)
         tmp = dest / spec.tmp_dirname(step, os.getpid())
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
             sizes = _marked_sizes(self._u(spec.step_dirname(step)), marker, meta)
-            names = list(sizes)
-            self._run(self._download, [(self._p(spec.step_dirname(step), n), tmp / n, sizes[n]) for n in names],
+            self._run(self._download, [(self._p(spec.step_dirname(step), n), tmp / n, sizes[n]) for n in sizes],
                       _Pace(sum(sizes.values()), None, progress))
             (tmp / spec.META_FILE).write_bytes(meta_bytes)
-            os.rename(tmp, final)
+            os.rename(tmp, dest / spec.step_dirname(step))
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        if verify:
-            try:
-                with VersionReader(final, meta) as r:
-                    problems = r.checksum_problems()
-            except FormatError as exc:
-                problems = [str(exc)]
-            if problems:
-                shutil.rmtree(final, ignore_errors=True)
-                raise FormatError(f"{self._u(spec.step_dirname(step))}: the downloaded copy fails its checks: "
-                                  + "; ".join(p.replace(str(dest), self.url) for p in problems[:5]))
-        return final
 
     async def _download(self, files: list[tuple[str, Path, int]], pace: _Pace) -> None:
         sem = asyncio.Semaphore(self.concurrency)

@@ -215,7 +215,12 @@ class VersionReader:
         """Every chunk of every tensor whose CRC32C differs from ``ucp.json``, and the objects
         failing theirs, as readable lines naming the file (empty: every byte is sound).
         ``progress(nbytes)`` after each tensor is checked."""
-        problems = []
+        return self.checksum_report(progress)[0]
+
+    def checksum_report(self, progress: Callable[[int], None] | None = None) -> tuple[list[str], bool]:
+        """``checksum_problems``, and whether each is bytes that fail their CRC32C (a flipped
+        byte: the files read, as a damaged file does) rather than a file that cannot be read."""
+        problems, flipped = [], True
         for name, t in self.tensors.items():
             try:
                 for i, b, e, got, want in self.bad_chunks(name):
@@ -223,13 +228,15 @@ class VersionReader:
                                     f"crc32c {got:#010x}, ucp.json records {want:#010x}")
             except FormatError as exc:
                 problems.append(str(exc))
+                flipped = False
             if progress is not None:
                 progress(t.nbytes)
         try:
             _ = self.objects  # reading the objects verifies their checksums
         except (ChecksumMismatch, FormatError) as exc:
             problems.append(str(exc))
-        return problems
+            flipped = flipped and isinstance(exc, ChecksumMismatch)
+        return problems, flipped
 
     # -- non-tensor state -------------------------------------------------------------------
 
