@@ -13,6 +13,11 @@ part. For each piece this node:
    rank recorded (``checked.ConsolidatingCopier``);
 4. drops the window, so the RAM a share takes is one piece's remote bytes, not the version's.
 
+A source chunk that fails its check (a damaged copy, here or on the holder it came from): the
+tensors that fail are read again from each other copy in turn, alone, until one passes, and the
+rows written again (the restore's rule, ``VersionSources._check_fetched``); only when none does
+does the piece fail (and the lead gives it to another node).
+
 It answers the pieces' grid CRCs. The parts it reads here are pinned while it reads them.
 """
 
@@ -28,11 +33,11 @@ from pathlib import Path
 import numpy as np
 
 from .. import faults
-from ..checked import CheckedSource, ConsolidatingCopier, view_chunks
+from ..checked import CheckedSource, ConsolidatingCopier, bad_chunks, view_chunks
 from ..daemon.manifest import TensorEntry
 from ..daemon.slot_prep import yield_to_snapshots
 from ..dtypes import dtype as lookup_dtype
-from ..errors import ProtocolError, StorageError, VersionNotFound
+from ..errors import ChecksumMismatch, ProtocolError, StorageError, UcpdError, VersionNotFound
 from ..format import spec
 from ..format.objstore import is_url
 from ..format.shares import TensorPlace, grid_crcs, write_rows
@@ -132,51 +137,94 @@ class ShareWriter:
         plan = plan_consolidate(name, shape, pieces, rows_of(r0, r1))
         by_key = {s.key: s for s in sources}
         windows: list[tuple[str, object]] = []
+        reads = {key: [c.src_view for c in plan.copies if c.src_key == key] for key in {c.src_key for c in plan.copies
+                                                                                      if c.src_view.numel}}
         try:
             arrays = {}
             remote: dict[int, list] = {}  # rank -> the sources of it to fetch
-            for key in {c.src_key for c in plan.copies if c.src_view.numel}:
+            for key, views in reads.items():
                 s = by_key[key]
                 buf = local.buffer(s)
                 if buf is None:
-                    remote.setdefault(s.rank, []).append((s, [c.src_view for c in plan.copies if c.src_key == key]))
+                    remote.setdefault(s.rank, []).append((s, views))
                 else:
                     arrays[key] = buf
             for rank, wanted in remote.items():
                 arrays.update(self._fetch_window(step, rank, wanted, windows))
-            checked = {}
-            for key, buf in arrays.items():
+
+            def checked_of(key, buf) -> CheckedSource:
                 t = by_key[key].entry
                 arr = np.frombuffer(buf, dtype=storage, count=t.nbytes // storage.itemsize, offset=t.offset)
-                checked[key] = CheckedSource(arr, t.crcs, CHUNK_BYTES, f"step {step}, rank {key[0]}, tensor {t.name!r}:",
-                                             recorded="the rank's snapshot",
-                                             remedy="the copy is damaged; the lead node has this piece written from another")
-            copier = ConsolidatingCopier(checked)
-            row_bytes = place.row_bytes
+                return CheckedSource(arr, t.crcs, CHUNK_BYTES, f"step {step}, rank {key[0]}, tensor {t.name!r}:",
+                                     recorded="the rank's snapshot",
+                                     remedy="the copy is damaged; the lead node has this piece written from another")
 
-            def fill_rows(out: np.ndarray, a: int, b: int, c: int) -> list[int]:
-                block = plan if (a, b) == (r0, r1) else plan_consolidate(name, shape, pieces, rows_of(a, b))
-                crcs = copier.block(block.copies, out.view(storage), a * row_bytes, c)
-                return crcs if crcs is not None else grid_crcs(out, a * row_bytes, c)
+            def write() -> list[int]:
+                copier = ConsolidatingCopier({key: checked_of(key, buf) for key, buf in arrays.items()})
+                row_bytes = place.row_bytes
 
-            crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk, throttle=pace)
-            copier.finish()
-            self.team.counters["flush_written_bytes"] = self.team.counters.get("flush_written_bytes", 0) + (r1 - r0) * row_bytes
+                def fill_rows(out: np.ndarray, a: int, b: int, c: int) -> list[int]:
+                    block = plan if (a, b) == (r0, r1) else plan_consolidate(name, shape, pieces, rows_of(a, b))
+                    crcs = copier.block(block.copies, out.view(storage), a * row_bytes, c)
+                    return crcs if crcs is not None else grid_crcs(out, a * row_bytes, c)
+
+                crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk, throttle=pace)
+                copier.finish()
+                return crcs
+
+            try:
+                crcs = write()
+            except ChecksumMismatch as exc:  # a copy it read is damaged: read those tensors from each other copy
+                self._reread_damaged(step, exc, reads, by_key, arrays, checked_of, windows, storage)
+                crcs = write()  # the rows again, in place
+            self.team.counters["flush_written_bytes"] = self.team.counters.get("flush_written_bytes", 0) + \
+                (r1 - r0) * place.row_bytes
             return crcs
         finally:
             for path, mm in windows:
                 close_map(mm)
                 remove(path)
 
-    def _fetch_window(self, step: int, rank: int, wanted: list, windows: list) -> dict:
-        """The source chunks the plan reads of ``rank``'s tensors, fetched from a holder into a
-        new private shm file at their slot offsets; {key: the file's bytes}."""
+    def _reread_damaged(self, step: int, exc: ChecksumMismatch, reads: dict, by_key: dict, arrays: dict, checked_of,
+                        windows: list, storage) -> None:
+        """The restore's rule (``VersionSources._check_fetched``) for a flush share: find the
+        source tensors whose chunks fail, and read each from every other copy in turn (alone,
+        not in shares) until one passes; ``arrays`` then holds it. Raises ChecksumMismatch
+        naming the copies tried when none does (the lead then gives the piece to another node)."""
+        self.team.counters["flush_checksum_errors"] = self.team.counters.get("flush_checksum_errors", 0) + 1
+        bad = [key for key, buf in arrays.items()
+               if bad_chunks(checked_of(key, buf), _chunks(reads[key], storage.itemsize))]
+        if not bad:
+            raise exc
+        for key in bad:
+            s = by_key[key]
+            tried = []
+            for node in [n for n in s.nodes if n != self.team.rank] or [s.origin]:
+                tried.append(node)
+                try:
+                    got = self._fetch_window(step, s.rank, [(s, reads[key])], windows, only=node)[key]
+                    if bad_chunks(checked_of(key, got), _chunks(reads[key], storage.itemsize)):
+                        raise ChecksumMismatch(f"damaged on node {node} too")
+                except UcpdError as err:
+                    log.warning("team: flush of step %d: rank %d's tensor %r from node %d: %s; trying the next copy",
+                                step, s.rank, s.entry.name, node, err)
+                    continue
+                log.warning("team: flush of step %d: rank %d's tensor %r failed its check; node %d's copy passes",
+                            step, s.rank, s.entry.name, node)
+                arrays[key] = got
+                break
+            else:
+                raise ChecksumMismatch(f"{exc}; no other copy passes either (nodes {tried} tried)") from None
+
+    def _fetch_window(self, step: int, rank: int, wanted: list, windows: list, only: int | None = None) -> dict:
+        """The source chunks the plan reads of ``rank``'s tensors, fetched from its holders (in
+        shares; ``only``: from that node alone) into a new private shm file at their slot
+        offsets; {key: the file's bytes}."""
         ranges = []
         for s, views in wanted:
             t = s.entry
             isz = lookup_dtype(t.dtype).storage.itemsize
-            chunks = sorted(set().union(*(view_chunks(v, isz, CHUNK_BYTES) for v in views)))
-            for c in chunks:
+            for c in _chunks(views, isz):
                 lo, hi = t.offset + c * CHUNK_BYTES, t.offset + min((c + 1) * CHUNK_BYTES, t.nbytes)
                 if ranges and ranges[-1][0] + ranges[-1][1] == lo:
                     ranges[-1] = (ranges[-1][0], ranges[-1][1] + hi - lo)
@@ -187,12 +235,17 @@ class ShareWriter:
         path = os.path.join(self.team.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
         mm = open_reserved(path, size, ranges)
         windows.append((path, mm))
-        first, *rest = [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
+        first, *rest = [only] if only is not None else [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
         self.team.sources.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)
         nbytes = sum(n for _, n in ranges)
         self.team.counters["fetched_bytes"] += nbytes
         self.team.counters["flush_fetched_bytes"] = self.team.counters.get("flush_fetched_bytes", 0) + nbytes
         return {s.key: mm for s, _ in wanted}
+
+
+def _chunks(views, itemsize: int) -> list[int]:
+    """The chunks of a tensor that ``views`` (element windows of it) read."""
+    return sorted(set().union(*(view_chunks(v, itemsize, CHUNK_BYTES) for v in views)))
 
 
 class _Pace:
