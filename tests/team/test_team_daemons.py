@@ -24,13 +24,13 @@ from helpers.waiting import wait_until
 pytestmark = pytest.mark.slow
 
 
-def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, hold, gate=None):
+def snapshot_ranks(rank, world, rendezvous, q, run_dirs, per_node, tp, steps, hold, gate=None, dedup="balanced"):
     """Rank r talks to node r // per_node and snapshots each step (TPxDP layout); with ``gate``
     (a path), it waits after the first step until the test creates that file."""
     ranks.init_gloo(rank, world, rendezvous)
     from ucpd_client import Checkpointer
 
-    ckpt = Checkpointer(run_dirs[rank // per_node], embedded=False, local_world_size=per_node)
+    ckpt = Checkpointer(run_dirs[rank // per_node], embedded=False, local_world_size=per_node, dedup=dedup)
     for step in steps:
         state, placements = rank_state(step, rank, tp, world // tp)
         ckpt.snapshot(step, state, placements=placements).wait(timeout=60)
@@ -128,9 +128,11 @@ def test_a_gossiping_team_loses_a_node_while_views_converge_and_another_after_a_
 def large_team_that_lost_node_1(make_team):
     """--commit-fanout 2 (the configuration of a large team: what every node holds is gathered by
     recursive doubling, team.directory) on 5 daemons; a TP2xDP5 job saved steps 1-3 and was
-    killed; node 1 is lost and every survivor has dropped it."""
+    killed; node 1 is lost and every survivor has dropped it. The job wrote its replicated
+    tensors by the lowest-rank rule, so a node part holds all its ranks need but rank 0's values
+    (under balanced dedup their shares lie on every node, and a restore reads every part)."""
     team = make_team(5, "--commit-fanout", "2", "--replicas", "1", "--keep", "2")
-    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True)
+    procs, done = ranks.spawn(snapshot_ranks, 10, team.run_dirs(), 2, 2, (1, 2, 3), True, None, "lowest")
     assert sorted(m[2] for m in done) == [3] * 10, team.logs()
     ranks.kill(procs)
     team.lose(1)
