@@ -106,3 +106,26 @@ def _status(run_dir) -> dict:
 
     with Connection(run_dir, timeout=30) as c:
         return c.call("status")
+
+
+def unchanged_ranks(rank, world, rendezvous, q, run_dir):
+    from helpers import ranks as r
+
+    r.init_gloo(rank, world, rendezvous)
+    from ucpd_client import Checkpointer
+
+    state = states(1, rank)
+    with Checkpointer(run_dir, embedded=False) as ckpt:
+        first = ckpt.snapshot(1, state, placements={"model.e": P.Shard(0, rank, world)}).wait(timeout=60)
+        second = ckpt.snapshot(2, state, placements={"model.e": P.Shard(0, rank, world)}).wait(timeout=60)
+        q.put((rank, first.copied_bytes, second.copied_bytes, second.shared, first.shares))
+
+
+def test_a_share_unchanged_since_the_last_snapshot_is_not_copied_again(daemon):
+    from helpers import ranks
+
+    procs, results = ranks.spawn(unchanged_ranks, 2, daemon.run_dir)
+    ranks.join(procs)
+    for rank, first, second, shared, shares in results:
+        assert shares >= 1 and first > 4 * MIB, (rank, first)
+        assert shared >= 1 and second < MIB, (rank, second, shared)  # its share of "w" is a reference
