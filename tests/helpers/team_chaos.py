@@ -62,6 +62,7 @@ from .faultkit import Daemon
 from .waiting import eventually
 
 KINDS = ("node_lost", "daemon_restart", "daemon_pause", "trainer_killed")
+HEALTHY_WITHIN = 20.0  # seconds after a trial's last run within which status must say healthy again
 PARTITION = "partition"  # with partitions=True (root, ``ip netns``): a node's link taken down, then up
 JOB = "chaos"
 CODE = 10_000  # code = run * CODE + step
@@ -853,12 +854,9 @@ class Campaign:
                 fail(f"latest() is {t.latest}, which no node lists as a committed version")
             self.check_flush_dir(fail, t.latest)
             # status comes back to healthy: every version run B committed after the fault, and the
-            # older ones too with replicas (healing copies them again). With parity a loss leaves the
-            # older steps degraded until they leave RAM (their parity is not sent again): that is
-            # what status must say, not healthy
+            # older ones too, replicas and parity alike (healing copies them again; a parity group
+            # rebuilds a lost member's share onto its replacement and encodes its blocks again)
             bad: dict = {}
-            since = {rec["step"] for recs in jb.values() for rec in recs if rec["e"] == "committed"}
-            parity = "--parity" in self.team.extra
 
             def healthy() -> bool:
                 bad.clear()
@@ -868,14 +866,13 @@ class Campaign:
                     if st is None:
                         bad[i] = "no answer"
                         continue
-                    wrong = [v for v in team.get("versions", []) if v.get("health") not in ("healthy", "uncommitted")
-                             and (not parity or v["step"] in since)]
-                    if wrong or (not parity and team.get("health") != "healthy"):
+                    wrong = [v for v in team.get("versions", []) if v.get("health") not in ("healthy", "uncommitted")]
+                    if wrong or team.get("health") != "healthy":
                         bad[i] = wrong or team.get("health")
                 return not bad
 
-            if not wait_until(healthy, 10, poll=0.25):
-                fail(f"ucpd status is not healthy 10 s after the trial: {bad}")
+            if not wait_until(healthy, HEALTHY_WITHIN, poll=0.25):
+                fail(f"ucpd status is not healthy {HEALTHY_WITHIN:g} s after the trial: {bad}")
             lap("health")
             counters = [((self.team.status(i) or {}).get("team") or {}).get("counters") or {} for i in range(self.nodes)]
             t.restores = {k: sum(c.get(k, 0) for c in counters)  # (since each daemon started)
