@@ -64,7 +64,11 @@ EPILOG = """\
 examples:
   # one node
   ucpd run --mem-limit 64G -- torchrun --nproc-per-node 8 train.py
-  # node I of N, elastic (survivors restart; their daemons keep a lost node's replicas)
+  # every node of a Slurm job (srun sets SLURM_JOB_NODELIST and SLURM_NODEID), or of a torchrun rendezvous
+  srun --ntasks-per-node 1 ucpd run --peers-from slurm --replicas 1 -- torchrun --nproc-per-node 8 train.py
+  ucpd run --peers-from torchrun --replicas 1 -- torchrun --nnodes 4 --nproc-per-node 8 \
+      --rdzv-backend c10d --rdzv-endpoint node0:29400 --rdzv-id job42 train.py
+  # node I of N from a list written by hand, elastic (survivors restart; their daemons keep a lost node's replicas)
   ucpd run --nodes N --node-rank I --peers tcp://node0:7420,...,tcp://nodeN-1:7420 \\
            --replicas 1 --secret-file /run/secrets/ucpd -- \\
       torchrun --nnodes 1:N --nproc-per-node 8 --rdzv-backend c10d \\
@@ -166,6 +170,21 @@ def _options(args) -> dict:
     return opts
 
 
+def torchrun_peers(argv: list[str], launcher: list[str]) -> list[str]:
+    """``--peers-from torchrun`` as the daemon reads it: the store beside the launcher's own
+    rendezvous endpoint (``c10d://HOST:PORT+1``) and, unless given, its ``--nnodes``."""
+    if "--peers-from" not in argv or argv[argv.index("--peers-from") + 1] != "torchrun":
+        return argv
+    from .team.peers_from import torchrun_endpoint
+
+    host, port, nnodes = torchrun_endpoint(launcher, os.environ)
+    out = list(argv)
+    out[out.index("--peers-from") + 1] = f"c10d://{host}:{port + 1}"
+    if nnodes and "--nodes" not in out:
+        out += ["--nodes", str(nnodes)]
+    return out
+
+
 def launcher_of(args) -> list[str]:
     launcher = list(args.launcher or [])
     if launcher[:1] == ["--"]:
@@ -192,7 +211,7 @@ def cmd_run(args) -> int:
         if ignored:
             say(f"it keeps the options it was started with; not applied: {' '.join(ignored)}")
     else:
-        daemon = start_daemon(run_dir, serve_argv(args), args.start_timeout)
+        daemon = start_daemon(run_dir, torchrun_peers(serve_argv(args), launcher), args.start_timeout)
         say(f"started a daemon at {run_dir} (pid {daemon.pid}, node {daemon.node_rank} of {daemon.nodes}, "
             f"shm {daemon.shm_dir}, log {daemon.log})")
     try:

@@ -24,6 +24,12 @@ def add_commands(sub) -> None:
     p.add_argument("--listen", help="tcp://HOST:PORT for peer daemons (multi-node)")
     p.add_argument("--peers", help="comma-separated --listen addresses of every node, in node order")
     p.add_argument("--hostfile", help="file with every node's --listen address, one per line, in node order")
+    p.add_argument("--peers-from", metavar="SOURCE",
+                   help="form the team where the job is launched instead of a list: slurm (SLURM_JOB_NODELIST, "
+                   "SLURM_NODEID), torchrun (meet at torchrun's --rdzv-endpoint, its port + 1), c10d://HOST:PORT (a "
+                   "TCPStore rendezvous; with --nodes), or k8s (a StatefulSet pod's ordinal and headless-service names)")
+    p.add_argument("--peer-port", type=int, default=None,
+                   help="the port every node listens on for --peers-from (default 7420)")
     p.add_argument("--secret-file", help="job secret that peers prove (default $UCPD_SECRET_FILE)")
     p.add_argument("--domain", help="this node's failure domain (rack, switch): copies go to other domains")
     p.add_argument("--net-limit", help="bandwidth for copies to peers in bytes/s, e.g. 1G (0: unlimited)")
@@ -129,6 +135,8 @@ def config_from_args(args):
     from .slots import shm_free_bytes
 
     o = _merged(args)
+    if o.get("peers_from"):
+        form_team(o, getattr(args, "launcher", None) or ())
     nodes = int(o.get("nodes", 1))
     node_rank = int(o.get("node_rank", 0))
     run_dir = o.get("run_dir") or knobs.run_dir()
@@ -203,6 +211,22 @@ def _checked_job(job):
         return job_name("--job", str(job))
     except ProtocolError as exc:
         raise UcpdError(str(exc)) from None
+
+
+def form_team(o: dict, launcher=()) -> None:
+    """``--peers-from``: the node count, node rank, peers and (unless given) --listen, into ``o``."""
+    from ..team import peers_from
+
+    clash = [f"--{k.replace('_', '-')}" for k in ("peers", "hostfile", "node_rank") if o.get(k) is not None]
+    if clash:
+        raise UcpdError(f"--peers-from {o['peers_from']} finds the node rank and the peers itself: drop {', '.join(clash)}")
+    formed = peers_from.form(str(o["peers_from"]), nodes=o.get("nodes"), listen=o.get("listen"),
+                             port=o.get("peer_port"), launcher=launcher)
+    logging.getLogger("ucpd.team").info("team from %s: node %d of %d, peers %s", formed.source, formed.node_rank,
+                                        formed.nodes, ",".join(formed.peers))
+    o.update(nodes=formed.nodes, node_rank=formed.node_rank, peers=",".join(formed.peers))
+    if formed.listen and not o.get("listen"):
+        o["listen"] = formed.listen
 
 
 def team_config(o: dict, nodes: int, node_rank: int):
