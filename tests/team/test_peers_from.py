@@ -229,3 +229,24 @@ def test_torchrun_mode_meets_beside_torchruns_own_rendezvous():
         "--peers-from", "c10d://node0:29401", "--replicas", "1", "--nodes", "4"]
     with pytest.raises(PeersFromError, match="no --rdzv-endpoint"):
         torchrun_endpoint(["torchrun", "train.py"], {})
+
+
+def test_the_statefulset_manifest_forms_its_team_with_peers_from_k8s():
+    import yaml
+
+    from ucpd.team.peers_from import k8s
+
+    docs = list(yaml.safe_load_all(open(os.path.join(ROOT, "docs", "deploy", "k8s-statefulset.yaml"))))
+    service = next(d for d in docs if d["kind"] == "Service")
+    sts = next(d for d in docs if d["kind"] == "StatefulSet")
+    assert service["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == service["metadata"]["name"]
+    (box,) = sts["spec"]["template"]["spec"]["containers"]
+    assert "--peers-from=k8s" in box["args"]
+    env = {e["name"]: e.get("value") for e in box["env"]}
+    assert int(env["UCPD_NODES"]) == sts["spec"]["replicas"]
+    ns = sts["metadata"]["namespace"]
+    names = {f"{sts['metadata']['name']}-{i}.{service['metadata']['name']}.{ns}.svc.cluster.local": "10.0.0.%d" % i
+             for i in range(sts["spec"]["replicas"])}
+    got = k8s({**env, "HOSTNAME": "ucpd-3", "POD_NAMESPACE": ns}, 7420, names, None, wait=0)
+    assert (got.nodes, got.node_rank, got.listen) == (4, 3, "tcp://10.0.0.3:7420")
+    assert got.peers == [f"tcp://10.0.0.{i}:7420" for i in range(4)]
