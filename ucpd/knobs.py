@@ -146,6 +146,13 @@ def stall_warn() -> float:
     return float(_get("UCPD_STALL_WARN", "10"))
 
 
+def dedup_wait() -> float:
+    """Seconds the ranks of a job with balanced dedup wait for each other at a snapshot (to agree
+    on who writes which share) before each writes its tensors whole from then on
+    ($UCPD_DEDUP_WAIT; default $UCPD_STALL_WARN)."""
+    return float(_get("UCPD_DEDUP_WAIT", str(stall_warn())))
+
+
 def disk_lookup_seconds() -> float:
     """Seconds a lookup in the flush dir may take before ``latest``/restores answer from RAM
     (a hung file system never stalls them; the lookup goes on in the background)."""

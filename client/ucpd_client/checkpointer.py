@@ -220,9 +220,11 @@ class Checkpointer:
         dedup: what a rank writes of the tensors other ranks hold alike (replicated across data
             parallel, replicated norms). ``"balanced"`` (default): the holders cut them into even
             shares at checksum-chunk bounds and each writes its own, from the first snapshot on
-            (``ucpd_client.dedup``; needs ``torch.distributed``, else it acts as ``"lowest"``, and
-            every rank snapshots the same steps); ``"lowest"``: after the first snapshot, a rank
-            skips the tensors a lower rank of its node holds; ``"off"``: every rank writes all.
+            (``ucpd_client.dedup``). It plans over ``torch.distributed`` (else it acts as
+            ``"lowest"``): every rank makes its Checkpointer and snapshots the same steps; ranks
+            that do not meet within ``$UCPD_DEDUP_WAIT`` s write whole tensors from then on.
+            ``"lowest"``: after the first snapshot, a rank skips the tensors a lower rank of its
+            node holds; ``"off"``: every rank writes all.
     Raises:
         DaemonUnreachable: no daemon answers and ``embedded`` is False (or it failed to start).
     """
@@ -268,7 +270,9 @@ class Checkpointer:
         self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
         self.dedup = dedup
-        self._balancer: dedup_mod.Balancer | None = None  # made on the first snapshot (a collective)
+        self._balancer = dedup_mod.start(self.world_size, knobs.dedup_wait()) if dedup == "balanced" else None
+        if dedup == "balanced" and self._balancer is None:
+            self.dedup = "lowest"  # no torch.distributed group spans the job (or it did not all come)
         self._signatures: dict[str, tuple] = {}  # (dtype, shape, placement) of the last snapshot
         # a team of daemons copies parts by their slot bytes: it never takes references
         self._incremental = Tracker() if incremental and self.daemon_info.get("nodes", 1) == 1 else None
@@ -325,8 +329,6 @@ class Checkpointer:
         unknown = places.keys() - tensors.keys() if places else ()
         if unknown:
             raise UcpdError(f"placements name tensors that are not in the state: {sorted(unknown)[:5]}")
-        if self.dedup == "balanced" and self._balancer is None:
-            self._start_balancing()
         with self._closing:
             if self._closed:
                 raise UcpdError("this Checkpointer is closed")
@@ -334,17 +336,6 @@ class Checkpointer:
         self._last = handle
         handle.timings["returned"] = time.perf_counter()
         return handle
-
-    def _start_balancing(self) -> None:
-        """The gloo group balanced dedup plans on (made by every rank at its first snapshot),
-        or ``"lowest"`` where no ``torch.distributed`` group spans the job."""
-        if dedup_mod.Exchange.available(self.world_size):
-            self._balancer = dedup_mod.Balancer(dedup_mod.Exchange(knobs.commit_timeout() or 900.0))
-            return
-        self.dedup = "lowest"
-        if self.world_size > 1:
-            log.info("rank %d: dedup='balanced' plans over torch.distributed, which spans no %d ranks here; "
-                     "replicated tensors are written by the lowest rank of a node instead", self.rank, self.world_size)
 
     def _work(self) -> None:
         while True:
@@ -417,10 +408,12 @@ class Checkpointer:
         conn = self.session.conn()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         left = 0
-        if self._balancer is not None:  # first: every rank meets here, whatever fails after
-            shares = self._balancer.shares(handle.step, entries)
+        shares = self._balancer.shares(handle.step, entries) if self._balancer is not None else None
+        if shares is not None:  # first: every rank meets there, whatever fails after
             entries, left = dedup_mod.apply(entries, shares)
             handle.shares = sum(1 for s in shares.values() if s is not None and s.placement is not None)
+        elif self._balancer is not None:
+            self._balancer, self.dedup = None, "lowest"
         incr = self._incremental
         seen = incr.observe(entries) if incr is not None else []
         refs = incr.unchanged(entries, seen, knobs.copy_threads(), self._skip) if incr is not None else {}

@@ -149,16 +149,17 @@ def cuttable(e: Entry) -> bool:
 class Exchange:
     """The holdings of every rank of the job, on a gloo group of its own: the snapshot worker
     talks on it while the training loop's collectives go on the job's groups, never interleaved
-    with them. Made (a collective) on the first balanced snapshot, on the caller's thread."""
+    with them. Made by every rank as it makes its Checkpointer (a collective, on the caller's
+    thread); every operation waits ``wait_s`` at most."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, wait_s: float):
         import torch.distributed as dist
 
         self._dist = dist
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.wait_s = wait_s
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=wait_s))
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        self.timeout_s = timeout_s
 
     @staticmethod
     def available(world_size: int) -> bool:
@@ -168,19 +169,10 @@ class Exchange:
     def changed(self, step: int, mine: bool) -> bool:
         """Whether any rank's layout changed since the plan; every rank must snapshot the same step."""
         flags = torch.tensor([int(mine), step, -step], dtype=torch.int64)
-        try:
-            self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self.group)
-        except RuntimeError as exc:
-            raise UcpdError(
-                f"step {step}: not every rank of the job snapshotted it within {self.timeout_s:g} s ({exc}); with "
-                "Checkpointer(dedup='balanced') every rank snapshots the same steps (as with DCP's save)"
-            ) from None
+        self._dist.all_reduce(flags, op=self._dist.ReduceOp.MAX, group=self.group)
         top, low = int(flags[1]), -int(flags[2])
         if top != low:
-            raise UcpdError(
-                f"ranks snapshot different steps at once ({low} .. {top}): with Checkpointer(dedup='balanced') every "
-                "rank snapshots the same steps, in the same order"
-            )
+            raise UcpdError(f"the ranks snapshot different steps at once ({low} .. {top})")
         return bool(flags[0])
 
     def gather(self, keys: np.ndarray) -> list[np.ndarray]:
@@ -191,19 +183,45 @@ class Exchange:
 
 class Balancer:
     """One rank's balanced dedup across snapshots: the plan of its current layout, made again
-    (with every other rank) when any rank's layout changes."""
+    (with every other rank) when any rank's layout changes.
+
+    Ranks that cannot agree in time — one did not snapshot this step within ``wait_s``, or
+    snapshots another — stop balancing and write their tensors whole from then on: whole
+    tensors hold every share, so any mix of ranks that balance and ranks that do not leaves no
+    hole."""
 
     def __init__(self, exchange: Exchange):
         self.exchange = exchange
         self._layout: list[tuple] | None = None
         self._shares: dict[str, Share | None] = {}
 
-    def shares(self, step: int, entries: list[Entry]) -> dict[str, Share | None]:
+    def shares(self, step: int, entries: list[Entry]) -> dict[str, Share | None] | None:
+        """This rank's shares for ``step`` (see :func:`plan`); None once the ranks could not agree."""
         layout = [(e.name, e.signature) for e in entries]
-        if self.exchange.changed(step, layout != self._layout):
-            cut_ok = [e for e in entries if cuttable(e)]
-            keys = np.array([holding_key(e) for e in cut_ok], dtype=np.uint64)
-            self._shares = plan(self.exchange.rank, self.exchange.gather(keys), cut_ok)
-            self._layout = layout
-            log.debug("balanced dedup: step %d re-planned %d shared tensors", step, len(self._shares))
+        try:
+            if self.exchange.changed(step, layout != self._layout):
+                cut_ok = [e for e in entries if cuttable(e)]
+                keys = np.array([holding_key(e) for e in cut_ok], dtype=np.uint64)
+                self._shares = plan(self.exchange.rank, self.exchange.gather(keys), cut_ok)
+                self._layout = layout
+        except (RuntimeError, UcpdError) as exc:
+            log.warning(
+                "rank %d, step %d: the ranks did not agree on balanced dedup shares within %g s (%s): every rank of "
+                "the job snapshots the same steps for dedup='balanced'; this rank writes its tensors whole from now "
+                "on ($UCPD_DEDUP_WAIT sets the wait)", self.exchange.rank, step, self.exchange.wait_s, str(exc)[:200])
+            return None
         return self._shares
+
+
+def start(world_size: int, wait_s: float) -> Balancer | None:
+    """The rank's Balancer (making its group: every rank of the job calls this as it makes its
+    Checkpointer), or None where no ``torch.distributed`` group spans the job or the ranks did
+    not all come within ``wait_s``."""
+    if not Exchange.available(world_size):
+        return None
+    try:
+        return Balancer(Exchange(wait_s))
+    except RuntimeError as exc:
+        log.warning("balanced dedup: not every rank of the job made its Checkpointer within %g s (%s); this rank "
+                    "writes its tensors whole", wait_s, str(exc)[:200])
+        return None

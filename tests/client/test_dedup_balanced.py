@@ -129,3 +129,21 @@ def test_a_share_unchanged_since_the_last_snapshot_is_not_copied_again(daemon):
     for rank, first, second, shared, shares in results:
         assert shares >= 1 and first > 4 * MIB, (rank, first)
         assert shared >= 1 and second < MIB, (rank, second, shared)  # its share of "w" is a reference
+
+
+class _Silent:
+    """An exchange whose other ranks never come: each call times out as gloo's would."""
+
+    rank, wait_s = 0, 0.1
+
+    def changed(self, step, mine):
+        raise RuntimeError("Wait timeout")
+
+
+def test_ranks_that_do_not_meet_in_time_stop_balancing_and_write_whole_tensors(caplog):
+    from ucpd_client.dedup import Balancer
+
+    (e,) = _entries({"w": torch.zeros(4 * MIB)}, {})
+    with caplog.at_level("WARNING", logger="ucpd.client"):
+        assert Balancer(_Silent()).shares(3, [e]) is None  # the Checkpointer then writes every tensor whole
+    assert "did not agree on balanced dedup shares" in caplog.text and "$UCPD_DEDUP_WAIT" in caplog.text

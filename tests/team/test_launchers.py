@@ -16,6 +16,7 @@ import os
 import pytest
 
 from helpers import ranks
+from helpers.waiting import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -94,9 +95,10 @@ def test_without_any_local_size_every_rank_fails_in_time_naming_the_ranks_and_th
         assert "the team has seen [0-1] on node 0, [2-3] on node 1, [4-5] on node 2" in text, text
         assert "The local size is wrong" in text and "local_world_size" in text, text
         assert "so the whole world size was assumed" in text, text  # where this rank's local size came from
+    # the daemons log it too, once the step has waited $UCPD_STALL_WARN (the ranks may have heard first)
+    wait_until(lambda: "job 'launch-test' step 1 has waited" in team.logs(), "the daemons to log the stalled step", 20)
     logs = team.logs()
-    assert "job 'launch-test' step 1 has waited" in logs and "was told a local size of 6" in logs
-    assert "The local size is wrong" in logs
+    assert "was told a local size of 6" in logs and "The local size is wrong" in logs
 
 
 def test_a_rank_that_never_snapshots_is_named_by_every_waiting_rank_and_daemon(team):
