@@ -92,15 +92,22 @@ def engine(path: str, run_dir: str, job: str, out: str, mode: str, n: int = 0) -
     if mode == "latest":
         with Weights(job=job, run_dir=run_dir) as w:
             step = w.latest()
-        llm.update_weights(WeightTransferUpdateRequest(update_info={}))
+        refit(llm, WeightTransferUpdateRequest(update_info={}), step)
         record(step, _generate(llm))
         return
     with Weights(job=job, run_dir=run_dir) as w, w.subscribe() as sub:
         record(None, [])  # ready
         for _ in range(n):
             step = sub.next(timeout=120)
-            llm.update_weights(WeightTransferUpdateRequest(update_info={"step": step}))
+            refit(llm, WeightTransferUpdateRequest(update_info={"step": step}), step)
             record(step, _generate(llm))
+
+
+def refit(llm, request, step) -> None:
+    """vLLM's update sequence: start, the update (ucpd pulls the version), finish."""
+    llm.start_weight_update()
+    llm.update_weights(request)
+    llm.finish_weight_update(weight_version=str(step))
 
 
 def reference(path: str, out: str, steps: list[int]) -> None:

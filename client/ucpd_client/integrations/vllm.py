@@ -82,10 +82,16 @@ class UcpdWeightTransferEngine(_Engine):
         self.prefix, self._buckets = init_info.prefix, None
 
     def start_weight_update(self) -> None:
-        pass  # load_weights writes the parameters in place
+        """Weights come in checkpoint format (vLLM's names, unfused): layerwise reloading, as
+        vLLM's own checkpoint-format engines do (the model's post-load processing is redone)."""
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        pass
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: UcpdUpdateInfo) -> None:
         if self.weights is None:
