@@ -116,6 +116,7 @@ class SceneResult:
     status: dict  # node 0's `ucpd status --json` after the run
     timings: dict[str, float] = field(default_factory=dict)
     node0_exit: int | None = None
+    skipped: dict[int, int] = field(default_factory=dict)  # rank -> tensors other ranks wrote for it at the parked step
 
 
 class Scene:
@@ -278,8 +279,9 @@ class Scene:
             timings["restore"] = max(e["seconds"] for e in restored)
         if first2:
             timings["lost_until_training"] = min(e["t"] for e in first2) - t_loss
+        skipped = {e["rank"]: e.get("skipped", 0) for e in ev if e["event"] == "parked" and e["world"] == 4}
         return SceneResult(self.steps, self.fail_at, losses, reference, layouts, restored, status, timings,
-                           node0.proc.returncode)
+                           node0.proc.returncode, skipped)
 
 
 def torch_threads() -> None:

@@ -102,7 +102,7 @@ def main(argv=None) -> int:
                 events("step", step=trainer.step, loss=loss, layout=spec.layout_name)
             if world == 4 and args.hold_at == trainer.step and args.go_file:
                 handle.wait(120)  # committed on every node: a node may now be lost
-                events("parked", step=trainer.step)
+                events("parked", step=trainer.step, skipped=handle.skipped)  # tensors other ranks wrote for it
                 while not os.path.exists(args.go_file):
                     time.sleep(0.02)
         if handle is not None:

@@ -31,6 +31,9 @@ def test_elastic_job_loses_a_node_and_restores_from_ram_on_a_new_layout(tmp_path
         (0, FAIL_AT, "TP1xPP1xDP2", 1), (1, FAIL_AT, "TP1xPP1xDP2", 1)]
     assert [e["where"] for e in r.restored] == ["ram", "ram"]  # node 1's part from its replica on node 0
     assert r.losses == r.reference  # every step, bit for bit
+    # balanced dedup: both ranks of each DP pair left some of their replicated weights to the other
+    # (the lowest-rank rule would have had ranks 0 and 2 write them all)
+    assert sorted(r.skipped) == [0, 1, 2, 3] and all(r.skipped.values()), r.skipped
 
     s = r.status  # node 0's daemon after the run
     assert s["flush"] is None or not s["flush"].get("dir")  # no disk: the restore came from RAM
