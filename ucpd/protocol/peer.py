@@ -60,6 +60,10 @@ WAITING_ITEM = Record(
 # [begin, end) of `file` in the version's temporary folder; and a rank tensor such rows read.
 FLUSH_PIECE = Record({"name": text, "dtype": text, "shape": list_of(integer()), "file": text, "begin": integer(),
                       "end": integer(), "r0": integer(), "r1": integer()})
+# an object-store flush: part `number` of upload `upload` of `file` is file bytes [offset, offset + size): the
+# file's header `head` (the first part), then the batch's next `pieces` pieces
+FLUSH_PART = Record({"file": text, "upload": text, "number": integer(1, 10_000), "offset": integer(), "size": integer(),
+                     "pieces": integer(), "head": binary})
 FLUSH_SOURCE = Record({"rank": integer(0, MAX_RANKS), "idx": integer(), "t": TENSOR_ENTRY, "origin": integer(0, MAX_RANKS),
                        "nodes": list_of(integer(0, MAX_RANKS))})
 
@@ -220,9 +224,10 @@ PEER_REQUESTS: dict[str, MessageType] = {
             "flush_share",
             {"step": integer(), "dir": text, "chunk": integer(1, 1 << 40), "pieces": list_of(FLUSH_PIECE),
              "sources": list_of(FLUSH_SOURCE)},
-            {"run": text, "rate": integer()},
+            {"run": text, "rate": integer(), "parts": list_of(FLUSH_PART)},
             "write these pieces of step's flush (rows of consolidated tensors) into the files the lead created in "
-            "`dir`, reading the rank tensors `sources` (ours, else fetched from a holder); fsync, read back; reply: "
+            "`dir`, reading the rank tensors `sources` (ours, else fetched from a holder); fsync, read back (with "
+            "`parts`: `dir` is the version's object-store URL and the pieces go up as those parts); reply: "
             "each piece's CRC32Cs cut on its tensor's chunk grid (team.flush_share)",
             Record({"crcs": list_of(list_of(crc32))}),
         ),
