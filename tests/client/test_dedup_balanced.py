@@ -147,3 +147,47 @@ def test_ranks_that_do_not_meet_in_time_stop_balancing_and_write_whole_tensors(c
     with caplog.at_level("WARNING", logger="ucpd.client"):
         assert Balancer(_Silent()).shares(3, [e]) is None  # the Checkpointer then writes every tensor whole
     assert "did not agree on balanced dedup shares" in caplog.text and "$UCPD_DEDUP_WAIT" in caplog.text
+
+
+class _Both:
+    """Two ranks in one process that hold the same tensors (the exchange they would make)."""
+
+    wait_s = 1.0
+
+    def __init__(self, rank):
+        self.rank, self._asked = rank, False
+
+    def changed(self, step, mine):
+        first, self._asked = not self._asked, True
+        return first
+
+    def gather(self, keys):
+        return [keys, keys]
+
+
+def test_shares_of_cuda_tensors_are_staged_device_to_host_and_restore_whole(daemon):
+    from helpers.fake_cuda import FakeCuda
+    from ucpd_client import Checkpointer
+    from ucpd_client.dedup import Balancer
+
+    fake = FakeCuda(devices=1)
+    w = torch.arange(3 * MIB, dtype=torch.float32).reshape(-1, 1024)  # 12 MiB, one copy per "device" rank
+    ckpts = [Checkpointer(daemon.run_dir, rank=r, world_size=2, embedded=False, incremental=False) for r in range(2)]
+    try:
+        states = []
+        for r, c in enumerate(ckpts):
+            c.session.cuda = fake
+            c._balancer, c.dedup = Balancer(_Both(r)), "balanced"
+            states.append({"w": fake.place(w.clone(), 0)})
+        handles = [c.snapshot(1, s) for c, s in zip(ckpts, states)]
+        fake.drain()
+        for h in handles:
+            h.wait(timeout=30)
+        assert [h.shares for h in handles] == [1, 1] and sum(h.copied_bytes for h in handles) == w.nbytes
+        assert len(fake.log("copy_d2h")) >= 2  # each share went device-to-host on a staging stream
+        with Checkpointer(daemon.run_dir, rank=0, world_size=1, embedded=False, job_id="reader") as reader:
+            out = {"w": torch.zeros_like(w)}
+            assert reader.restore(out, step=1) == 1 and torch.equal(out["w"], w)
+    finally:
+        for c in ckpts:
+            c.close()
