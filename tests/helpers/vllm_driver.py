@@ -26,9 +26,9 @@ def make_model(path: str) -> None:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=False, torch_dtype="float32")
+    torch.manual_seed(0)  # head_dim 64: vLLM's CPU attention has no kernel for 16
+    cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, torch_dtype="float32")
     LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
 
 
