@@ -194,7 +194,7 @@ class FaultProxy:
         for k, v in resp.getheaders():
             if k.lower() not in ("content-length", "connection", "transfer-encoding", "server", "date"):
                 h.send_header(k, v)
-        h.send_header("Content-Length", str(len(data)))
+        h.send_header("Content-Length", resp.getheader("Content-Length", "0") if h.command == "HEAD" else str(len(data)))
         h.end_headers()
         if h.command != "HEAD":
             h.wfile.write(data)
