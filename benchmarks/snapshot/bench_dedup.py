@@ -2,14 +2,15 @@
 """Balanced dedup against the lowest-rank rule: data-parallel ranks that hold the same replicated
 state, snapshotted every step with a training step between, on one node and on a team of two.
 
-    .venv/bin/python benchmarks/snapshot/bench_dedup.py [--runs 2] [--mib 1024] [--ranks 4]
-                     [--steps 6] [--gap 0.5] [--scenes node,team] [--json OUT]
+    .venv/bin/python benchmarks/snapshot/bench_dedup.py [--runs 2] [--mib 1024] [--team-mib 512]
+                     [--ranks 4] [--steps 6] [--gap 0.5] [--scenes node,team] [--json OUT]
 
 A scene is a fresh ``ucpd serve`` (or a team of two on loopback) with default flags and
 ``--ranks`` gloo trainer processes, once per mode: ``Checkpointer(dedup="lowest")`` (the rule
 before balanced dedup: the lowest rank of a node writes a replicated tensor, the others skip it
 after the first snapshot) and ``dedup="balanced"`` (the default). Every rank holds the same
-``--mib`` MiB of replicated fp32 weights (8 tensors) and 16 MiB of its own (``Shard(0, rank,
+``--mib`` MiB (``--team-mib`` on the team: its nodes also hold each other's replicas, and a
+24 GiB machine runs out of memory at 1 GiB a rank) of replicated fp32 weights (8 tensors) and 16 MiB of its own (``Shard(0, rank,
 world)``). Each step: a training step (an in-place add on every tensor, which moves its version
 counter), ``--gap`` seconds of sleep, then a snapshot — the call, ``staged()`` and ``wait()``
 timed on every rank. The first snapshot is reported apart (cold: slots made, plan exchanged).
@@ -109,7 +110,7 @@ def rank_main(rank, world, rendezvous, q, run_dirs, per_node, mode, mib, steps, 
     dist.destroy_process_group()
 
 
-def scene(kind: str, mode: str, args) -> dict:
+def scene(kind: str, mode: str, args, mib: int) -> dict:
     lb = Loopback(f"ucpd-bench-dedup-{kind}-")
     try:
         if kind == "node":
@@ -122,7 +123,7 @@ def scene(kind: str, mode: str, args) -> dict:
         q = ctx.Queue()
         rendezvous = os.path.join(tempfile.mkdtemp(dir=lb.tmp), "rendezvous")
         run_dirs = [d.run_dir for d in daemons]
-        procs = [ctx.Process(target=rank_main, args=(r, args.ranks, rendezvous, q, run_dirs, per_node, mode, args.mib,
+        procs = [ctx.Process(target=rank_main, args=(r, args.ranks, rendezvous, q, run_dirs, per_node, mode, mib,
                                                    args.steps, args.gap), daemon=True) for r in range(args.ranks)]
         for p in procs:
             p.start()
@@ -156,6 +157,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--mib", type=int, default=1024, help="replicated MiB every rank holds")
+    ap.add_argument("--team-mib", type=int, default=512, help="the same on the team of two")
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--gap", type=float, default=0.5)
@@ -163,51 +165,59 @@ def main() -> None:
     ap.add_argument("--json")
     args = ap.parse_args()
     cleanup_on_exit()
-    state, _ = state_of(0, args.ranks, args.mib)
-    flat = list(state["model"].values())
-    rank_bytes = sum(t.nbytes for t in flat)
-    out: dict = {"machine": machine(), "args": vars(args), "runs": []}
+    kinds = args.scenes.split(",")
+    sizes = {kind: args.mib if kind == "node" else args.team_mib for kind in kinds}
+    out: dict = {"machine": machine(), "args": vars(args), "runs": [], "rank_bytes": {}}
     for run in range(args.runs):
-        floor = Floor(flat)
-        floor_s = min(floor.copy(1) for _ in range(3))
-        floor.close()
-        log(f"run {run + 1}: floor (1-thread memcpy of a rank's {rank_bytes / MiB:.0f} MiB) {fmt_seconds(floor_s)}")
-        got = {"floor": floor_s}
-        for kind in args.scenes.split(","):
+        got = {}
+        for kind in kinds:
+            state, _ = state_of(0, args.ranks, sizes[kind])
+            flat = list(state["model"].values())
+            out["rank_bytes"][kind] = sum(t.nbytes for t in flat)
+            floor = Floor(flat)
+            got[f"floor/{kind}"] = min(floor.copy(1) for _ in range(3))
+            floor.close()
+            del state, flat
+            log(f"run {run + 1}: {kind} floor (1-thread memcpy of a rank's {out['rank_bytes'][kind] / MiB:.0f} MiB) "
+                f"{fmt_seconds(got[f'floor/{kind}'])}")
             for mode in ("lowest", "balanced"):
                 log(f"run {run + 1}: {kind}, dedup={mode}")
-                got[f"{kind}/{mode}"] = summarize(scene(kind, mode, args))
+                got[f"{kind}/{mode}"] = summarize(scene(kind, mode, args, sizes[kind]))
         out["runs"].append(got)
-    del state, flat
-    report(out, rank_bytes)
+    report(out)
     write_json(args.json, out)
 
 
-def report(out: dict, rank_bytes: int) -> None:
+def report(out: dict) -> None:
     runs = out["runs"]
     rows = []
-    for key in sorted({k for r in runs for k in r if k != "floor"}):
-        def ratio(field, pick=lambda x: x):
-            return [pick(r[key][field]) / r["floor"] for r in runs if key in r]
+    for key in sorted({k for r in runs for k in r if not k.startswith("floor/")}):
+        kind = key.split("/")[0]
+        lowest = kind + "/lowest"
+
+        def each(value) -> str:
+            return " / ".join(value(r, r[f"floor/{kind}"]) for r in runs if key in r)
 
         med = lambda xs: spread(xs)["median"]  # noqa: E731
-        lowest = key.split("/")[0] + "/lowest"
         rows.append([
             key,
-            "/".join(fmt_num(x) for x in ratio("first_slowest_staged")),
-            "/".join(fmt_num(med(r[key]["slowest_staged"]) / r["floor"]) for r in runs),
-            "/".join(fmt_num(med(r[key]["slowest_staged"]) / med(r[lowest]["rank0_staged"])) for r in runs),
-            "/".join(fmt_num(med(r[key]["committed"]) / r["floor"]) for r in runs),
-            "/".join(f"{max(r[key]['copied']) / MiB:.0f}" for r in runs),
-            "/".join(f"{max(r[key]['node_bytes']) / MiB:.0f}" for r in runs),
-            "/".join(fmt_num(r[key]["restore_same"] / r["floor"]) for r in runs),
-            "/".join(fmt_num(r[key]["restore_half"] / r["floor"]) for r in runs),
+            each(lambda r, f: fmt_num(r[key]["first_slowest_staged"] / f)),
+            each(lambda r, f: fmt_num(r[key]["first_slowest_staged"] / r[lowest]["first_rank0_staged"])),
+            each(lambda r, f: fmt_num(med(r[key]["slowest_staged"]) / f)),
+            each(lambda r, f: fmt_num(med(r[key]["slowest_staged"]) / med(r[lowest]["rank0_staged"]))),
+            each(lambda r, f: fmt_num(med(r[key]["committed"]) / f)),
+            each(lambda r, f: f"{max(r[key]['copied']) / MiB:.0f}"),
+            each(lambda r, f: f"{max(r[key]['node_bytes']) / MiB:.0f}"),
+            each(lambda r, f: fmt_num(r[key]["restore_same"] / r[lowest]["restore_same"])),
+            each(lambda r, f: fmt_num(r[key]["restore_half"] / r[lowest]["restore_half"])),
+            each(lambda r, f: fmt_num(r[key]["restore_same"] / f)),
         ])
-    print(table(["scene", "first staged (slowest)/floor", "staged (slowest)/floor", "vs lowest's rank 0",
-                 "committed/floor", "max rank MiB", "max node MiB", "restore same/floor", "restore dp/2 /floor"], rows,
-                markdown=True))
-    print(f"floor: 1-thread memcpy of a rank's {rank_bytes / MiB:.0f} MiB, "
-          + ", ".join(fmt_seconds(r["floor"]) for r in runs) + " (per run)")
+    print(table(["scene", "first staged (slowest) / floor", "/ lowest's rank 0", "staged (slowest) / floor",
+                 "/ lowest's rank 0", "committed / floor", "max rank MiB", "max node MiB", "restore same / lowest's",
+                 "restore dp/2 / lowest's", "restore same / floor"], rows, markdown=True))
+    for kind, n in out["rank_bytes"].items():
+        print(f"{kind} floor: 1-thread memcpy of a rank's {n / MiB:.0f} MiB, "
+              + ", ".join(fmt_seconds(r[f"floor/{kind}"]) for r in runs if f"floor/{kind}" in r) + " (per run)")
 
 
 if __name__ == "__main__":
