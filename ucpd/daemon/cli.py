@@ -335,6 +335,8 @@ def compose(config, *, policy=None, store=None):
         team = make_team(config)
         store = store if store is not None else make_store(config, policy or team, single_job=team is not None)
         cache = make_flush_cache(config)
+        if team is not None and cache is not None:  # every node uploads its share of an S3 flush
+            team.flush_share.storage_options = cache.storage_options
         flusher = make_flusher(config, store, team, cache)
         return Daemon(config, locks=locks, store=store, team=team, flusher=flusher, flush_cache=cache)
     except BaseException:
