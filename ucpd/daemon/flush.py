@@ -16,7 +16,9 @@ share of the cores and of the memory bandwidth.
 With an object-store ``--flush-dir`` (``s3://bucket/prefix``, any fsspec URL) the version is
 written the same way into the job's local folder (``flush_cache.FlushCache``) and then published
 (``ucpd.format.objstore``: parallel multipart uploads with CRC32C, the commit marker last); a
-daemon killed mid-upload publishes that written copy once restarted (``resume``).
+daemon killed mid-upload publishes that written copy once restarted (``resume``). A team's S3
+flush is uploaded by every node instead (``shared``: each uploads its parts, the lead commits),
+with no local copy.
 """
 
 from __future__ import annotations
@@ -203,6 +205,8 @@ class Flusher:
         t0 = time.monotonic()
         if self.shared is not None and self.cache is None and self._flush_shared(version, t0):
             return
+        if self.shared is not None and self.cache is not None and self._upload_shared(version, t0):
+            return
         globals_, parts, buffer_of, release = self.gather(version)
         try:
             self._write(version, t0, globals_, parts, buffer_of)
@@ -300,6 +304,27 @@ class Flusher:
         self._flushed(version, t0)
         return True
 
+    def _upload_shared(self, version, t0: float) -> bool:
+        """A team's version uploaded to the object store by every node (``shared`` with the
+        job's ``ObjectRoot``); False when this node must write and publish it alone (a copy it
+        wrote before a restart is published as it is)."""
+        job, step = version.job, version.step
+        if self.cache.staged(job, step) is not None:
+            return False
+        store = self.cache.store(job)
+        if store.committed(step):  # a daemon before us published it and died before its index said so
+            log.info("step %d is already in %s", step, store.url)
+            store.point_latest(step)
+        else:
+            with self.store.atomic():
+                globals_ = version.globals()
+            self._begin(version, globals_)
+            if not self.shared(version, store, self._progress, self.rate or 0.0):
+                return False
+        self._published(version)
+        self._flushed(version, t0)
+        return True
+
     def _on_disk_already(self, root: str, version) -> bool:
         """Clean what a killed flusher left; True when ``step-<N>`` is on disk already (a daemon
         before us wrote it, the commit point being the rename, and died before its index said so)."""
@@ -351,6 +376,13 @@ class Flusher:
                 log.info("step %d was written to %s before a restart; publishing it", step, staged)
             self.progress.bytes_done = 0  # now the upload's bytes
             store.publish(staged, step, progress=progress, rate=self.rate or None)
+        self._published(version)
+
+    def _published(self, version) -> None:
+        """The version is committed in the object store: retention there and in the cache, then
+        the index says so."""
+        job, step = version.job, version.step
+        store = self.cache.store(job)
         faults.point("flush.done", step)
         reading = self.store.flushed_being_read(job)
         if self.keep_on_disk:

@@ -14,12 +14,19 @@ The files are the ones ``write_version`` writes (same shards, headers and offset
   pieces join into the tensor's chunk CRCs without reading a byte again (``join_crcs``);
 - ``commit_files`` writes the objects and ``ucp.json`` and renames the folder (one writer,
   after every piece is in): ``writer.commit_temp``.
+
+For an object store (no files to write in place) the same layout is cut into the parts of one
+multipart upload per file (``plan_parts``): byte ranges of at least the part size, ending where a
+tensor's row ends, each filled by one writer in RAM and uploaded as it is. ``span_crc`` and
+``part_crc`` give a part's CRC32C from its writer's grid CRCs (what the store must have
+received), and ``remote_meta`` the version's ``ucp.json`` and ``objects.bin`` with no local file.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,11 +41,13 @@ from ._checksum import chunk_crcs, crc32c
 from ._fs import fsync_dir, write_all
 from .writer import (
     DEFAULT_STAGING_BYTES, TensorSource, _ChunkCRC, _extend, _give_stage, _take_stage, check_objects, check_sources,
-    commit_temp, plan_shards, shard_header, version_meta, write_objects,
+    commit_temp, dump_meta, plan_shards, shard_header, version_meta, write_objects,
 )
 
-__all__ = ["FileLayout", "GridCRCs", "TensorPlace", "commit_files", "create_files", "grid_crcs", "join_crcs", "plan_files",
-           "write_rows"]
+__all__ = ["FileLayout", "FilePart", "GridCRCs", "Segment", "TensorPlace", "commit_files", "create_files", "grid_crcs",
+           "join_crcs", "part_crc", "plan_files", "plan_parts", "remote_meta", "span_crc", "write_rows"]
+
+MAX_PARTS = 10_000  # parts of one multipart upload, at most (S3's limit)
 
 
 @dataclass(frozen=True)
@@ -249,7 +258,7 @@ def commit_files(
 
 
 def _meta(tmp: Path, step: int, layout: FileLayout, crcs, source_layout, objects, chunk: int, fsync: bool, created) -> dict:
-    files_meta, tensors_meta = {}, {}
+    files_meta = {}
     for fname, (size, doff, _) in layout.files.items():
         got = os.stat(tmp / fname).st_size
         if got != size:
@@ -261,6 +270,13 @@ def _meta(tmp: Path, step: int, layout: FileLayout, crcs, source_layout, objects
             finally:
                 os.close(fd)
         files_meta[fname] = {"size": size, "data_offset": doff}
+    objects_meta = write_objects(tmp, check_objects(objects), chunk, fsync)
+    return version_meta(step, layout.total_bytes, dict(source_layout or {}), files_meta, _tensors_meta(layout, crcs, chunk),
+                        objects_meta, chunk, created)
+
+
+def _tensors_meta(layout: FileLayout, crcs: Mapping[str, Sequence[int]], chunk: int) -> dict:
+    tensors_meta = {}
     for name, t in sorted(layout.tensors.items(), key=lambda kv: (kv[1].file, kv[1].begin)):
         got = list(crcs.get(name, ()))
         want = -(-(t.end - t.begin) // chunk)
@@ -268,6 +284,111 @@ def _meta(tmp: Path, step: int, layout: FileLayout, crcs, source_layout, objects
             raise FormatError(f"tensor {name!r}: {len(got)} chunk CRCs were reported, its {t.end - t.begin} bytes have {want}")
         tensors_meta[name] = {"dtype": t.dtype, "shape": list(t.shape), "pattern": t.pattern, "file": t.file,
                               "byte_range": [t.begin, t.end], "crc32c": got}
-    objects_meta = write_objects(tmp, check_objects(objects), chunk, fsync)
-    return version_meta(step, layout.total_bytes, dict(source_layout or {}), files_meta, tensors_meta, objects_meta,
-                        chunk, created)
+    return tensors_meta
+
+
+# --- an object store: parts of one multipart upload per file -----------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[r0, r1)`` of tensor ``name``: file bytes ``[at, at + nbytes)``."""
+
+    name: str
+    r0: int
+    r1: int
+    at: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class FilePart:
+    """Part ``number`` (from 1) of ``file``'s multipart upload: file bytes ``[offset, offset +
+    size)``, the file's header first when ``offset`` is 0 (``head`` bytes of it), then
+    ``segments`` in file order, without a gap."""
+
+    file: str
+    number: int
+    offset: int
+    size: int
+    head: int
+    segments: tuple[Segment, ...]
+
+
+def plan_parts(layout: FileLayout, part_bytes: int, max_parts: int = MAX_PARTS) -> list[FilePart]:
+    """Every file of ``layout`` as the parts of a multipart upload: each at least ``part_bytes``
+    (S3 wants 5 MiB but for the last one), ending at the first row boundary past it (a part
+    holds whole rows: its writer consolidates them as a flush writer writes a row block), at most
+    ``max_parts`` per file (larger parts for a larger file). In file order."""
+    out: list[FilePart] = []
+    for fname in sorted(layout.files):
+        size, doff, _ = layout.files[fname]
+        target = max(1, part_bytes, -(-size // max_parts))
+        places = sorted((t for t in layout.tensors.values() if t.file == fname and t.end > t.begin), key=lambda t: t.begin)
+        number, start, segs = 1, 0, []
+
+        def close(end: int) -> None:
+            nonlocal number, start, segs
+            out.append(FilePart(fname, number, start, end - start, doff if start == 0 else 0, tuple(segs)))
+            number, start, segs = number + 1, end, []
+
+        pos = doff
+        for t in places:
+            rows, row_bytes = t.rows, t.row_bytes
+            if t.begin != pos:
+                raise FormatError(f"{fname}: tensor {t.name!r} begins at byte {t.begin}, the bytes before end at {pos}")
+            r = 0
+            while r < rows:
+                k = min(rows - r, max(1, -(-(target - (pos - start)) // row_bytes)))
+                segs.append(Segment(t.name, r, r + k, pos, k * row_bytes))
+                pos += k * row_bytes
+                r += k
+                if pos - start >= target:
+                    close(pos)
+        if pos != size:
+            raise FormatError(f"{fname}: its tensors end at byte {pos}, the file is {size} bytes")
+        if pos > start or start == 0:
+            close(pos)
+    return out
+
+
+def grid_count(begin: int, nbytes: int, chunk: int) -> int:
+    """How many grid CRCs ``nbytes`` at tensor byte ``begin`` have (``grid_crcs``'s cut)."""
+    return -(-(begin + nbytes) // chunk) - begin // chunk if nbytes else 0
+
+
+def span_crc(grid: Sequence[int], begin: int, nbytes: int, chunk: int) -> int:
+    """The CRC32C of ``nbytes`` at tensor byte ``begin`` from their grid CRCs."""
+    crc, pos, k = 0, begin, 0
+    while pos < begin + nbytes:
+        take = min(begin + nbytes - pos, chunk - pos % chunk)
+        crc = native.crc32c_combine(crc, int(grid[k]), take)
+        pos += take
+        k += 1
+    return crc
+
+
+def part_crc(part: FilePart, head: bytes, grids: Sequence[Sequence[int]], layout: FileLayout, chunk: int) -> int:
+    """The CRC32C of ``part``'s bytes: its header bytes' (``head``: the file's header), then each
+    segment's from its grid CRCs (``grids``, one list per segment), without reading a byte."""
+    crc = crc32c(head[: part.head]) if part.head else 0
+    for seg, grid in zip(part.segments, grids, strict=True):
+        place = layout.tensors[seg.name]
+        crc = native.crc32c_combine(crc, span_crc(grid, seg.r0 * place.row_bytes, seg.nbytes, chunk), seg.nbytes)
+    return crc
+
+
+def remote_meta(
+    step: int, layout: FileLayout, crcs: Mapping[str, Sequence[int]], *, source_layout: Mapping[str, Any] | None = None,
+    objects: Mapping[str, Any] | None = None, chunk: int = spec.CHUNK_BYTES, created: float | None = None,
+) -> tuple[bytes, bytes | None]:
+    """``ucp.json`` (its bytes) of a version whose files were uploaded by many writers, and the
+    bytes of its ``objects.bin`` (None: no objects): ``commit_files``' records, no local file."""
+    files_meta = {fname: {"size": size, "data_offset": doff} for fname, (size, doff, _) in layout.files.items()}
+    with tempfile.TemporaryDirectory(prefix="ucpd-objects-") as tmp:
+        objects_meta = write_objects(Path(tmp), check_objects(objects), chunk, False)
+        path = Path(tmp) / spec.OBJECTS_FILE
+        blob = path.read_bytes() if path.exists() else None
+    meta = version_meta(step, layout.total_bytes, dict(source_layout or {}), files_meta, _tensors_meta(layout, crcs, chunk),
+                        objects_meta, chunk, created)
+    return dump_meta(meta), blob

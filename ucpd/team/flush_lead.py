@@ -18,7 +18,19 @@ Node 0's flusher calls ``TeamFlush.write`` for a committed version. It:
 A crash of the lead at any point leaves no visible version (the rename is the commit point); its
 next flusher removes the temporary folder (``format.root.clean_temp``). ``write`` returns False
 when this version must be written by the lead alone (a part rebuilt from parity on this node,
-which no peer can read): the flusher then gathers and writes it as with ``--flush-writers one``.
+which no peer can read; an object store other than S3): the flusher then gathers and writes it
+as with ``--flush-writers one``.
+
+An object-store flush dir (``root`` an ``ObjectRoot``: S3) follows the same plan with the parts
+of one multipart upload per file as its pieces (``format.shares.plan_parts``: whole rows, at
+least ``$UCPD_OBJECT_PART_BYTES``): each writer fills its parts in RAM and uploads them
+(``flush_share``), so no node's uplink carries the version. Once every part is in, the lead
+completes each file's upload, checking that the store holds every planned part at its size and
+that the store's checksum of the parts is the one the writers' CRC32Cs give; then it uploads
+``objects.bin`` and ``ucp.json`` and writes the commit marker, last, then ``LATEST``
+(``ObjectRoot.commit_uploaded``). A crash before the marker leaves an unmarked (partial)
+version: the next flush of the step aborts its uploads and deletes its objects
+(``ObjectRoot.clear_step``) and the last committed version stays whole.
 """
 
 from __future__ import annotations
@@ -32,9 +44,12 @@ from pathlib import Path
 
 from .. import faults
 from ..daemon.flush import layout_of, objects_of
-from ..errors import StorageError, UcpdError
+from ..errors import ProtocolError, StorageError, UcpdError
 from ..format import spec
-from ..format.shares import FileLayout, commit_files, create_files, join_crcs, plan_files
+from ..format.objstore import ObjectRoot, join
+from ..format.shares import (
+    FileLayout, FilePart, commit_files, create_files, grid_count, join_crcs, part_crc, plan_files, plan_parts, remote_meta,
+)
 from ..ucl.geometry import GBox, intersect, volume
 from ..ucl.plan import plan_consolidate
 from ..dtypes import dtype as lookup_dtype
@@ -71,16 +86,34 @@ def cut(globals_: dict, files: FileLayout, block: int) -> list[Piece]:
         g, place = globals_[name], files.tensors[name]
         if place.end == place.begin:
             continue
-        isz = lookup_dtype(g.dtype).itemsize
         for r0, r1 in row_blocks(place.rows, place.row_bytes, block):
-            box = GBox((r0,) + (0,) * (len(g.shape) - 1), (r1 - r0,) + tuple(g.shape[1:])) if g.shape else GBox((), ())
             held: dict[int, int] = {}
-            for s in g.sources:
-                hit = intersect(box, s.box)
-                if hit is not None:
-                    held[s.key[0]] = held.get(s.key[0], 0) + volume(hit) * isz
+            _add_held(held, g, r0, r1)
             out.append(Piece(len(out), name, r0, r1, (r1 - r0) * place.row_bytes, tuple(sorted(held.items()))))
     return out
+
+
+def cut_parts(globals_: dict, parts: list[FilePart]) -> list[Piece]:
+    """Every part of the files' uploads as a piece (``part``: its number), with the bytes of it
+    that every rank's part holds."""
+    out: list[Piece] = []
+    for i, part in enumerate(parts):
+        held: dict[int, int] = {}
+        for seg in part.segments:
+            _add_held(held, globals_[seg.name], seg.r0, seg.r1)
+        out.append(Piece(i, part.file, part.offset, part.offset + part.size, part.size, tuple(sorted(held.items())),
+                         part=part.number))
+    return out
+
+
+def _add_held(held: dict[int, int], g, r0: int, r1: int) -> None:
+    """Add to ``held`` the bytes of rows ``[r0, r1)`` of global tensor ``g`` each rank holds."""
+    isz = lookup_dtype(g.dtype).itemsize
+    box = GBox((r0,) + (0,) * (len(g.shape) - 1), (r1 - r0,) + tuple(g.shape[1:])) if g.shape else GBox((), ())
+    for s in g.sources:
+        hit = intersect(box, s.box)
+        if hit is not None:
+            held[s.key[0]] = held.get(s.key[0], 0) + volume(hit) * isz
 
 
 class TeamFlush:
@@ -89,11 +122,15 @@ class TeamFlush:
     def __init__(self, team) -> None:
         self.team = team
 
-    def write(self, version, root: Path, progress, rate: float = 0.0) -> bool:
-        """Write ``version`` into ``root`` (``step-<N>``) with every live node; False when the
-        lead must write it alone (see the module). ``progress(done, total)`` as bytes land;
-        ``rate``: each writer's ceiling in bytes/s (``--flush-rate``; 0: none)."""
+    def write(self, version, root: Path | ObjectRoot, progress, rate: float = 0.0) -> bool:
+        """Write ``version`` into ``root`` (``step-<N>``; a folder, or an ``ObjectRoot``) with every
+        live node; False when the lead must write it alone (see the module). ``progress(done,
+        total)`` as bytes land; ``rate``: each writer's ceiling in bytes/s (``--flush-rate``; 0: none)."""
         team, step = self.team, version.step
+        if isinstance(root, ObjectRoot) and not root.s3:
+            log.info("team: %s is not S3 (no multipart uploads to share); node %d writes step %d alone", root.url,
+                     team.rank, step)
+            return False
         got = team.sources.restore_sources(step)  # pins every part on its holders
         try:
             faults.stall("flush.fetch", step)
@@ -107,6 +144,9 @@ class TeamFlush:
             globals_ = got.version.globals()
             files = plan_files([(g.name, g.dtype, g.shape, g.pattern) for g in (globals_[n] for n in sorted(globals_))])
             live = sorted(team.live())
+            if isinstance(root, ObjectRoot):
+                self._upload(root, step, got, origin, holders, globals_, files, live, progress, rate)
+                return True
             pieces = cut(globals_, files, block_bytes(files.total_bytes, len(live)))
             sm = ShareFlush(pieces, holders, live, batch_bytes=batch_bytes(files.total_bytes, len(live)))
             root.mkdir(parents=True, exist_ok=True)
@@ -117,7 +157,8 @@ class TeamFlush:
             try:
                 create_files(tmp, files)
                 t0 = time.monotonic()
-                self._drive(sm, step, got, origin, globals_, files, tmp, progress, rate)
+                self._drive(sm, step, lambda b: self._body(b.node, [(p.name, p.r0, p.r1) for p in b.pieces], sm, step,
+                                                           got, origin, globals_, files, str(tmp)), self._send, progress, rate)
                 crcs = {n: join_crcs(((c, p.nbytes) for p, c in sm.crcs_of(n)), spec.CHUNK_BYTES) for n in globals_}
                 commit_files(tmp, root, step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
                              objects=objects_of(got.parts))
@@ -130,9 +171,78 @@ class TeamFlush:
         finally:
             got.release()
 
-    def _drive(self, sm: ShareFlush, step: int, got, origin: dict, globals_: dict, files: FileLayout, tmp: Path,
-               progress, rate: float) -> None:
-        run = got.run
+    def _upload(self, root: ObjectRoot, step: int, got, origin: dict, holders: dict, globals_: dict, files: FileLayout,
+                live: list[int], progress, rate: float) -> None:
+        """The version as parts of one multipart upload per file, each uploaded by the node that
+        fills it; then each upload completed and checked, and the version committed (see the module)."""
+        t0 = time.monotonic()
+        parts = plan_parts(files, max(root.part_bytes, block_bytes(files.total_bytes, len(live))))
+        pieces = cut_parts(globals_, parts)
+        sm = ShareFlush(pieces, holders, live, batch_bytes=batch_bytes(files.total_bytes, len(live)))
+        if root.committed(step):  # a lead before us committed it and died before its index said so
+            root.point_latest(step)
+            return
+        root.clear_step(step)
+        uploads: dict[str, str] = {}
+        finished: set[str] = set()
+        url = join(root.url, spec.step_dirname(step))
+
+        def body(b: Batch) -> dict:
+            mine = [parts[p.id] for p in b.pieces]
+            out = self._body(b.node, [(s.name, s.r0, s.r1) for part in mine for s in part.segments], sm, step, got, origin,
+                             globals_, files, url)
+            out["parts"] = [{"file": part.file, "upload": uploads[part.file], "number": part.number, "offset": part.offset,
+                             "size": part.size, "pieces": len(part.segments), "head": files.files[part.file][2][: part.head]}
+                            for part in mine]
+            return out
+
+        def send(b: Batch, body: dict) -> list:
+            """The writer's grid CRCs per segment, joined per part (``ShareFlush`` counts parts)."""
+            flat, out = self._send(b, body), []
+            for p in b.pieces:
+                segs = parts[p.id].segments
+                grids, flat = flat[: len(segs)], flat[len(segs):]
+                for s, g in zip(segs, grids):
+                    if len(g) != grid_count(s.r0 * files.tensors[s.name].row_bytes, s.nbytes, spec.CHUNK_BYTES):
+                        raise ProtocolError(f"node {b.node} answered {len(g)} checksums for rows [{s.r0}, {s.r1}) of {s.name!r}")
+                out.append([c for g in grids for c in g])
+            return out
+
+        try:
+            for fname in sorted(files.files):
+                uploads[fname] = root.open_upload(step, fname)
+            self._drive(sm, step, body, send, progress, rate)
+            segs: dict[str, list] = {}  # tensor -> [(r0, grid CRCs, nbytes)]
+            per_file: dict[str, list] = {}
+            for i, part in enumerate(parts):
+                flat, grids = list(sm.done[i]), []
+                for s in part.segments:
+                    n = grid_count(s.r0 * files.tensors[s.name].row_bytes, s.nbytes, spec.CHUNK_BYTES)
+                    grids.append(flat[:n])
+                    segs.setdefault(s.name, []).append((s.r0, flat[:n], s.nbytes))
+                    flat = flat[n:]
+                head = files.files[part.file][2]
+                per_file.setdefault(part.file, []).append((part.size, part_crc(part, head, grids, files, spec.CHUNK_BYTES)))
+            for fname, done in per_file.items():
+                root.finish_upload(step, fname, uploads[fname], done)
+                finished.add(fname)
+            crcs = {n: join_crcs(((c, nb) for _, c, nb in sorted(segs.get(n, []), key=lambda x: x[0])), spec.CHUNK_BYTES)
+                    for n in globals_}
+            meta, blob = remote_meta(step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
+                                     objects=objects_of(got.parts))
+            sent = root.commit_uploaded(step, meta, blob, {f: size for f, (size, _, _) in files.files.items()})
+        except BaseException:
+            for fname in set(uploads) - finished:
+                root.abort_upload(step, fname, uploads[fname])
+            raise
+        self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + sent
+        writers = sorted(set(sm.written_by.values()))
+        log.info("team: step %d uploaded to %s by nodes %s in %.2f s (%d parts)", step, root.url, writers,
+                 time.monotonic() - t0, len(parts))
+
+    def _drive(self, sm: ShareFlush, step: int, body_of, send, progress, rate: float) -> None:
+        """Send every writer its batches (``body_of(batch)``, through ``send(batch, body)``) and
+        follow the answers, the failures and the losses until every piece is done."""
         pool = ThreadPoolExecutor(min(WORKERS, len(sm.writers)), thread_name_prefix="ucpd-flush-lead")
         futures: dict = {}
         try:
@@ -140,10 +250,10 @@ class TeamFlush:
                 if sm.error:
                     raise StorageError(f"step {step}: the team's flush failed: {sm.error}")
                 for b in sm.ready():
-                    body = self._body(b, sm, step, run, got, origin, globals_, files, tmp)
+                    body = body_of(b)
                     if rate:
                         body["rate"] = int(rate)
-                    futures[pool.submit(self._send, b, body)] = b
+                    futures[pool.submit(send, b, body)] = b
                 if not futures:  # (only when an error is about to be raised)
                     time.sleep(0.05)
                 done, _ = wait(list(futures), timeout=0.25, return_when=FIRST_COMPLETED)
@@ -176,21 +286,23 @@ class TeamFlush:
         reply, _ = self.team.transport.request(b.node, "flush_share", body, timeout=SHARE_TIMEOUT)
         return reply["crcs"]
 
-    def _body(self, b: Batch, sm: ShareFlush, step: int, run: str, got, origin: dict, globals_: dict, files: FileLayout,
-              tmp: Path) -> dict:
-        """The ``flush_share`` request for batch ``b``: its pieces, and the entries of exactly the
-        rank tensors they read when ``b.node`` prefers what it holds (it plans the same way)."""
-        mine = lambda key: b.node not in sm.holders.get(key[0], ())  # noqa: E731  (False sorts first)
+    def _body(self, node: int, rows: list[tuple[str, int, int]], sm: ShareFlush, step: int, got, origin: dict,
+              globals_: dict, files: FileLayout, where: str) -> dict:
+        """The ``flush_share`` request to ``node`` for ``rows`` (tensor, r0, r1), written into
+        ``where`` (the temporary folder, or the version's URL): the pieces, and the entries of
+        exactly the rank tensors they read when ``node`` prefers what it holds (it plans the
+        same way)."""
+        mine = lambda key: node not in sm.holders.get(key[0], ())  # noqa: E731  (False sorts first)
         keys: set = set()
         pieces = []
-        for p in b.pieces:
-            g, place = globals_[p.name], files.tensors[p.name]
+        for name, r0, r1 in rows:
+            g, place = globals_[name], files.tensors[name]
             srcs = sorted(g.sources, key=lambda s: mine(s.key))
-            plan = plan_consolidate(p.name, g.shape, srcs, (p.r0, p.r1) if g.shape else None)
+            plan = plan_consolidate(name, g.shape, srcs, (r0, r1) if g.shape else None)
             keys.update(c.src_key for c in plan.copies if c.src_view.numel)
-            pieces.append({"name": p.name, "dtype": g.dtype, "shape": list(g.shape), "file": place.file,
-                           "begin": place.begin, "end": place.end, "r0": p.r0, "r1": p.r1})
+            pieces.append({"name": name, "dtype": g.dtype, "shape": list(g.shape), "file": place.file,
+                           "begin": place.begin, "end": place.end, "r0": r0, "r1": r1})
         sources = [{"rank": r, "idx": i, "t": got.parts[r].tensors[i].to_wire(), "origin": origin[r],
                     "nodes": list(sm.holders.get(r, ()))}
                    for r, i in sorted(keys, key=lambda k: (mine(k), k))]
-        return with_run({"step": step, "dir": str(tmp), "chunk": spec.CHUNK_BYTES, "pieces": pieces, "sources": sources}, run)
+        return with_run({"step": step, "dir": where, "chunk": spec.CHUNK_BYTES, "pieces": pieces, "sources": sources}, got.run)

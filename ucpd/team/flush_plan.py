@@ -2,8 +2,9 @@
 the pieces, their owners, and what a lost or failing owner changes. A pure state machine: no
 sockets, no threads, no clock (``flush_lead`` drives it; ``ucpd.sim.flush`` runs it at 8,192).
 
-A *piece* is a row block of one consolidated tensor, at most ``block`` bytes (``row_blocks``);
-``held`` says how many of its bytes each rank's part holds. ``ShareFlush`` assigns the pieces,
+A *piece* is a row block of one consolidated tensor, at most ``block`` bytes (``row_blocks``),
+or, for an object store, one part of a file's multipart upload (whole rows of one or more
+tensors, ``format.shares.plan_parts``); ``held`` says how many of its bytes each rank's part holds. ``ShareFlush`` assigns the pieces,
 largest first, each to a writer node:
 
 - balanced: a node takes a piece only while its bytes stay under the mean share (plus
@@ -33,8 +34,9 @@ MAX_CANDIDATES = 256  # ranks of a piece's holders considered (a replicated piec
 
 @dataclass(frozen=True)
 class Piece:
-    """Rows ``[r0, r1)`` of tensor ``name``: ``nbytes`` bytes; ``held``: ``(rank, bytes)`` of
-    them each rank's part holds (replicated tensors: several ranks hold the same bytes)."""
+    """Rows ``[r0, r1)`` of tensor ``name`` (with ``part``: part ``part`` of file ``name``'s
+    upload, its bytes ``[r0, r1)``): ``nbytes`` bytes; ``held``: ``(rank, bytes)`` of them each
+    rank's part holds (replicated tensors: several ranks hold the same bytes)."""
 
     id: int
     name: str
@@ -42,6 +44,10 @@ class Piece:
     r1: int
     nbytes: int
     held: tuple[tuple[int, int], ...] = ()
+    part: int = 0
+
+    def __str__(self) -> str:
+        return f"part {self.part} of {self.name!r}" if self.part else f"rows [{self.r0}, {self.r1}) of {self.name!r}"
 
 
 @dataclass(frozen=True)
@@ -193,7 +199,7 @@ class ShareFlush:
             self.tries[p.id] = self.tries.get(p.id, 0) + 1
             self.avoid.setdefault(p.id, set()).add(b.node)
             if self.tries[p.id] >= self.tries_allowed:
-                self.error = f"rows [{p.r0}, {p.r1}) of {p.name!r} failed {self.tries[p.id]} times; the last: {why}"
+                self.error = f"{p} failed {self.tries[p.id]} times; the last: {why}"
                 return
             again.append(self.pieces[p.id])
         self.load[b.node] -= sum(p.nbytes for p in again)

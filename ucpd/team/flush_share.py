@@ -13,6 +13,12 @@ part. For each piece this node:
    rank recorded (``checked.ConsolidatingCopier``);
 4. drops the window, so the RAM a share takes is one piece's remote bytes, not the version's.
 
+With an object-store flush dir (the batch carries ``parts``) there are no files to write in
+place: the pieces are the rows of parts of the files' multipart uploads, each part filled in RAM
+(the file's header first in part 1) and uploaded with its CRC32C (``ObjectRoot.upload_part``),
+which S3 checks on receipt; the lead completes the uploads and checks them. Bytes sent to the
+store are counted in ``flush_uploaded_bytes``.
+
 A source chunk that fails its check (a damaged copy, here or on the holder it came from): the
 tensors that fail are read again from each other copy in turn, alone, until one passes, and the
 rows written again (the restore's rule, ``VersionSources._check_fetched``); only when none does
@@ -39,7 +45,7 @@ from ..daemon.slot_prep import yield_to_snapshots
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch, ProtocolError, StorageError, UcpdError, VersionNotFound
 from ..format import spec
-from ..format.objstore import is_url
+from ..format.objstore import ObjectRoot, is_url
 from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
 from ..ucl.plan import SourcePiece, plan_consolidate
@@ -84,11 +90,14 @@ class ShareWriter:
 
     def __init__(self, team) -> None:
         self.team = team
+        self.storage_options: dict | None = None  # fsspec's, for an object-store --flush-dir (set by cli.compose)
 
     def write(self, body: dict) -> list[list[int]]:
         """Write every piece of a ``flush_share`` body; each piece's grid CRCs, in order."""
         step, run, chunk = body["step"], body.get("run") or "", body["chunk"]
-        tmp = self._checked_dir(body)
+        parts = body.get("parts")
+        tmp = self._checked_dir(body) if not parts else None
+        store = self._checked_store(body) if parts else None
         sources = [Source(s["rank"], s["idx"], TensorEntry.from_wire(s["t"]), s["origin"], tuple(s["nodes"]))
                    for s in body["sources"]]
         mine = [s for s in sources if self.team.rank in s.nodes]
@@ -96,14 +105,17 @@ class ShareWriter:
         local = _LocalParts(self.team, step, run)
         pace = _Pace(body.get("rate") or 0, self.team.store)
         try:
+            if parts:
+                return self._upload(step, chunk, body["pieces"], parts, store, mine + others, local, pace)
             out = []
             for p in body["pieces"]:
-                place = TensorPlace(p["name"], p["dtype"], tuple(p["shape"]), None, p["file"], p["begin"], p["end"])
-                out.append(self._piece(step, tmp, chunk, place, p["r0"], p["r1"], mine + others, local, pace))
-                if faults.armed():
-                    faults.point("flush.share", step)
-                    faults.point("flush.write", step)
-                    faults.stall("flush.hang", step)
+                place = _place(p)
+
+                def put(fill, place=place, p=p) -> list[int]:
+                    return write_rows(tmp / place.file, place, p["r0"], p["r1"], fill, chunk, throttle=pace)
+
+                out.append(self._piece(step, chunk, place, p["r0"], p["r1"], mine + others, local, put))
+                _fault_points(step)
             return out
         except OSError as exc:  # a full or failing flush dir: the lead gives our pieces to others
             raise StorageError(f"node {self.team.rank} could not write step {step}'s flush share: {exc}") from None
@@ -128,8 +140,66 @@ class ShareWriter:
                                     f"[{p['r0']}, {p['r1']}) bytes [{p['begin']}, {p['end']})")
         return tmp
 
-    def _piece(self, step: int, tmp: Path, chunk: int, place: TensorPlace, r0: int, r1: int, sources: list[Source],
-               local: "_LocalParts", pace: "_Pace") -> list[int]:
+    def _checked_store(self, body: dict) -> ObjectRoot:
+        """The job's root in the object store, refused unless ``dir`` is step ``<N>``'s folder of a
+        job under our own ``--flush-dir`` and every part and piece names one of its shard files."""
+        url, mine = body["dir"].rstrip("/"), (self.team.config.flush_dir or "").rstrip("/")
+        if not is_url(mine) or not url.startswith(mine + "/"):
+            raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine or '(none)'}: give every node "
+                               "the same --flush-dir")
+        job_url, _, last = url.rpartition("/")
+        if spec.parse_step_dirname(last) != body["step"] or "/" in job_url[len(mine) + 1:] or job_url == mine:
+            raise ProtocolError(f"flush_share: {body['dir']!r} is not a job's folder of step {body['step']}")
+        for p in [*body["parts"], *body["pieces"]]:
+            if not spec.SHARD_RE.match(p["file"]):
+                raise ProtocolError(f"flush_share: {p['file']!r} is not a shard file of the version")
+        return ObjectRoot(job_url, self.storage_options)
+
+    def _upload(self, step: int, chunk: int, pieces: list[dict], parts: list[dict], store: ObjectRoot,
+                sources: list[Source], local: "_LocalParts", pace: "_Pace") -> list[list[int]]:
+        """Each part: its header bytes and its pieces' rows filled in RAM, then uploaded as that
+        part of its file's upload; each piece's grid CRCs, in order."""
+        out: list[list[int]] = []
+        k = 0
+        for part in parts:
+            off, size, head = part["offset"], part["size"], part["head"]
+            mine = pieces[k : k + part["pieces"]]
+            k += part["pieces"]
+            if len(mine) != part["pieces"] or (head and off != 0) or len(head) > size:
+                raise ProtocolError(f"flush_share: part {part['number']} of {part['file']} names pieces or a header it lacks")
+            raw = bytearray(size)  # what the S3 client sends as it is
+            buf = np.frombuffer(raw, np.uint8)
+            buf[: len(head)] = np.frombuffer(head, np.uint8)
+            pos = off + len(head)
+            for p in mine:
+                place = _place(p)
+                at, n = place.begin + p["r0"] * place.row_bytes, (p["r1"] - p["r0"]) * place.row_bytes
+                if p["file"] != part["file"] or at != pos or at + n > place.end or at + n > off + size:
+                    raise ProtocolError(f"flush_share: piece {p['name']!r} rows [{p['r0']}, {p['r1']}) is not next in "
+                                        f"part {part['number']} of {part['file']}")
+                view = buf[at - off : at - off + n]
+
+                def put(fill, view=view, p=p) -> list[int]:
+                    crcs = fill(view, p["r0"], p["r1"], chunk)
+                    pace(view.nbytes)
+                    return crcs
+
+                out.append(self._piece(step, chunk, place, p["r0"], p["r1"], sources, local, put))
+                pos += n
+            if pos != off + size:
+                raise ProtocolError(f"flush_share: part {part['number']} of {part['file']}: its pieces end at byte {pos}, "
+                                    f"the part at {off + size}")
+            store.upload_part(step, part["file"], part["upload"], part["number"], raw)
+            self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + size
+            _fault_points(step)
+        if k != len(pieces):
+            raise ProtocolError(f"flush_share: {len(pieces) - k} pieces are in no part")
+        return out
+
+    def _piece(self, step: int, chunk: int, place: TensorPlace, r0: int, r1: int, sources: list[Source],
+               local: "_LocalParts", put) -> list[int]:
+        """Rows ``[r0, r1)`` of ``place``'s tensor consolidated from ``sources``; ``put(fill_rows)``
+        writes them where they go (``shares.write_rows``' contract) and returns their grid CRCs."""
         name, shape = place.name, place.shape
         storage = lookup_dtype(place.dtype).storage
         pieces = pieces_of(name, sources)
@@ -168,7 +238,7 @@ class ShareWriter:
                     crcs = copier.block(block.copies, out.view(storage), a * row_bytes, c)
                     return crcs if crcs is not None else grid_crcs(out, a * row_bytes, c)
 
-                crcs = write_rows(tmp / place.file, place, r0, r1, fill_rows, chunk, throttle=pace)
+                crcs = put(fill_rows)
                 copier.finish()
                 return crcs
 
@@ -241,6 +311,18 @@ class ShareWriter:
         self.team.counters["fetched_bytes"] += nbytes
         self.team.counters["flush_fetched_bytes"] = self.team.counters.get("flush_fetched_bytes", 0) + nbytes
         return {s.key: mm for s, _ in wanted}
+
+
+def _place(p: dict) -> TensorPlace:
+    return TensorPlace(p["name"], p["dtype"], tuple(p["shape"]), None, p["file"], p["begin"], p["end"])
+
+
+def _fault_points(step: int) -> None:
+    """Test-only crash, error and stall points after a piece (a part) is written (``ucpd.faults``)."""
+    if faults.armed():
+        faults.point("flush.share", step)
+        faults.point("flush.write", step)
+        faults.stall("flush.hang", step)
 
 
 def _chunks(views, itemsize: int) -> list[int]:
