@@ -15,7 +15,8 @@ world)``). Each step: a training step (an in-place add on every tensor, which mo
 counter), ``--gap`` seconds of sleep, then a snapshot — the call, ``staged()`` and ``wait()``
 timed on every rank. The first snapshot is reported apart (cold: slots made, plan exchanged).
 Then every rank restores the newest step into fresh tensors (the layout that saved it), and
-half the ranks restore it as a job of half the data-parallel size.
+half the ranks restore it as a job of half the data-parallel size, each three times (the
+median of the slowest rank's).
 
 Reported, per mode: the slowest rank's staged time per step (the training loop waits for it)
 and the lowest rank's, bytes each rank copied, the bytes each node copied (team), restore times;
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -47,6 +49,7 @@ from daemons import Loopback, child_env, cleanup_on_exit  # noqa: E402
 JOB = "bench-dedup"
 OWN_MIB = 16
 PARTS = 8
+RESTORES = 3  # each restore scene, repeated (the median of the slowest rank's)
 
 
 def state_of(rank: int, world: int, mib: int) -> tuple[dict, dict]:
@@ -89,10 +92,12 @@ def rank_main(rank, world, rendezvous, q, run_dirs, per_node, mode, mib, steps, 
             out["steps"].append({"step": step, "call": t1 - t0, "staged": t2 - t0, "committed": t3 - t0,
                                  "copied": h.copied_bytes})
         target = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
-        dist.barrier()
-        t0 = time.perf_counter()
-        ckpt.restore(target, placements=placements)
-        out["restore_same"] = time.perf_counter() - t0
+        out["restore_same"] = []
+        for _ in range(RESTORES):
+            dist.barrier()
+            t0 = time.perf_counter()
+            ckpt.restore(target, placements=placements)
+            out["restore_same"].append(time.perf_counter() - t0)
         assert all(torch.equal(target["model"][k], v) for k, v in state["model"].items()), "restored bytes differ"
     dist.barrier()
     half = world // 2
@@ -102,9 +107,11 @@ def rank_main(rank, world, rendezvous, q, run_dirs, per_node, mode, mib, steps, 
         small["model"]["own"] = torch.empty(rows, 1024)
         with Checkpointer(run_dir, rank=rank, world_size=half, embedded=False, local_world_size=min(per_node, half),
                           job=JOB, job_id=f"half-{mode}") as ckpt:
-            t0 = time.perf_counter()
-            ckpt.restore(small, placements={"model.own": _place(rank, half)})
-            out["restore_half"] = time.perf_counter() - t0
+            out["restore_half"] = []
+            for _ in range(RESTORES):
+                t0 = time.perf_counter()
+                ckpt.restore(small, placements={"model.own": _place(rank, half)})
+                out["restore_half"].append(time.perf_counter() - t0)
     q.put(out)
     dist.barrier()
     dist.destroy_process_group()
@@ -148,8 +155,9 @@ def summarize(res: dict) -> dict:
         "first_slowest_staged": slowest[0], "slowest_staged": slowest[1:], "rank0_staged": [r["staged"] for r in ranks[0]["steps"][1:]],
         "first_rank0_staged": ranks[0]["steps"][0]["staged"], "committed": committed[1:],
         "copied": [r["steps"][-1]["copied"] for r in ranks], "node_bytes": node_bytes,
-        "restore_same": max(r["restore_same"] for r in ranks),
-        "restore_half": max(r.get("restore_half", 0.0) for r in ranks),
+        # per repetition the slowest rank, then the median over the repetitions (the first maps the slots)
+        "restore_same": statistics.median(max(t) for t in zip(*(r["restore_same"] for r in ranks))),
+        "restore_half": statistics.median(max(t) for t in zip(*(r["restore_half"] for r in ranks if "restore_half" in r))),
     }
 
 
