@@ -18,6 +18,9 @@ restarted daemon) uploads only what is missing, then writes the marker: an inter
 resumes. ``ucp.json`` goes up first and tells whose the objects are: those of another write of
 the same step are deleted and that upload starts over. Retention deletes a version's marker first, then its objects, so a reader never sees a
 half-deleted version as complete.
+A version whose files are never whole on one machine (a team's flush, every node uploading its
+share as parts of the files' multipart uploads) goes up through ``format.multipart`` instead,
+to the same objects and the same marker.
 
 Transfers run many parts at once: files above ``knobs.object_part_bytes()`` go as multipart
 uploads, reads are ranged gets of that size, ``knobs.object_concurrency()`` parts in flight.
@@ -473,120 +476,6 @@ class ObjectRoot:
             except Exception:  # the next publish of this version aborts it (_abort_stale_uploads)
                 pass
             raise
-
-    # -- a version uploaded by many writers (a team's flush: ``team.flush_lead``) ----------------
-
-    def clear_step(self, step: int) -> None:
-        """Before a version is uploaded by many writers: the multipart uploads left open under
-        it aborted and the objects of an unfinished write of it (no marker) deleted; the upload
-        starts over (its plan died with the writer that made it)."""
-        vdir = spec.step_dirname(step)
-        self._abort_stale_uploads(vdir)
-        here = self._listing(vdir)
-        if here:
-            log.warning("%s: %d objects of another, unfinished write of this step; starting over", self._u(vdir), len(here))
-            self._sync("rm", self._p(vdir), recursive=True)
-
-    def _key(self, step: int, name: str) -> tuple[str, str]:
-        if not self.s3:
-            raise StorageError(f"{self.url}: a version written by many writers needs S3's multipart uploads")
-        bucket, key, _ = self.fs.split_path(self._p(spec.step_dirname(step), name))
-        return bucket, key
-
-    def open_upload(self, step: int, name: str) -> str:
-        """A multipart upload of file ``name`` of ``step``, its parts checksummed with CRC32C; its id."""
-        bucket, key = self._key(step, name)
-
-        async def create() -> str:
-            got = await self.fs._call_s3("create_multipart_upload", Bucket=bucket, Key=key, ChecksumAlgorithm="CRC32C")
-            return got["UploadId"]
-
-        return self._run(create)
-
-    def upload_part(self, step: int, name: str, upload: str, number: int, data: Any) -> int:
-        """Part ``number`` of upload ``upload`` (any writer may send any part): ``data``, with its
-        CRC32C, which S3 checks on receipt. Returns that CRC32C."""
-        bucket, key = self._key(step, name)
-        crc = _crc32c(data)
-        body = data if isinstance(data, (bytes, bytearray)) else bytes(data)
-
-        async def put() -> None:
-            await self.fs._call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload, PartNumber=number, Body=body,
-                                   ChecksumCRC32C=_b64_crc(crc))
-
-        self._run(put)
-        return crc
-
-    def finish_upload(self, step: int, name: str, upload: str, parts: list[tuple[int, int]]) -> None:
-        """Complete upload ``upload`` of file ``name`` whose parts 1..n must be ``parts`` ``[(size,
-        crc32c)]``, checked against what the store holds: every part there at its size, then the
-        object's size and, where the store reports it, its checksum of the parts' CRC32Cs (the
-        bytes S3 received are the bytes ``ucp.json`` will record). StorageError otherwise."""
-        bucket, key = self._key(step, name)
-        where = self._u(spec.step_dirname(step), name)
-        call = self.fs._call_s3
-
-        async def finish() -> None:
-            listed: dict[int, dict] = {}
-            marker = 0
-            while True:
-                got = await call("list_parts", Bucket=bucket, Key=key, UploadId=upload, PartNumberMarker=marker)
-                listed.update({int(p["PartNumber"]): p for p in got.get("Parts") or ()})
-                if not got.get("IsTruncated"):
-                    break
-                marker = int(got["NextPartNumberMarker"])
-            wrong = [f"part {i} missing" if i not in listed else f"part {i} is {listed[i]['Size']} bytes, planned {size}"
-                     for i, (size, _) in enumerate(parts, 1) if i not in listed or int(listed[i]["Size"]) != size]
-            if wrong or len(listed) != len(parts):
-                raise StorageError(f"{where}: the upload's parts are not the planned ones: {', '.join(wrong) or len(listed)}")
-            done = [{"PartNumber": i, "ETag": listed[i]["ETag"], "ChecksumCRC32C": _b64_crc(crc)}
-                    for i, (_, crc) in enumerate(parts, 1)]
-            await call("complete_multipart_upload", Bucket=bucket, Key=key, UploadId=upload, MultipartUpload={"Parts": done})
-            head = await call("head_object", Bucket=bucket, Key=key, ChecksumMode="ENABLED")
-            size = sum(n for n, _ in parts)
-            if int(head["ContentLength"]) != size:
-                raise StorageError(f"{where}: {head['ContentLength']} bytes once complete, planned {size}")
-            got_sum = head.get("ChecksumCRC32C")
-            want = _b64_crc(_crc32c(b"".join(int(c).to_bytes(4, "big") for _, c in parts)))
-            if got_sum is not None and got_sum.split("-")[0] != want:
-                raise StorageError(f"{where}: the store's checksum of its parts is {got_sum}, the writers' CRC32Cs "
-                                   f"give {want}-{len(parts)}: a part holds other bytes than its writer checked")
-
-        self._run(finish)
-
-    def abort_upload(self, step: int, name: str, upload: str) -> None:
-        """Give up upload ``upload`` (its parts are deleted); a failure is left to ``clear_step``."""
-        bucket, key = self._key(step, name)
-
-        async def abort() -> None:
-            await self.fs._call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload)
-
-        try:
-            self._run(abort)
-        except (StorageError, FileNotFoundError) as exc:
-            log.warning("%s: could not abort an upload (the next flush of the step does): %s",
-                        self._u(spec.step_dirname(step), name), exc)
-
-    def commit_uploaded(self, step: int, meta_bytes: bytes, objects: bytes | None, sizes: dict[str, int],
-                        update_latest: bool = True) -> int:
-        """Commit a version whose files ``sizes`` (name -> size) every writer uploaded (each
-        ``finish_upload``-ed): ``objects.bin``, ``ucp.json``, then the commit marker (the commit
-        point), then ``LATEST``. Returns the bytes this sent."""
-        vdir = spec.step_dirname(step)
-        meta = spec.parse_meta(meta_bytes, self._u(vdir, spec.META_FILE), expect_step=step)
-        if set(sizes) != set(meta.files) or any(meta.files[n].size != sizes[n] for n in sizes):
-            raise FormatError(f"{self._u(vdir)}: the uploaded files {sorted(sizes)} are not ucp.json's {sorted(meta.files)}")
-        files = dict(sizes)
-        if objects is not None:
-            self.write_bytes(objects, vdir, spec.OBJECTS_FILE)
-            files[spec.OBJECTS_FILE] = len(objects)
-        self.write_bytes(meta_bytes, vdir, spec.META_FILE)
-        marker = json.dumps({"step": step, "meta_crc32c": _crc32c(meta_bytes),
-                             "files": {spec.META_FILE: len(meta_bytes), **files}}, sort_keys=True).encode()
-        self.write_bytes(marker, spec.marker_name(step))  # the commit point
-        if update_latest:
-            self.point_latest(step)
-        return len(meta_bytes) + len(marker) + (len(objects) if objects is not None else 0)
 
     # -- fetching -------------------------------------------------------------------------------
 

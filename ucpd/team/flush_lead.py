@@ -28,9 +28,9 @@ least ``$UCPD_OBJECT_PART_BYTES``): each writer fills its parts in RAM and uploa
 completes each file's upload, checking that the store holds every planned part at its size and
 that the store's checksum of the parts is the one the writers' CRC32Cs give; then it uploads
 ``objects.bin`` and ``ucp.json`` and writes the commit marker, last, then ``LATEST``
-(``ObjectRoot.commit_uploaded``). A crash before the marker leaves an unmarked (partial)
+(``format.multipart.SharedUpload``). A crash before the marker leaves an unmarked (partial)
 version: the next flush of the step aborts its uploads and deletes its objects
-(``ObjectRoot.clear_step``) and the last committed version stays whole.
+(``SharedUpload.clear``) and the last committed version stays whole.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from .. import faults
 from ..daemon.flush import layout_of, objects_of
 from ..errors import ProtocolError, StorageError, UcpdError
 from ..format import spec
+from ..format.multipart import SharedUpload
 from ..format.objstore import ObjectRoot, join
 from ..format.shares import (
     FileLayout, FilePart, commit_files, create_files, grid_count, join_crcs, part_crc, plan_files, plan_parts, remote_meta,
@@ -182,7 +183,8 @@ class TeamFlush:
         if root.committed(step):  # a lead before us committed it and died before its index said so
             root.point_latest(step)
             return
-        root.clear_step(step)
+        up = SharedUpload(root, step)
+        up.clear()
         uploads: dict[str, str] = {}
         finished: set[str] = set()
         url = join(root.url, spec.step_dirname(step))
@@ -210,7 +212,7 @@ class TeamFlush:
 
         try:
             for fname in sorted(files.files):
-                uploads[fname] = root.open_upload(step, fname)
+                uploads[fname] = up.open(fname)
             self._drive(sm, step, body, send, progress, rate)
             segs: dict[str, list] = {}  # tensor -> [(r0, grid CRCs, nbytes)]
             per_file: dict[str, list] = {}
@@ -224,16 +226,16 @@ class TeamFlush:
                 head = files.files[part.file][2]
                 per_file.setdefault(part.file, []).append((part.size, part_crc(part, head, grids, files, spec.CHUNK_BYTES)))
             for fname, done in per_file.items():
-                root.finish_upload(step, fname, uploads[fname], done)
+                up.finish(fname, uploads[fname], done)
                 finished.add(fname)
             crcs = {n: join_crcs(((c, nb) for _, c, nb in sorted(segs.get(n, []), key=lambda x: x[0])), spec.CHUNK_BYTES)
                     for n in globals_}
             meta, blob = remote_meta(step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
                                      objects=objects_of(got.parts))
-            sent = root.commit_uploaded(step, meta, blob, {f: size for f, (size, _, _) in files.files.items()})
+            sent = up.commit(meta, blob, {f: size for f, (size, _, _) in files.files.items()})
         except BaseException:
             for fname in set(uploads) - finished:
-                root.abort_upload(step, fname, uploads[fname])
+                up.abort(fname, uploads[fname])
             raise
         self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + sent
         writers = sorted(set(sm.written_by.values()))

@@ -15,7 +15,7 @@ part. For each piece this node:
 
 With an object-store flush dir (the batch carries ``parts``) there are no files to write in
 place: the pieces are the rows of parts of the files' multipart uploads, each part filled in RAM
-(the file's header first in part 1) and uploaded with its CRC32C (``ObjectRoot.upload_part``),
+(the file's header first in part 1) and uploaded with its CRC32C (``format.multipart.SharedUpload.put_part``),
 which S3 checks on receipt; the lead completes the uploads and checks them. Bytes sent to the
 store are counted in ``flush_uploaded_bytes``.
 
@@ -45,6 +45,7 @@ from ..daemon.slot_prep import yield_to_snapshots
 from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch, ProtocolError, StorageError, UcpdError, VersionNotFound
 from ..format import spec
+from ..format.multipart import SharedUpload
 from ..format.objstore import ObjectRoot, is_url
 from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
@@ -140,7 +141,7 @@ class ShareWriter:
                                     f"[{p['r0']}, {p['r1']}) bytes [{p['begin']}, {p['end']})")
         return tmp
 
-    def _checked_store(self, body: dict) -> ObjectRoot:
+    def _checked_store(self, body: dict) -> SharedUpload:
         """The job's root in the object store, refused unless ``dir`` is step ``<N>``'s folder of a
         job under our own ``--flush-dir`` and every part and piece names one of its shard files."""
         url, mine = body["dir"].rstrip("/"), (self.team.config.flush_dir or "").rstrip("/")
@@ -153,9 +154,9 @@ class ShareWriter:
         for p in [*body["parts"], *body["pieces"]]:
             if not spec.SHARD_RE.match(p["file"]):
                 raise ProtocolError(f"flush_share: {p['file']!r} is not a shard file of the version")
-        return ObjectRoot(job_url, self.storage_options)
+        return SharedUpload(ObjectRoot(job_url, self.storage_options), body["step"])
 
-    def _upload(self, step: int, chunk: int, pieces: list[dict], parts: list[dict], store: ObjectRoot,
+    def _upload(self, step: int, chunk: int, pieces: list[dict], parts: list[dict], store: SharedUpload,
                 sources: list[Source], local: "_LocalParts", pace: "_Pace") -> list[list[int]]:
         """Each part: its header bytes and its pieces' rows filled in RAM, then uploaded as that
         part of its file's upload; each piece's grid CRCs, in order."""
@@ -189,7 +190,7 @@ class ShareWriter:
             if pos != off + size:
                 raise ProtocolError(f"flush_share: part {part['number']} of {part['file']}: its pieces end at byte {pos}, "
                                     f"the part at {off + size}")
-            store.upload_part(step, part["file"], part["upload"], part["number"], raw)
+            store.put_part(part["file"], part["upload"], part["number"], raw)
             self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + size
             _fault_points(step)
         if k != len(pieces):
