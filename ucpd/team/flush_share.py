@@ -16,8 +16,9 @@ part. For each piece this node:
 With an object-store flush dir (the batch carries ``parts``) there are no files to write in
 place: the pieces are the rows of parts of the files' multipart uploads, each part filled in RAM
 (the file's header first in part 1) and uploaded with its CRC32C (``format.multipart.SharedUpload.put_part``),
-which S3 checks on receipt; the lead completes the uploads and checks them. Bytes sent to the
-store are counted in ``flush_uploaded_bytes``.
+which S3 checks on receipt; the lead completes the uploads and checks them. The uploads run
+while the next parts are filled, ``$UCPD_OBJECT_CONCURRENCY`` parts in flight (at most
+``UPLOAD_BYTES`` of them). Bytes sent to the store are counted in ``flush_uploaded_bytes``.
 
 A source chunk that fails its check (a damaged copy, here or on the holder it came from): the
 tensors that fail are read again from each other copy in turn, alone, until one passes, and the
@@ -33,12 +34,14 @@ import logging
 import os
 import time
 import uuid
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from .. import faults
+from .. import faults, knobs
 from ..checked import CheckedSource, ConsolidatingCopier, bad_chunks, view_chunks
 from ..daemon.manifest import TensorEntry
 from ..daemon.slot_prep import yield_to_snapshots
@@ -55,6 +58,8 @@ from .shmfiles import close_map, open_reserved, remove
 from .sources import FETCH_PREFIX, PeerRead, unpin_local
 
 log = logging.getLogger("ucpd.team")
+
+UPLOAD_BYTES = 1 << 30  # bytes of filled parts a writer holds in flight to the object store, at most
 
 
 @dataclass(frozen=True)
@@ -162,40 +167,60 @@ class ShareWriter:
         part of its file's upload; each piece's grid CRCs, in order."""
         out: list[list[int]] = []
         k = 0
-        for part in parts:
-            off, size, head = part["offset"], part["size"], part["head"]
-            mine = pieces[k : k + part["pieces"]]
-            k += part["pieces"]
-            if len(mine) != part["pieces"] or (head and off != 0) or len(head) > size:
-                raise ProtocolError(f"flush_share: part {part['number']} of {part['file']} names pieces or a header it lacks")
-            raw = bytearray(size)  # what the S3 client sends as it is
-            buf = np.frombuffer(raw, np.uint8)
-            buf[: len(head)] = np.frombuffer(head, np.uint8)
-            pos = off + len(head)
-            for p in mine:
-                place = _place(p)
-                at, n = place.begin + p["r0"] * place.row_bytes, (p["r1"] - p["r0"]) * place.row_bytes
-                if p["file"] != part["file"] or at != pos or at + n > place.end or at + n > off + size:
-                    raise ProtocolError(f"flush_share: piece {p['name']!r} rows [{p['r0']}, {p['r1']}) is not next in "
-                                        f"part {part['number']} of {part['file']}")
-                view = buf[at - off : at - off + n]
-
-                def put(fill, view=view, p=p) -> list[int]:
-                    crcs = fill(view, p["r0"], p["r1"], chunk)
-                    pace(view.nbytes)
-                    return crcs
-
-                out.append(self._piece(step, chunk, place, p["r0"], p["r1"], sources, local, put))
-                pos += n
-            if pos != off + size:
-                raise ProtocolError(f"flush_share: part {part['number']} of {part['file']}: its pieces end at byte {pos}, "
-                                    f"the part at {off + size}")
-            store.put_part(part["file"], part["upload"], part["number"], raw)
-            self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + size
-            _fault_points(step)
+        inflight: deque = deque()  # (future, bytes) of parts on their way up, oldest first
+        limit = max(1, min(knobs.object_concurrency(), UPLOAD_BYTES // max(p["size"] for p in parts)))
+        pool = ThreadPoolExecutor(limit, thread_name_prefix="ucpd-flush-upload")
+        try:
+            for part in parts:
+                raw = self._fill_part(step, chunk, part, pieces[k : k + part["pieces"]], sources, local, pace, out)
+                k += part["pieces"]
+                while len(inflight) >= limit:
+                    self._landed(step, *inflight.popleft())
+                inflight.append((pool.submit(store.put_part, part["file"], part["upload"], part["number"], raw), len(raw)))
+            while inflight:
+                self._landed(step, *inflight.popleft())
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
         if k != len(pieces):
             raise ProtocolError(f"flush_share: {len(pieces) - k} pieces are in no part")
         return out
+
+    def _landed(self, step: int, upload, nbytes: int) -> None:
+        """A part's upload is over: raise its error, or count its bytes."""
+        upload.result()
+        self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + nbytes
+        _fault_points(step)
+
+    def _fill_part(self, step: int, chunk: int, part: dict, mine: list[dict], sources: list[Source],
+                   local: "_LocalParts", pace: "_Pace", out: list) -> bytearray:
+        """Part ``part``'s bytes: the header bytes it carries, then its pieces' rows (``mine``,
+        each piece's grid CRCs appended to ``out``)."""
+        off, size, head = part["offset"], part["size"], part["head"]
+        if len(mine) != part["pieces"] or (head and off != 0) or len(head) > size:
+            raise ProtocolError(f"flush_share: part {part['number']} of {part['file']} names pieces or a header it lacks")
+        raw = bytearray(size)  # what the S3 client sends as it is
+        buf = np.frombuffer(raw, np.uint8)
+        buf[: len(head)] = np.frombuffer(head, np.uint8)
+        pos = off + len(head)
+        for p in mine:
+            place = _place(p)
+            at, n = place.begin + p["r0"] * place.row_bytes, (p["r1"] - p["r0"]) * place.row_bytes
+            if p["file"] != part["file"] or at != pos or at + n > place.end or at + n > off + size:
+                raise ProtocolError(f"flush_share: piece {p['name']!r} rows [{p['r0']}, {p['r1']}) is not next in "
+                                    f"part {part['number']} of {part['file']}")
+            view = buf[at - off : at - off + n]
+
+            def put(fill, view=view, p=p) -> list[int]:
+                crcs = fill(view, p["r0"], p["r1"], chunk)
+                pace(view.nbytes)
+                return crcs
+
+            out.append(self._piece(step, chunk, place, p["r0"], p["r1"], sources, local, put))
+            pos += n
+        if pos != off + size:
+            raise ProtocolError(f"flush_share: part {part['number']} of {part['file']}: its pieces end at byte {pos}, "
+                                f"the part at {off + size}")
+        return raw
 
     def _piece(self, step: int, chunk: int, place: TensorPlace, r0: int, r1: int, sources: list[Source],
                local: "_LocalParts", put) -> list[int]:
