@@ -32,7 +32,7 @@ from ucpd.errors import ProtocolError, UcpdError
 from ucpd.protocol import job_name, tensor_entry
 
 from . import dedup as dedup_mod, embedded as embedded_daemon, launchers, restore as restore_mod, state as state_mod
-from .errors import CommitTimeout, InvalidJobName
+from .errors import CommitTimeout, InvalidJobName, LocalSizeWrong
 from .incremental import Tracker
 from .session import DaemonSession
 from .staging import CudaStager, Entry, copy_to_slot_cpu, entry_of, layout
@@ -266,6 +266,8 @@ class Checkpointer:
         self._stager_lock = threading.Lock()
         self._ahead: queue.Queue | None = None  # slots to get ready between snapshots (_map_ahead)
         self._last: SnapshotHandle | None = None
+        self._oldest: SnapshotHandle | None = None  # the oldest sealed snapshot not yet seen committed
+        self._asked = 0.0  # when _check_oldest last asked about it
         self._closed = False
         self._closing = threading.Lock()
         self._skip: set[str] = set()  # duplicates the daemon told us about at the last begin
@@ -406,6 +408,7 @@ class Checkpointer:
 
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
         conn = self.session.conn()
+        self._check_oldest()
         objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         left = 0
         shares = self._balancer.shares(handle.step, entries) if self._balancer is not None else None
@@ -461,7 +464,31 @@ class Checkpointer:
         # queued before the step says sealed: whoever waits for it and then for the spares
         # (``_ahead.join()``) finds them queued, not a thread still on its way to queue them
         self._map_ahead(sealed.get("spares") or reply.get("spares") or ())
+        if self._oldest is None:
+            self._oldest = handle
         handle._sealed.set()
+
+    def _check_oldest(self) -> None:
+        """A loop that never calls ``wait()`` must still hear that its steps can never commit:
+        once the oldest snapshot not seen committed has waited ``$UCPD_STALL_WARN`` s, ask the
+        daemon about it (a ``wait`` of no time, at most once a second) — ``LocalSizeWrong`` then
+        fails this snapshot, and so ``staged()``."""
+        oldest = self._oldest
+        if oldest is not None and (oldest._committed or oldest._error is not None):
+            oldest = self._oldest = None
+        now = time.perf_counter()
+        if oldest is None or now - oldest.timings["sealed"] < knobs.stall_warn() or now - self._asked < 1.0:
+            return
+        self._asked = now
+        try:
+            oldest._ask(0.0)
+        except LocalSizeWrong:
+            raise
+        except UcpdError:  # that step failed on its own: its wait() says why; the next ones may commit
+            self._oldest = None
+            return
+        if oldest._committed:
+            self._oldest = None
 
     def _map_ahead(self, paths) -> None:
         """Get the rank's spare slots ready between snapshots, on a thread of their own (the
