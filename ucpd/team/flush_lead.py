@@ -107,6 +107,25 @@ def cut_parts(globals_: dict, parts: list[FilePart]) -> list[Piece]:
     return out
 
 
+def checksums_of(parts: list[FilePart], done: dict[int, list[int]], files: FileLayout, globals_) -> tuple[dict, dict]:
+    """From each part's grid CRCs (``done``: by part index, its segments' in order): each file's
+    parts as ``[(size, crc32c)]`` (what the store must hold) and each tensor's chunk CRCs."""
+    segs: dict[str, list] = {}  # tensor -> [(r0, grid CRCs, nbytes)]
+    per_file: dict[str, list] = {}
+    for i, part in enumerate(parts):
+        flat, grids = list(done[i]), []
+        for s in part.segments:
+            n = grid_count(s.r0 * files.tensors[s.name].row_bytes, s.nbytes, spec.CHUNK_BYTES)
+            grids.append(flat[:n])
+            segs.setdefault(s.name, []).append((s.r0, flat[:n], s.nbytes))
+            flat = flat[n:]
+        head = files.files[part.file][2]
+        per_file.setdefault(part.file, []).append((part.size, part_crc(part, head, grids, files, spec.CHUNK_BYTES)))
+    crcs = {n: join_crcs(((c, nb) for _, c, nb in sorted(segs.get(n, []), key=lambda x: x[0])), spec.CHUNK_BYTES)
+            for n in globals_}
+    return per_file, crcs
+
+
 def _add_held(held: dict[int, int], g, r0: int, r1: int) -> None:
     """Add to ``held`` the bytes of rows ``[r0, r1)`` of global tensor ``g`` each rank holds."""
     isz = lookup_dtype(g.dtype).itemsize
@@ -177,12 +196,11 @@ class TeamFlush:
         """The version as parts of one multipart upload per file, each uploaded by the node that
         fills it; then each upload completed and checked, and the version committed (see the module)."""
         t0 = time.monotonic()
-        parts = plan_parts(files, max(root.part_bytes, block_bytes(files.total_bytes, len(live))))
-        pieces = cut_parts(globals_, parts)
-        sm = ShareFlush(pieces, holders, live, batch_bytes=batch_bytes(files.total_bytes, len(live)))
         if root.committed(step):  # a lead before us committed it and died before its index said so
             root.point_latest(step)
             return
+        parts = plan_parts(files, max(root.part_bytes, block_bytes(files.total_bytes, len(live))))
+        sm = ShareFlush(cut_parts(globals_, parts), holders, live, batch_bytes=batch_bytes(files.total_bytes, len(live)))
         up = SharedUpload(root, step)
         up.clear()
         uploads: dict[str, str] = {}
@@ -208,28 +226,18 @@ class TeamFlush:
                     if len(g) != grid_count(s.r0 * files.tensors[s.name].row_bytes, s.nbytes, spec.CHUNK_BYTES):
                         raise ProtocolError(f"node {b.node} answered {len(g)} checksums for rows [{s.r0}, {s.r1}) of {s.name!r}")
                 out.append([c for g in grids for c in g])
+            if flat:
+                raise ProtocolError(f"node {b.node} answered checksums for {len(flat)} pieces more than it was sent")
             return out
 
         try:
             for fname in sorted(files.files):
                 uploads[fname] = up.open(fname)
             self._drive(sm, step, body, send, progress, rate)
-            segs: dict[str, list] = {}  # tensor -> [(r0, grid CRCs, nbytes)]
-            per_file: dict[str, list] = {}
-            for i, part in enumerate(parts):
-                flat, grids = list(sm.done[i]), []
-                for s in part.segments:
-                    n = grid_count(s.r0 * files.tensors[s.name].row_bytes, s.nbytes, spec.CHUNK_BYTES)
-                    grids.append(flat[:n])
-                    segs.setdefault(s.name, []).append((s.r0, flat[:n], s.nbytes))
-                    flat = flat[n:]
-                head = files.files[part.file][2]
-                per_file.setdefault(part.file, []).append((part.size, part_crc(part, head, grids, files, spec.CHUNK_BYTES)))
+            per_file, crcs = checksums_of(parts, sm.done, files, globals_)
             for fname, done in per_file.items():
                 up.finish(fname, uploads[fname], done)
                 finished.add(fname)
-            crcs = {n: join_crcs(((c, nb) for _, c, nb in sorted(segs.get(n, []), key=lambda x: x[0])), spec.CHUNK_BYTES)
-                    for n in globals_}
             meta, blob = remote_meta(step, files, crcs, source_layout=layout_of(got.version.world_size, got.parts),
                                      objects=objects_of(got.parts))
             sent = up.commit(meta, blob, {f: size for f, (size, _, _) in files.files.items()})
