@@ -3,7 +3,7 @@ fault proxy): every node uploads its share of a flush as parts of the files' mul
 and node 0 commits the version (marker last); the bytes each node sends are within 2x of the
 mean; a node killed mid-upload leaves its parts to the others, the lead killed mid-upload leaves
 the last committed version whole; when RAM has lost a step the team, or a lone daemon in another
-layout, restores it from the bucket."""
+layout, restores it from the bucket, meeting a damaged object as a damaged file."""
 
 from __future__ import annotations
 
@@ -15,8 +15,9 @@ import torch
 
 from helpers import TEST_JOB, ranks
 from helpers.s3server import moto_server, s3  # noqa: F401  (fixtures)
-from ucpd.format import list_versions, read_latest, validate
-from ucpd_client import layouts as L, placement as P
+from ucpd.errors import ChecksumMismatch
+from ucpd.format import list_versions, open_version, read_latest, validate
+from ucpd_client import Checkpointer, layouts as L, placement as P
 
 from .test_team_daemons import restore_on, snapshot_ranks, status, wait_for
 
@@ -58,18 +59,6 @@ def snapshot_big(rank, world, rendezvous, q, run_dirs, per_node, steps, hold):
     ckpt.close()
 
 
-def restore_big(rank, world, rendezvous, q, run_dir, step):
-    ranks.init_gloo(rank, world, rendezvous)
-    from ucpd_client import Checkpointer
-
-    want, placements = big_state(step, rank, world)
-    target = {k: torch.full_like(v, -1.0) for k, v in want.items()}
-    with Checkpointer(run_dir, embedded=False) as ckpt:
-        got = ckpt.restore(target, placements=placements)
-        where = ckpt.last_restore["where"]
-    q.put((rank, got, where, [k for k in want if not torch.equal(target[k], want[k])]))
-
-
 def complete(url: str, step: int) -> bool:
     return any(v.step == step and v.state == "complete" for v in list_versions(url))
 
@@ -85,29 +74,45 @@ def stored_bytes(s3, step: int) -> int:
     return sum(o["Size"] for o in got if o["Key"][len(prefix):].startswith((f"step-{step}/", f"step-{step}.")))
 
 
-def test_every_node_uploads_its_share_and_a_lone_daemon_restores_it_in_another_layout(make_team, make_daemon, dirs, s3):
+def flip_object(s3, url: str, step: int, name: str, at: int) -> None:
+    """Flip a byte of tensor ``name`` in ``step``'s shard object in the bucket."""
+    with open_version(url, step) as reader:
+        info = reader.tensors[name]
+    key = f"ckpt/{TEST_JOB}/step-{step}/{info.file}"
+    body = bytearray(s3.client.get_object(Bucket=s3.bucket, Key=key)["Body"].read())
+    body[info.data_offset + at] ^= 0x20
+    s3.client.put_object(Bucket=s3.bucket, Key=key, Body=bytes(body))
+
+
+def test_every_node_uploads_its_share_and_a_lone_daemon_restores_it_in_another_layout(make_team, make_daemon, s3):
     url = f"{s3.url}/{TEST_JOB}"
     team = make_team(3, "--replicas", "1", "--flush-dir", s3.url)
-    procs, done = ranks.spawn(snapshot_big, 6, team.run_dirs(), 2, (1,), True)  # 2 ranks a node
-    assert sorted(m[2] for m in done) == [1] * 6, team.logs()
-    wait_for(lambda: complete(url, 1), "the team's upload of step 1", 90)
-    assert validate(url, 1, full=True) == []  # every chunk of every object against ucp.json
+    procs, done = ranks.spawn(snapshot_big, 6, team.run_dirs(), 2, (1, 2), True)  # 2 ranks a node
+    assert sorted(m[2] for m in done) == [2] * 6, team.logs()
+    wait_for(lambda: complete(url, 1) and complete(url, 2), "the team's uploads of steps 1 and 2", 90)
+    assert validate(url, 1, full=True) == [] and validate(url, 2, full=True) == []  # every chunk against ucp.json
     sent = uploaded(team, range(3))
     mean = sum(sent.values()) / 3
     print(f"bytes uploaded by node: {sent}, mean {mean:.0f}, max/mean {max(sent.values()) / mean:.2f}")
-    assert all(mean / 2 <= b <= 2 * mean for b in sent.values()), sent  # no node's uplink carries the version
-    assert sum(sent.values()) == stored_bytes(s3, 1), sent  # each byte sent once, node 0 alone sent no copy
+    assert all(mean / 2 <= b <= 2 * mean for b in sent.values()), sent  # no node's uplink carries the versions
+    assert sum(sent.values()) == stored_bytes(s3, 1) + stored_bytes(s3, 2), sent  # each byte sent once
     assert s3.proxy.bad_checksums == [] and not [u for u in s3.proxy.unchecked if "partNumber" in u]
     assert status(team.nodes[0].run_dir)["flush"]["last_error"] is None
-    assert not os.path.exists(os.path.join(team.nodes[0].run_dir, "flush-cache", TEST_JOB, "step-1"))  # no local copy
+    assert not os.path.exists(os.path.join(team.nodes[0].run_dir, "flush-cache", TEST_JOB, "step-2"))  # no local copy
     ranks.kill(procs)
     team.stop()  # every node's RAM is gone
+    flip_object(s3, url, 2, "w1", 10)
 
     d = make_daemon("--mem-limit", "512M", "--flush-dir", s3.url, flush=False)
-    procs, results = ranks.spawn(restore_big, 1, d.run_dir, 1)  # one rank: every tensor whole
-    ranks.join(procs)
-    (rank, got, where, bad), = results
-    assert (got, where, bad) == (1, "disk", []), d.read_log()[-3000:]
+    want, placements = big_state(1, 0, 1)  # one rank: every tensor whole
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
+        t = {k: torch.full_like(v, -1.0) for k, v in want.items()}
+        with pytest.raises(ChecksumMismatch, match="step 2"):  # a damaged object, met as a damaged file
+            ckpt.restore(t, placements=placements, step=2)
+        assert all((v == -1.0).all() for v in t.values())
+        assert ckpt.restore(t, placements=placements) == 1
+        assert ckpt.last_restore == {"step": 1, "where": "disk", "damaged": [(2, "disk")]}
+        assert [k for k in want if not torch.equal(t[k], want[k])] == []
 
 
 def test_a_writer_killed_mid_upload_leaves_its_parts_to_the_others(make_team, s3):
