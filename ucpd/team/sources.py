@@ -39,6 +39,7 @@ from .directory import Directory, ask_all
 from .fetch import fetch_shares
 from .holder_answers import HolderAnswers
 from .piece_index import PieceIndex
+from .settle import Settle
 from .shmfiles import close_map, open_reserved, remove
 from .parts import check_parts, part_from_wire, run_of, used_bytes, with_run
 
@@ -192,6 +193,7 @@ class VersionSources:
         self._shared: dict[tuple, tuple[Version, RamSame]] = {}  # (step, gen, run) -> parts and indexes
         self._asked = PeersAsked(lambda live, step: ask_all(self.transport, self.rank, live, "holdings", {"step": step}))
         self._shared_lock = threading.Lock()
+        self.settle = Settle(team)  # answers a view in flux makes short, asked again as it settles
         self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
         self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
 
@@ -284,15 +286,13 @@ class VersionSources:
     # --- restore ------------------------------------------------------------------------------------
 
     def latest(self) -> int | None:
-        """The newest committed step that the live nodes still hold whole (None: none)."""
-        gen, held = self.held_by_node(None)
-        step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
-        newest = self.team.protocol_state()[3]
-        if gen is not None and newest is not None and (step is None or step < newest):
-            # the directory's answer may predate the newest commit: ask for a fresh one
-            gen, held = self.held_by_node(None, stale=gen)
-            step = latest_whole((h for items in held.values() for h in items), self.team.is_committed)
-        return step
+        """The newest committed step that the live nodes still hold whole (None: none); an
+        answer found short is asked again as the view settles (``settle``)."""
+        def ask(stale):
+            gen, held = self.held_by_node(None, stale)
+            return gen, held, latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+
+        return self.settle.latest(ask, self.directory is not None)
 
     def restore_sources(self, step: int | None, reader: tuple | None = None) -> TeamSources:
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
@@ -323,7 +323,7 @@ class VersionSources:
             self.widen(f"step {step}, rank {reader[0]} of {reader[1]}: {why}")
         stale = None
         for attempt in range(3):
-            got = self._plan_sources(step, stale)
+            got = self.settle.planned(step, lambda: self._plan_sources(step, stale))
             try:
                 self._lease_peers(got)
                 return got
