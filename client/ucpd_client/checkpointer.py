@@ -408,8 +408,6 @@ class Checkpointer:
 
     def _take(self, handle: SnapshotHandle, entries: list[Entry], values: dict, fence: Fence | None) -> None:
         conn = self.session.conn()
-        self._check_oldest()
-        objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         left = 0
         shares = self._balancer.shares(handle.step, entries) if self._balancer is not None else None
         if shares is not None:  # first: every rank meets there, whatever fails after
@@ -417,6 +415,8 @@ class Checkpointer:
             handle.shares = sum(1 for s in shares.values() if s is not None and s.placement is not None)
         elif self._balancer is not None:
             self._balancer, self.dedup = None, "lowest"
+        self._check_oldest()
+        objects = pickle.dumps(values, protocol=pickle.HIGHEST_PROTOCOL)
         incr = self._incremental
         seen = incr.observe(entries) if incr is not None else []
         refs = incr.unchanged(entries, seen, knobs.copy_threads(), self._skip) if incr is not None else {}
