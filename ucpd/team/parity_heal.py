@@ -162,14 +162,14 @@ class ParityHealer:
         finally:
             healing["pending"] -= 1
         group.healed_here(step, {o: m for o, m in mans.items() if o != me or m["parts"]}, blocks)
+        healing["done"] += 1  # before the notices: a member they make healthy never shows a heal not yet counted
+        healing["bytes"] += nbytes
         mine = mans.get(me) or {"origin": me, "step": step, "inc": next(iter(runs)), "size": 0, "bases": [], "parts": [],
                                 "world_size": next(iter(mans.values()))["world_size"]}
         notice = dict(mine, healed=sorted(s.members))
         for g in s.members:
             if g != me and g in live:
                 team.transport.request(g, "parity_manifest", notice, timeout=30.0)
-        healing["done"] += 1
-        healing["bytes"] += nbytes
         log.info("team: our share of step %d's parity held again (%s%d parity rows re-encoded, %d bytes)", step,
                  "own part rebuilt, " if plan is not None and plan.rebuild else "", len(plan.rows) if plan else 0, nbytes)
         return True
