@@ -121,9 +121,11 @@ def rollout(args) -> None:
     names = {n: f"model.{n}" for n in into}
     with Weights(job=JOB, run_dir=args.run_dirs.split(",")[r]) as w, w.subscribe() as sub:
         step = w.latest()  # a restarted rollout catches up first
+        pulled = 0  # a notice of a version latest() already gave (it committed as we subscribed) is skipped
         while True:
-            if step is not None:
+            if step is not None and step > pulled:
                 w.pull(step, into, placements=placements, names=names)
+                pulled = step
                 want = expected_rollout(step, r)
                 bad = [n for n in into if not torch.equal(into[n], want[n])]
                 event(args.work, who=f"rollout{r}", step=step, ok=not bad, bad=bad, warm=w.last_pull["warm"],
