@@ -171,3 +171,25 @@ def test_no_class_is_longer_than_450_lines(area):
 
 def test_the_team_driver_stays_under_400_lines():
     assert len((ROOT / "ucpd" / "team" / "team.py").read_text().splitlines()) < 400
+
+
+def _calls_outside(func: str, allowed: set[str]) -> list[str]:
+    """Every call of a function or method named ``func`` in ucpd and the client outside the
+    ``allowed`` files (paths from the repository root)."""
+    found = []
+    for path in sorted(p for base in PACKAGES.values() for p in base.rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                f = node.func
+                if (f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)) == func:
+                    found.append(f"{rel}:{node.lineno}")
+    return found
+
+
+def test_one_durable_write_helper():
+    """write, fsync, close, fsync the folder: written once, in ucpd.format.durable; every
+    other module asks it (durable_file, write_file_new, write_file_atomic, fsync_fd)."""
+    assert _calls_outside("fsync", {"ucpd/format/durable.py"}) == []

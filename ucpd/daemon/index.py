@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import msgpack
 
 from .. import faults, protocol
+from ..format.durable import write_file_atomic
 from ..native import CHUNK_BYTES, crc32c
 
 from .manifest import RankPart, TensorEntry, tensors_from_columns
@@ -78,13 +79,11 @@ def save(shm_dir: str, slots: SlotStore, store) -> None:
     }
     path = os.path.join(shm_dir, INDEX_NAME)
     tmp = f"{path}.tmp-{os.getpid()}"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:  # manifests: ours alone
-        body = msgpack.packb(doc, use_bin_type=True)
-        f.write(msgpack.packb({"index_version": INDEX_VERSION, "crc32c": crc32c(body), "body": body}, use_bin_type=True))
-        f.flush()
-        os.fsync(f.fileno())
-    faults.point("index.tmp", max((v["step"] for v in versions if v["state"] != "complete"), default=None))
-    os.replace(tmp, path)
+    body = msgpack.packb(doc, use_bin_type=True)
+    data = msgpack.packb({"index_version": INDEX_VERSION, "crc32c": crc32c(body), "body": body}, use_bin_type=True)
+    torn = max((v["step"] for v in versions if v["state"] != "complete"), default=None)
+    write_file_atomic(path, data, mode=0o600, tmp=tmp,  # 0o600: manifests are ours alone
+                      before_replace=lambda: faults.point("index.tmp", torn))
 
 
 @dataclass

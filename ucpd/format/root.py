@@ -17,7 +17,7 @@ from pathlib import Path
 
 from ..errors import FormatError, VersionNotFound
 from . import spec
-from ._fs import fsync_dir, write_file_atomic
+from .durable import fsync_dir, write_file_atomic
 from .objstore import ObjectRoot, is_url
 from .reader import VersionReader, check_files_present, read_meta
 from .spec import VersionSummary

@@ -38,7 +38,7 @@ from .. import native
 from ..errors import FormatError, StorageError
 from . import spec
 from ._checksum import chunk_crcs, crc32c
-from ._fs import fsync_dir, write_all
+from .durable import durable_file, fsync_dir, fsync_fd, sync_file, write_all
 from .writer import (
     DEFAULT_STAGING_BYTES, TensorSource, _ChunkCRC, _extend, _give_stage, _take_stage, check_objects, check_sources,
     commit_temp, dump_meta, plan_shards, shard_header, version_meta, write_objects,
@@ -106,14 +106,9 @@ def create_files(tmp: Path, layout: FileLayout, fsync: bool = True) -> None:
     written, so that each writer only opens it and writes its ranges in place."""
     tmp.mkdir()
     for fname, (size, _, head) in layout.files.items():
-        fd = os.open(tmp / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
+        with durable_file(tmp / fname, os.O_RDWR | os.O_CREAT | os.O_EXCL, fsync=fsync) as fd:
             _extend(fd, size)
             write_all(fd, head, 0)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
     if fsync:
         fsync_dir(tmp)
 
@@ -221,7 +216,7 @@ def write_rows(
                     throttle(row_bytes)
         want = written.finish()
         if fsync:
-            os.fsync(fd)
+            fsync_fd(fd)
             os.posix_fadvise(fd, at, nbytes, os.POSIX_FADV_DONTNEED)  # read back what the disk has
         got = GridCRCs(begin, chunk)
         step = stage.nbytes
@@ -264,11 +259,7 @@ def _meta(tmp: Path, step: int, layout: FileLayout, crcs, source_layout, objects
         if got != size:
             raise StorageError(f"{tmp / fname} is {got} bytes, planned {size}: a writer wrote past its range")
         if fsync:
-            fd = os.open(tmp / fname, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            sync_file(tmp / fname)
         files_meta[fname] = {"size": size, "data_offset": doff}
     objects_meta = write_objects(tmp, check_objects(objects), chunk, fsync)
     return version_meta(step, layout.total_bytes, dict(source_layout or {}), files_meta, _tensors_meta(layout, crcs, chunk),

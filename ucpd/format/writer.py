@@ -40,7 +40,7 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import FormatError
 from . import spec
 from ._checksum import chunk_crcs as _chunk_crcs
-from ._fs import fsync_dir, write_all
+from .durable import durable_file, fsync_dir, fsync_fd, write_all, write_file_new
 from .root import maybe_update_latest
 
 WRITE_CRC_THREADS = 1  # the writer checksums on one thread while another writes: I/O is the bound,
@@ -641,16 +641,7 @@ def commit_temp(tmp: Path, root: Path, step: int, meta: dict, *, fsync: bool = T
     root, point ``LATEST``. The temporary folder is removed if this fails before the rename."""
     final = root / spec.step_dirname(step)
     try:
-        data = dump_meta(meta)
-        fd = os.open(tmp / spec.META_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            write_all(fd, data, 0)
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        if fsync:
-            fsync_dir(tmp)
+        write_file_new(tmp / spec.META_FILE, dump_meta(meta), fsync=fsync)
         if final.exists():
             raise FormatError(f"{final} appeared while writing; another writer owns this step")
         faults.point("flush.meta", step)  # test-only crash points (ucpd.faults; inert in production)
@@ -770,7 +761,7 @@ def _write_shard(
         if os.fstat(fd).st_size != size:  # pragma: no cover - a bug, not an input error
             raise FormatError(f"{path}: wrote {os.fstat(fd).st_size} bytes, planned {size}")
         if fsync:
-            os.fsync(fd)
+            fsync_fd(fd)
     finally:
         if direct is not None:
             direct.close()
@@ -853,8 +844,7 @@ def write_objects(tmp: Path, blobs: list[tuple[str, bytes]], chunk: int, fsync: 
     """The non-tensor state (``check_objects``' blobs) into ``objects.bin``; its ``ucp.json`` entry."""
     objects_meta: dict[str, Any] = {"global": None, "ranks": {}}
     if blobs:
-        fd = os.open(tmp / spec.OBJECTS_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
+        with durable_file(tmp / spec.OBJECTS_FILE, fsync=fsync) as fd:
             pos = 0
             for key, b in blobs:
                 write_all(fd, b, pos)
@@ -866,10 +856,6 @@ def write_objects(tmp: Path, blobs: list[tuple[str, bytes]], chunk: int, fsync: 
                 pos += len(b)
                 if pacer is not None:
                     pacer.advance(len(b))
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
     return objects_meta
 
 

@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ucpd.format.durable import write_file_atomic
+
 try:
     from lightning.pytorch.plugins.io import CheckpointIO as _Base, TorchCheckpointIO
 except ImportError:  # pragma: no cover - the older package name
@@ -125,12 +127,7 @@ class UcpdCheckpointIO(_Base):
         pointer = {"format": POINTER_FORMAT, "version": 1, "job": self.ckpt.job, "step": step,
                    "global_step": int(checkpoint.get("global_step", 0)), "epoch": int(checkpoint.get("epoch", 0)),
                    "tensors": len(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
-        tmp = f"{path}.tmp-{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(pointer, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_file_atomic(path, json.dumps(pointer).encode(), tmp=f"{path}.tmp-{os.getpid()}")
 
     @staticmethod
     def read_pointer(path: Any) -> dict | None:
