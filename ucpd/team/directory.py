@@ -26,8 +26,9 @@ level it needs, on every node it asks. A partner that does not answer, or whose 
 nodes out, is gone around: the nodes its half lacks are asked directly
 (``directory_fallbacks`` counts them). A level larger than ``PAGE_BYTES`` goes in pages.
 
-The doubling (:func:`span`, :func:`partner`, :func:`levels`) is pure; :class:`Directory` is the
-node's end; it waits on the peers on threads of its own, never the transport's.
+The doubling (:func:`span`, :func:`partner`, :func:`levels`) is pure; :class:`Directory` is the node's end,
+its levels kept and built by ``team.levels`` (the piece index's engine too) on threads of their
+own, never the transport's.
 """
 
 from __future__ import annotations
@@ -36,19 +37,18 @@ import logging
 import random
 import threading
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import msgpack
 
 from ..errors import UcpdError
+from .levels import ASK_TIMEOUT, TTL, Level, Levels, ask_pages, reply_when_done
 
 log = logging.getLogger("ucpd.team")
 
-__all__ = ["Directory", "Level", "ask_all", "levels", "partner", "span", "TTL"]
-
-TTL = 5.0  # seconds an answer serves the requests that follow it (a restart's storm of them)
-ASK_TIMEOUT = 10.0  # seconds to wait for a node's answer, and as much more per level it gathers first
 PAGE_BYTES = 16 << 20  # a level larger than this goes in pages (a peer frame holds at most 64 MiB)
+
+__all__ = ["Directory", "ask_all", "levels", "partner", "span", "PAGE_BYTES", "TTL"]
+
 
 
 def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
@@ -92,46 +92,6 @@ def partner(index: int, level: int, n: int) -> int | None:
     return other + index % half % (min(other + half, n) - other)
 
 
-@dataclass
-class Level:
-    """One level of one step's gather as this node knows it (the piece index keeps its levels
-    in the same way: ``team.piece_index``)."""
-
-    view: tuple[int, ...]  # the sorted live nodes it was gathered in
-    wave: int
-    fresh: bool = False  # made for a wave that renews answers: its lower levels and partners renew too
-    future: Future = field(default_factory=Future)
-    at: float | None = None  # when it was done (None: on its way)
-    pages: list[int] | None = None  # where each page of it starts (cut on the first request)
-
-    def usable(self, view: tuple[int, ...], now: float, wave: int | None) -> bool:
-        """Whether it answers a request in ``view`` (``wave``: of that wave only, however old)."""
-        if self.view != view or (wave is not None and wave != self.wave):
-            return False
-        if self.future.done():
-            return self.future.exception() is None and (wave is not None or now - self.at < TTL)
-        return True  # on its way: share it
-
-    def page(self, first: int) -> tuple[list[dict], int | None]:
-        """Its entries from ``first`` on, up to ``PAGE_BYTES`` of them (at least one), and where
-        the next page starts (None: the last)."""
-        held = self.future.result()
-        if self.pages is None:  # (two threads may both cut it: the same cut)
-            pages, size = [0], 0
-            for i, e in enumerate(held):
-                n = len(msgpack.packb(e, use_bin_type=True))
-                if size and size + n > PAGE_BYTES:
-                    pages.append(i)
-                    size = 0
-                size += n
-            self.pages = pages
-        if first not in self.pages:
-            raise UcpdError(f"directory: no page starts at entry {first}; ask again from the start")
-        k = self.pages.index(first)
-        end = self.pages[k + 1] if k + 1 < len(self.pages) else None
-        return held[first:end], end
-
-
 class Directory:
     """This node's end of the directory. ``sources``: the node's ``VersionSources`` (its
     transport, rank, live view, clock and own holdings)."""
@@ -139,8 +99,8 @@ class Directory:
     def __init__(self, sources) -> None:
         self.sources = sources
         self.rank = sources.rank
-        self._lock = threading.Lock()
-        self._levels: dict[tuple[int | None, int], Level] = {}
+        self._levels = Levels(self._build, lambda: sources.team.clock(), name="directory",
+                              new_wave=lambda: random.getrandbits(62), inline=(0,))
         self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
 
     # --- asking -------------------------------------------------------------------------------------
@@ -151,10 +111,9 @@ class Directory:
         Where the directory fails or stalls, every live node is asked (``gen`` None)."""
         view = self._view()
         top = levels(len(view))
-        with self._lock:
-            got = self._levels.get((step, top))
-            renew = stale is not None and got is not None and got.wave == stale
-        lvl = self._level(step, top, view, random.getrandbits(62) if renew else None)
+        got = self._levels.kept(step, top)
+        renew = stale is not None and got is not None and got.wave == stale
+        lvl = self._levels.get(step, top, view, random.getrandbits(62) if renew else None)
         try:
             return lvl.wave, lvl.future.result(_wait(top + 1))  # (its wave: the gen a stale answer names)
         except Exception as exc:  # (a timeout too): the directory only saves requests; ask as without it
@@ -166,34 +125,8 @@ class Directory:
     def _view(self) -> tuple[int, ...]:
         return tuple(sorted(self.sources.team.live() | {self.rank}))
 
-    def _level(self, step: int | None, level: int, view: tuple[int, ...], wave: int | None) -> Level:
-        """Level ``level`` of ``step`` in ``view``: the one kept, or a new one being gathered;
-        ``wave``: a wave that renews answers, whose level only will do."""
-        now = self.sources.team.clock()
-        with self._lock:
-            got = self._levels.get((step, level))
-            if got is not None and got.usable(view, now, wave):
-                return got
-            for key, old in list(self._levels.items()):  # answers past their time go (manifests are large)
-                if old.at is not None and now - old.at > 2 * TTL:
-                    del self._levels[key]
-            fresh = wave is not None
-            got = self._levels[(step, level)] = Level(view, wave if fresh else random.getrandbits(62), fresh)
-        if level == 0:
-            self._finish(got, lambda: [self._own(step)])
-        else:
-            threading.Thread(target=self._finish, args=(got, lambda: self._gather(step, level, got)),
-                             name=f"ucpd-directory-{level}", daemon=True).start()
-        return got
-
-    def _finish(self, got: Level, make) -> None:
-        try:
-            out = make()
-            got.at = self.sources.team.clock()
-            got.future.set_result(out)
-        except BaseException as exc:  # its askers get it; the next one starts again
-            got.at = self.sources.team.clock()
-            got.future.set_exception(exc)
+    def _build(self, step: int | None, level: int, got: Level) -> list[dict]:
+        return [self._own(step)] if level == 0 else self._gather(step, level, got)
 
     def _own(self, step: int | None) -> dict:
         return {"node": self.rank, "items": self.sources.own_holdings(step)}
@@ -212,7 +145,7 @@ class Directory:
         if level == levels(n):
             self.counters["directory_gathers"] += 1
         renew = got.wave if got.fresh else None
-        lower = self._level(step, level - 1, view, renew)
+        lower = self._levels.get(step, level - 1, view, renew)
         held = {e["node"]: e for e in lower.future.result(_wait(level))}
         p = partner(me, level, n)
         if p is not None:
@@ -237,13 +170,9 @@ class Directory:
             body["wave"] = wave
         if step is not None:
             body["step"] = step
-        reply, _ = self.sources.transport.request(node, "directory", body, timeout=_wait(level + 1))
-        held, got = list(reply["held"]), reply["wave"]
-        while reply.get("next") is not None:  # the rest in pages of the same level
-            reply, _ = self.sources.transport.request(node, "directory", dict(body, of=got, first=reply["next"]),
-                                                      timeout=ASK_TIMEOUT)
-            held.extend(reply["held"])
-        return held
+        pages = ask_pages(self.sources.transport.request, node, "directory", body, _wait(level + 1),
+                          later=lambda first: {"of": first["wave"]})  # the rest in pages of the same level
+        return [e for reply in pages for e in reply["held"]]
 
     # --- answering the peers -----------------------------------------------------------------------
 
@@ -252,30 +181,17 @@ class Directory:
         have one of it, else the one kept; a new one of that wave when neither), in pages."""
         step, level = body.get("step"), min(body["level"], levels(len(self._view())))
         if body.get("first") is not None:  # a later page of a level we answered
-            with self._lock:
-                got = self._levels.get((step, level))
+            got = self._levels.kept(step, level)
             if got is None or got.wave != body.get("of") or not got.future.done():
                 raise UcpdError("directory: that answer is gone; ask again from the start")
-            return _done(got, body["first"])
+            out: Future = Future()
+            out.set_result((_page(got, body["first"]), []))
+            return out
         self.counters["directory_requests"] += 1
         view = self._view()
         # (a view with fewer nodes than the asker's has a lower top: all we know; it asks the rest)
-        got = self._level(step, level, view, body.get("wave"))
-        out: Future = Future()
-
-        def reply(f: Future) -> None:
-            if f.exception() is not None:
-                exc = f.exception()
-                out.set_exception(exc if isinstance(exc, UcpdError) else UcpdError(f"directory: {exc}"))
-                return
-            try:
-                held, nxt = got.page(0)
-                out.set_result(({"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
-            except BaseException as e:
-                out.set_exception(e if isinstance(e, UcpdError) else UcpdError(f"directory: {e}"))
-
-        got.future.add_done_callback(reply)
-        return out
+        got = self._levels.get(step, level, view, body.get("wave"))
+        return reply_when_done(got.future, lambda _: _page(got, 0), "directory")
 
 
 def _wait(level: int) -> float:
@@ -283,8 +199,22 @@ def _wait(level: int) -> float:
     return ASK_TIMEOUT * (level + 1)
 
 
-def _done(got: Level, first: int) -> Future:
-    held, nxt = got.page(first)
-    out: Future = Future()
-    out.set_result(({"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}, []))
-    return out
+def _page(got: Level, first: int) -> dict:
+    """The reply with ``got``'s entries from ``first`` on, up to ``PAGE_BYTES`` of them (at least
+    one), and where the next page starts (none: the last)."""
+    held = got.future.result()
+    if got.pages is None:  # (two threads may both cut it: the same cut)
+        pages, size = [0], 0
+        for i, e in enumerate(held):
+            n = len(msgpack.packb(e, use_bin_type=True))
+            if size and size + n > PAGE_BYTES:
+                pages.append(i)
+                size = 0
+            size += n
+        got.pages = pages
+    if first not in got.pages:
+        raise UcpdError(f"directory: no page starts at entry {first}; ask again from the start")
+    k = got.pages.index(first)
+    nxt = got.pages[k + 1] if k + 1 < len(got.pages) else None
+    held = held[first:nxt]
+    return {"wave": got.wave, "held": held, **({"next": nxt} if nxt is not None else {})}

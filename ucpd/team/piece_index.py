@@ -27,7 +27,7 @@ targets overlap. It then asks only those ranks' holders for their manifests
   returns one rank per distinct saved box they overlap (:func:`answer`). It prefers a rank whose
   part the asking node holds, else a different copy for different askers.
 
-Levels are asked only of lower levels (as in ``team.directory``), so no two nodes wait on each
+Levels are kept and built by ``team.levels`` (as the directory's), asked only of lower levels, so no two nodes wait on each
 other. Every request names the view it was made in, and a node with another view refuses it.
 A level or query that fails makes the restore plan from every part (``index_fallbacks``). The
 index only saves bytes: the plan it feeds is checked like any other, and a missing piece makes
@@ -39,7 +39,6 @@ the planner widen. The pure part (:func:`owner`, :func:`buckets`, :func:`entries
 from __future__ import annotations
 
 import logging
-import threading
 import zlib
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -47,14 +46,13 @@ import msgpack
 
 from ..errors import UcpdError
 from ..daemon.manifest import fragments_of
-from .directory import TTL, Level
+from .levels import ASK_TIMEOUT, Levels, ask_pages, reply_when_done
 from .parts import part_from_wire
 
 log = logging.getLogger("ucpd.team")
 
 __all__ = ["PieceIndex", "answer", "entries_of", "keep", "level_keeps", "merge", "owner", "owners", "partner", "folded", "to_wire", "from_wire", "wants_of"]
 
-ASK_TIMEOUT = 10.0  # seconds for a node's answer, and as much more per level it gathers first
 PAGE_PIECES = 200_000  # pieces a reply carries at most (about 6 MB); the rest in pages
 ASKERS = 16  # owners a node asks at once
 
@@ -253,8 +251,8 @@ class PieceIndex:
     def __init__(self, sources) -> None:
         self.sources = sources
         self.rank = sources.rank
-        self._lock = threading.Lock()
-        self._levels: dict[tuple[int, int], Level] = {}
+        self._levels = Levels(lambda step, level, got: self._build(step, level, got.view), lambda: sources.team.clock(),
+                              name="index", new_wave=lambda: 0)  # (one wave: the index is not renewed by waves)
         self.counters = {"index_gathers": 0, "index_requests": 0, "index_queries": 0, "index_fallbacks": 0}
 
     # --- asking -------------------------------------------------------------------------------------
@@ -303,30 +301,7 @@ class PieceIndex:
 
     def _top(self, step: int, view) -> Entries:
         top = _top_level(len(view))
-        return self._level(step, top, view).future.result(_wait(top + 1))
-
-    def _level(self, step: int, level: int, view: tuple[int, ...]) -> Level:
-        """Level ``level`` of ``step``'s index in ``view``: the one kept, or a new one being built."""
-        now = self.sources.team.clock()
-        with self._lock:
-            got = self._levels.get((step, level))
-            if got is not None and got.usable(view, now, None):
-                return got
-            for key, old in list(self._levels.items()):
-                if old.at is not None and now - old.at > 2 * TTL:
-                    del self._levels[key]
-            got = self._levels[(step, level)] = Level(view, 0)  # (one wave: the index is not renewed by waves)
-        threading.Thread(target=self._finish, args=(got, step, level), name=f"ucpd-index-{level}", daemon=True).start()
-        return got
-
-    def _finish(self, got: Level, step: int, level: int) -> None:
-        try:
-            out = self._build(step, level, got.view)
-            got.at = self.sources.team.clock()
-            got.future.set_result(out)
-        except BaseException as exc:  # its askers get it; the next one starts again
-            got.at = self.sources.team.clock()
-            got.future.set_exception(exc)
+        return self._levels.get(step, top, view).future.result(_wait(top + 1))
 
     def _build(self, step: int, level: int, view: tuple[int, ...]) -> Entries:
         n = len(view)
@@ -340,7 +315,7 @@ class PieceIndex:
             raise UcpdError(f"node {self.rank} owns no part of the index ({n} live nodes, {p} owners)")
         if level == _top_level(n):
             self.counters["index_gathers"] += 1
-        lower = self._level(step, level - 1, view).future.result(_wait(level))
+        lower = self._levels.get(step, level - 1, view).future.result(_wait(level))
         m, r = level_keeps(me, level)
         out = {name: (d, s, set(pcs)) for name, (d, s, pcs) in keep(lower, p, m, r).items()}
         return merge(out, self._ask_level(view[partner(me, level)], step, level - 1, m, r, view))
@@ -358,10 +333,8 @@ class PieceIndex:
 
     def _ask_level(self, node: int, step: int, level: int, m: int, r: int, view) -> Entries:
         body = {"step": step, "level": level, "m": m, "r": r, "v": _view_id(view)}
-        reply, _ = self.sources.transport.request(node, "index", body, timeout=_wait(level + 1))
-        out = from_wire(reply["entries"])
-        while reply.get("next") is not None:
-            reply, _ = self.sources.transport.request(node, "index", dict(body, first=reply["next"]), timeout=ASK_TIMEOUT)
+        out: Entries = {}
+        for reply in ask_pages(self.sources.transport.request, node, "index", body, _wait(level + 1)):
             merge(out, from_wire(reply["entries"]))
         return out
 
@@ -372,7 +345,7 @@ class PieceIndex:
         from entry ``first`` on, once built."""
         view = self._check_view(body)
         self.counters["index_requests"] += 1
-        got = self._level(body["step"], body["level"], view)
+        got = self._levels.get(body["step"], body["level"], view)
 
         def reply(lvl: Entries) -> dict:
             records = to_wire(keep(lvl, owners(len(view)), body["m"], body["r"]))
@@ -384,7 +357,7 @@ class PieceIndex:
                     break
             return {"entries": records[first:end], **({"next": end} if end is not None else {})}
 
-        return _then(got.future, reply)
+        return reply_when_done(got.future, reply, "index")
 
     def serve_queries(self, src: int, body: dict) -> Future:
         """A ``pieces`` request: the ranks to read for the asker's queries, from our shard."""
@@ -392,13 +365,13 @@ class PieceIndex:
         self.counters["index_queries"] += 1
         if view.index(self.rank) >= owners(len(view)):
             raise UcpdError(f"node {self.rank} owns no part of the index ({len(view)} live nodes)")
-        got = self._level(body["step"], _top_level(len(view)), view)
+        got = self._levels.get(body["step"], _top_level(len(view)), view)
 
         def reply(shard: Entries) -> dict:
             ranks, known = answer(shard, body["queries"], set(body["near"]), src)
             return {"ranks": sorted(ranks), "known": known}
 
-        return _then(got.future, reply)
+        return reply_when_done(got.future, reply, "index")
 
     def _check_view(self, body: dict) -> tuple[int, ...]:
         view = self._view()
@@ -415,20 +388,3 @@ def _top_level(n: int) -> int:
 def _wait(level: int) -> float:
     """Seconds to wait for a level: a node's answer, after the levels below it."""
     return ASK_TIMEOUT * (level + 2)
-
-
-def _then(source: Future, make) -> Future:
-    """A future of the reply ``make`` makes from ``source``'s result (its error as a UcpdError)."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        try:
-            if f.exception() is not None:
-                exc = f.exception()
-                raise exc if isinstance(exc, UcpdError) else UcpdError(f"index: {exc}")
-            out.set_result((make(f.result()), []))
-        except BaseException as e:
-            out.set_exception(e if isinstance(e, UcpdError) else UcpdError(f"index: {e}"))
-
-    source.add_done_callback(done)
-    return out
