@@ -6,6 +6,7 @@ resume inside a real Trainer: tests/client/test_hf_resume.py."""
 
 from __future__ import annotations
 
+import collections
 import os
 from types import SimpleNamespace
 
@@ -15,6 +16,9 @@ import torch
 from ucpd_client import Checkpointer
 from ucpd_client.integrations.deepspeed import UcpdCheckpointEngine, use_ucpd
 from ucpd_client.integrations.hf import UcpdCallback
+
+
+Pair = collections.namedtuple("Pair", "a b")
 
 
 class LossScalerLike:
@@ -73,3 +77,47 @@ def test_deepspeed_checkpoint_engine_round_trip(daemon, tmp_path):
 def test_hf_callback_is_a_transformers_callback():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed (optional)")
     assert isinstance(UcpdCallback(object(), every=3), transformers.TrainerCallback)
+
+
+def test_the_integrations_name_tensors_by_the_state_names_rule_and_rebuild_every_container():
+    """``state_names.skeleton``/``fill``, the walk DeepSpeed's engine and Lightning's IO share:
+    tensors named as ``walk`` names them, containers (an OrderedDict, a named tuple) rebuilt."""
+    import pickle
+
+    from ucpd import state_names
+
+    w, m, x = torch.ones(2), torch.zeros(3), torch.arange(4)
+    state = {"model": collections.OrderedDict(w=w), "opt": [{"m": m}, 3], "pair": Pair(x, "k"), "a.b": w + 1,
+             "a": {"b": w + 2}, "skeleton": m + 1, "plain": [1, 2], "empty": {}}
+    skel, tensors = state_names.skeleton(state, lambda o: isinstance(o, torch.Tensor), reserved=("skeleton",))
+    walked = [n for n, leaf, _, _ in state_names.walk(state, lambda o: isinstance(o, torch.Tensor))
+              if isinstance(leaf, torch.Tensor)]
+    assert sorted(tensors) == sorted(["model.w", "opt.0.m", "pair.0", "a.b", "a.b~", "skeleton~"])
+    assert set(walked) | {"a.b~", "skeleton~"} == set(tensors) | {"skeleton"}
+    assert state["model"]["w"] is w  # the state itself is left as it was
+    back = state_names.fill(pickle.loads(pickle.dumps(skel)), tensors)
+    assert type(back["model"]) is collections.OrderedDict and back["model"]["w"] is w
+    assert type(back["pair"]) is Pair and back["pair"].a is x and back["pair"].b == "k"
+    assert back["opt"][0]["m"] is m and back["opt"][1] == 3 and back["plain"] == [1, 2] and back["empty"] == {}
+    assert {torch.equal(back["a.b"], w + 1), torch.equal(back["a"]["b"], w + 2), torch.equal(back["skeleton"], m + 1)} == {True}
+
+
+def test_a_skeleton_pickled_before_state_names_still_loads():
+    """DeepSpeed's old skeletons named tensors by index, Lightning's by name, both as ``_Ref``."""
+    import pickle
+
+    from ucpd import state_names
+    from ucpd_client.integrations import deepspeed, lightning
+
+    class _Old:
+        def __init__(self, module, arg):
+            self.module, self.arg = module, arg
+
+        def __reduce__(self):
+            return (getattr(self.module, "_Ref"), (self.arg,))
+
+    t = torch.ones(2)
+    ds = pickle.loads(pickle.dumps({"w": _Old(deepspeed, 0)}))
+    assert state_names.fill(ds, {"0": t})["w"] is t
+    lt = pickle.loads(pickle.dumps({"w": _Old(lightning, "state_dict.w")}))
+    assert state_names.fill(lt, {"state_dict.w": t})["w"] is t

@@ -10,8 +10,9 @@ DeepSpeed hands the engine one state dict per file (``save(state_dict, path)``) 
 ``commit(info)``; the engine snapshots every file this rank saved under the tag as one version
 (step: the number in the tag, ``global_step<N>``), waits until the tensors are staged (the
 optimizer may then step) and, with ``wait=True``, until the version is committed. Each file is
-stored as its tensors (``ds/<file>/<i>``) plus its structure with the tensors left out, pickled
-into a uint8 tensor (``ds/<file>/skeleton``): the job's own objects, read back only by the job.
+stored as its tensors (``ds/<file>/<name>``, named by ``ucpd.state_names``: ``module.w``) plus its
+structure with the tensors left out (``state_names.skeleton``), pickled into a uint8 tensor
+(``ds/<file>/skeleton``): the job's own objects, read back only by the job.
 ``load(path)`` rebuilds the file from the daemon (RAM, peers or its flush dir), and falls back
 to ``torch.load`` of the file on disk when the daemon has no such version or file. Files on disk
 are not written (DeepSpeed still writes its ``latest`` tag file, which ``load_checkpoint`` reads).
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 
+from ucpd import state_names
+
 from ..errors import PlacementMismatch, VersionNotFound
 
 try:  # the real base class where DeepSpeed is installed; the same interface otherwise
@@ -37,42 +40,14 @@ except Exception:  # pragma: no cover - depends on the environment
 PREFIX = "ds"
 
 
-class _Ref:
-    """Where a tensor was in a saved state dict (index into the file's tensor list)."""
-
-    __slots__ = ("i",)
-
-    def __init__(self, i: int) -> None:
-        self.i = i
-
-    def __reduce__(self):
-        return (_Ref, (self.i,))
+def _Ref(i: int) -> state_names.Ref:
+    """A tensor's place in a skeleton pickled before ``state_names.skeleton`` (by its index, the
+    name its tensor was saved under)."""
+    return state_names.Ref(str(i))
 
 
-def _split(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, torch.Tensor):
-        tensors.append(obj.detach())
-        return _Ref(len(tensors) - 1)
-    if isinstance(obj, dict):
-        return type(obj)((k, _split(v, tensors)) for k, v in obj.items()) if type(obj) is not dict else {
-            k: _split(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_split(v, tensors) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_split(v, tensors) for v in obj)
-    return obj
-
-
-def _join(obj: Any, tensors: list) -> Any:
-    if isinstance(obj, _Ref):
-        return tensors[obj.i]
-    if isinstance(obj, dict):
-        return type(obj)((k, _join(v, tensors)) for k, v in obj.items())
-    if isinstance(obj, list):
-        return [_join(v, tensors) for v in obj]
-    if type(obj) is tuple:
-        return tuple(_join(v, tensors) for v in obj)
-    return obj
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
 def step_of_tag(tag: str) -> int | None:
@@ -116,10 +91,10 @@ class UcpdCheckpointEngine(_Base):
             step = self._counter
         state: dict[str, Any] = {}
         for fname, sd in self._pending.items():
-            tensors: list = []
-            skeleton = pickle.dumps(_split(sd, tensors), protocol=pickle.HIGHEST_PROTOCOL)
-            for i, t in enumerate(tensors):
-                state[f"{PREFIX}/{fname}/{i}"] = t
+            skel, tensors = state_names.skeleton(sd, _is_tensor, reserved=("skeleton",))
+            skeleton = pickle.dumps(skel, protocol=pickle.HIGHEST_PROTOCOL)
+            for name, t in tensors.items():
+                state[f"{PREFIX}/{fname}/{name}"] = t.detach()
             state[f"{PREFIX}/{fname}/skeleton"] = torch.frombuffer(bytearray(skeleton), dtype=torch.uint8)
         self._pending = {}
         h = self.ckpt.snapshot(step, state)
@@ -163,8 +138,7 @@ class UcpdCheckpointEngine(_Base):
                    for k, t in infos.items()}
         self.ckpt.restore(targets, step=desc["step"])
         skeleton = pickle.loads(targets[f"{prefix}skeleton"].numpy().tobytes())
-        n = sum(1 for k in infos if k != "skeleton")
-        return _join(skeleton, [targets[f"{prefix}{i}"] for i in range(n)])
+        return state_names.fill(skeleton, {k: targets[f"{prefix}{k}"] for k in infos if k != "skeleton"})
 
 
 def use_ucpd(engine: Any, checkpointer: Any = None, wait: bool = False) -> UcpdCheckpointEngine:

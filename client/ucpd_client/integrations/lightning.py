@@ -24,7 +24,6 @@ the pointer says which). Lightning's checkpoints hold no RNG state, here as in i
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import pickle
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ucpd import state_names
 from ucpd.format.durable import write_file_atomic
 
 try:
@@ -43,49 +43,13 @@ POINTER_FORMAT = "ucpd-lightning-pointer"
 _POINTER_MAX = 64 << 10  # a pointer file is a few hundred bytes; anything larger is a real checkpoint
 
 
-class _Ref:
-    """Where a tensor was in the checkpoint dict (its name in the snapshot)."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
-
-    def __reduce__(self):
-        return (_Ref, (self.name,))
+def _Ref(name: str) -> state_names.Ref:
+    """A tensor's place in a checkpoint dict pickled before ``state_names.skeleton`` (its name)."""
+    return state_names.Ref(name)
 
 
-def _strip(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """The checkpoint dict with every tensor replaced by a ``_Ref`` (collected in ``tensors``)."""
-    if isinstance(obj, torch.Tensor):
-        name = prefix or "tensor"
-        while name in tensors:  # keys that contain dots can spell the same path twice
-            name += "~"
-        tensors[name] = obj
-        return _Ref(name)
-    if isinstance(obj, dict):
-        out = copy.copy(obj)  # its type and attributes (an OrderedDict, Lightning's AttributeDict)
-        for k, v in obj.items():
-            out[k] = _strip(v, f"{prefix}.{k}" if prefix else str(k), tensors)
-        return out
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        items = [_strip(v, f"{prefix}.{i}" if prefix else str(i), tensors) for i, v in enumerate(obj)]
-        return items if isinstance(obj, list) else tuple(items)
-    return obj
-
-
-def _fill(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, _Ref):
-        return tensors[obj.name]
-    if isinstance(obj, dict):
-        for k, v in obj.items():
-            obj[k] = _fill(v, tensors)
-        return obj
-    if isinstance(obj, list):
-        return [_fill(v, tensors) for v in obj]
-    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
-        return tuple(_fill(v, tensors) for v in obj)
-    return obj
+def _is_tensor(obj: Any) -> bool:
+    return isinstance(obj, torch.Tensor)
 
 
 class UcpdCheckpointIO(_Base):
@@ -113,8 +77,7 @@ class UcpdCheckpointIO(_Base):
         pointer at ``path``."""
         if storage_options is not None:
             raise TypeError(f"UcpdCheckpointIO takes no storage_options (got {storage_options!r})")
-        tensors: dict[str, torch.Tensor] = {}
-        skeleton = _strip(checkpoint, "", tensors)
+        skeleton, tensors = state_names.skeleton(checkpoint, _is_tensor)
         if self._last is None:
             self._last = self.ckpt.latest() or 0
         step = max(int(checkpoint.get("global_step", 0)), self._last + 1)
@@ -160,7 +123,7 @@ class UcpdCheckpointIO(_Base):
                    for name, info in desc["tensors"].items() if name.startswith("tensors.")}
         target = {"tensors": tensors, "lightning": None}
         self.ckpt.restore(target, step=step)
-        return _fill(pickle.loads(target["lightning"]), tensors)  # this job's own pickle, CRC-checked
+        return state_names.fill(pickle.loads(target["lightning"]), tensors)  # this job's own pickle, CRC-checked
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the pointer (or file) at ``path``; the daemon's versions follow its ``--keep``."""
