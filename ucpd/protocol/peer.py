@@ -70,7 +70,13 @@ FLUSH_SOURCE = Record({"rank": integer(0, MAX_RANKS), "idx": integer(), "t": TEN
 MANIFEST_FIELDS = {"origin": integer(0, MAX_RANKS), "step": integer(), "inc": text, "world_size": integer(1, MAX_RANKS),
                    "size": integer(), "bases": list_of(integer()), "parts": list_of(PART)}
 # healed: a replaced or restarted member holds its share of the parity of these origins' parts again
-MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS)), "healed": list_of(integer(0, MAX_RANKS))}
+# A step's parity group re-striped over the survivors of a loss (``ucpd.team.stripes.StepLayout``):
+# segments are [carrier, origin, byte offset in the carrier's virtual blob, bytes].
+RESTRIPED = Record({
+    "tag": text, "members": list_of(integer(0, MAX_RANKS)), "k": integer(1, 255), "m": integer(1, 255),
+    "unit": integer(1), "segments": list_of(tuple_of(integer(0, MAX_RANKS), integer(0, MAX_RANKS), integer(), integer())),
+})
+MANIFEST_OPTIONAL = {"held": list_of(integer(0, MAX_RANKS)), "healed": list_of(integer(0, MAX_RANKS)), "layout": RESTRIPED}
 
 # --- the commit protocol (ucpd.team.commit) --------------------------------------------------
 
@@ -259,8 +265,9 @@ PEER_REQUESTS: dict[str, MessageType] = {
         MessageType(
             "parity_unit",
             {"step": integer(), "inc": text, "row": integer(), "pos": integer(0, 255), "index": integer(0, 255)},
-            {},
-            "payload: a data unit at `pos` of parity `row`; add it to our parity block `index`; reply: {}",
+            {"layout": RESTRIPED},
+            "payload: a data unit at `pos` of parity `row`; add it to our parity block `index` (`layout`: of the step "
+            "re-striped over survivors, `inc` its tag); reply: {}",
             EMPTY,
             payload=True,
         ),
@@ -272,7 +279,8 @@ PEER_REQUESTS: dict[str, MessageType] = {
             EMPTY,
             reply_payload=True,
         ),
-        MessageType("blob_unit", {"step": integer(), "u": integer()}, {}, "reply payload: unit `u` of our own blob of `step`",
+        MessageType("blob_unit", {"step": integer(), "u": integer()}, {"origin": integer(0, MAX_RANKS)},
+                    "reply payload: unit `u` of our own blob of `step` (`origin`: of a lost member's blob we carry)",
                     EMPTY, reply_payload=True),
         MessageType("commit", {"m": COMMIT_MESSAGE}, {}, "a message of the commit protocol (COMMIT_MESSAGES); one-way",
                     None),
