@@ -206,3 +206,21 @@ def test_shipped_specs_load_and_survive_json_and_toml():
             assert parse_rule(format_rule(r.parsed)) == r.parsed
     with pytest.raises(SpecError, match="no shipped spec of that name"):
         load_spec("gpt-9")
+
+
+@pytest.mark.parametrize("text,env,rendered", [
+    ("stacked(0, ep, shard(1, tp), count=E, by=ep)", {"ep": 2, "tp": 4, "E": 8},
+     "stacked(0, ep=2, shard(1, tp=4), count=8, by=ep)"),
+    ("padded(0, V, value=-1)", {"V": 50}, "padded(0, 50, replicated, value=-1)"),
+    ("fused(0, [q=h*d, k=d], shard(0, tp, max=m))", {"h": 2, "d": 32, "tp": 2}, "fused(0, [q=64, k=32], shard(0, tp=2, max=m))"),
+    ("box([0, r*4], [2, 4], [2, 8])", {}, "box([0, r * 4], [2, 4], [2, 8])"),
+])
+def test_one_printer_gives_the_canonical_text_and_the_rendered_one(text, env, rendered):
+    """format_placement and render are one printer: the same text where nothing is bound (but
+    for the replicated inner the canonical text leaves out), values and axis sizes where it is."""
+    from ucpd.ucl.spec.syntax import format_placement, parse_placement, render
+
+    p = parse_placement(text)
+    assert parse_placement(format_placement(p)) == p
+    assert render(p, env) == rendered
+    assert render(p, {}).replace(", replicated", "") == format_placement(p)

@@ -34,7 +34,7 @@ errors found later (at binding or resolution) still point at the column.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Union
 
@@ -322,51 +322,59 @@ class RuleText:
 # printer
 
 
-def _fmt_value(v: Any) -> str:
-    if isinstance(v, tuple):
-        return "[" + ", ".join(_fmt_value(x) for x in v) + "]"
-    if isinstance(v, (Num, Name, Unary, Binary, Func)):
-        return format_expr(v)
-    return format_placement(v)
+def _print(p: Any, expr: Callable[[Expr], str], axis: Callable[[Name], str], canonical: bool) -> str:
+    """The one printer of a placement (or a value inside one: a list, an expression), with
+    ``expr`` and ``axis`` printing its leaves. ``canonical``: text that parses back (a
+    ``replicated`` inner left out, as the parser fills it in; anything else raises TypeError);
+    else every part is shown and what is no node is printed as it is."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, tuple):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        if _is_expr(v):
+            return expr(v)
+        return node(v)
+
+    def inner(q: PNode) -> list[str]:
+        return [] if canonical and isinstance(q, PReplicated) else [value(q)]
+
+    def node(q: Any) -> str:
+        if isinstance(q, PReplicated):
+            return "replicated"
+        if isinstance(q, PAverage):
+            return f"average({axis(q.axis)})"
+        if isinstance(q, PShard):
+            if q.axis is not None:
+                extra = f", max={expr(q.max)}" if q.max is not None else ""
+                return f"shard({expr(q.dim)}, {axis(q.axis)}{extra})"
+            return f"shard({expr(q.dim)}, {expr(q.index)}, {expr(q.parts)})"
+        if isinstance(q, PBox):
+            return f"box({value(q.offsets)}, {value(q.lengths)}, {value(q.shape)})"
+        if isinstance(q, PFused):
+            if q.sizes is not None:
+                sizes = "[" + ", ".join((f"{k}=" if k else "") + expr(v) for k, v in q.sizes) + "]"
+            else:
+                sizes = expr(q.count)
+            return f"fused({expr(q.dim)}, {sizes}, {value(q.inner)})"
+        if isinstance(q, PPadded):
+            fill = [f"value={expr(q.value)}"] if q.value is not None else []
+            return "padded(" + ", ".join([expr(q.dim), expr(q.logical), *inner(q.inner), *fill]) + ")"
+        if isinstance(q, PStacked):
+            args = [expr(q.dim), *([axis(q.axis)] if q.axis is not None else []), *inner(q.inner)]
+            args += [f"{k}={expr(getattr(q, k))}" for k in ("count", "index") if getattr(q, k) is not None]
+            if q.by is not None:
+                args.append(f"by={q.by.id}")
+            return "stacked(" + ", ".join(args) + ")"
+        if canonical:
+            raise TypeError(f"not a placement node: {q!r}")
+        return str(q)
+
+    return value(p)
 
 
 def format_placement(p: PNode) -> str:
     """Canonical text of a placement node: ``parse_placement(format_placement(p)) == p``."""
-    if isinstance(p, PReplicated):
-        return "replicated"
-    if isinstance(p, PAverage):
-        return f"average({p.axis.id})"
-    if isinstance(p, PShard):
-        if p.axis is not None:
-            extra = f", max={format_expr(p.max)}" if p.max is not None else ""
-            return f"shard({format_expr(p.dim)}, {p.axis.id}{extra})"
-        return f"shard({format_expr(p.dim)}, {format_expr(p.index)}, {format_expr(p.parts)})"
-    if isinstance(p, PBox):
-        return f"box({_fmt_value(p.offsets)}, {_fmt_value(p.lengths)}, {_fmt_value(p.shape)})"
-    if isinstance(p, PFused):
-        if p.sizes is not None:
-            sizes = "[" + ", ".join((f"{k}=" if k else "") + format_expr(v) for k, v in p.sizes) + "]"
-        else:
-            sizes = format_expr(p.count)
-        return f"fused({format_expr(p.dim)}, {sizes}, {_fmt_value(p.inner)})"
-    if isinstance(p, PPadded):
-        inner = "" if isinstance(p.inner, PReplicated) else f", {format_placement(p.inner)}"
-        value = f", value={format_expr(p.value)}" if p.value is not None else ""
-        return f"padded({format_expr(p.dim)}, {format_expr(p.logical)}{inner}{value})"
-    if isinstance(p, PStacked):
-        args = [format_expr(p.dim)]
-        if p.axis is not None:
-            args.append(p.axis.id)
-        if not isinstance(p.inner, PReplicated):
-            args.append(format_placement(p.inner))
-        for k in ("count", "index"):
-            v = getattr(p, k)
-            if v is not None:
-                args.append(f"{k}={format_expr(v)}")
-        if p.by is not None:
-            args.append(f"by={p.by.id}")
-        return "stacked(" + ", ".join(args) + ")"
-    raise TypeError(f"not a placement node: {p!r}")
+    return _print(p, format_expr, lambda a: a.id, canonical=True)
 
 
 def format_rule(r: RuleText) -> str:
@@ -792,38 +800,4 @@ def render(p: Any, env: Mapping[str, Any]) -> str:
     """A placement's text with its expressions evaluated and its axes' sizes shown
     (``fused(0, [q=64, k=32, v=32], shard(0, tp=2))``); what cannot be evaluated (rank
     coordinates, captures, unbound symbols) is left as written."""
-    if isinstance(p, tuple):
-        return "[" + ", ".join(render(x, env) for x in p) + "]"
-    if _is_expr(p):
-        return expr_value_text(p, env)
-    if isinstance(p, PReplicated):
-        return "replicated"
-    if isinstance(p, PAverage):
-        return f"average({_axis_text(p.axis, env)})"
-    if isinstance(p, PShard):
-        if p.axis is not None:
-            extra = f", max={expr_value_text(p.max, env)}" if p.max is not None else ""
-            return f"shard({render(p.dim, env)}, {_axis_text(p.axis, env)}{extra})"
-        return f"shard({render(p.dim, env)}, {render(p.index, env)}, {render(p.parts, env)})"
-    if isinstance(p, PBox):
-        return f"box({render(p.offsets, env)}, {render(p.lengths, env)}, {render(p.shape, env)})"
-    if isinstance(p, PFused):
-        if p.sizes is not None:
-            sizes = "[" + ", ".join((f"{k}=" if k else "") + render(v, env) for k, v in p.sizes) + "]"
-        else:
-            sizes = render(p.count, env)
-        return f"fused({render(p.dim, env)}, {sizes}, {render(p.inner, env)})"
-    if isinstance(p, PPadded):
-        value = f", value={render(p.value, env)}" if p.value is not None else ""
-        return f"padded({render(p.dim, env)}, {render(p.logical, env)}, {render(p.inner, env)}{value})"
-    if isinstance(p, PStacked):
-        args = [render(p.dim, env)]
-        if p.axis is not None:
-            args.append(_axis_text(p.axis, env))
-        args.append(render(p.inner, env))
-        for k in ("count", "index"):
-            v = getattr(p, k)
-            if v is not None:
-                args.append(f"{k}={render(v, env)}")
-        return "stacked(" + ", ".join(args) + ")"
-    return str(p)
+    return _print(p, lambda e: expr_value_text(e, env), lambda a: _axis_text(a, env), canonical=False)
