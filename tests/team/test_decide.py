@@ -115,3 +115,52 @@ def test_the_simulator_chooses_sources_with_the_teams_own_function(monkeypatch):
     assert copies == [Copy(h, 5) for h in replica_holders(5, list(range(64)), 1) if h in live]
     load = np.zeros(64)
     assert real(recovery.copies_of(7, live, HolderRing(range(64)), 1), None, load) == Copy(7, 7)  # its own RAM first
+
+
+# --- a parity group re-striped over the survivors (decide.parity_restripe) ---------------------------
+
+
+def test_xor_3_plus_1_losing_a_member_re_stripes_2_plus_1_with_the_lost_blob_after_the_lightest_survivor():
+    from ucpd.team.stripes import Stripes
+
+    s = Stripes((0, 1, 2, 3), 3, 1, unit=100)
+    current = decide.static_layout(s, {0: 250, 1: 120, 2: 90, 3: 250})
+    plans = {me: decide.parity_restripe(current, 7, me, {0, 2, 3}, "r1") for me in (0, 2, 3)}
+    layouts = {p.layout for p in plans.values()}
+    assert len(layouts) == 1  # every survivor decides the same layout alone
+    (lay,) = layouts
+    assert (lay.stripes.members, lay.stripes.k, lay.stripes.m) == ((0, 2, 3), 2, 1)
+    assert lay.place(1) == (2, 100, 120)  # node 2 carried least: node 1's blob after its own, at a unit boundary
+    assert lay.place(0) == (0, 0, 250) and lay.place(2) == (2, 0, 90)
+    assert plans[2].carry == (1,) and plans[0].carry == plans[3].carry == ()
+    assert lay.vsize(2) == 220 and lay.locate(2, 1) == (1, 0) and lay.locate(2, 2) == (1, 1) and lay.locate(2, 3) is None
+    assert "r1~0.2.3~" in lay.tag
+    assert decide.parity_restripe(current, 7, 0, {0, 1, 2, 3}, "r1") is None  # nobody lost: nothing to do
+
+
+def test_rs_keeps_its_m_and_re_striping_again_carries_the_carried_blobs_too():
+    from ucpd.team.stripes import StepLayout, Stripes
+
+    s = Stripes((0, 1, 2, 3), 2, 2, unit=100)
+    current = decide.static_layout(s, {0: 100, 1: 100, 2: 100, 3: 100})
+    first = decide.parity_restripe(current, 3, 0, {0, 2, 3}, "r1").layout
+    assert (first.stripes.k, first.stripes.m) == (1, 2)  # 3 survivors keep 2 losses: 1+2
+    assert StepLayout.from_wire(first.to_wire()) == first
+    again = decide.parity_restripe(first, 3, 0, {0, 3}, "r1")  # 2 left cannot survive 2 more
+    assert again.layout is None and "needs 3" in again.cannot
+    x = Stripes((0, 1, 2, 3, 4), 4, 1, unit=100)
+    lay = decide.parity_restripe(decide.static_layout(x, {g: 100 for g in range(5)}), 3, 0, {0, 2, 3, 4}, "r1").layout
+    carrier = lay.place(1)[0]
+    second = decide.parity_restripe(lay, 3, 0, set(lay.stripes.members) - {carrier}, "r1").layout
+    assert second.origins() == {0, 1, 2, 3, 4}  # the lost carrier's own blob and the one it carried
+    assert carrier not in {c for c, _, _, _ in second.segments}
+
+
+def test_re_striping_says_why_when_the_lost_blob_cannot_be_rebuilt_and_nothing_is_carried_without_a_part():
+    from ucpd.team.stripes import Stripes
+
+    s = Stripes((0, 1, 2, 3, 4), 3, 1, unit=100)
+    two_lost = decide.parity_restripe(decide.static_layout(s, {g: 100 for g in range(5)}), 5, 0, {0, 2, 4}, "r1")
+    assert two_lost.layout is None and "cannot be rebuilt" in two_lost.cannot
+    empty = decide.parity_restripe(decide.static_layout(s, {0: 100, 2: 100, 3: 100, 4: 100}), 5, 0, {0, 2, 3, 4}, "r1")
+    assert empty.carry == () and empty.layout.origins() == {0, 2, 3, 4}  # node 1 held no part: nothing to carry

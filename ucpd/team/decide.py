@@ -2,7 +2,9 @@
 of the job it reads, the newest step the team still holds whole, and where to copy a part again.
 
 ``parity_heal`` is what a member of a parity group does to hold its share of a step again
-after it was replaced or restarted (``team.parity_heal`` carries it out).
+after it was replaced or restarted (``team.parity_heal`` carries it out); ``parity_restripe``
+is how a group that lost a member and got no replacement re-encodes a step over the survivors
+(``team.parity_restripe`` carries it out).
 
 No sockets, threads, clocks or store in here: the inputs are plain records (what every node
 said it holds, the live nodes, the failure domains), the outputs are choices the callers carry
@@ -16,14 +18,16 @@ lowest node rank, or with ``load`` to the node with the fewest bytes already ass
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from ..errors import VersionNotFound
 from .holders import replica_holders
+from .stripes import StepLayout, Stripes
 
-__all__ = ["Copy", "Holding", "ParityHeal", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
-           "own_heal_targets", "parity_heal", "run_to_read", "under_protected"]
+__all__ = ["Copy", "Holding", "ParityHeal", "ParityRestripe", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
+           "own_heal_targets", "parity_heal", "parity_restripe", "run_to_read", "under_protected"]
 
 MINE, OWN_RAM, REPLICA, PARITY = 0, 1, 2, 3
 
@@ -225,3 +229,58 @@ def parity_heal(stripes, me: int, step: int, sizes: Mapping[int, int | None], li
         cannot = (f"step {step}: node {me}'s share of parity group {list(stripes.members)} cannot be rebuilt — "
                   + "; ".join(why) + "; the step stays degraded until it leaves RAM")
     return ParityHeal(step, rebuild, tuple(sorted(rows)), cannot)
+
+
+@dataclass(frozen=True)
+class ParityRestripe:
+    """A step's group re-encoded over the survivors of a loss: ``layout`` (the survivors, ``k``
+    = survivors - ``m``, the same ``m``; each lost member's blob placed after a survivor's own),
+    ``carry``: the lost origins whose blobs ``me`` rebuilds from the current layout and holds.
+    ``cannot``: why the step cannot be re-striped (too few survivors to keep ``m``, or a lost
+    blob that the current code cannot rebuild); it then stays degraded."""
+
+    step: int
+    layout: StepLayout | None
+    carry: tuple[int, ...] = ()
+    cannot: str | None = None
+
+
+def static_layout(stripes, sizes: Mapping[int, int | None]) -> StepLayout:
+    """The group as configured, as a ``StepLayout``: each member's own blob at 0 (``sizes``:
+    its bytes; 0, None or absent: no part, or unknown)."""
+    return StepLayout(stripes, tuple((g, g, 0, sizes[g]) for g in stripes.members if sizes.get(g)), "")
+
+
+def parity_restripe(current: StepLayout, step: int, me: int, live: Collection[int], run: str) -> ParityRestripe | None:
+    """How ``step``, laid out by ``current`` (``static_layout`` or an earlier re-stripe), is
+    re-encoded over the live members of its group; the same answer on every survivor, so each
+    carries out its own share (``carry``, its units into the new parity, its manifests). ``run``:
+    the job run the step belongs to (it names the layout). None: no member is lost."""
+    s = current.stripes
+    survivors = [g for g in s.members if g in live]
+    lost = [g for g in s.members if g not in live]
+    if not lost:
+        return None
+    if len(survivors) < s.m + 1:
+        return ParityRestripe(step, None, cannot=(
+            f"step {step}: parity group {list(s.members)} kept {len(survivors)} live member(s) {survivors}; "
+            f"surviving {s.m} more loss(es) needs {s.m + 1}: the step stays degraded until a node comes back"))
+    orphans = sorted((seg for seg in current.segments if seg[0] in lost), key=lambda seg: seg[1])
+    if orphans and len(lost) > s.m:
+        return ParityRestripe(step, None, cannot=(
+            f"step {step}: parity group {list(s.members)} lost {lost}, more than the code survives ({s.m}): "
+            f"the blobs of nodes {[o for _, o, _, _ in orphans]} cannot be rebuilt to re-stripe it"))
+    used = {g: current.vsize(g) for g in survivors}
+    segments = [seg for seg in current.segments if seg[0] not in lost]
+    carry = []
+    for _, origin, _, n in orphans:  # each onto the survivor carrying the fewest bytes (then the lowest)
+        c = min(survivors, key=lambda g: (used[g], g))
+        off = s.units(used[c]) * s.unit
+        segments.append((c, origin, off, n))
+        used[c] = off + n
+        if c == me:
+            carry.append(origin)
+    new = Stripes(tuple(survivors), len(survivors) - s.m, s.m, s.unit)
+    segments = tuple(sorted(segments))
+    tag = f"{run or '-'}~{'.'.join(map(str, survivors))}~{zlib.crc32(repr(segments).encode()):08x}"
+    return ParityRestripe(step, StepLayout(new, segments, tag), tuple(carry))

@@ -23,7 +23,7 @@ from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
 from .holders import group_of, parity_groups
 from .parts import aligned, check_parts, part_from_wire, used_bytes
 from .shmfiles import close_map, open_reserved
-from .stripes import DEFAULT_UNIT, ParityBlocks, Stripes, recover
+from .stripes import DEFAULT_UNIT, ParityBlocks, StepLayout, Stripes, recover
 
 log = logging.getLogger("ucpd.team.parity")
 
@@ -84,6 +84,8 @@ class ParityGroup:
         self.manifests: dict[tuple[int, int], dict] = {}  # (member, step) -> its manifest
         self.seen: dict[tuple[int, int], dict] = {}  # (member, step) -> {member holding it: incarnation}
         self.acked: dict[int, dict] = {}  # our step -> {member holding our part: its incarnation then}
+        self.layouts: dict[int, StepLayout] = {}  # step -> its group re-striped over survivors (adopted)
+        self._restriping: dict[tuple[int, str], tuple[StepLayout, set]] = {}  # (step, tag) -> (layout, origins in)
         self.keep = team.config.keep + 1
         self._lock = threading.Lock()
 
@@ -161,12 +163,27 @@ class ParityGroup:
         acked = self.acked.get(step)
         if acked is None:
             return None
+        s = self.layouts[step].stripes if step in self.layouts else self.stripes
         now = self._members_now()
-        return self.stripes.m - sum(not _holds(g, acked, now) for g in self.stripes.members if g != self.team.rank)
+        return s.m - sum(not _holds(g, acked, now) for g in s.members if g != self.team.rank)
 
     def _members_now(self) -> dict[int, str | None]:
         """The live members of our group and their incarnations (None: not heard yet)."""
         return self.team.members_now(self.stripes.members)
+
+    def layout_of(self, step: int, mans: dict | None = None) -> StepLayout:
+        """``step``'s group: re-striped over survivors (adopted here, or named by a manifest in
+        ``mans``, one that a member which adopted it answered), else the group as configured."""
+        if step in self.layouts:
+            return self.layouts[step]
+        for man in (mans or {}).values():
+            if man.get("layout"):
+                return StepLayout.from_wire(man["layout"])
+        with self._lock:
+            sizes = {o: m["size"] for (o, st), m in self.manifests.items() if st == step}
+        for o, man in (mans or {}).items():
+            sizes[o] = man["size"]
+        return StepLayout(self.stripes, tuple((g, g, 0, sizes[g]) for g in self.stripes.members if sizes.get(g)), "")
 
     # --- holding (I/O thread) ---------------------------------------------------------------------
 
@@ -179,6 +196,9 @@ class ParityGroup:
         if body.get("healed") is not None:
             self._on_healed(src, body, now.get(src))
             return
+        if body.get("layout"):
+            self._on_restriped(body, now)
+            return
         held = body.get("held")
         seen = {g: now.get(g) for g in (held if held is not None else now) if g in now}
         with self._lock:
@@ -188,6 +208,33 @@ class ParityGroup:
             for old in mine[: -self.keep]:
                 self.manifests.pop((body["origin"], old), None)
                 self.seen.pop((body["origin"], old), None)
+
+    def _on_restriped(self, body: dict, now: dict) -> None:
+        """A member's manifest in a re-striped layout of the step: its units of the layout
+        reached every holder. Once every origin of the layout has sent one, the layout is the
+        step's here (until then rebuilds read the layout before: its blocks are kept)."""
+        layout, step = StepLayout.from_wire(body["layout"]), body["step"]
+        base = {k: v for k, v in body.items() if k not in ("layout", "held")}
+        with self._lock:
+            if self.layouts.get(step) is not None and self.layouts[step].tag == layout.tag:
+                return
+            got = self._restriping.setdefault((step, layout.tag), (layout, set()))[1]
+            got.add(body["origin"])
+            self.manifests.setdefault((body["origin"], step), base)
+            if not got >= layout.origins():
+                return
+            for key in [key for key in self._restriping if key[0] == step]:
+                del self._restriping[key]
+            self.layouts[step] = layout
+            holding = {g: now.get(g) for g in layout.stripes.members if g in now}
+            for origin in layout.origins():
+                self.seen[(origin, step)] = dict(holding)
+            if step in self.acked:
+                self.acked[step] = dict(holding)
+            for old in sorted(self.layouts)[: -self.keep]:
+                del self.layouts[old]
+        log.info("team: step %d re-striped over nodes %s (%d+%d)", step, list(layout.stripes.members),
+                 layout.stripes.k, layout.stripes.m)
 
     def _on_healed(self, src: int, body: dict, inc: str | None) -> None:
         step = body["step"]
@@ -225,12 +272,18 @@ class ParityGroup:
         data = b"".join(bytes(f) for f in frames)
         if len(data) > self.stripes.unit:
             raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {self.stripes.unit}-byte unit")
+        s = self.stripes
+        if body.get("layout"):  # a unit of a re-striped layout: its own blocks (``inc`` is its tag)
+            s = StepLayout.from_wire(body["layout"]).stripes
+            if len(data) > s.unit:
+                raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {s.unit}-byte unit")
         with self._lock:
             key = (body["step"], body["inc"])
             pb = self.blocks.get(key)
             if pb is None:
-                pb = self.blocks[key] = ParityBlocks(self.stripes)
-                for old in sorted(self.blocks)[: -self.keep]:
+                pb = self.blocks[key] = ParityBlocks(s)
+                versions = sorted({(st, inc.split("~")[0]) for st, inc in self.blocks})  # a layout's go with its step
+                for old in [k for k in self.blocks if (k[0], k[1].split("~")[0]) in versions[: -self.keep]]:
                     del self.blocks[old]
             pb.add(body["row"], body["pos"], data, body["index"])
 
@@ -245,23 +298,25 @@ class ParityGroup:
             return [_flipped(pb.block(body["row"]), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
-        """Our own unit ``u`` of ``step`` (zeros past the end of our blob)."""
+        """Unit ``u`` of our own blob of ``step`` or (``origin``: a re-striped layout's) of a
+        lost member's blob we carry (zeros past the end of the blob)."""
         s = self.stripes
-        size, spans = self.own_blob(body["step"])
+        size, spans = self.blob_of(body.get("origin", self.team.rank), body["step"])
         u = body["u"]
         return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
-    def own_blob(self, step: int) -> tuple[int, list]:
-        """Our blob of ``step``: its size and spans (``blob_spans``), from our own parts or, on a
-        replacement node, from the copy of them it rebuilt from parity (``parity_heal``)."""
+    def blob_of(self, origin: int, step: int) -> tuple[int, list]:
+        """``origin``'s blob of ``step``: its size and spans (``blob_spans``), from our own parts
+        or from a copy rebuilt from parity (our own on a replacement node, ``parity_heal``; a
+        lost member's we carry, ``parity_restripe``)."""
         store, replicas = self.team.store, self.team.replicas
         with store.atomic():
-            v = store.sealed(step)
+            v = store.sealed(step) if origin == self.team.rank else None
             if v is not None:
                 return blob_spans(store, v)[2:]
-            rep = replicas.get(self.team.rank, step) if replicas is not None else None
+            rep = replicas.get(origin, step) if replicas is not None else None
             if rep is None:
-                raise VersionNotFound(f"node {self.team.rank} no longer holds its part of step {step}")
+                raise VersionNotFound(f"node {self.team.rank} no longer holds node {origin}'s part of step {step}")
             size = max(rep.bases[r] + aligned(n) for r, n in rep.used.items()) if rep.used else 0
             return size, [(rep.bases[r], n, rep.view(r, 0, n)) for r, n in rep.used.items()]
 
@@ -276,8 +331,9 @@ class ParityGroup:
                 # lost to this rebuild: the origin if dead, and every member that does not hold
                 # its blocks and units of the step (dead, skipped by the origin, or restarted since)
                 seen = self.seen.get((origin, st), {})
-                gone = [g for g in self.stripes.members if not _holds(g, seen, now)]
-                if len(gone) > self.stripes.m:
+                s = self.layouts[st].stripes if st in self.layouts else self.stripes
+                gone = [g for g in s.members if not _holds(g, seen, now)]
+                if len(gone) > s.m:
                     continue  # more members of the group lost than the code survives
                 item = {"origin": origin, "step": st, "world_size": m["world_size"],
                         "ranks": sorted(p["rank"] for p in m["parts"]), "via": "parity"}
@@ -290,9 +346,10 @@ class ParityGroup:
         """The manifest of ``origin``'s ``step`` we keep (a peer asks: ``parity_manifest_of``)."""
         with self._lock:
             m = self.manifests.get((origin, step))
+            layout = self.layouts.get(step)
         if m is None:
             raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
-        return m
+        return m if layout is None else dict(m, layout=layout.to_wire())
 
     def fetch_manifest(self, origin: int, step: int, keep: bool = True) -> dict:
         """``origin``'s manifest of ``step`` from a live member that keeps it (``origin`` first),
@@ -372,6 +429,9 @@ class ParityGroup:
             with self._lock:
                 m = self.manifests.get((origin, step))
                 sizes = {o: man["size"] for (o, st), man in self.manifests.items() if st == step}
+                layout = self.layouts.get(step) if origin in self.stripes.members else None
+            if m is not None and layout is not None and m.get("layout") is None:
+                m = dict(m, layout=layout.to_wire())
         if m is None:
             raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
         bases = {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
@@ -381,29 +441,40 @@ class ParityGroup:
                 f"step {step}: node {origin}'s parity manifest lays its blob out as {bases} ({m['size']} bytes), "
                 f"not in rank order {want[0]} ({want[1]} bytes): its parity cannot be read back"
             )
+        carrier, first, inc, locate = origin, 0, m["inc"], None
+        if m.get("layout"):  # re-striped over survivors: the origin's blob is a segment of its carrier's
+            layout = StepLayout.from_wire(m["layout"])
+            s, place, inc, locate = layout.stripes, layout.place(origin), layout.tag, layout.locate
+            if place is None:
+                raise VersionNotFound(f"step {step}: node {origin}'s part is in no segment of its re-striped layout")
+            carrier, first = place[0], place[1] // s.unit
+            sizes = {g: layout.vsize(g) for g in s.members}
         live = team.live() - distrust
         for u in range(s.units(m["size"])):
-            row, pos = s.row_of(origin, u)
-            full = self.recover_row(s, step, row, origin, sizes, live, m["inc"])
+            row, pos = s.row_of(carrier, first + u)
+            full = self.recover_row(s, step, row, carrier, sizes, live, inc, locate)
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
         team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
         return bases
 
-    def recover_row(self, s: Stripes, step: int, row: int, missing: int, sizes: dict, live, inc: str) -> list:
+    def recover_row(self, s: Stripes, step: int, row: int, missing: int, sizes: dict, live, inc: str,
+                    locate=None) -> list:
         """Every shard of ``row`` of ``step`` in the group laid out by ``s`` (``k`` data units,
         then ``m`` parity blocks): the live members' fetched, ``missing``'s and the lost ones'
-        decoded. ``sizes``: the blob sizes of the members whose manifests we have. Raises
+        decoded. ``sizes``: the blob sizes of the members whose manifests we have. ``locate``:
+        a re-striped layout's ``StepLayout.locate`` (``inc`` then is its tag). Raises
         VersionNotFound when the row lost more than the code survives."""
         shards: list = []
         for d in s.data_members(row):
             ud = s.unit_in_row(d, row)
-            if d != missing and d in sizes and ud >= s.units(sizes[d]):
+            at = locate(d, ud) if locate is not None and d != missing and d in live else (d, ud)
+            if (d != missing and d in sizes and ud >= s.units(sizes[d])) or at is None:
                 shards.append(bytes(s.unit))  # no part of this step, or past its end: zeros
             elif d == missing or d not in live:
                 shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
             else:
-                shards.append(self._fetch(d, "blob_unit", {"step": step, "u": ud}))
+                shards.append(self._fetch(d, "blob_unit", {"step": step, "origin": at[0], "u": at[1]}))
         for h in s.parity_holders(row):
             shards.append(None if h not in live or h == missing
                           else self._fetch(h, "parity_block", {"step": step, "inc": inc, "row": row}))

@@ -22,6 +22,12 @@ A step it cannot heal (more members lost than the code survives) is logged with 
 reason and left degraded; one that failed for a passing reason (a member not answering, the
 replication thread wanted for a snapshot) is tried again 2 s later, while the view is young.
 
+When a member stays lost past ``$UCPD_PARITY_RESTRIPE_SECONDS`` (30 s) of a settled view with
+no replacement, every survivor re-stripes each committed step over the survivors
+(``decide.parity_restripe``, carried out by ``parity_restripe.restripe_step``): passes go on
+every 5 s while a member is lost, so steps written meanwhile are re-striped too. A replacement
+that comes later has no share of a re-striped step (it is not in its layout).
+
 Threads: ``run`` on the replication thread; ``due`` on the driver's tick.
 """
 
@@ -29,15 +35,23 @@ from __future__ import annotations
 
 import logging
 
+from .. import knobs
 from ..errors import UcpdError
-from .decide import parity_heal
+from .decide import parity_heal, parity_restripe
 from .directory import ask_all
+from .parity_restripe import restripe_step
 from .stripes import ParityBlocks
 
 log = logging.getLogger("ucpd.team.parity")
 
 RETRY = 2.0  # seconds between passes while a step's heal failed for a passing reason
 WINDOW = 60.0  # seconds after a start or a view change during which failed passes are retried
+LOST_RETRY = 5.0  # seconds between passes past the window while a member of the group is lost
+
+
+def restripe_after() -> float:
+    """Seconds a member stays lost, the view unchanged, before the survivors re-stripe."""
+    return float(knobs.get("UCPD_PARITY_RESTRIPE_SECONDS", "30"))
 
 
 class ParityHealer:
@@ -48,7 +62,11 @@ class ParityHealer:
         self.team = team
         self.yield_to = yield_to
         self.cannot: dict[int, str] = {}  # step -> why our share of it cannot be healed
+        self.cannot_restripe: dict[int, str] = {}  # step -> why it cannot be re-striped over the survivors
+        self.restriped: set[tuple[int, str]] = set()  # (step, layout tag): our share done
+        self.outside: set[int] = set()  # re-striped steps whose layout we are not in (a late replacement)
         self._until: float | None = None  # retry passes until then (the team's clock)
+        self._changed = 0.0  # the last view change (the team's clock)
         self._due = 0.0
         self.queued = False
 
@@ -60,8 +78,8 @@ class ParityHealer:
         """Whether a pass should be queued now (at start, on a view change, then every
         ``RETRY`` seconds while the last pass left work and the view is younger than ``WINDOW``)."""
         if self._until is None or view_changed:
-            self._until, self._due = now + WINDOW, now
-        if self.queued or now < self._due or now > self._until:
+            self._until, self._due, self._changed = now + WINDOW, now, now
+        if self.queued or now < self._due or (now > self._until and not self._lost()):
             return False
         self.queued = True
         return True
@@ -77,12 +95,17 @@ class ParityHealer:
             settled = False
         if settled:
             self._until = now
-        self._due = now + RETRY
+        self._due = now + (RETRY if now <= self._until else LOST_RETRY)
+
+    def _lost(self) -> bool:
+        live = self.team.live()
+        return any(g not in live for g in self.group.stripes.members)
 
     def _pass(self, healing: dict) -> bool:
         team, group = self.team, self.group
         s, me = group.stripes, team.rank
         live = team.live()
+        now = team.clock()
         others = [g for g in s.members if g != me and g in live]
         if not others:
             return True
@@ -96,7 +119,7 @@ class ParityHealer:
         for step in sorted(steps, reverse=True):
             if not team.is_committed(step):
                 continue  # (not known committed here yet, or a dead run's: never healed)
-            if step in self.cannot or self._holds_share(step, steps[step]):
+            if step in self.cannot or step in self.outside or self._holds_share(step, steps[step]):
                 continue
             if self.yield_to():
                 return False  # a snapshot waits for this thread: the next pass goes on
@@ -106,7 +129,67 @@ class ParityHealer:
                 log.warning("team: healing our share of step %d's parity failed: %s; trying again", step, exc)
                 done = False
             settled = settled and done
+        if not any(g not in live for g in s.members):
+            return settled
+        if now - self._changed < restripe_after():
+            return False  # a member lost: a replacement may still come
+        for step in sorted(steps, reverse=True):
+            if not team.is_committed(step) or step in self.cannot or step in self.cannot_restripe:
+                continue
+            if self.yield_to():
+                return False
+            try:
+                done = self._restripe(step, live, healing)
+            except UcpdError as exc:
+                log.warning("team: re-striping step %d over the survivors failed: %s; trying again", step, exc)
+                done = False
+            settled = settled and done
         return settled
+
+    def _restripe(self, step: int, live, healing: dict) -> bool:
+        """Our share of re-striping ``step`` over the survivors; True when done (or impossible)."""
+        team, group = self.team, self.group
+        mans = self._manifests(step, group.stripes.members)
+        current = group.layout_of(step, mans)
+        if current.tag:
+            mans.update(self._manifests(step, current.origins() - set(mans)))
+        runs = {m["inc"] for m in mans.values()}
+        if len(runs) != 1:
+            return not mans  # (no part of the step anywhere: nothing to re-stripe)
+        plan = parity_restripe(current, step, team.rank, live, next(iter(runs)))
+        if plan is None:
+            return True
+        if plan.cannot:
+            self.cannot_restripe[step] = plan.cannot
+            healing["failed"] += 1
+            log.error("team: %s", plan.cannot)
+            return True
+        if (step, plan.layout.tag) in self.restriped:
+            return True
+        healing["pending"] += 1
+        try:
+            nbytes = restripe_step(team, plan, mans, current.to_wire() if current.tag else None)
+        finally:
+            healing["pending"] -= 1
+        self.restriped.add((step, plan.layout.tag))
+        healing["done"] += 1
+        healing["bytes"] += nbytes
+        return True
+
+    def _manifests(self, step: int, origins) -> dict[int, dict]:
+        """The manifests of ``origins``' parts of ``step`` (kept here, else from a member that
+        keeps one; an origin with none had no part, or was lost with every copy of it)."""
+        out = {}
+        for origin in origins:
+            try:
+                try:
+                    m = self.group.manifest_of(origin, step)
+                except UcpdError:
+                    m = self.group.fetch_manifest(origin, step, keep=False)
+            except UcpdError:
+                continue
+            out[origin] = {k: v for k, v in m.items() if k != "layout"}
+        return out
 
     def _holds_share(self, step: int, origins: set[int]) -> bool:
         """Whether we hold our share of ``step``: our blob if we had one, and every member's
@@ -133,6 +216,14 @@ class ParityHealer:
         if len(runs) > 1:
             log.warning("team: step %d's parity manifests name several runs %s; not healed", step, sorted(runs))
             return False
+        lay = group.layout_of(step, mans)
+        if lay.tag:  # re-striped over the survivors while we were away: no share of it is ours
+            if me in lay.stripes.members:
+                self.cannot[step] = f"step {step}: our share of its re-striped layout was lost (restarted since)"
+                log.error("team: %s; it stays degraded", self.cannot[step])
+            else:
+                self.outside.add(step)
+            return True
         sizes = {g: mans[g]["size"] if g in mans else (0 if g in live else None) for g in s.members}
         with team.store.atomic():
             have = team.store.sealed(step) is not None or team.replicas.get(me, step) is not None

@@ -145,3 +145,46 @@ class ParityBlocks:
     @property
     def nbytes(self) -> int:
         return len(self.blocks) * self.stripes.unit
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """One step's group after it was re-striped over the survivors of a loss
+    (``decide.parity_restripe``): ``stripes`` over the survivors, and the *segments* each
+    member's virtual blob holds — (carrier, origin, offset, size): ``origin``'s blob at byte
+    ``offset`` (a unit boundary) of ``carrier``'s. A member's own blob is its segment at 0; a
+    lost member's blob rebuilt onto a survivor follows that survivor's own. ``tag`` names the
+    layout (the parity blocks and manifests of each layout are kept apart)."""
+
+    stripes: Stripes
+    segments: tuple[tuple[int, int, int, int], ...]
+    tag: str
+
+    def to_wire(self) -> dict:
+        s = self.stripes
+        return {"tag": self.tag, "members": list(s.members), "k": s.k, "m": s.m, "unit": s.unit,
+                "segments": [list(x) for x in self.segments]}
+
+    @classmethod
+    def from_wire(cls, d: dict) -> "StepLayout":
+        return cls(Stripes(tuple(d["members"]), d["k"], d["m"], d["unit"]),
+                   tuple(tuple(x) for x in d["segments"]), d["tag"])
+
+    def vsize(self, member: int) -> int:
+        """The bytes of ``member``'s virtual blob (0: it carries nothing)."""
+        return max((off + n for c, _, off, n in self.segments if c == member), default=0)
+
+    def place(self, origin: int) -> tuple[int, int, int] | None:
+        """(carrier, offset, size) of ``origin``'s blob; None: not in this layout."""
+        return next(((c, off, n) for c, o, off, n in self.segments if o == origin), None)
+
+    def locate(self, carrier: int, u: int) -> tuple[int, int] | None:
+        """(origin, unit within its blob) of ``carrier``'s virtual unit ``u``; None: zeros."""
+        lo = u * self.stripes.unit
+        for c, o, off, n in self.segments:
+            if c == carrier and off <= lo < off + n:
+                return o, (lo - off) // self.stripes.unit
+        return None
+
+    def origins(self) -> set[int]:
+        return {o for _, o, _, _ in self.segments}
