@@ -25,22 +25,18 @@ import glob
 import multiprocessing.util
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import tempfile
-
-from ucpd.launch import lock_pid
 import uuid
 import warnings
 
 import psutil
 import pytest
 
-from helpers import TEST_JOB, ranks
-from helpers.daemons import spawn_and_wait
+from ucpd.launch import lock_pid
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import TEST_JOB, ranks
+from helpers.daemons import Daemon
+
 LOCK_NAME = "ucpd.lock"
 SOCKET_NAME = "ucpd.sock"
 
@@ -71,50 +67,6 @@ def pytest_terminal_summary(terminalreporter, config):
     seed = _order_seed(config)
     if seed is not None:
         terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
-
-
-class DaemonProcess:
-    """A `ucpd serve` child process; the test can kill it (SIGKILL) and start it again."""
-
-    def __init__(self, run_dir: str, shm_dir: str, flush_dir: str | None, extra: list[str]):
-        self.run_dir, self.shm_dir, self.flush_dir, self.extra = run_dir, shm_dir, flush_dir, extra
-        self.proc: subprocess.Popen | None = None
-        self.log = os.path.join(os.path.dirname(run_dir), "daemon.log")
-
-    def start(self, *more: str) -> "DaemonProcess":
-        """Start it and return once *this* process serves the socket: after a kill() the dead
-        daemon's socket file is still there, so its mere existence proves nothing."""
-        args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir]
-        if self.flush_dir:
-            args += ["--flush-dir", self.flush_dir]
-        args += self.extra + list(more)
-        self.proc = spawn_and_wait(args, self.run_dir, self.log, cwd=ROOT)
-        return self
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def kill(self) -> None:
-        """Crash it: SIGKILL, no clean-up (its shm segments stay)."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log) as f:
-                return f.read()[-4000:]
-        except OSError:
-            return ""
 
 
 def _holder(lock_path: str) -> psutil.Process | None:
@@ -231,10 +183,10 @@ def dirs(tmp_path, ucpd_isolation):
 @pytest.fixture
 def make_daemon(dirs):
     """Factory: make_daemon(*extra_args, flush=True) starts a daemon for this test."""
-    started: list[DaemonProcess] = []
+    started: list[Daemon] = []
 
-    def make(*extra: str, flush: bool = True) -> DaemonProcess:
-        d = DaemonProcess(dirs["run"], dirs["shm"], dirs["flush"] if flush else None, list(extra))
+    def make(*extra: str, flush: bool = True) -> Daemon:
+        d = Daemon(dirs["run"], dirs["shm"], extra, dirs["flush"] if flush else None)
         started.append(d)
         return d.start()
 

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from helpers.ranks import free_port
+from helpers.daemons import free_port
 from ucpd_client import Checkpointer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -40,7 +40,7 @@ def sample(team) -> dict:
     import psutil
 
     nodes = []
-    for d in team.daemons:
+    for d in team.nodes:
         row = {"pid": d.proc.pid if d.proc else None, "rss": None, "fds": None, "threads": None, "shm_bytes": 0}
         try:
             p = psutil.Process(d.proc.pid)
@@ -67,22 +67,23 @@ def clean_run(c, index: int) -> list[str]:
     if not c.join(procs, 120, work):
         fails.append(f"clean run {c.run} did not finish in 120 s")
     j = c.journals(work)
-    before = c.reported
-    c.absorb(c.run, j)
-    c.check_run(c.run, j, fails.append, clean=True, injected_at=None, reported=before)
+    before = c.ledger.reported
+    c.ledger.absorb(c.run, j)
+    c.ledger.check_run(c.run, j, fails.append, clean=True, injected_at=None, reported=before)
     return fails
 
 
 def soak(seed: int, seconds: float, fault_every: float, nodes: int, per_node: int, redundancy: str,
          dead_after: float, log=print) -> dict:
     from helpers import team_chaos as tc
+    from helpers.waiting import eventually
 
     c = tc.Campaign(seed, nodes=nodes, per_node=per_node, redundancy=redundancy, dead_after=dead_after, log=log)
     samples, trials, clean = [], [], []
     t0 = time.monotonic()
     try:
         c.team.start()
-        if not tc.wait_until(c.team.formed, 30):
+        if not eventually(c.team.formed, 30):
             raise RuntimeError("the team did not form in 30 s")
         clean.append({"index": 0, "failures": clean_run(c, 0), "run": c.run})
         samples.append(sample(c.team))

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from helpers import TEST_JOB
-from helpers.ranks import free_port
+from helpers.daemons import free_port
 from helpers.waiting import wait_until
 from ucpd.errors import ChecksumMismatch
 from ucpd.format import open_version

@@ -16,6 +16,8 @@ from ucpd.daemon.slots import TOUCH_PIECE, Slot, SlotState, SlotStore, allocate_
 from ucpd_client import Checkpointer
 from ucpd_client import placement as P
 
+from helpers.waiting import wait_until
+
 MiB = 1 << 20
 
 
@@ -28,23 +30,13 @@ def slot_files(shm: str) -> dict[str, int]:
     return out
 
 
-def wait_for(pred, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError("condition not met in time")
-
-
 def state(mib: int = 8) -> dict:
     return {"w": torch.randn(mib * MiB // 8), "b": torch.randn(mib * MiB // 8)}
 
 
 def warm_files(ck: Checkpointer, shm: str, count: int) -> dict[str, int]:
     """Wait until ``count`` slot files exist and the daemon is warming none."""
-    wait_for(lambda: len(slot_files(shm)) >= count and ck.status()["slots"]["warming"] == 0)
+    wait_until(lambda: len(slot_files(shm)) >= count and ck.status()["slots"]["warming"] == 0, "the spare slots", 60)
     return slot_files(shm)
 
 
@@ -92,7 +84,7 @@ def test_spares_stop_at_the_memory_limit_and_never_evict_or_refuse(make_daemon, 
     with Checkpointer(dirs["run"], rank=0, world_size=1, embedded=False) as ck:
         sd = state()
         ck.snapshot(1, sd).wait()
-        wait_for(lambda: ck.status()["slots"]["warming"] == 0)
+        wait_until(lambda: ck.status()["slots"]["warming"] == 0, "the warm-up to end", 60)
         time.sleep(0.3)  # nothing more comes
         assert len(slot_files(dirs["shm"])) == 2 and ck.status()["slots"]["warming"] == 0
         assert ck.latest() == 1
@@ -180,7 +172,7 @@ def test_the_trainer_maps_its_warm_spares_between_snapshots(make_daemon, dirs):
         ck.snapshot(2, sd).wait()  # its commit reply names the spare still free: mapped now
         paths = {os.path.join(dirs["shm"], name) for name in files}
         # the worker maps them after the commit, while wait() returns: give it a moment
-        wait_for(lambda: all(ck._maps.has(p, True) for p in paths), timeout=10)
+        wait_until(lambda: all(ck._maps.has(p, True) for p in paths), "every slot mapped", 10)
 
 
 def test_a_slot_a_trainer_waits_for_is_reserved_but_left_untouched(tmp_path):

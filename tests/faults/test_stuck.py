@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,8 @@ import pytest
 import torch
 
 from helpers import TEST_JOB
-from helpers import faultkit as fk
+from helpers.daemon_team import DaemonTeam
+from helpers.daemons import Daemon
 from helpers.waiting import wait_until
 
 # seconds a snapshot's wait() or a restore may take while a disk is stuck: far below the minute
@@ -89,7 +89,7 @@ def test_a_flush_dir_that_blocks_on_open_never_blocks_latest_or_restores(make_da
     fifo = os.path.join(dirs["flushed"], "LATEST")
     with Checkpointer(d.run_dir, embedded=False) as ckpt:
         _snap(ckpt, 1)
-        fk._wait(lambda: ckpt.status()["flush"]["last_flushed"] == 1, "step 1 flushed")
+        wait_until(lambda: ckpt.status()["flush"]["last_flushed"] == 1, "step 1 flushed", 20)
         os.unlink(fifo)
         os.mkfifo(fifo)  # opening LATEST now blocks in the kernel until a writer comes
         try:
@@ -119,7 +119,7 @@ def test_latest_with_nothing_in_ram_waits_for_a_hung_flush_dir_and_never_answers
     d = make_daemon("--mem-limit", "256M", "--keep", "2", "--flush-every", "1")
     with Checkpointer(d.run_dir, embedded=False) as ckpt:
         _snap(ckpt, 1)
-        fk._wait(lambda: ckpt.status()["flush"]["last_flushed"] == 1, "step 1 flushed")
+        wait_until(lambda: ckpt.status()["flush"]["last_flushed"] == 1, "step 1 flushed", 20)
     d.stop()
     subprocess.run([sys.executable, "-m", "ucpd", "stop", "--run-dir", d.run_dir, "--purge"], check=True,
                    capture_output=True)  # the daemon's RAM is gone; the flush dir keeps step 1
@@ -166,24 +166,23 @@ def test_a_full_flush_dir_fails_the_flush_and_snapshots_and_restores_go_on(dirs,
     from ucpd_client import Checkpointer
 
     path, mounted = full_flush_dir
-    d = fk.Daemon(os.path.dirname(dirs["run"]), dirs["shm"], ["--mem-limit", "256M", "--keep", "2", "--flush-every", "1",
-                                                                "--metrics-port", "0"], path)
-    d.start(env={"UCPD_FAULT": os.environ.get("UCPD_FAULT", "")})
+    d = Daemon(dirs["run"], dirs["shm"], ["--mem-limit", "256M", "--keep", "2", "--flush-every", "1", "--metrics-port", "0"],
+               path).start()
     monkeypatch.delenv("UCPD_FAULT", raising=False)
     n = 1 << 19  # 2 MiB of float32: more than the file system holds
     try:
         with Checkpointer(d.run_dir, embedded=False) as ckpt:
             waits = [_snap(ckpt, s, n) for s in range(1, 5)]
             took = _restore(ckpt, 4, n)
-            fk._wait(lambda: ckpt.status()["flush"]["errors"] >= 1, "the flush to fail")
+            wait_until(lambda: ckpt.status()["flush"]["errors"] >= 1, "the flush to fail", 20)
             # (a loaded machine may flush only step 4 of 1-4: the queue keeps the newest) the
             # flusher goes on after a failure: the next step's flush is tried, and fails too
-            fk._wait(lambda: ckpt.status()["flush"]["current_step"] is None, "the flusher to be between flushes")
+            wait_until(lambda: ckpt.status()["flush"]["current_step"] is None, "the flusher to be between flushes", 20)
             failed = ckpt.status()["flush"]["errors"]
             waits.append(_snap(ckpt, 5, n))
-            fk._wait(lambda: ckpt.status()["flush"]["errors"] > failed, "the next flush to be tried and fail")
+            wait_until(lambda: ckpt.status()["flush"]["errors"] > failed, "the next flush to be tried and fail", 20)
             # a later step's flush may be writing its temp folder right now: judge between flushes
-            fk._wait(lambda: ckpt.status()["flush"]["current_step"] is None, "the flusher to be between flushes")
+            wait_until(lambda: ckpt.status()["flush"]["current_step"] is None, "the flusher to be between flushes", 20)
             st = ckpt.status()
         assert max(waits) < BOUND and took < BOUND, (waits, took)
         assert st["flush"]["state"] in ("failing", "writing") and "No space left" in (st["flush"]["last_error"] or "No space left")
@@ -201,15 +200,8 @@ def test_a_stopped_peer_never_blocks_snapshots_or_restores_and_the_team_degrades
     SIGCONT it rejoins."""
     from ucpd_client import Checkpointer
 
-    addresses = [f"tcp://127.0.0.1:{fk._free_port()}" for _ in range(3)]
-    nodes = []
-    for i in range(3):
-        w = tmp_path / f"node{i}"
-        w.mkdir()
-        nodes.append(fk.Daemon(str(w), f"{ucpd_isolation}-n{i}", ["--nodes", "3", "--node-rank", str(i), "--peers", ",".join(addresses),
-                     "--heartbeat", "0.1", "--dead-after", "1.5", "--mem-limit", "256M", "--keep", "2", "--replicas", "1"], None))
-    for d in nodes:
-        d.start()
+    team = DaemonTeam(str(tmp_path), ucpd_isolation, 3, ["--keep", "2", "--replicas", "1"], mem_limit="256M").start()
+    nodes = team.nodes
     ranks = [Checkpointer(nodes[r].run_dir, rank=r, world_size=2, local_world_size=1, embedded=False, job_id="a") for r in range(2)]
 
     def step(s):
@@ -224,7 +216,7 @@ def test_a_stopped_peer_never_blocks_snapshots_or_restores_and_the_team_degrades
 
     try:
         step(1)
-        os.kill(nodes[2].proc.pid, signal.SIGSTOP)
+        team.pause(2)
         t_stop = time.monotonic()
         waits = [step(s) for s in range(2, 6)]
         t0 = time.monotonic()
@@ -245,13 +237,11 @@ def test_a_stopped_peer_never_blocks_snapshots_or_restores_and_the_team_degrades
         assert st["redundancy"]["healthy"] is False
         v5 = [v for v in st1["team"]["versions"] if v["step"] == 5]
         assert v5 and 2 not in v5[0]["holders"] and v5[0]["holders"], f"node 1's step 5 is copied to a live node: {v5}"
-        os.kill(nodes[2].proc.pid, signal.SIGCONT)
-        fk._wait(lambda: all(n["live"] for n in nodes[0].status()["team"]["nodes"]), "node 2 to rejoin", timeout=30)
+        team.resume(2)
+        wait_until(lambda: all(n["live"] for n in nodes[0].status()["team"]["nodes"]), "node 2 to rejoin", 30)
         assert step(6) < BOUND
     finally:
-        if nodes[2].alive():
-            os.kill(nodes[2].proc.pid, signal.SIGCONT)
+        team.resume(2)
         for c in ranks:
             c.close()
-        for d in nodes:
-            d.stop()
+        team.stop()

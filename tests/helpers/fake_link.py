@@ -28,6 +28,7 @@ from ucpd import protocol
 from ucpd.errors import DaemonUnreachable, UcpdError
 
 from . import waiting
+from .waiting import wait_until  # noqa: F401  (the parity tests import it from here)
 
 
 class FakeClock:
@@ -232,8 +233,3 @@ def _settle(future: Future, done: Future) -> None:
     else:
         reply, out = done.result()
         future.set_result((reply, FakeLink._copy(out)))
-
-
-def wait_until(cond, timeout: float = 20.0, tick=None) -> None:
-    """Run ``tick`` (a team's timers) until ``cond()`` holds; AssertionError after ``timeout``."""
-    waiting.wait_until(cond, "the condition", timeout, poll=0.01, tick=tick)

@@ -31,18 +31,16 @@ import multiprocessing as mp
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import psutil
 
-from .daemons import spawn_and_wait
+from .daemon_team import DaemonTeam
+from .daemons import Daemon
 from .waiting import eventually
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 JOB = "test"
 ROWS, COLS = 48, 96  # each rank's shard of "w" (float32); "m" is 2x that; "b" replicated bf16
 
@@ -195,64 +193,6 @@ def kill(procs) -> None:
         p.join(5)
 
 
-# --- daemons ---------------------------------------------------------------------------------------
-
-class Daemon:
-    """A ``ucpd serve`` process (restartable) with its own run dir, shm dir and flush dir."""
-
-    def __init__(self, workdir: str, shm_dir: str, args: list[str], flush_dir: str | None):
-        self.run_dir = os.path.join(workdir, "run")
-        self.shm_dir, self.args, self.flush_dir = shm_dir, args, flush_dir
-        self.log = os.path.join(workdir, "daemon.log")
-        self.proc: subprocess.Popen | None = None
-        self.prefix: list[str] = []  # a command that runs the daemon, e.g. in a network namespace (it execs it)
-
-    def start(self, fault: str | None = None, env: dict | None = None) -> "Daemon":
-        args = [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir, *self.args]
-        if self.flush_dir:
-            args += ["--flush-dir", self.flush_dir]
-        e = {k: v for k, v in os.environ.items() if k != "UCPD_FAULT"}
-        e.update(env or {})
-        if fault:
-            e["UCPD_FAULT"] = fault
-        header = f"--- start {' '.join(self.prefix + args[3:])} fault={fault}\n".encode()
-        self.proc = spawn_and_wait(self.prefix + args, self.run_dir, self.log, cwd=ROOT, env=e, header=header)
-        return self
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def killed(self) -> bool:
-        """It died of SIGKILL (a crash point fired)."""
-        return self.proc is not None and self.proc.poll() == -signal.SIGKILL
-
-    def kill(self) -> None:
-        if self.alive():
-            self.proc.kill()
-            self.proc.wait()
-
-    def stop(self) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
-
-    def status(self) -> dict:
-        from ucpd.rpc import Connection
-
-        with Connection(self.run_dir, timeout=20) as c:
-            return c.call("status")
-
-    def read_log(self) -> str:
-        try:
-            with open(self.log) as f:
-                return f.read()[-6000:]
-        except OSError:
-            return ""
-
-
 # --- checks ----------------------------------------------------------------------------------------
 
 class CheckFailed(AssertionError):
@@ -383,7 +323,7 @@ def node_trial(point: str, step: int, workdir: str, shm_prefix: str, world: int 
     t0 = time.monotonic()
     os.makedirs(workdir, exist_ok=True)
     shm = f"{shm_prefix}-{uuid.uuid4().hex[:8]}"
-    d = Daemon(workdir, shm, DAEMON_ARGS, os.path.join(workdir, "flush"))
+    d = Daemon(os.path.join(workdir, "run"), shm, DAEMON_ARGS, os.path.join(workdir, "flush"))
     env = {"UCPD_RPC_TIMEOUT": "8", "UCPD_JOB_ID": "run-1", "FAULTKIT_WAIT": "15"}
     procs = []
     try:
@@ -511,32 +451,15 @@ TEAM_LATEST = {
 }
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait(cond, what: str, timeout: float = 20.0) -> None:
-    _require(eventually(cond, timeout, poll=0.1), f"timed out waiting for {what}")
-
-
 def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int = 0, steps: int = 3) -> Trial:
     """A crash at ``point`` of ``step`` in one node of a team, then the survivors' checks."""
     n, extra, victim, lose_first = TEAM_SETUPS[point]
     t = Trial(point, "team", step, n, victim, seed)
     t0 = time.monotonic()
-    addresses = [f"tcp://127.0.0.1:{_free_port()}" for _ in range(n)]
-    nodes: list[Daemon] = []
-    for i in range(n):
-        w = os.path.join(workdir, f"node{i}")
-        os.makedirs(w, exist_ok=True)
-        args = ["--nodes", str(n), "--node-rank", str(i), "--peers", ",".join(addresses), "--heartbeat", "0.1",
-                "--dead-after", "1.5", "--mem-limit", "256M", "--keep", "2", "--log-level", "DEBUG", *extra]
-        flush = os.path.join(workdir, "flush") if i == 0 and point.startswith("flush") else None
-        nodes.append(Daemon(w, f"{shm_prefix}-{uuid.uuid4().hex[:6]}-n{i}", args, flush))
+    team = DaemonTeam(workdir, f"{shm_prefix}-{uuid.uuid4().hex[:6]}", n, ["--keep", "2", "--log-level", "DEBUG", *extra],
+                      mem_limit="256M", flush_dir=os.path.join(workdir, "flush") if point.startswith("flush") else None,
+                      flush_nodes={0})
+    nodes = team.nodes
     env = {"UCPD_RPC_TIMEOUT": "10", "UCPD_JOB_ID": "run-1", "FAULTKIT_WAIT": "20"}
     procs = []
     run_dirs = [d.run_dir for d in nodes]  # one rank on each node
@@ -544,13 +467,12 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
         spec = f"{point}@{step}"
         if point.startswith("flush"):
             env["FAULTKIT_FLUSH_EACH"] = "1"
-        for i, d in enumerate(nodes):
-            d.start(fault=spec if i == victim else None)
+        for i in range(n):
+            team.start(i, fault=spec if i == victim else None)
         if lose_first is not None:  # the step before commits on every node, then a node is lost: healing
             procs = start_trainers(run_dirs, n, list(range(1, step + 1)), workdir, env, local_world=1)
             join(procs, 60)
-            nodes[lose_first].kill()
-            shutil.rmtree(nodes[lose_first].shm_dir, ignore_errors=True)
+            team.lose(lose_first)
             procs = []
         else:
             procs = start_trainers(run_dirs, n, list(range(1, steps + 1)), workdir, env, local_world=1)
@@ -570,15 +492,15 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
         lost = {victim} | ({lose_first} if lose_first is not None else set())
         survivors = [i for i in range(n) if i not in lost]
         for i in survivors:
-            _wait(lambda i=i: not any(x["live"] for x in nodes[i].status()["team"]["nodes"] if x["node"] in lost),
-                  f"node {i} to see nodes {sorted(lost)} dead")
+            _require(eventually(lambda i=i: not any(x["live"] for x in nodes[i].status()["team"]["nodes"] if x["node"] in lost),
+                                20, poll=0.1), f"timed out waiting for node {i} to see nodes {sorted(lost)} dead")
         seen: list = []
 
         def agreed() -> bool:
             seen[:] = [nodes[i].status()["team"]["team_latest"] for i in survivors]
             return len(set(seen)) == 1
 
-        _wait(agreed, f"the survivors to agree on the latest step ({seen})", timeout=15)
+        _require(eventually(agreed, 15, poll=0.1), f"timed out waiting for the survivors to agree on the latest step ({seen})")
         from ucpd_client import Checkpointer
 
         with Checkpointer(nodes[survivors[0]].run_dir, rank=0, world_size=n, embedded=False, job=JOB,
@@ -607,13 +529,11 @@ def team_trial(point: str, step: int, workdir: str, shm_prefix: str, seed: int =
         return t
     except Exception as exc:  # a check failed, or a daemon answered with an error
         t.error = str(exc) if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: {exc}"
-        t.notes.append("\n".join(f"--- node {i}\n{d.read_log()[-1500:]}" for i, d in enumerate(nodes)))
+        t.notes.append(team.logs(1500))
         return t
     finally:
         kill(procs)
-        for d in nodes:
-            d.stop()
-            shutil.rmtree(d.shm_dir, ignore_errors=True)
+        team.stop()
         t.seconds = round(time.monotonic() - t0, 2)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import time
 
@@ -13,12 +12,6 @@ import torch.multiprocessing as mp
 # tmp_path, never the shared temp dir) and the list of rank processes it must stop afterwards.
 WORKDIR: str | None = None
 STARTED: list = []
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo(rank: int, world: int, rendezvous: str) -> None:

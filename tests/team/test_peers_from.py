@@ -21,72 +21,41 @@ from datetime import timedelta
 
 import pytest
 
-from helpers.daemons import spawn_and_wait
-from helpers.ranks import free_port
+from helpers.daemons import ROOT, Daemon, free_port
 from helpers.waiting import wait_until
-from ucpd.daemon.runtime import exit_with_parent
-from ucpd.launch import lock_pid
-from ucpd.rpc import SOCKET_NAME, Connection
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NODES = 3
 
 
-class Node:
+class Node(Daemon):
     """One ``ucpd serve --peers-from`` process with its own environment."""
 
     def __init__(self, root, shm_prefix: str, i: int, args: list[str], env: dict[str, str]):
-        self.run_dir = str(root / f"node{i}" / "run")
-        self.shm_dir = f"{shm_prefix}-pf{i}-{uuid.uuid4().hex[:6]}"
-        self.log = str(root / f"node{i}" / "daemon.log")
-        os.makedirs(os.path.dirname(self.run_dir), exist_ok=True)
-        self.args, self.env, self.proc = args, env, None
-
-    def command(self) -> list[str]:
-        return [sys.executable, "-m", "ucpd", "serve", "--run-dir", self.run_dir, "--shm-dir", self.shm_dir,
-                "--mem-limit", "256M", "--heartbeat", "0.1", "--dead-after", "1.5", *self.args]
+        os.makedirs(root / f"node{i}", exist_ok=True)
+        super().__init__(str(root / f"node{i}" / "run"), f"{shm_prefix}-pf{i}-{uuid.uuid4().hex[:6]}",
+                         ["--mem-limit", "256M", "--heartbeat", "0.1", "--dead-after", "1.5", *args])
+        self.env = env
 
     def start(self) -> "Node":
-        self.proc = spawn_and_wait(self.command(), self.run_dir, self.log, ROOT, env={**os.environ, **self.env},
-                                   timeout=90)
-        return self
+        return super().start(env=self.env, timeout=90)
 
-    def launch(self) -> None:
-        """Start it without waiting (daemons meeting in a rendezvous wait for each other)."""
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(exit_with_parent(self.command()), stdout=log, stderr=log, cwd=ROOT,
-                                         env={**os.environ, **self.env})
-
-    def serving(self) -> bool:
-        assert self.proc.poll() is None, self.read_log()
-        return os.path.exists(os.path.join(self.run_dir, SOCKET_NAME)) and lock_pid(self.run_dir) == self.proc.pid
+    def launch(self) -> "Node":
+        return super().launch(env=self.env)
 
     def lose(self) -> None:
         """The node is gone, and its RAM with it."""
-        self.proc.kill()
-        self.proc.wait()
+        self.kill()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
         self.shm_dir = f"{self.shm_dir}-new"  # the replacement's memory is its own
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(20)
+        super().stop()
         shutil.rmtree(self.shm_dir, ignore_errors=True)
-
-    def status(self) -> dict:
-        with Connection(self.run_dir, timeout=10) as conn:
-            return conn.call("status")
 
     def team(self) -> tuple[int, list[bool], list[str]]:
         """(this node's rank, which nodes it sees live, their addresses)."""
-        s = self.status()
+        s = self.status(10)
         nodes = s["team"]["nodes"]
         return s["node_rank"], [n["live"] for n in nodes], [n["address"] for n in nodes]
-
-    def read_log(self) -> str:
-        with open(self.log) as f:
-            return f.read()[-3000:]
 
 
 @pytest.fixture

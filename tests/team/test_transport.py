@@ -21,6 +21,8 @@ from ucpd.team import transport as tr
 from ucpd.team.frames import derive_key
 from ucpd.team.transport import PeerTransport
 
+from helpers.waiting import wait_until
+
 SECRET = b"job-secret-for-tests"
 LOCAL = "tcp://127.0.0.1:0"
 
@@ -56,13 +58,6 @@ def team(n: int, **kw):
     finally:
         for node in nodes:
             node.t.close()
-
-
-def wait_until(pred, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.01)
 
 
 def live_threads() -> set[threading.Thread]:
