@@ -193,3 +193,31 @@ def test_one_durable_write_helper():
     """write, fsync, close, fsync the folder: written once, in ucpd.format.durable; every
     other module asks it (durable_file, write_file_new, write_file_atomic, fsync_fd)."""
     assert _calls_outside("fsync", {"ucpd/format/durable.py"}) == []
+
+
+TESTS = ROOT / "tests"
+# job -> (function names that do it, the one helper module that defines them)
+TEST_HELPERS = {
+    "waiting for a condition": ({"wait_until", "wait_for", "eventually", "_wait"}, "helpers/waiting.py"),
+    "choosing a free port": ({"free_port", "_free_port"}, "helpers/daemons.py"),
+}
+
+
+def test_the_tests_have_one_helper_per_job():
+    """One ``wait_until``, one ``free_port``, and daemon processes started only through
+    ``helpers/daemons.py`` (its ``Daemon``; teams of them: ``helpers/daemon_team.DaemonTeam``).
+    ``tests/format/fixtures`` holds scripts run outside pytest, on their own."""
+    found = []
+    for path in sorted(TESTS.rglob("*.py")):
+        rel = path.relative_to(TESTS).as_posix()
+        if rel.startswith("format/fixtures/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for job, (names, home) in TEST_HELPERS.items():
+                    if node.name in names and rel != home:
+                        found.append(f"tests/{rel}:{node.lineno}: def {node.name} ({job} is {home}'s)")
+            if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "spawn_and_wait":
+                if rel not in ("helpers/daemons.py", "faults/test_parent_death.py"):
+                    found.append(f"tests/{rel}:{node.lineno}: spawn_and_wait (start a helpers.daemons.Daemon)")
+    assert found == []
