@@ -1,6 +1,7 @@
 """Parity groups heal, with real daemons: a member lost and replaced takes its share back with
 no job running (``status`` healthy, ``healing.done`` counting it), so a second loss is survived
-and the job restores bit for bit; a daemon killed and restarted on its own shared memory
+and the job restores bit for bit; a member lost and never replaced is re-striped over the
+survivors (healthy again, then a second loss restores bit for bit); a daemon killed and restarted on its own shared memory
 encodes its parity blocks again (the gossip and ``--commit-fanout`` configuration the issue's
 campaign stopped at).
 
@@ -66,3 +67,31 @@ def test_a_daemon_restarted_on_its_shm_encodes_its_parity_again_with_gossip_and_
     wait_for(lambda: not any(n["live"] for n in status(team.nodes[2].run_dir)["team"]["nodes"] if n["node"] in (0, 1)),
              "nodes 0 and 1 to be declared dead", 30)
     restore_on([team.nodes[i].run_dir for i in (2, 3)], 2 * PER_NODE, PER_NODE, TP, 2)
+
+
+def versions_healthy(team, nodes) -> bool:
+    """Every version on ``nodes`` survives as many losses as configured (the team's own health
+    names the missing node as long as it is missing)."""
+    return all(v["health"] == "healthy" for i in nodes for v in status(team.nodes[i].run_dir)["team"]["versions"])
+
+
+@pytest.mark.parametrize("parity", ["3", "2+2"])
+def test_a_lost_parity_member_never_replaced_is_re_striped_over_the_survivors_and_a_second_loss_restores(
+        make_team, monkeypatch, parity):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
+    monkeypatch.setenv("UCPD_PARITY_RESTRIPE_SECONDS", "2")
+    team = make_team(NODES, "--parity", parity)
+    snapshot_two_steps(team)
+    team.lose(1)  # no replacement comes
+    survivors = (0, 2, 3)
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][1]["live"], "node 1 to be declared dead")
+    wait_for(lambda: versions_healthy(team, survivors), "every version healthy over the survivors with no job running", 60)
+    for i in survivors:
+        t = status(team.nodes[i].run_dir)["team"]
+        assert t["healing"]["done"] >= 2 and t["healing"]["pending"] == 0, (i, t["healing"])  # steps 1 and 2
+        assert t["health"] == "degraded"  # node 1 is still missing, and said so
+    carrier = next(i for i in survivors if [1, 2] in status(team.nodes[i].run_dir)["team"]["replicas_held"])
+    team.lose(carrier)  # the second loss takes node 1's rebuilt blob with it: the re-striped code has it
+    left = [i for i in survivors if i != carrier]
+    wait_for(lambda: not status(team.nodes[left[0]].run_dir)["team"]["nodes"][carrier]["live"], "the carrier declared dead")
+    restore_on([team.nodes[i].run_dir for i in left], 2 * PER_NODE, PER_NODE, TP, 2)  # bit for bit, another DP
