@@ -172,8 +172,9 @@ class ParityHealer:
         finally:
             healing["pending"] -= 1
         self.restriped.add((step, plan.layout.tag))
-        healing["done"] += 1
-        healing["bytes"] += nbytes
+        if plan.layout.vsize(team.rank):  # (a survivor with no part and nothing to carry did nothing)
+            healing["done"] += 1
+            healing["bytes"] += nbytes
         return True
 
     def _manifests(self, step: int, origins) -> dict[int, dict]:
