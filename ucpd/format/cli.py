@@ -8,7 +8,6 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from ..errors import FormatError, VersionNotFound
@@ -81,51 +80,24 @@ def when(t: float | None) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .objstore import ObjectRoot, is_url
-    from .root import list_versions
+    from .roots import as_root
 
-    if is_url(args.dir):
-        return _ls_url(ObjectRoot(args.dir), args)
-    root = Path(args.dir)
-    if not root.is_dir():
-        raise FormatError(f"{root}: no such directory")
-    versions = list_versions(root)
+    root = as_root(args.dir)
+    if not root.exists():
+        raise FormatError(f"{root.name}: no such directory, bucket or prefix")
+    versions = root.list_versions()
     if args.json:
         print(json.dumps([v.to_dict() for v in versions], indent=1))
         return 0
-    con = _console()
     if not versions:
-        jobs = sorted(d.name for d in root.iterdir() if d.is_dir() and (any(d.glob("step-*")) or (d / "LATEST").exists()))
+        jobs = root.children()
         if jobs:  # a daemon's --flush-dir: one checkpoint root per job
-            con.print(f"{root}: the flush dir of jobs {', '.join(jobs)}; list one with `ucpd ls {root / jobs[0]}`")
+            _console().print(f"{root.name}: the flush dir of jobs {', '.join(jobs)}; list one with "
+                             f"`ucpd ls {root.join(jobs[0]).name}`")
         else:
-            con.print(f"{root}: no versions")
+            _console().print(f"{root.name}: no versions")
         return 0
-    _print_versions(str(root), versions)
-    return 0
-
-
-def _ls_url(store, args: argparse.Namespace) -> int:
-    """``ucpd ls URL``: the versions of a checkpoint root in an object store."""
-    try:
-        versions = store.list_versions()
-    except FileNotFoundError:
-        raise FormatError(f"{store.url}: no such bucket or prefix") from None
-    if args.json:
-        print(json.dumps([v.to_dict() for v in versions], indent=1))
-        return 0
-    if not versions:
-        try:
-            jobs = sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in store.fs.ls(store.path, detail=False)})
-        except FileNotFoundError:
-            jobs = []
-        if jobs:
-            _console().print(f"{store.url}: no versions here; it holds {', '.join(jobs)} (a daemon's --flush-dir keeps one "
-                             f"root per job: `ucpd ls {store.url}/{jobs[0]}`)")
-        else:
-            _console().print(f"{store.url}: no versions")
-        return 0
-    _print_versions(store.url, versions)
+    _print_versions(root.name, versions)
     return 0
 
 
@@ -145,53 +117,36 @@ def _print_versions(title: str, versions) -> None:
     con.print(table)
 
 
-def _resolve_version_dir(d: Path | str, step: int | None) -> tuple[Path | str, int | None]:
-    """Accept a root or a ``step-<N>`` folder (then ``--step`` must agree); a URL of either."""
-    from .objstore import is_url
+def _resolve_version_dir(d: str, step: int | None):
+    """Accept a root or a ``step-<N>`` folder holding no versions of its own, or a URL of either
+    (then ``--step`` must agree): (the root, the step)."""
+    from .roots import as_root
 
-    if is_url(d):
-        parent, _, last = str(d).rstrip("/").rpartition("/")
-        s = spec.parse_step_dirname(last)
-        if s is None:
-            return str(d), step
-        if step is not None and step != s:
-            raise VersionNotFound(f"{d} is step {s}, but --step {step} was asked")
-        return parent, s
-    s = spec.parse_step_dirname(d.name)
-    if s is not None and not any(d.glob("step-*")):
-        if step is not None and step != s:
-            raise VersionNotFound(f"{d} is step {s}, but --step {step} was asked")
-        return d.parent, s
-    return d, step
+    root = as_root(d)
+    parent, _, last = str(d).rstrip("/").rpartition("/")
+    s = spec.parse_step_dirname(last)
+    if s is None or root.list_versions():
+        return root, step
+    if step is not None and step != s:
+        raise VersionNotFound(f"{d} is step {s}, but --step {step} was asked")
+    return as_root(parent or "."), s
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .root import open_version
-    from .validate import validate
-
-    from .objstore import is_url
-
-    root, step = _resolve_version_dir(args.dir if is_url(args.dir) else Path(args.dir), args.step)
-    if is_url(root):  # fetched into a temporary folder; checked below only with --verify, as a folder is
-        from .objstore import ObjectRoot
-        from .root import open_remote
-
-        reader = open_remote(ObjectRoot(str(root)), step, verify=False)
-    else:
-        reader = open_version(root, step)
-    with reader as r:
+    root, step = _resolve_version_dir(args.dir, args.step)
+    # a store's version is fetched into a temporary folder; checked below only with --verify, as a folder is
+    with root.open_version(step, verify=False) as r:
         m = r.meta
         blobs = {"global": None if m.objects_global is None else m.objects_global.nbytes,
                  "ranks": {str(k): b.nbytes for k, b in sorted(m.objects_ranks.items())}}
         problems = None
-        shown = f"{root}/{spec.step_dirname(r.step)}" if is_url(root) else str(r.path)
+        shown = root.where(r.step)
         if args.verify:
-            with progress_bar("verify") as progress:
-                if is_url(root):  # the reader holds a verified local copy: check it there, named by its URL
-                    local = str(r.path.parent)
-                    problems = [p.replace(local, str(root)) for p in validate(local, r.step, full=True, progress=progress)]
-                else:
-                    problems = validate(root, r.step, full=True, progress=progress)
+            from .roots import as_root
+
+            with progress_bar("verify") as progress:  # the reader's copy, named as the root names it
+                local = str(r.path.parent)
+                problems = [p.replace(local, root.name) for p in as_root(local).validate(r.step, True, progress)]
         explained = _explain(r, args) if args.spec else None
         if args.json:
             out = {

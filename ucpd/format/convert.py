@@ -24,9 +24,9 @@ from .. import state_names
 from ..errors import FormatError
 from .deepspeed import deepspeed_to_universal, deepspeed_ucp_to_universal, universal_to_deepspeed_ucp
 from .hf import universal_to_hf
-from .root import open_version
+from .roots import open_version, write_version
 from .torch_bytes import dtype_name, tensor_bytes, tensor_from_array, torch_module
-from .writer import REPLICATED, TensorSource, write_safetensors, write_version
+from .writer import REPLICATED, TensorSource, write_safetensors
 
 Progress = Callable[[int, int], None] | None
 UCPD_KEY = "__ucpd__"  # prefix of the entries that carry ucp.json facts through DCP

@@ -48,9 +48,9 @@ import numpy as np
 from ..dtypes import BY_NAME
 from ..errors import FormatError
 from . import safe_unpickle
-from .root import open_version
+from .roots import open_version, write_version
 from .torch_bytes import dtype_name, tensor_bytes, tensor_from_array
-from .writer import REPLICATED, TensorSource, write_version
+from .writer import REPLICATED, TensorSource
 
 Progress = Callable[[int, int], None] | None
 STATES = ("fp32", "exp_avg", "exp_avg_sq")

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import FormatError
-from .root import open_version
+from .roots import open_version
 from .writer import TensorSource, write_safetensors
 
 Progress = Callable[[int, int], None] | None

@@ -1,4 +1,5 @@
-"""The checkpoint root: the folder holding ``step-<N>/`` versions and the ``LATEST`` pointer.
+"""A checkpoint root in a folder: the folder holding ``step-<N>/`` versions and the ``LATEST`` pointer
+(``roots.LocalRoot``; a root of either kind, folder or object store, is a ``roots.Root``).
 
 What concerns the root as a whole, rather than writing or reading one version: the ``LATEST``
 pointer, listing the versions (complete, torn, a writer's temporary folder and whether that
@@ -18,14 +19,13 @@ from pathlib import Path
 from ..errors import FormatError, VersionNotFound
 from . import spec
 from .durable import fsync_dir, write_file_atomic
-from .objstore import ObjectRoot, is_url
 from .reader import VersionReader, check_files_present, read_meta
 from .spec import VersionSummary
 
 log = logging.getLogger("ucpd.format")
 
 __all__ = [
-    "clean_temp", "list_versions", "maybe_update_latest", "open_version", "pid_alive",
+    "clean_temp", "default_step", "list_versions", "maybe_update_latest", "open_version", "pid_alive",
     "point_latest", "read_latest", "retain", "write_latest",
 ]
 
@@ -34,8 +34,6 @@ __all__ = [
 
 def read_latest(root: str | os.PathLike) -> int | None:
     """The step ``LATEST`` names, or None if it is missing or unreadable."""
-    if is_url(root):
-        return ObjectRoot(str(root)).read_latest()
     try:
         text = (Path(root) / spec.LATEST_FILE).read_text(encoding="ascii").strip()
     except (OSError, UnicodeDecodeError):
@@ -74,13 +72,8 @@ def list_versions(root: str | os.PathLike) -> list[VersionSummary]:
     """Every ``step-<N>`` folder under ``root`` (and writers' temporary folders), by step.
 
     Cheap: reads each ``ucp.json`` and stats the files; use ``validate`` for checksums.
-    A missing ``root`` has no versions. A URL lists an object store (``objstore``).
+    A missing ``root`` has no versions.
     """
-    if is_url(root):
-        try:
-            return ObjectRoot(str(root)).list_versions()
-        except FileNotFoundError:
-            return []
     root = Path(root)
     latest = read_latest(root)
     out: list[VersionSummary] = []
@@ -104,7 +97,9 @@ def list_versions(root: str | os.PathLike) -> list[VersionSummary]:
     return out
 
 
-def _default_step(root: Path) -> int:
+def default_step(root: Path) -> int:
+    """The step ``LATEST`` names if it is complete, else the newest complete one."""
+    root = Path(root)
     versions = [v for v in list_versions(root) if v.state == "complete"]
     latest = read_latest(root)
     if latest is not None:
@@ -125,37 +120,18 @@ def open_version(root: str | os.PathLike, step: int | None = None) -> VersionRea
     """Open version ``step`` under ``root``; ``None`` = the one ``LATEST`` names, or the newest
     complete one when ``LATEST`` is missing or names a missing/torn folder.
 
-    A URL root (``objstore``): the committed version is fetched (ranged reads, every chunk
-    checked) into a temporary folder that closing the reader removes.
-
     Raises VersionNotFound (no such step / nothing complete) or FormatError (torn or malformed:
     missing or bad ucp.json, missing/truncated file, bad header, header disagreeing with
     ucp.json), each naming the path and the problem.
     """
-    if is_url(root):
-        return open_remote(ObjectRoot(str(root)), step)
     root = Path(root)
     if step is None:
-        step = _default_step(root)
+        step = default_step(root)
     path = root / spec.step_dirname(step)
     if not path.is_dir():
         have = [v.step for v in list_versions(root) if v.state == "complete"]
         raise VersionNotFound(f"{path}: no such version; complete versions under {root}: {have or 'none'}")
     return VersionReader(path, read_meta(path, step))
-
-
-def open_remote(store: ObjectRoot, step: int | None, verify: bool = True) -> VersionReader:
-    """``open_version`` of a URL root: the committed version fetched into a temporary folder
-    that closing the reader removes (``verify``: every chunk checked as it is fetched)."""
-    import tempfile
-
-    tmp = tempfile.mkdtemp(prefix="ucpd-fetch-")
-    try:
-        path = store.fetch(step, tmp, verify=verify)
-        return VersionReader(path, read_meta(path), on_close=lambda: shutil.rmtree(tmp, ignore_errors=True))
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # -- retention ------------------------------------------------------------------------------
@@ -187,10 +163,7 @@ def retain(root: str | os.PathLike, keep: int, protect: Iterable[int] = ()) -> l
     """Delete all but the newest ``keep`` complete versions (never the one ``LATEST`` names,
     nor the steps in ``protect``: versions being read),
     torn ``step-<N>`` folders older than the newest complete version, and temporary or
-    half-deleted folders whose writer process is gone. Returns the paths removed.
-    A URL root: ``ObjectRoot.retain`` (commit markers first)."""
-    if is_url(root):
-        return ObjectRoot(str(root)).retain(keep, protect)  # type: ignore[return-value]
+    half-deleted folders whose writer process is gone. Returns the paths removed."""
     if keep < 1:
         raise FormatError(f"keep must be >= 1, got {keep}")
     root = Path(root)

@@ -1,4 +1,5 @@
-"""The validator: every problem of a checkpoint root (or one version), as readable lines."""
+"""The validator: every problem of a checkpoint root (or one version), as readable lines: a
+folder's (``validate_folder``) or an object store's (``validate_store``); ``roots.validate`` takes either."""
 
 from __future__ import annotations
 
@@ -9,14 +10,14 @@ from pathlib import Path
 
 from ..errors import FormatError, UcpdError, VersionNotFound
 from . import spec
-from .objstore import ObjectRoot, is_url, join
+from .objstore import ObjectRoot
 from .reader import VersionReader, read_meta
 from .root import list_versions, read_latest
 
 _KNOWN_FILES = {spec.META_FILE, spec.OBJECTS_FILE}
 
 
-def validate(
+def validate_folder(
     root: str | os.PathLike,
     step: int | None = None,
     full: bool = True,
@@ -28,11 +29,8 @@ def validate(
     with their recorded sizes, safetensors headers bounds-checked and agreeing with ucp.json,
     no unexpected files, LATEST naming a complete version); ``full`` also verifies every
     checksum chunk of every tensor and object. ``progress(bytes_done, bytes_total)`` follows
-    the checksum pass. Each problem names the path and what is wrong. A URL root is checked
-    through ``_validate_url`` (each version fetched, then checked as a folder).
+    the checksum pass. Each problem names the path and what is wrong.
     """
-    if is_url(root):
-        return _validate_url(ObjectRoot(str(root)), step, full, progress)
     root = Path(root)
     if not root.is_dir():
         return [f"{root}: not a directory"]
@@ -88,8 +86,8 @@ def validate(
     return problems
 
 
-def _validate_url(store: ObjectRoot, step: int | None, full: bool, progress: Callable[[int, int], None] | None) -> list[str]:
-    """``validate`` of an object-store root: every committed version (or ``step``) fetched into
+def validate_store(store: ObjectRoot, step: int | None, full: bool, progress: Callable[[int, int], None] | None) -> list[str]:
+    """``validate_folder`` of an object-store root: every committed version (or ``step``) fetched into
     a temporary folder and checked there, plus the store's own problems (torn versions,
     abandoned uploads, ``LATEST`` naming an uncommitted one)."""
     problems: list[str] = []
@@ -100,11 +98,11 @@ def _validate_url(store: ObjectRoot, step: int | None, full: bool, progress: Cal
     if step is not None:
         versions = [v for v in versions if v.step == step]
         if not versions:
-            return [f"{join(store.url, spec.step_dirname(step))}: no such version"]
+            return [f"{store.url}/{spec.step_dirname(step)}: no such version"]
     latest = store.read_latest()
     if (step is None or step == latest) and latest is not None:
         if not any(v.step == latest and v.state == "complete" for v in store.list_versions()):
-            problems.append(f"{join(store.url, spec.LATEST_FILE)}: names step-{latest}, which is not committed")
+            problems.append(f"{store.url}/{spec.LATEST_FILE}: names step-{latest}, which is not committed")
     for v in versions:
         if v.state == "partial":
             problems.append(f"{v.path}: {v.problem}")
@@ -117,6 +115,6 @@ def _validate_url(store: ObjectRoot, step: int | None, full: bool, progress: Cal
                 except (FormatError, VersionNotFound) as exc:
                     problems.append(str(exc))
                     continue
-                problems += [p.replace(tmp, store.url) for p in validate(tmp, v.step, full=full, progress=progress)
+                problems += [p.replace(tmp, store.url) for p in validate_folder(tmp, v.step, full=full, progress=progress)
                              if not p.startswith(str(Path(tmp) / spec.LATEST_FILE))]
     return problems

@@ -577,29 +577,11 @@ def write_version(
       update_latest: point ``LATEST`` here unless it already names a newer complete version.
       created: the creation time to record (Unix seconds; default now).
 
-    A URL ``root`` (``s3://bucket/prefix``, any fsspec URL): the version is written as here
-    into a local temporary folder, then published to the object store (``objstore``: parallel
-    multipart uploads, then the commit marker); returns the version's URL.
+    A folder ``root``; any root (an object store too): ``roots.write_version``.
 
     Raises FormatError for bad arguments or if ``step-<N>`` exists; any exception from
     ``fill``/``throttle``/the file system propagates after the temporary directory is removed.
     """
-    from .objstore import ObjectRoot, is_url
-
-    if is_url(root):
-        import tempfile
-
-        store = ObjectRoot(str(root))
-        if store.committed(step):
-            raise FormatError(f"{store.url}/{spec.step_dirname(step)} already exists; versions are immutable")
-        with tempfile.TemporaryDirectory(prefix="ucpd-stage-") as tmp:
-            local = write_version(
-                tmp, step, tensors, layout=layout, objects=objects, chunk_bytes=chunk_bytes, shard_bytes=shard_bytes,
-                rate_limit=rate_limit, throttle=throttle, progress=progress, fsync=False, update_latest=False, io=io,
-                staging_bytes=staging_bytes, created=created,
-            )
-            store.publish(local, step, update_latest=update_latest)
-        return f"{store.url}/{spec.step_dirname(step)}"  # type: ignore[return-value]
     root = Path(root)
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise FormatError(f"step must be a non-negative int, got {step!r}")
