@@ -81,6 +81,13 @@ def test_a_lost_member_never_replaced_is_re_striped_over_the_survivors_and_a_sec
         got = read_all(reader, team, step, world)
         for rank in range(world):
             assert got[rank] == data[(rank, step)].tobytes(), f"rank {rank} step {step} differs"
+    if sum(n in left for n in mates) >= parity[1] + 1:  # enough left to keep m: re-striped again, carried blobs too
+        team.wait(lambda: versions_healthy(left), "every version healthy again after the second loss", 60)
+        kept = tuple(sorted(n.rank for n in left if n in mates))
+        assert all(n.team.parity.layouts[2].stripes.members == kept for n in left if n in mates)
+        assert {o for n in left for o in range(nodes) if n.team.replicas.get(o, 2) is not None} >= {lost, *then_lost}
+        got = read_all(reader, team, 2, world)
+        assert all(got[r] == data[(r, 2)].tobytes() for r in range(world))
 
 
 def test_a_replacement_after_the_re_stripe_has_no_share_of_it_and_the_next_steps_use_the_whole_group(make):
