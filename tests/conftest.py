@@ -35,6 +35,7 @@ import pytest
 from ucpd.launch import lock_pid
 
 from helpers import TEST_JOB, ranks
+from helpers.budgets import Spent
 from helpers.daemons import Daemon
 
 LOCK_NAME = "ucpd.lock"
@@ -63,7 +64,18 @@ def pytest_sessionstart(session):
         reporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
 
 
+_SPENT = Spent()
+
+
+def pytest_runtest_logreport(report):
+    _SPENT.add(report.nodeid, report.duration)
+
+
 def pytest_terminal_summary(terminalreporter, config):
+    if not hasattr(config, "workerinput") and len(_SPENT.seconds) > 1:  # several areas: each against its budget
+        terminalreporter.write_sep("-", "time per test area, summed over the workers (tests/helpers/budgets.py)")
+        for line in _SPENT.table():
+            terminalreporter.write_line(line)
     seed = _order_seed(config)
     if seed is not None:
         terminalreporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
