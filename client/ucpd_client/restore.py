@@ -162,13 +162,15 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     return reply["step"], values
 
 
-def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan) -> None:
+def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, verify: str | None = None) -> None:
     """Fill ``entries`` by ``plan`` (its tensors in their order), verified: a receiver's pull
-    (``ucpd_client.weights``), which reads tensors only, under a lease it releases itself."""
-    _apply_plan(session, entries, plan, {"objects": {}, "objects_crcs": {}})
+    (``ucpd_client.weights``), which reads tensors only, under a lease it releases itself.
+    ``verify``: ``"all"`` or ``"window"`` (None: ``knobs.restore_verify()``)."""
+    _apply_plan(session, entries, plan, {"objects": {}, "objects_crcs": {}}, verify)
 
 
-def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply: dict) -> dict[str, Any]:
+def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply: dict,
+                verify: str | None = None) -> dict[str, Any]:
     """Verify the source chunks the plan reads and the plain values, then copy and fill.
 
     ``knobs.restore_verify()``: ``all`` (default) checks every chunk before the first target
@@ -181,7 +183,7 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
             f"the daemon's restore plan answers {len(plan.tensors)} tensors, not the {len(entries)} targets asked for "
             "in their order; client and daemon disagree (different ucpd releases?)"
         )
-    mode, window = knobs.restore_verify(), knobs.restore_window()
+    mode, window = verify or knobs.restore_verify(), knobs.restore_window()
     sources, hosts = _sources(session, plan.sources)
     threads = knobs.copy_threads()
     cpu = _Windows(sources, window if mode == "window" else 0, threads)

@@ -11,12 +11,16 @@ layout. One RAM copy serves the trainer's restores and these receivers alike.
 
 A receiver is any process on a node of the team (it need not be a trainer rank): it talks to
 its node's daemon, which fetches what other nodes hold. ``pull`` reads only the tensors named
-(``into``'s, renamed by ``names``), in buckets of at most ``bucket_bytes`` of saved bytes (a
-tensor larger than a bucket is cut in row blocks when its placement is replicated, a shard or a
-box), each bucket under a lease (the version cannot be evicted while it is read; the lease
-ends after ``$UCPD_PULL_LEASE_S``, 30 s, so a trainer's ``--keep`` never waits longer on a hung
-receiver), every chunk checked against its CRC32C before the target is written
-(``ucpd_client.restore``; CUDA targets by DMA from the registered slot). A target whose dtype
+(``into``'s, renamed by ``names``), in buckets of at most half of ``bucket_bytes`` of saved bytes
+(a tensor larger than that is cut in row blocks when its placement is replicated, a shard or a
+box), two at a time: the next bucket is asked for — and, from another node, fetched into the
+daemon's RAM — while the current one is copied, so at most ``bucket_bytes`` are staged on each
+side. Each bucket is read under a lease (the version cannot be evicted while it is read; the
+lease ends after ``$UCPD_PULL_LEASE_S``, 30 s, so a trainer's ``--keep`` never waits longer on
+a hung receiver); a version evicted between two buckets of a long pull raises VersionNotFound at
+the next one. The copy is one pass over the source: each CRC32C chunk is checked and then
+copied while it is in cache (``ucpd_client.restore``, ``verify="window"``; CUDA targets by DMA
+from the registered slot), so no byte of a damaged chunk is written. A target whose dtype
 differs from the saved one is filled through a bucket-sized staging tensor and converted.
 
 Plans are cached: the first pull of a layout sends the targets and gets the plan (and the
@@ -31,6 +35,7 @@ import os
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -39,7 +44,7 @@ import torch
 import zmq
 
 from ucpd import knobs, protocol
-from ucpd.errors import ChecksumMismatch, PlacementMismatch, UcpdError
+from ucpd.errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
 from ucpd.protocol import RestorePlan
 from ucpd.rpc import SOCKET_NAME, Connection
 from ucpd.ucl.placements import Box, Replicated, Shard, placement_from_dict
@@ -51,7 +56,7 @@ from .restore import apply_plan, process_id
 from .session import DaemonSession
 from .staging import dtype_name, entry_of
 
-BUCKET_BYTES = 256 << 20  # the default bucket: saved bytes one pull request reads (at most 1 GiB)
+BUCKET_BYTES = 256 << 20  # the default bound on staged bytes a side: two pull requests of half of it in flight
 MAX_BUCKET_BYTES = 1 << 30
 
 
@@ -180,9 +185,9 @@ class Weights:
     """A receiver of job ``job``'s committed versions (see the module docstring).
 
     ``run_dir``: the daemon to talk to (default ``$UCPD_RUN_DIR``, else the default run dir): this
-    node's, a member of the job's team. ``bucket_bytes``: saved bytes per pull request (at most
-    1 GiB): the bound on the staging memory of both ends (a peer's bytes fetched for a bucket, a
-    dtype conversion)."""
+    node's, a member of the job's team. ``bucket_bytes`` (at most 1 GiB): the bound on the staging
+    memory of both ends (a peer's bytes fetched for the two buckets in flight, of half of it each;
+    a dtype conversion)."""
 
     def __init__(self, job: str | None = None, run_dir: str | None = None, bucket_bytes: int = BUCKET_BYTES):
         job = job or os.environ.get("UCPD_JOB")
@@ -196,6 +201,7 @@ class Weights:
         conn = Connection(self.run_dir, timeout=knobs.rpc_timeout())
         self.session = DaemonSession(self.run_dir, 0, 1, self.job, None, conn)
         self._layouts: dict[tuple, _Layout] = {}
+        self._ahead: ThreadPoolExecutor | None = None  # asks for the next bucket while one is copied
         # the last pull: step, buckets, warm (buckets planned before), bytes, meta_bytes (its pull requests and replies)
         self.last_pull: dict | None = None
 
@@ -216,10 +222,10 @@ class Weights:
         """Fill the tensors of ``into`` (a nested state; CPU or CUDA) with ``step``'s saved
         tensors: each local name is read as ``names.get(name, name)``, placed by
         ``placements.get(name)`` (a ``ucpd_client.placement`` object; a DTensor brings its own;
-        unlisted: the whole tensor). Returns the step. Raises VersionNotFound (the step is gone:
-        pull a newer one), PlacementMismatch (a name, shape or placement the version does not
-        answer), ChecksumMismatch (a source failed its checksums; the targets of that bucket are
-        unchanged)."""
+        unlisted: the whole tensor). Returns the step. Raises VersionNotFound (the step is gone,
+        before or during the pull: pull a newer one), PlacementMismatch (a name, shape or
+        placement the version does not answer), ChecksumMismatch (a source failed its checksums:
+        no byte of a damaged chunk was written, the chunks before it were; pull again)."""
         tensors, _ = state_mod.split(dict(into))
         entries = [entry_of((names or {}).get(n, n), t, (placements or {}).get(n)) for n, t in tensors.items()]
         key = tuple((e.name, dtype_name(e.tensor), tuple(e.tensor.shape), repr(e.placement)) for e in entries)
@@ -227,8 +233,32 @@ class Weights:
         if layout is None:
             layout = self._layouts[key] = self._plan_layout(step, entries)
         stats = {"step": step, "buckets": len(layout.buckets), "warm": 0, "bytes": 0, "meta_bytes": 0}
-        for b in layout.buckets:
-            self._pull_bucket(step, b, entries, layout.saved, stats)
+        buckets, conn = layout.buckets, self.session.conn()
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="ucpd-pull-ahead")
+        fut = self._ahead.submit(self._ask, step, buckets[0], stats)
+        try:
+            for k, b in enumerate(buckets):
+                try:
+                    reply, plan = fut.result()
+                except VersionNotFound as exc:
+                    fut = None
+                    raise VersionNotFound(
+                        f"{exc} (asked for bucket {k + 1} of {len(buckets)} of this pull; the buckets before it were "
+                        "filled): pull a newer step (Weights.latest(), or the subscription's next notice)") from None
+                fut = None
+                # the next bucket is asked for (on another node: fetched here) while this one is copied
+                nxt = self._ahead.submit(self._ask, step, buckets[k + 1], stats) if k + 1 < len(buckets) else None
+                try:
+                    self._fill(b, entries, plan, reply, conn, stats)
+                finally:
+                    fut = nxt
+        finally:
+            if fut is not None:  # a bucket failed: the one asked for ahead gives its lease back unread
+                try:
+                    conn.call("release", lease=fut.result()[0]["lease"])
+                except BaseException:
+                    pass
         self.last_pull = stats
         return step
 
@@ -243,13 +273,14 @@ class Weights:
                                         + (f" (similar saved names: {', '.join(close)})" if close else ""))
             saved[e.name] = described[e.name]["dtype"]
         items = []
+        half = max(1, self.bucket_bytes // 2)  # two requests in flight: one copied, the next fetched
         for i, e in enumerate(entries):
             size = protocol_itemsize(saved[e.name]) * e.tensor.numel()
-            items.extend(_cut(i, e, size, self.bucket_bytes))
+            items.extend(_cut(i, e, size, half))
         buckets: list[_Bucket] = []
         used = 0
         for it in items:
-            if not buckets or (used and used + it.nbytes > self.bucket_bytes):
+            if not buckets or (used and used + it.nbytes > half):
                 buckets.append(_Bucket([]))
                 used = 0
             buckets[-1].items.append(it)
@@ -259,7 +290,9 @@ class Weights:
                           "placement": it.placement} for it in b.items]
         return _Layout(saved, buckets)
 
-    def _pull_bucket(self, step: int, b: _Bucket, entries: list, saved: dict, stats: dict) -> None:
+    def _ask(self, step: int, b: _Bucket, stats: dict) -> tuple[dict, RestorePlan]:
+        """One bucket's pull request (on the pull-ahead thread's own connection): its lease and
+        its plan (a warm one: the cached copies over this version's sources)."""
         body: dict = {"step": step, "job": self.job, **process_id()}
         if b.plan_id is not None:
             body["plan"] = b.plan_id
@@ -281,6 +314,11 @@ class Weights:
         else:
             stats["warm"] += 1
             plan = RestorePlan(plan.sources, b.tensors)
+        return reply, plan
+
+    def _fill(self, b: _Bucket, entries: list, plan: RestorePlan, reply: dict, conn, stats: dict) -> None:
+        """Copy one bucket into its targets, each chunk checked and then copied while in cache
+        (one read of the source), and give its lease back."""
         fills, staged = [], []
         for it, t in zip(b.items, b.targets):
             target = _rows(entries[it.index].tensor, it.rows)
@@ -292,7 +330,7 @@ class Weights:
             stats["bytes"] += target.numel() * target.element_size()
         damaged = False
         try:
-            apply_plan(self.session, fills, plan)
+            apply_plan(self.session, fills, plan, verify="window")
         except ChecksumMismatch:
             damaged = True
             raise
@@ -302,6 +340,9 @@ class Weights:
             target.copy_(host)
 
     def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.shutdown(wait=True)
+            self._ahead = None
         self.session.close()
 
     def __enter__(self) -> "Weights":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers import TEST_JOB
+from helpers.waiting import wait_until
 from ucpd.errors import PlacementMismatch, VersionNotFound
 from ucpd_client import Checkpointer, Weights, placement as P
 
@@ -110,3 +111,46 @@ def test_a_step_no_longer_kept_and_an_unknown_name_are_refused_with_what_to_do(t
         into = {"up": torch.empty(4 * H, H)}
         w.pull(w.latest(), into, names={"up": "model.mlp.up.weight"})
         assert torch.equal(into["up"], trainer_state(3)["model"]["mlp.up.weight"])
+
+
+def test_a_version_evicted_between_two_buckets_of_a_pull_is_refused_typed_and_the_daemon_serves_on(make_daemon):
+    """Each bucket holds its own lease: a long pull whose step is superseded (``--keep 1``) and
+    evicted between two buckets meets VersionNotFound at the next one, saying to pull a newer
+    step; the same receiver then pulls the newer step, and leaves no lease behind."""
+    d = make_daemon("--mem-limit", "256M", "--keep", "1", flush=False)
+    state = lambda step: {"model": {f"w{i}": torch.full((256, 1024), float(10 * step + i)) for i in range(4)}}  # noqa: E731
+    into = {f"w{i}": torch.zeros(256, 1024) for i in range(4)}  # 1 MiB each: four buckets of half of 2 MiB
+    names = {n: f"model.{n}" for n in into}
+
+    def gone(w, step) -> bool:
+        try:
+            w.session.describe(step)
+        except VersionNotFound:
+            return True
+        return False
+
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ck, \
+            Weights(job=TEST_JOB, run_dir=d.run_dir, bucket_bytes=2 << 20) as w, \
+            Weights(job=TEST_JOB, run_dir=d.run_dir) as probe:
+        ck.snapshot(1, state(1)).wait()
+        w.pull(1, into, names=names)
+        assert w.last_pull["buckets"] == 4 and all(torch.equal(into[n], state(1)["model"][n]) for n in into)
+        real_ask, asked = w._ask, []
+
+        def ask(step, bucket, stats):  # on the pull-ahead thread, as the third bucket is asked for
+            asked.append(step)
+            if len(asked) == 3:
+                ck.snapshot(2, state(2)).wait()  # step 1 is past --keep 1: evicted once bucket 2's lease goes
+                wait_until(lambda: gone(probe, 1), "step 1 to be evicted", 15)
+            return real_ask(step, bucket, stats)
+
+        w._ask = ask
+        with pytest.raises(VersionNotFound, match=r"step 1 .*pull a newer step \(Weights.latest\(\)"):
+            w.pull(1, into, names=names)
+        assert len(asked) == 3
+        w._ask = real_ask
+        assert torch.equal(into["w0"], state(1)["model"]["w0"])  # the buckets before it were filled whole
+        assert w.pull(probe.latest(), into, names=names) == 2
+        assert all(torch.equal(into[n], state(2)["model"][n]) for n in into)
+        ck.snapshot(3, state(3)).wait()
+        wait_until(lambda: gone(probe, 2), "step 2 to be evicted (no lease of its pull left behind)", 15)
