@@ -10,20 +10,22 @@ NATIVE := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 setup: $(STAMP)
 
 # torch==2.13.0 (a CPU wheel pip finds locally) goes in first and alone: anything that pulls a
-# bare `torch` into an empty environment would fetch GBs of CUDA packages instead.
+# bare `torch` into an empty environment would fetch GBs of CUDA packages instead. Each pip call
+# costs a resolve, so the rest goes in three; --no-compile: no bytecode for the tens of thousands
+# of modules torch, transformers and moto bring (Python compiles the few the tests import, once).
+PIP := $(BIN)/python -m pip install -q --no-compile
 $(STAMP): $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q "scikit-build-core>=0.10" "nanobind>=2.0"
-	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]"
-	# tested through the real libraries; their wheels require torch, so --no-deps keeps the one above
-	$(BIN)/python -m pip install -q --no-deps "accelerate==1.15.0" "torchft==0.2.0" "lightning==2.6.6" "torchmetrics==1.9.0"
-	# lightning's own dependencies that do not require torch (its wheel also names pytorch-lightning, which it does not import)
-	$(BIN)/python -m pip install -q "lightning-utilities>=0.10,<2" "fsspec>=2022.5" "packaging>=23"
-	$(BIN)/python -m pip install -q "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
-	# the NIXL data lane is tested on loopback through UCX (CPU only); its wheel names torch for type hints only
-	$(BIN)/python -m pip install -q --no-deps "nixl-cu12==1.5.1"
+	$(PIP) torch==2.13.0
+	# the native build's tools, and what the integrations need besides torch: lightning's own
+	# dependencies (its wheel also names pytorch-lightning, which it does not import) and torchft's
+	$(PIP) "scikit-build-core>=0.10" "nanobind>=2.0" \
+	  "lightning-utilities>=0.10,<2" "fsspec>=2022.5" "packaging>=23" \
+	  "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
+	$(PIP) --no-build-isolation -e ".[test]"
+	# tested through the real libraries; their wheels require torch, so --no-deps keeps the one
+	# above (NIXL's names torch for type hints only: its data lane is tested on loopback through UCX)
+	$(PIP) --no-deps "accelerate==1.15.0" "torchft==0.2.0" "lightning==2.6.6" "torchmetrics==1.9.0" "nixl-cu12==1.5.1"
 	touch $@
 
 # Tests run in parallel (pytest-xdist): each test has its own run, shm and temp dirs
@@ -110,4 +112,4 @@ $(VLLM_VENV)/.installed: pyproject.toml
 	touch $@
 
 vllm-test: setup vllm-env
-	$(BIN)/python -m pytest -q -n 0 tests/client/test_vllm.py
+	VLLM_VENV=$(VLLM_VENV) UCPD_VLLM_REQUIRED=1 $(BIN)/python -m pytest -q -n 0 tests/client/test_vllm.py
