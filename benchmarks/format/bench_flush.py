@@ -217,7 +217,7 @@ def run_safetensors(d: Path, g) -> float:
 
 def run_ucpd(flusher: Flusher, version, io: str | None = None) -> float:
     """The flusher's path; ``io``: the writer's I/O (``UCPD_FLUSH_IO``; None: the default)."""
-    root = Path(flusher.root(version.job))
+    root = Path(flusher.root(version.job).name)
     shutil.rmtree(root, ignore_errors=True)
     with knobs.override(**({"UCPD_FLUSH_IO": io} if io else {})):
         t0 = time.perf_counter()

@@ -141,12 +141,12 @@ def store(tmp_path):
 @pytest.mark.parametrize("staging", [2 * MiB, 32 * MiB])
 def test_the_flush_reads_each_byte_once_and_writes_valid_files(store, tmp_path, monkeypatch, staging, io):
     from ucpd.daemon import flush
-    from ucpd.format import writer
+    from ucpd.format import roots, writer
 
     g, parts = megatron_state(np.random.default_rng(0))
     version = commit(store, 4, parts)
-    real_write_version = flush.write_version
-    monkeypatch.setattr(flush, "write_version", lambda *a, **k: real_write_version(*a, staging_bytes=staging, **k))
+    real_write_version = roots.write_folder_version  # what the flush dir's root writes with
+    monkeypatch.setattr(roots, "write_folder_version", lambda *a, **k: real_write_version(*a, staging_bytes=staging, **k))
     monkeypatch.setenv("UCPD_FLUSH_IO", io)
     staged = []  # the row blocks: with small halves they cut the snapshot's chunks
     real_block = flush.ConsolidatingCopier.block

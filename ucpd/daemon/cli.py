@@ -334,11 +334,11 @@ def compose(config, *, policy=None, store=None):
     try:
         team = make_team(config)
         store = store if store is not None else make_store(config, policy or team, single_job=team is not None)
-        cache = make_flush_cache(config)
-        if team is not None and cache is not None:  # every node uploads its share of an S3 flush
-            team.flush_share.storage_options = cache.storage_options
-        flusher = make_flusher(config, store, team, cache)
-        return Daemon(config, locks=locks, store=store, team=team, flusher=flusher, flush_cache=cache)
+        root = make_flush_root(config)
+        if team is not None and root is not None:  # every node uploads its share of an S3 flush with these
+            team.flush_share.storage_options = root.storage_options
+        flusher = make_flusher(config, store, team, root)
+        return Daemon(config, locks=locks, store=store, team=team, flusher=flusher, flush_root=root)
     except BaseException:
         locks.release()
         raise
@@ -364,9 +364,9 @@ def make_store(config, policy=None, single_job: bool = False):
     )
 
 
-def make_flusher(config, store, team=None, cache=None):
-    """The background flush to ``--flush-dir``, or None (no flush dir, or a team node that does
-    not flush)."""
+def make_flusher(config, store, team=None, root=None):
+    """The background flush to ``--flush-dir`` (``root``: its ``Root``), or None (no flush dir,
+    or a team node that does not flush)."""
     if not config.flush_dir or (team is not None and not team.flushes):
         return None
     from .flush import Flusher
@@ -375,20 +375,25 @@ def make_flusher(config, store, team=None, cache=None):
     gather = team.gather_for_flush if team is not None else None
     shared = team.flush_shared if team is not None and team.config.flush_writers == "all" else None
     interval = FlushInterval(config.flush_every, config.mtbf)
-    return Flusher(store, config.flush_dir, interval, config.flush_rate, config.flush_keep, gather=gather, cache=cache,
-                   shared=shared)
+    return Flusher(store, root if root is not None else make_flush_root(config), interval, config.flush_rate,
+                   config.flush_keep, gather=gather, shared=shared)
 
 
-def make_flush_cache(config):
-    """The local folder of an object-store ``--flush-dir`` (a URL), or None for a directory."""
-    from ..format.objstore import is_url
-
-    if not is_url(config.flush_dir):
+def make_flush_root(config):
+    """The ``Root`` of ``--flush-dir`` (None: none). An object store's has a staging folder
+    (``--flush-cache``, default ``<run-dir>/flush-cache``): the flush writes a version there
+    before publishing it, and a restore that RAM cannot serve fetches one there, so that
+    trainers map its files as they map a flushed folder's. The newest copy of a job stays (a
+    restore after a crash reads it without a download; a daemon killed mid-upload resumes from
+    it); older ones go unless a restore reads them."""
+    if not config.flush_dir:
         return None
-    from .flush_cache import FlushCache
+    from ..format.roots import as_root
 
-    cache_dir = config.flush_cache or os.path.join(config.run_dir, "flush-cache")
-    return FlushCache(config.flush_dir, cache_dir, config.flush_storage_options)
+    staging = config.flush_cache or os.path.join(config.run_dir, "flush-cache")
+    root = as_root(config.flush_dir, config.flush_storage_options, staging=staging)
+    root.prepare()
+    return root
 
 
 def cmd_serve(args) -> int:

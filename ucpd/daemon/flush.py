@@ -13,12 +13,13 @@ The thread runs at a lower CPU priority, at most ``flush_rate`` bytes per second
 aside between writes while a trainer copies a snapshot into a slot, so the trainers keep their
 share of the cores and of the memory bandwidth.
 
-With an object-store ``--flush-dir`` (``s3://bucket/prefix``, any fsspec URL) the version is
-written the same way into the job's local folder (``flush_cache.FlushCache``) and then published
-(``ucpd.format.objstore``: parallel multipart uploads with CRC32C, the commit marker last); a
-daemon killed mid-upload publishes that written copy once restarted (``resume``). A team's S3
-flush is uploaded by every node instead (``shared``: each uploads its parts, the lead commits),
-with no local copy.
+The flush dir is a ``ucpd.format.roots.Root``, and the flusher never asks which kind. With an
+object-store ``--flush-dir`` (``s3://bucket/prefix``, any fsspec URL: a ``StoreRoot``) the version
+is written the same way into the job's staging folder and then published (``ucpd.format.objstore``:
+parallel multipart uploads with CRC32C, the commit marker last); a daemon killed mid-upload
+publishes that written copy once restarted (``resume``). A team's flush is written by every node
+(``shared``: into the shared folder, or each node uploads its parts and the lead commits, with no
+local copy).
 """
 
 from __future__ import annotations
@@ -28,16 +29,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from .. import faults, knobs, native
 from ..dtypes import dtype as lookup_dtype
 from ..checked import CheckedSource, ConsolidatingCopier
-from ..format import TensorSource, open_version, retain, write_version
-from ..format.objstore import join
-from ..format.root import clean_temp, point_latest
+from ..format import TensorSource
+from ..format.roots import Root, as_root
 from ..ucl import plan_consolidate
 from .flush_interval import FlushInterval
 from .slot_prep import yield_to_snapshots
@@ -66,18 +65,19 @@ class Flusher:
     only). Default: this node's slots (one node holds every rank).
     A team of daemons passes one that brings the other nodes' parts first."""
 
-    def __init__(self, store, flush_dir: str, every, rate: float, keep_on_disk: int = 0, gather=None, cache=None,
+    def __init__(self, store, flush_dir: str | Root, every, rate: float, keep_on_disk: int = 0, gather=None,
                  shared=None):
-        """``every``: flush every Nth committed version of a job (an int), or a ``FlushInterval``
-        (``--flush-every auto`` chooses N per job from measurements). ``cache``: the
-        ``FlushCache`` of an object-store ``flush_dir`` (a URL); None for a directory.
-        ``shared(version, root, progress, rate) -> bool``: a team's flush written by every node,
-        each at most ``rate`` bytes/s (``team.flush_lead``; False: write this version here alone)."""
-        self.cache = cache
+        """``flush_dir``: the flush dir's ``Root`` (a folder path is taken too). ``every``: flush
+        every Nth committed version of a job (an int), or a ``FlushInterval`` (``--flush-every
+        auto`` chooses N per job from measurements). ``shared(version, target, progress, rate) ->
+        bool``: a team's flush written by every node into ``target`` (the job root's folder or
+        ``ObjectRoot``), each at most ``rate`` bytes/s (``team.flush_lead``; False: write this
+        version here alone)."""
+        self.flush_root = as_root(flush_dir)
         self.shared = shared
         self.store = store
         self.gather = gather or self._local_parts
-        self.flush_dir = flush_dir
+        self.flush_dir = self.flush_root.name
         self.interval = every if isinstance(every, FlushInterval) else FlushInterval(max(1, int(every)))
         self.rate = rate
         self.keep_on_disk = keep_on_disk
@@ -87,13 +87,12 @@ class Flusher:
         self._stopping = False
         self._committed_since: dict[str, int] = {}
         self._thread = threading.Thread(target=self._run, name="ucpd-flush", daemon=True)
-        if cache is None:
-            os.makedirs(flush_dir, exist_ok=True)
+        self.flush_root.prepare()
         self._thread.start()
 
-    def root(self, job: str) -> str:
-        """The checkpoint root of ``job``'s flushed versions (a folder, or a URL)."""
-        return join(self.flush_dir, job)
+    def root(self, job: str) -> Root:
+        """The checkpoint root of ``job``'s flushed versions."""
+        return self.flush_root.join(job)
 
     def on_commit(self, version) -> None:
         """Called (store lock held) for each newly committed version. At most one version
@@ -203,17 +202,18 @@ class Flusher:
 
     def _flush(self, version) -> None:
         t0 = time.monotonic()
-        if self.shared is not None and self.cache is None and self._flush_shared(version, t0):
-            return
-        if self.shared is not None and self.cache is not None and self._upload_shared(version, t0):
-            return
-        globals_, parts, buffer_of, release = self.gather(version)
-        try:
-            self._write(version, t0, globals_, parts, buffer_of)
-        finally:
-            release()
+        root = self.root(version.job)
+        if not self._already(root, version):
+            if not (self.shared is not None and root.staged(version.step) is None and self._share(version, root)):
+                globals_, parts, buffer_of, release = self.gather(version)
+                try:
+                    self._write(version, root, globals_, parts, buffer_of)
+                finally:
+                    release()
+        self._done(version, root)
+        self._flushed(version, t0)
 
-    def _write(self, version, t0, globals_, parts, buffer_of) -> None:
+    def _write(self, version, root: Root, globals_, parts, buffer_of) -> None:
         sources: dict = {}
 
         def source(key) -> CheckedSource:
@@ -260,13 +260,13 @@ class Flusher:
         tensors = [consolidator(g) for g in sorted(globals_.values(), key=lambda g: g.name)]
         self._begin(version, globals_)
 
-        layout, objects = layout_of(version.world_size, parts), objects_of(parts)
-        if self.cache is not None:
-            self._write_remote(version, tensors, layout, objects, self._progress)
-        else:
-            self._write_local(version, tensors, layout, objects, self._progress)
+        # a store root writes into its staging folder (a copy there from before a restart as it
+        # is), then publishes it: parallel multipart uploads, the commit marker last
+        root.write_version(
+            version.step, tensors, layout=layout_of(version.world_size, parts), objects=objects_of(parts),
+            progress=self._progress, rate_limit=self.rate or None, throttle=self._step_aside, io=knobs.flush_io(),
+        )
         sources.clear()
-        self._flushed(version, t0)
 
     def _begin(self, version, globals_) -> None:
         total = sum(int(np.prod(g.shape, dtype=np.int64)) * lookup_dtype(g.dtype).itemsize for g in globals_.values())
@@ -290,104 +290,33 @@ class Flusher:
         self.progress.flushed_count += 1
         log.info("flushed step %d (%d MiB) in %.2f s", version.step, total >> 20, self.progress.last_seconds)
 
-    def _flush_shared(self, version, t0: float) -> bool:
+    def _share(self, version, root: Root) -> bool:
         """A team's version written by every node (``shared``: ``team.flush_lead.TeamFlush``);
         False when this node must write it alone (then ``gather`` and write as usual)."""
-        root = self.root(version.job)
-        if not self._on_disk_already(root, version):
-            with self.store.atomic():
-                globals_ = version.globals()
-            self._begin(version, globals_)
-            if not self.shared(version, Path(root), self._progress, self.rate or 0.0):
-                return False
-        self._committed_on_disk(root, version)
-        self._flushed(version, t0)
-        return True
+        with self.store.atomic():
+            globals_ = version.globals()
+        self._begin(version, globals_)
+        return self.shared(version, root.target, self._progress, self.rate or 0.0)
 
-    def _upload_shared(self, version, t0: float) -> bool:
-        """A team's version uploaded to the object store by every node (``shared`` with the
-        job's ``ObjectRoot``); False when this node must write and publish it alone (a copy it
-        wrote before a restart is published as it is)."""
-        job, step = version.job, version.step
-        if self.cache.staged(job, step) is not None:
-            return False
-        store = self.cache.store(job)
-        if store.committed(step):  # a daemon before us published it and died before its index said so
-            log.info("step %d is already in %s", step, store.url)
-            store.point_latest(step)
-        else:
-            with self.store.atomic():
-                globals_ = version.globals()
-            self._begin(version, globals_)
-            if not self.shared(version, store, self._progress, self.rate or 0.0):
-                return False
-        self._published(version)
-        self._flushed(version, t0)
-        return True
-
-    def _on_disk_already(self, root: str, version) -> bool:
-        """Clean what a killed flusher left; True when ``step-<N>`` is on disk already (a daemon
-        before us wrote it, the commit point being the rename, and died before its index said so)."""
-        for stale in clean_temp(root):  # a flusher killed mid-version left it (with or without --flush-keep)
+    def _already(self, root: Root, version) -> bool:
+        """Clean what a killed flusher left; True when ``step-<N>`` is committed in ``root``
+        already (a daemon before us wrote it and died before its index said so)."""
+        for stale in root.clean():  # a flusher killed mid-version left it (with or without --flush-keep)
             log.warning("removed %s, left by a flush that did not finish", stale)
-        if os.path.isfile(os.path.join(root, f"step-{version.step}", "ucp.json")):
-            open_version(root, version.step).close()
-            point_latest(root, version.step)
-            log.info("step %d is already in %s", version.step, root)
+        if root.committed(version.step):
+            root.point_latest(version.step)
+            log.info("step %d is already in %s", version.step, root.name)
             return True
         return False
 
-    def _committed_on_disk(self, root: str, version) -> None:
+    def _done(self, version, root: Root) -> None:
+        """The version is committed in ``root``: retention there (and of its staged copies),
+        then the index says so."""
         faults.point("flush.done", version.step)
+        reading = self.store.flushed_being_read(version.job)
         if self.keep_on_disk:
-            retain(root, self.keep_on_disk, protect=self.store.flushed_being_read(version.job))
-        self.store.mark_flushed(version)
-
-    def _write_local(self, version, tensors, layout, objects, progress) -> None:
-        root = self.root(version.job)
-        if not self._on_disk_already(root, version):
-            write_version(
-                root, version.step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-                throttle=self._step_aside, io=knobs.flush_io(),
-            )
-        self._committed_on_disk(root, version)
-
-    def _write_remote(self, version, tensors, layout, objects, progress) -> None:
-        """An object-store flush dir: the version is written as to a directory, into the job's
-        local folder (``FlushCache``), then published (parallel multipart uploads, the commit
-        marker last). A daemon killed mid-upload finds the written copy there after its restart
-        and publishes it again: what was uploaded whole stays, the rest goes, then the marker."""
-        job, step = version.job, version.step
-        store, local = self.cache.store(job), self.cache.local(job)
-        if store.committed(step):  # a daemon before us published it and died before its index said so
-            log.info("step %d is already in %s", step, store.url)
-            store.point_latest(step)
-        else:
-            with self.cache.lock:
-                for stale in clean_temp(local):
-                    log.warning("removed %s, left by a flush that did not finish", stale)
-                staged = self.cache.staged(job, step)
-            if staged is None:
-                staged = write_version(
-                    local, step, tensors, layout=layout, objects=objects, progress=progress, rate_limit=self.rate or None,
-                    throttle=self._step_aside, io=knobs.flush_io(), update_latest=False,
-                )
-            else:
-                log.info("step %d was written to %s before a restart; publishing it", step, staged)
-            self.progress.bytes_done = 0  # now the upload's bytes
-            store.publish(staged, step, progress=progress, rate=self.rate or None)
-        self._published(version)
-
-    def _published(self, version) -> None:
-        """The version is committed in the object store: retention there and in the cache, then
-        the index says so."""
-        job, step = version.job, version.step
-        store = self.cache.store(job)
-        faults.point("flush.done", step)
-        reading = self.store.flushed_being_read(job)
-        if self.keep_on_disk:
-            store.retain(self.keep_on_disk, protect=reading)
-        self.cache.prune(job, reading)
+            root.retain(self.keep_on_disk, protect=reading)
+        root.prune(reading)
         self.store.mark_flushed(version)
 
 

@@ -11,14 +11,13 @@ has it.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
 
 from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, StorageError, VersionNotFound
-from ..format.objstore import join
+from ..format.roots import as_root
 from . import restore as restore_plan
 
 log = logging.getLogger("ucpd.locate")
@@ -50,9 +49,10 @@ class Locator:
     """``store``: the NodeStore; ``flush_dir``: the daemon's ``--flush-dir`` (None: none);
     ``team``: the node's Team (None: one node); ``note_checksum_failure(where)`` counts damage."""
 
-    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None, cache=None):
-        """``cache``: the ``FlushCache`` of an object-store ``flush_dir`` (restores fetch from it)."""
-        self.cache = cache
+    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None, root=None):
+        """``root``: the flush dir's ``Root`` (default: ``flush_dir``'s; an object store's with a
+        staging folder, which restores fetch into)."""
+        self.flush_root = root if root is not None else as_root(flush_dir) if flush_dir else None
         self.store = store
         self.flush_dir = flush_dir
         self.team = team
@@ -69,7 +69,12 @@ class Locator:
 
     def job_flush_dir(self, job: str) -> str | None:
         """Where ``job``'s versions are flushed: ``<flush-dir>/<job>/`` (one checkpoint root each)."""
-        return join(self.flush_dir, job) if self.flush_dir else None
+        root = self.job_root(job)
+        return None if root is None else root.name
+
+    def job_root(self, job: str):
+        """``job``'s checkpoint root under the flush dir (None: no flush dir)."""
+        return None if self.flush_root is None else self.flush_root.join(job)
 
     def disk_latest(self, job: str, needed: bool = False) -> int | None:
         """``_disk_latest_now`` within ``$UCPD_DISK_LOOKUP_SECONDS`` (2): a flush dir that stops answering
@@ -137,24 +142,13 @@ class Locator:
 
     def _disk_latest_now(self, job: str) -> int | None:
         """The job's newest complete flushed version, by its LATEST pointer (no directory scan)."""
-        root = self.job_flush_dir(job)
-        if root is not None and self.cache is not None:
-            store = self.cache.store(job)
-            step = store.read_latest()
-            if step is not None and store.committed(step):
-                return step
-            complete = [v.step for v in store.list_versions() if v.state == "complete"]
-            return max(complete) if complete else None
-        if root is None or not os.path.isdir(root):
+        root = self.job_root(job)
+        if root is None:
             return None
-        from ..format import read_latest
-
-        step = read_latest(root)
-        if step is not None and os.path.isfile(os.path.join(root, f"step-{step}", "ucp.json")):
+        step = root.read_latest()
+        if step is not None and root.committed(step):
             return step
-        from ..format import list_versions  # LATEST missing or stale: look at what is there
-
-        complete = [v.step for v in list_versions(root) if v.state == "complete"]
+        complete = [v.step for v in root.list_versions() if v.state == "complete"]  # LATEST missing or stale
         return max(complete) if complete else None
 
     def not_this_job(self, step: int | None, job: str, disk: str | None = None) -> VersionNotFound:
@@ -190,9 +184,7 @@ class Locator:
         newest = self.disk_latest(job, needed)
         if newest is None or (job, newest, "disk") not in avoid:
             return newest
-        from ..format import list_versions
-
-        steps = [v.step for v in list_versions(self.job_flush_dir(job)) if v.state == "complete"]
+        steps = [v.step for v in self.job_root(job).list_versions() if v.state == "complete"]
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
@@ -321,52 +313,39 @@ class Locator:
         return version.restore_sources(lambda v: restore_plan.from_ram(v, self.store.slot_path))
 
     def open_disk(self, step, job: str):
-        from ..format import open_version
-
-        root = self.job_flush_dir(job)
-        if root is not None and self.cache is not None:
-            return self._open_remote(step, job)
-        if root is None or not os.path.isdir(root):
+        """A flushed version opened as a folder's, so the plan maps its files and reshards exactly
+        as from one (an object store's: a verified local copy in its staging folder, the flush's
+        own or fetched now by ranged reads, many in flight)."""
+        root = self.job_root(job)
+        if root is None or not root.exists():
             raise self.not_this_job(step, job)
         try:
-            return open_version(root, step)
+            reader = root.open_version(step)
         except (VersionNotFound, FileNotFoundError) as exc:
-            raise self.not_this_job(step, job, f"{root}: {exc}") from None
+            raise self.not_this_job(step, job, f"{root.name}: {exc}") from None
+        root.prune(self.store.flushed_being_read(job) | {reader.step})
+        return reader
 
     def pending_fetch(self, step: int | None, job: str, avoid: set = frozenset()):
         """One node, an object-store flush dir: the download a restore of ``step`` needs before
         ``find`` can answer it (RAM cannot serve, or the store holds a newer version, and no local
         copy is there), as a callable for a worker thread; None when there is none. Its failure
         is left for ``find`` to meet again and answer (an older version, or the error)."""
-        if self.cache is None or self.team is not None:
+        root = self.job_root(job)
+        if root is None or not root.downloads or self.team is not None:
             return None
         version = self._ram_choice(step, job, avoid)
         disk = self._disk_choice(job, avoid, needed=version is None) if step is None else None
         if version is not None and (disk is None or disk <= version.step):
             return None
         target = step if step is not None else disk
-        if target is None or (job, target, "disk") in avoid or self.cache.staged(job, target) is not None:
+        if target is None or (job, target, "disk") in avoid or root.staged(target) is not None:
             return None
 
         def fetch() -> None:
             try:
-                self.cache.fetch(job, target)
+                root.fetch(target)
             except Exception as exc:  # noqa: BLE001 - find meets it again and answers
                 log.warning("fetching step %s of job %r from the flush dir failed: %s", target, job, exc)
 
         return fetch
-
-    def _open_remote(self, step, job: str):
-        """A flushed version in an object store: a verified local copy (``FlushCache``: the
-        flush's own, or fetched now by ranged reads, many in flight) opened as a directory's, so
-        the plan maps its files and reshards exactly as from one."""
-        from ..format import open_version
-
-        try:
-            local, step = self.cache.fetch(job, step)
-        except (VersionNotFound, FileNotFoundError) as exc:
-            raise self.not_this_job(step, job, f"{self.job_flush_dir(job)}: {exc}") from None
-        reader = open_version(local, step)
-        reading = self.store.flushed_being_read(job) | {step}
-        self.cache.prune(job, reading)
-        return reader

@@ -79,19 +79,19 @@ class Daemon:
     """One node's daemon: the socket loop and the handlers. Built where the process starts
     (``cli.compose``) with its collaborators: the run-dir and shm-dir ``locks`` (taken before
     the store read the shm dir), the store, the team (None: one node), the flusher (None: no
-    flush) and an object-store flush dir's local ``flush_cache``. They belong to the daemon from
+    flush) and the flush dir's ``flush_root`` (``format.roots``). They belong to the daemon from
     then on (``close`` closes them)."""
 
     def __init__(
-        self, config: DaemonConfig, *, locks: DirLocks, store: NodeStore, team=None, flusher=None, flush_cache=None,
+        self, config: DaemonConfig, *, locks: DirLocks, store: NodeStore, team=None, flusher=None, flush_root=None,
     ):
         self.config = config
         self._locks = locks
         self.team = team
         self.store = store
-        self.flush_cache = flush_cache
+        self.flush_root = flush_root
         self.damage = ChecksumFailures(index=1 if store.adopted.index_damaged else 0)
-        self.locate = Locator(self.store, config.flush_dir, self.team, self.damage.note, self.flush_cache)
+        self.locate = Locator(self.store, config.flush_dir, self.team, self.damage.note, self.flush_root)
         self.store.add_commit_listener(self.locate.ram_sources)  # ready before anyone asks to restore it
         self.flusher = flusher
         if self.flusher is not None:

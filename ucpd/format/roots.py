@@ -13,6 +13,7 @@ before a restart is published as it is, and restores fetch into it.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -30,14 +31,23 @@ from .spec import VersionSummary
 from .validate import validate_folder, validate_store
 from .writer import write_version as write_folder_version
 
+log = logging.getLogger("ucpd.format")
+
 __all__ = ["LocalRoot", "Root", "StoreRoot", "as_root"]
 
 
 @runtime_checkable
 class Root(Protocol):
-    """A checkpoint root: where a job's versions live. ``name``: its path or URL."""
+    """A checkpoint root: where a job's versions live. ``name``: its path or URL;
+    ``storage_options``: fsspec's (a store's; empty for a folder); ``downloads``: whether a
+    version is read from a local copy fetched first (``fetch``, ``staged``)."""
 
     name: str
+    storage_options: dict
+    downloads: bool
+
+    def prepare(self) -> None:
+        """Make the root ready to be written (a folder made; a store's staging folder)."""
 
     def join(self, *names: str) -> Root:
         """The root ``names`` below this one (a job's, under a flush dir)."""
@@ -76,7 +86,12 @@ class Root(Protocol):
         """Remove what writers that died left (temporary folders); returns what went."""
 
     def staged(self, step: int) -> Path | None:
-        """A complete local copy of ``step`` written before it was published (a store's staging)."""
+        """A complete local copy of ``step`` not read from this root itself: written before it
+        was published, or fetched (a store's staging folder); None for a folder."""
+
+    def fetch(self, step: int | None) -> int:
+        """Make committed ``step`` (None: the newest) readable here without a download (a
+        store: a verified copy into the staging folder); returns the step."""
 
     def prune(self, keep: set[int]) -> None:
         """Drop local copies but the newest and ``keep`` (a store's staging)."""
@@ -92,9 +107,15 @@ class Root(Protocol):
 class LocalRoot:
     """A checkpoint root in a local folder (versions committed by renaming a folder)."""
 
+    storage_options: dict = {}
+    downloads = False
+
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
         self.name = str(self.path)
+
+    def prepare(self) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
 
     def __repr__(self) -> str:
         return f"LocalRoot({self.name!r})"
@@ -129,11 +150,7 @@ class LocalRoot:
         return folder.default_step(self.path)
 
     def committed(self, step: int) -> bool:
-        path = self.path / spec.step_dirname(step)
-        if not (path / spec.META_FILE).is_file():
-            return False
-        read_meta(path, step)  # the rename is the commit point: a malformed one raises
-        return True
+        return (self.path / spec.step_dirname(step) / spec.META_FILE).is_file()  # (the rename is the commit point)
 
     def open_version(self, step: int | None = None, *, verify: bool = True) -> VersionReader:
         return folder.open_version(self.path, step)
@@ -150,6 +167,9 @@ class LocalRoot:
     def staged(self, step: int) -> Path | None:
         return None
 
+    def fetch(self, step: int | None) -> int:
+        return self.default_step() if step is None else step
+
     def prune(self, keep: set[int]) -> None:
         pass
 
@@ -165,13 +185,20 @@ class StoreRoot:
     per write or read. ``lock``: serialises changes to the staging folder (shared by the roots
     ``join`` makes)."""
 
+    downloads = True
+
     def __init__(self, url: str, storage_options: dict | None = None, staging: str | os.PathLike | None = None,
                  lock: threading.Lock | None = None) -> None:
-        self.store = ObjectRoot(url, storage_options)
+        self.store = ObjectRoot(url, storage_options)  # a missing library or a bad URL fails here
         self.name = self.store.url
         self.storage_options = dict(storage_options or {})
         self.staging = None if staging is None else str(staging)
         self.lock = lock or threading.Lock()
+        self.prepare()
+
+    def prepare(self) -> None:
+        if self.staging is not None:  # checkpoint bytes: ours alone
+            os.makedirs(self.staging, mode=0o700, exist_ok=True)
 
     def __repr__(self) -> str:
         return f"StoreRoot({self.name!r})"
@@ -215,8 +242,12 @@ class StoreRoot:
         return self.store.committed(step)
 
     def open_version(self, step: int | None = None, *, verify: bool = True) -> VersionReader:
-        """The committed version fetched (ranged reads; ``verify``: every chunk checked) into a
-        temporary folder that closing the reader removes."""
+        """The committed version fetched (ranged reads; ``verify``: every chunk checked): into the
+        staging folder, where it stays (``fetch``), or else into a temporary folder that closing
+        the reader removes."""
+        if self.staging is not None:
+            step = self.fetch(step)
+            return folder.open_version(self.staging, step)
         tmp = tempfile.mkdtemp(prefix="ucpd-fetch-")
         try:
             path = self.store.fetch(step, tmp, verify=verify)
@@ -225,16 +256,20 @@ class StoreRoot:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
-    def fetch(self, step: int | None) -> tuple[str, int]:
-        """A verified copy of committed ``step`` (None: the newest) in the staging folder, kept
-        there: (the staging folder, step). A copy whose objects fail their checks twice is kept
-        for its readers to meet the damage chunk by chunk, as in a damaged file."""
+    def fetch(self, step: int | None) -> int:
+        """A verified copy of committed ``step`` (None: the newest) into the staging folder,
+        kept there. A copy whose objects fail their checks twice is kept for its readers to meet
+        the damage chunk by chunk, as in a damaged file (the daemon's restores)."""
+        if self.staging is None:
+            raise FormatError(f"{self.name}: no staging folder to fetch into")
         with self.lock:
             step = self.store.default_step() if step is None else step
             if self.staged(step) is None:
-                folder.clean_temp(self.staging)
+                for stale in folder.clean_temp(self.staging):
+                    log.warning("removed %s, left by a fetch that did not finish", stale)
+                log.info("fetching step %d from %s", step, self.name)
                 self.store.fetch(step, self.staging, keep_damaged=True)
-        return self.staging, step
+        return step
 
     def write_version(self, step: int, tensors: Iterable, *, progress: Callable[[int, int], None] | None = None,
                       rate_limit: float | None = None, update_latest: bool = True, **kw: Any) -> Path | str:
@@ -253,6 +288,8 @@ class StoreRoot:
         if staged is None:
             staged = write_folder_version(self.staging, step, tensors, progress=progress, rate_limit=rate_limit,
                                           update_latest=False, **kw)
+        else:
+            log.info("step %d was written to %s before a restart; publishing it", step, staged)
         if progress is not None:
             progress(0, 0)  # now the upload's bytes
         self.store.publish(staged, step, progress=progress, rate=rate_limit, update_latest=update_latest)
