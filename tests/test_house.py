@@ -221,3 +221,9 @@ def test_the_tests_have_one_helper_per_job():
                 if rel not in ("helpers/daemons.py", "faults/test_parent_death.py"):
                     found.append(f"tests/{rel}:{node.lineno}: spawn_and_wait (start a helpers.daemons.Daemon)")
     assert found == []
+
+
+def test_only_the_roots_tell_a_folder_from_an_object_store():
+    """The storage seam (``ucpd.format.roots``): a checkpoint root is a ``Root``, and only the
+    roots (and the object store's own module) ask whether a name is a URL."""
+    assert _calls_outside("is_url", {"ucpd/format/roots.py", "ucpd/format/objstore.py"}) == []

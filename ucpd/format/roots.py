@@ -60,6 +60,9 @@ class Root(Protocol):
     def children(self) -> list[str]:
         """The names of the checkpoint roots directly below this one (a flush dir's jobs)."""
 
+    def contains(self, where: str) -> bool:
+        """Whether the path or URL ``where`` lies below this root."""
+
     def read_latest(self) -> int | None: ...
 
     def point_latest(self, step: int) -> None:
@@ -136,6 +139,9 @@ class LocalRoot:
     def children(self) -> list[str]:
         return sorted(d.name for d in self.path.iterdir()
                       if d.is_dir() and (any(d.glob("step-*")) or (d / spec.LATEST_FILE).exists()))
+
+    def contains(self, where: str) -> bool:
+        return str(where).startswith(os.path.join(os.path.realpath(self.path), ""))
 
     def read_latest(self) -> int | None:
         return folder.read_latest(self.path)
@@ -222,6 +228,9 @@ class StoreRoot:
             return sorted({p.rstrip("/").rsplit("/", 1)[-1] for p in self.store.fs.ls(self.store.path, detail=False)})
         except FileNotFoundError:
             return []
+
+    def contains(self, where: str) -> bool:
+        return str(where).rstrip("/").startswith(self.name + "/")
 
     def read_latest(self) -> int | None:
         return self.store.read_latest()

@@ -49,7 +49,8 @@ from ..dtypes import dtype as lookup_dtype
 from ..errors import ChecksumMismatch, ProtocolError, StorageError, UcpdError, VersionNotFound
 from ..format import spec
 from ..format.multipart import SharedUpload
-from ..format.objstore import ObjectRoot, is_url
+from ..format.objstore import ObjectRoot
+from ..format.roots import as_root
 from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
 from ..ucl.plan import SourcePiece, plan_consolidate
@@ -137,7 +138,7 @@ class ShareWriter:
         if not tmp.is_absolute() or m is None or int(m.group(1)) != body["step"]:
             raise ProtocolError(f"flush_share: {body['dir']!r} is not the temporary folder of step {body['step']}")
         mine = self.team.config.flush_dir
-        if mine and not is_url(mine) and not str(tmp).startswith(os.path.join(os.path.realpath(mine), "")):
+        if mine and not as_root(mine, self.storage_options).contains(str(tmp)):
             raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine}: give every node the same "
                                "--flush-dir, mounted at the same path")
         for p in body["pieces"]:
@@ -150,7 +151,7 @@ class ShareWriter:
         """The job's root in the object store, refused unless ``dir`` is step ``<N>``'s folder of a
         job under our own ``--flush-dir`` and every part and piece names one of its shard files."""
         url, mine = body["dir"].rstrip("/"), (self.team.config.flush_dir or "").rstrip("/")
-        if not is_url(mine) or not url.startswith(mine + "/"):
+        if not mine or not as_root(mine, self.storage_options).contains(url):
             raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine or '(none)'}: give every node "
                                "the same --flush-dir")
         job_url, _, last = url.rpartition("/")
