@@ -36,15 +36,17 @@ KEYS = ("rss", "fds", "threads", "shm_bytes")
 
 
 def sample(team) -> dict:
-    """Each node's daemon: RSS, fds, threads (psutil), its shm dir's allocated bytes."""
+    """Each node's daemon: RSS (and its shared part), fds, threads (psutil), its shm dir's allocated bytes."""
     import psutil
 
     nodes = []
     for d in team.nodes:
-        row = {"pid": d.proc.pid if d.proc else None, "rss": None, "fds": None, "threads": None, "shm_bytes": 0}
+        row = {"pid": d.proc.pid if d.proc else None, "rss": None, "rss_shared": None, "fds": None, "threads": None,
+               "shm_bytes": 0}
         try:
             p = psutil.Process(d.proc.pid)
-            row.update(rss=p.memory_info().rss, fds=p.num_fds(), threads=p.num_threads())
+            mem = p.memory_info()  # shared: file and shm pages mapped (slots, replica files), not the heap
+            row.update(rss=mem.rss, rss_shared=mem.shared, fds=p.num_fds(), threads=p.num_threads())
         except (psutil.Error, AttributeError):
             pass
         try:
