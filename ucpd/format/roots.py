@@ -285,9 +285,9 @@ class StoreRoot:
         """Written as into a folder (the staging folder; a copy written there before a restart
         is published as it is), then published: parallel multipart uploads, the marker last."""
         kw.pop("fsync", None)  # the local copy is only read back to be uploaded
+        if self.store.committed(step):
+            raise FormatError(f"{self.where(step)} already exists; versions are immutable")
         if self.staging is None:
-            if self.store.committed(step):
-                raise FormatError(f"{self.where(step)} already exists; versions are immutable")
             with tempfile.TemporaryDirectory(prefix="ucpd-stage-") as tmp:
                 local = write_folder_version(tmp, step, tensors, progress=progress, rate_limit=rate_limit, fsync=False,
                                              update_latest=False, **kw)
