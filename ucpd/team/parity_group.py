@@ -220,6 +220,8 @@ class ParityGroup:
                 return
             got = self._restriping.setdefault((step, layout.tag), (layout, set()))[1]
             got.add(body["origin"])
+            for old in [key for key in self._restriping if key[0] < step - 4 * self.keep]:
+                del self._restriping[old]  # a re-stripe that never completed (a survivor lost meanwhile)
             self.manifests.setdefault((body["origin"], step), base)
             if not got >= layout.origins():
                 return
