@@ -3,10 +3,12 @@
 One run, default flags (``--gib 1``): a model of ``--gib`` GiB of fp32 tensors (64 MiB each).
 - same node: a trainer snapshots it to a daemon; a receiver (``ucpd_client.Weights``) pulls
   it warm (the plan cached) into preallocated tensors — against the memcpy floor of the bytes
-  it receives (``np.copyto`` into a touched buffer);
+  it receives (``np.copyto`` into a touched buffer), measured after each pull (the ratio is
+  the median of the per-rep ratios: a shared machine's load drifts);
 - another node: a 2-daemon team on loopback, a trainer rank on each node holding half of every
   tensor; a receiver on node 1 pulls node 0's halves — against the loopback socket floor
-  (``benchmarks/team/floors_net.py``: one TCP stream, ``recv_into`` the destination);
+  (``benchmarks/team/floors_net.py``: one TCP stream, ``recv_into`` the destination), also
+  measured after each pull;
 - metadata bytes of a cold and a warm pull (the pull requests and replies);
 - commit -> receiver notified (a subscription; a 4 KiB snapshot, 20 steps);
 - peak extra memory during a warm pull: the receiver's USS, the sending daemon's USS, and the
@@ -14,7 +16,7 @@ One run, default flags (``--gib 1``): a model of ``--gib`` GiB of fp32 tensors (
 - the peers' ways, same bytes: ``torch.distributed`` broadcast (gloo, 2 processes on
   loopback) and a safetensors file on /dev/shm (save, load, copy into the targets).
 
-    .venv/bin/python benchmarks/refit/bench_refit.py [--gib 1] [--reps 3] [--json out.json]
+    .venv/bin/python benchmarks/refit/bench_refit.py [--gib 1] [--reps 5] [--json out.json]
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch  # noqa: E402
 
 from common import MiB, gbps, log, machine, median, table, write_json  # noqa: E402
 from daemons import Loopback, cleanup, cleanup_on_exit  # noqa: E402
-from floors_net import socket_floor  # noqa: E402
+from floors_net import SocketFloor  # noqa: E402
 
 JOB = "bench-refit"
 TENSOR = 64 * MiB
@@ -86,33 +88,41 @@ def dir_bytes(path: str) -> int:
     return total
 
 
-def memcpy_floor(nbytes: int, reps: int) -> float:
-    src, dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
-    times = []
-    for _ in range(reps + 1):
+class MemcpyFloor:
+    """One memcpy of ``nbytes`` (``np.copyto`` into a touched buffer): seconds per call."""
+
+    def __init__(self, nbytes: int):
+        self.src, self.dst = np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)
+        self()
+
+    def __call__(self) -> float:
         t0 = time.perf_counter()
-        np.copyto(dst, src)
-        times.append(time.perf_counter() - t0)
-    return gbps(nbytes, median(times[1:]))
+        np.copyto(self.dst, self.src)
+        return time.perf_counter() - t0
 
 
-def timed_pulls(w, step, into, reps, sample_sender=None, sample_recv_dir=None) -> dict:
-    from ucpd_client import Weights  # noqa: F401
-
+def timed_pulls(w, step, into, reps, floor, sample_sender=None, sample_recv_dir=None) -> dict:
+    """Warm pulls, each followed by one measurement of its floor (``floor()``: seconds for the
+    same bytes), so that a machine whose load drifts weighs on both alike: the ratio reported is
+    the median of the per-rep ratios."""
     w.pull(step, into)  # cold: planned, cached
     cold_meta = w.last_pull["meta_bytes"]
-    times = []
+    times, floors = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         w.pull(step, into)
         times.append(time.perf_counter() - t0)
-    peaks = {}
+        floors.append(floor())
+    ratios = sorted(t / f for t, f in zip(times, floors))
     with Peak(lambda: uss(os.getpid())) as recv, Peak(sample_sender or (lambda: 0)) as send, \
             Peak(sample_recv_dir or (lambda: 0)) as fetched:
         w.pull(step, into)
     peaks = {"receiver_uss": recv.peak, "sender_uss": send.peak, "fetch_files": fetched.peak}
-    return {"seconds": median(times), "cold_meta": cold_meta, "warm_meta": w.last_pull["meta_bytes"],
-            "warm": w.last_pull["warm"], "buckets": w.last_pull["buckets"], "bytes": w.last_pull["bytes"], **peaks}
+    nbytes = w.last_pull["bytes"]
+    return {"seconds": median(times), "floor_gbps": gbps(nbytes, median(floors)), "ratio": median(ratios),
+            "ratio_min": ratios[0], "ratio_max": ratios[-1], "times": times, "floors": floors,
+            "cold_meta": cold_meta, "warm_meta": w.last_pull["meta_bytes"],
+            "warm": w.last_pull["warm"], "buckets": w.last_pull["buckets"], "bytes": nbytes, **peaks}
 
 
 def same_node(lb: Loopback, nbytes: int, reps: int) -> dict:
@@ -124,10 +134,11 @@ def same_node(lb: Loopback, nbytes: int, reps: int) -> dict:
         ck.snapshot(1, {"model": state}).wait(timeout=600)
     into = {f"model.{n}": torch.empty_like(t) for n, t in state.items()}
     with Weights(job=JOB, run_dir=d.run_dir) as w:
-        out = timed_pulls(w, 1, into, reps, sample_sender=lambda: uss(d.proc.pid))
+        floor = MemcpyFloor(sum(t.numel() * t.element_size() for t in into.values()))
+        out = timed_pulls(w, 1, into, reps, floor, sample_sender=lambda: uss(d.proc.pid))
+        del floor
         assert all(torch.equal(into[f"model.{n}"], t) for n, t in state.items())
         out["notify"] = notify_latency(d.run_dir, w)
-    out["floor_gbps"] = memcpy_floor(out["bytes"], reps)
     return out
 
 
@@ -182,10 +193,16 @@ def other_node(lb: Loopback, nbytes: int, reps: int) -> dict:
                 w.pull(step, into_, placements=pl)
                 self.last_pull = w.last_pull
 
-        out = timed_pulls(_W(), 1, into, reps, sample_sender=lambda: uss(nodes[0].proc.pid),
-                          sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir))
+        nb = sum(t.numel() * t.element_size() for t in into.values())
+        sock = SocketFloor()
+        try:
+            sock.measure(nb)  # warm-up
+            out = timed_pulls(_W(), 1, into, reps, lambda: nb / 1e9 / sock.gbps(nb),
+                              sample_sender=lambda: uss(nodes[0].proc.pid),
+                              sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir))
+        finally:
+            sock.stop()
         assert all(torch.equal(into[f"model.{n}"], t.chunk(2)[0]) for n, t in full.items())
-    out["floor_gbps"] = median(socket_floor(out["bytes"], reps=reps))
     return out
 
 
@@ -245,7 +262,7 @@ def safetensors_shm(nbytes: int, reps: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     nbytes = int(args.gib * (1 << 30))
@@ -265,10 +282,10 @@ def main(argv=None) -> int:
     for label, r, floor in (("same node (vs memcpy)", one, "memcpy"), ("another node (vs loopback socket)", two, "socket")):
         rate = gbps(r["bytes"], r["seconds"])
         rows.append([label, f"{r['bytes'] / MiB:.0f}", f"{r['seconds']:.3f}", f"{rate:.2f}", f"{r['floor_gbps']:.2f}",
-                     f"{r['floor_gbps'] / rate:.2f}x", f"{r['cold_meta']}", f"{r['warm_meta']}",
+                     f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})", f"{r['cold_meta']}", f"{r['warm_meta']}",
                      f"{r['receiver_uss'] / MiB:.0f}", f"{r['sender_uss'] / MiB:.0f}", f"{r['fetch_files'] / MiB:.0f}",
                      f"{r['buckets']}"])
-    print(table(["refit", "MiB", "s", "GB/s", "floor GB/s", "time / floor", "cold meta B", "warm meta B",
+    print(table(["refit", "MiB", "s", "GB/s", "floor GB/s", "time / floor (min-max)", "cold meta B", "warm meta B",
                  "recv extra MiB", "sender extra MiB", "fetch files MiB", "buckets"], rows, markdown=True))
     peers = [["ucpd pull, same node", f"{one['seconds']:.3f}", f"{gbps(one['bytes'], one['seconds']):.2f}"],
              ["ucpd pull, another node (half the bytes)", f"{two['seconds']:.3f}", f"{gbps(two['bytes'], two['seconds']):.2f}"],

@@ -165,7 +165,9 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
 def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, verify: str | None = None) -> None:
     """Fill ``entries`` by ``plan`` (its tensors in their order), verified: a receiver's pull
     (``ucpd_client.weights``), which reads tensors only, under a lease it releases itself.
-    ``verify``: ``"all"`` or ``"window"`` (None: ``knobs.restore_verify()``)."""
+    ``verify``: ``"all"`` or ``"window"`` (None: ``knobs.restore_verify()``), or ``"fused"``: one
+    pass, each chunk checksummed as it is copied (fastest; a damaged chunk's bytes have landed
+    when the error is raised)."""
     _apply_plan(session, entries, plan, {"objects": {}, "objects_crcs": {}}, verify)
 
 
@@ -186,7 +188,7 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
     mode, window = verify or knobs.restore_verify(), knobs.restore_window()
     sources, hosts = _sources(session, plan.sources)
     threads = knobs.copy_threads()
-    cpu = _Windows(sources, window if mode == "window" else 0, threads)
+    cpu = _Windows(sources, window if mode == "window" else 0, threads, fused=mode == "fused")
     device = None
     finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
     on = session.cuda.device_of
@@ -233,8 +235,8 @@ class _Windows:
     ``window`` source bytes each (0: one window, the whole plan). A contiguous copy larger than
     a window is cut at source chunk bounds; other copies go whole into the current window."""
 
-    def __init__(self, sources: list[CheckedSource], window: int, threads: int):
-        self.sources, self.window, self.threads = sources, window, threads
+    def __init__(self, sources: list[CheckedSource], window: int, threads: int, fused: bool = False):
+        self.sources, self.window, self.threads, self.fused = sources, window, threads, fused
         self.copiers: list[CheckedCopier] = []
         self._size = 0
 
@@ -266,8 +268,8 @@ class _Windows:
 
     def run(self) -> None:
         for run in self.copiers:
-            if run.verified:
-                run.run()  # checked already (mode "all"); run checks again what it copies, in the same pass
+            if run.verified or self.fused:
+                run.run()  # checked already (mode "all"), or not (mode "fused"): checked as it is copied
             else:
                 run.run_verified()  # each chunk checked, then copied while in cache
 

@@ -18,9 +18,10 @@ daemon's RAM — while the current one is copied, so at most ``bucket_bytes`` ar
 side. Each bucket is read under a lease (the version cannot be evicted while it is read; the
 lease ends after ``$UCPD_PULL_LEASE_S``, 30 s, so a trainer's ``--keep`` never waits longer on
 a hung receiver); a version evicted between two buckets of a long pull raises VersionNotFound at
-the next one. The copy is one pass over the source: each CRC32C chunk is checked and then
-copied while it is in cache (``ucpd_client.restore``, ``verify="window"``; CUDA targets by DMA
-from the registered slot), so no byte of a damaged chunk is written. A target whose dtype
+the next one. The copy is one pass over the source: each CRC32C chunk is checksummed as it is
+copied (``ucpd_client.restore``, ``verify="fused"``, ``native.copy_batch``; CUDA targets by DMA
+from the registered slot, each window checked first); a chunk that fails raises
+ChecksumMismatch once the bucket is copied (its bytes have landed: pull again). A target whose dtype
 differs from the saved one is filled through a bucket-sized staging tensor and converted.
 
 Plans are cached: the first pull of a layout sends the targets and gets the plan (and the
@@ -225,7 +226,7 @@ class Weights:
         unlisted: the whole tensor). Returns the step. Raises VersionNotFound (the step is gone,
         before or during the pull: pull a newer one), PlacementMismatch (a name, shape or
         placement the version does not answer), ChecksumMismatch (a source failed its checksums:
-        no byte of a damaged chunk was written, the chunks before it were; pull again)."""
+        that bucket's targets hold what was copied, the damaged chunk too; pull again)."""
         tensors, _ = state_mod.split(dict(into))
         entries = [entry_of((names or {}).get(n, n), t, (placements or {}).get(n)) for n, t in tensors.items()]
         key = tuple((e.name, dtype_name(e.tensor), tuple(e.tensor.shape), repr(e.placement)) for e in entries)
@@ -317,8 +318,8 @@ class Weights:
         return reply, plan
 
     def _fill(self, b: _Bucket, entries: list, plan: RestorePlan, reply: dict, conn, stats: dict) -> None:
-        """Copy one bucket into its targets, each chunk checked and then copied while in cache
-        (one read of the source), and give its lease back."""
+        """Copy one bucket into its targets in one pass, each chunk checksummed as it is copied,
+        and give its lease back."""
         fills, staged = [], []
         for it, t in zip(b.items, b.targets):
             target = _rows(entries[it.index].tensor, it.rows)
@@ -330,7 +331,7 @@ class Weights:
             stats["bytes"] += target.numel() * target.element_size()
         damaged = False
         try:
-            apply_plan(self.session, fills, plan, verify="window")
+            apply_plan(self.session, fills, plan, verify="fused")
         except ChecksumMismatch:
             damaged = True
             raise

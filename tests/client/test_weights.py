@@ -1,7 +1,8 @@
 """``Weights``: a receiver that is not a trainer rank reads committed versions from a real daemon
 in its own layout — told of each commit by the daemon, a cold pull planned and a warm one that
 moves only the sources, fused QKV split over TP 2, a padded vocabulary, another dtype, buckets
-with a tensor cut in row blocks, only the named tensors read, a step no longer kept refused."""
+with a tensor cut in row blocks, only the named tensors read, a step no longer kept refused, a
+step evicted between two buckets and a damaged chunk met as typed errors."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import torch
 
 from helpers import TEST_JOB
 from helpers.waiting import wait_until
-from ucpd.errors import PlacementMismatch, VersionNotFound
+from ucpd.errors import ChecksumMismatch, PlacementMismatch, VersionNotFound
+from ucpd.rpc import Connection
 from ucpd_client import Checkpointer, Weights, placement as P
 
 Q, KV, H, V, VPAD = 64, 16, 32, 50, 56  # query rows, key/value rows, hidden, vocab, vocab padded for TP 2
@@ -154,3 +156,27 @@ def test_a_version_evicted_between_two_buckets_of_a_pull_is_refused_typed_and_th
         assert all(torch.equal(into[n], state(2)["model"][n]) for n in into)
         ck.snapshot(3, state(3)).wait()
         wait_until(lambda: gone(probe, 2), "step 2 to be evicted (no lease of its pull left behind)", 15)
+
+
+def test_a_damaged_source_chunk_raises_checksum_mismatch_and_the_next_step_pulls_whole(trainer):
+    """The one-pass copy checksums every chunk it copies: a byte flipped in the daemon's slot
+    is met as ChecksumMismatch (never silently wrong weights); the next version pulls whole."""
+    trainer.snapshot(1, trainer_state(1)).wait()
+    with Connection(trainer.daemon.run_dir) as conn:  # where the saved tensor lies in the slot
+        reply = conn.call("restore", rank=0, world_size=1, job=TEST_JOB, targets=[
+            {"name": "model.mlp.up.weight", "dtype": "float32", "shape": [4 * H, H], "placement": {"kind": "replicated"}}])
+        conn.call("release", lease=reply["lease"])
+    (src,) = reply["plan"].sources
+    with open(src.path, "r+b") as f:
+        f.seek(src.offset + 1000)
+        b = f.read(1)
+        f.seek(src.offset + 1000)
+        f.write(bytes([b[0] ^ 0x10]))
+    names = {"up": "model.mlp.up.weight"}
+    with Weights(job=TEST_JOB, run_dir=trainer.daemon.run_dir) as w:
+        with pytest.raises(ChecksumMismatch):
+            w.pull(1, {"up": torch.empty(4 * H, H)}, names=names)
+        trainer.snapshot(2, trainer_state(2)).wait()
+        into = {"up": torch.empty(4 * H, H)}
+        assert w.pull(2, into, names=names) == 2
+        assert torch.equal(into["up"], trainer_state(2)["model"]["mlp.up.weight"])
