@@ -74,7 +74,8 @@ class Root(Protocol):
         """The step ``LATEST`` names if it is complete, else the newest complete one."""
 
     def committed(self, step: int) -> bool:
-        """Whether version ``step`` is committed here (FormatError: a committed one that is malformed)."""
+        """Whether version ``step`` is committed here (a folder: its ``ucp.json`` is in place, the
+        rename being the commit point; a store: its commit marker, FormatError when malformed)."""
 
     def open_version(self, step: int | None = None, *, verify: bool = True) -> VersionReader: ...
 
@@ -345,7 +346,7 @@ def as_root(root: str | os.PathLike | Root, storage_options: dict | None = None,
     """The :class:`Root` that ``root`` names: a URL (``scheme://...``) is an object store, any
     other path a folder; a Root is returned as it is. ``storage_options`` and ``staging``: a
     store's (see :class:`StoreRoot`)."""
-    if isinstance(root, (LocalRoot, StoreRoot)):
+    if not isinstance(root, (str, os.PathLike)) and isinstance(root, Root):
         return root
     if is_url(root):
         return StoreRoot(str(root), storage_options, staging)
