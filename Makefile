@@ -16,6 +16,7 @@ setup: $(STAMP)
 PIP := $(BIN)/python -m pip install -q --no-compile
 $(STAMP): $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(PIP) --upgrade pip  # the venv's own pip (23.2) finds no resolution for .[test] beside the packages above
 	$(PIP) torch==2.13.0
 	# the native build's tools, and what the integrations need besides torch: lightning's own
 	# dependencies (its wheel also names pytorch-lightning, which it does not import) and torchft's
