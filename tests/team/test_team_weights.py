@@ -1,10 +1,11 @@
 """A receiver on another node: a 2-daemon team on loopback, a trainer rank on each node, a
 receiver (not a rank) talking to node 1's daemon is told of each commit and pulls whole
 tensors, half of whose bytes live on node 0 (fetched by the team, checked, then copied), warm
-after the first pull."""
+after the first pull, node 0's bytes landing in the same few files of node 1 from pull to pull."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -48,4 +49,14 @@ def test_a_receiver_on_another_node_is_told_of_commits_and_pulls_what_node_0_hol
             assert torch.equal(into["b"], full(step, "w2").bfloat16()), f"step {step}: w2 as bf16"
             assert w.last_pull["warm"] == (0 if step == 1 else w.last_pull["buckets"])
         assert w.latest() == 2
+        # node 0's bytes land in files node 1 keeps from pull to pull (no new file, no new mapping),
+        # two buckets in flight at most: with small buckets, many pulls, the same few files
+        with Weights(job=TEST_JOB, run_dir=team.nodes[1].run_dir, bucket_bytes=96 << 10) as small:
+            landed = []
+            for _ in range(3):
+                into = {"a": torch.empty(ROWS, COLS)}
+                small.pull(2, into, names={"a": "w1"})
+                assert torch.equal(into["a"], full(2, "w1")) and small.last_pull["buckets"] >= 3
+                landed.append(sorted(n for n in os.listdir(team.nodes[1].shm_dir) if n.startswith("fetch-")))
+            assert landed[0] == landed[1] == landed[2] and 1 <= len(landed[0]) <= 2, landed
     ranks.join(procs)

@@ -11,6 +11,9 @@ the source table — where each source tensor's bytes are in this version and th
 so no names, shapes, placements or copies move again. A layout that changed is planned again
 (a new id, a whole answer).
 
+On a team, what other nodes hold is fetched into a landing file reused from pull to pull
+(``daemon/landing.py``), given back when the pull's lease ends.
+
 Each pull holds a lease (``Leases.grant``, ``PULL_LEASE_SECONDS``): the version read stays put
 while it is read, and no longer than that bound (``--keep`` then goes on; a receiver that read
 bytes reused meanwhile finds its chunks fail their CRCs, never wrong weights).
@@ -24,6 +27,7 @@ from collections import OrderedDict
 
 from ..errors import ProtocolError
 from ..protocol import RestorePlan
+from .landing import Landings, land
 from .leases import PULL_LEASE_SECONDS
 
 log = logging.getLogger("ucpd.pulls")
@@ -76,6 +80,7 @@ class Pulls:
         self._plans: OrderedDict[int, _Cached] = OrderedDict()
         self._ids = itertools.count(1)
         self.counters = {"cold": 0, "warm": 0, "replanned": 0}
+        self.landings: Landings | None = None  # where peers' bytes land (a team), made on first use
 
     def pull(self, body: dict, job: str) -> dict:
         """Answer a pull (on the loop for one node, on a worker in a team: peers are asked)."""
@@ -131,14 +136,19 @@ class Pulls:
         return plan_id
 
     def _answer(self, body: dict, found, plan_id: int, plan: RestorePlan, whole: bool) -> dict:
+        landing = None
         try:
-            if found.team is not None:
-                plan = self.team.localize(found.team, plan)  # the peers' bytes fetched here, checked
+            if found.team is not None:  # the peers' bytes fetched here, checked, into a reused landing file
+                if self.landings is None:
+                    self.landings = Landings(self.team.shm_dir)
+                plan, landing = land(self.team, found.team, plan, self.landings)
         except BaseException:
             self._release(found)
             raise
         with self.store.atomic():
             lease = self.leases.grant(found, body.get("pid"), body.get("pidns"), seconds=PULL_LEASE_SECONDS)
+            if landing is not None:
+                self.leases.get(lease).releases.append(lambda: self.landings.give_back(landing))
         sent = plan if whole else RestorePlan(plan.sources, ())
         return {"lease": lease, "step": found.step, "where": found.where, "plan_id": plan_id, "plan": sent}
 
@@ -147,5 +157,5 @@ class Pulls:
             found.release()
 
     def status(self) -> dict:
-        return {"plans": len(self._plans), **self.counters}
+        return {"plans": len(self._plans), **self.counters, **(self.landings.status() if self.landings else {})}
 
