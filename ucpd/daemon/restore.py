@@ -10,11 +10,15 @@ elements. The client verifies the CRC of every chunk it reads before it copies.
 from __future__ import annotations
 
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from itertools import chain
 from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import Any
+
+import msgpack
 
 from .. import gcpause
 from ..errors import PlacementMismatch
@@ -23,6 +27,49 @@ from ..protocol import PlanCopy, PlanFill, PlanSource, PlanTensor, RestorePlan
 from ..ucl.geometry import View, contiguous_view, full_box
 from ..ucl.plan import CopyPlan, SourcePiece, plan_restore
 from .manifest import ANY_NAME, fragments_of, placement_key, shared_geometry
+
+
+PLANS_KEPT = 16  # plans kept per version's sources: a node's ranks, each in a layout or two
+
+
+class PlanCache:
+    """Plans made over one version's sources, by the exact targets asked: the ranks of a job
+    that restarts ask the same targets of the same version again (a retry, the next job, a
+    second restore), and planning a resharded restore is most of the ``restore`` RPC. What is
+    kept is where each target's bytes lie by source *key* (``(rank, tensor index)``), so a
+    hit still places the keys anew (a team's restore reads a rank's part from another file
+    each time). Bounded (least recently used out first); shared by the daemon's workers."""
+
+    def __init__(self, size: int = PLANS_KEPT):
+        self._size = size
+        self._plans: OrderedDict[bytes, tuple[tuple, tuple]] = OrderedDict()
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(targets: list[dict]) -> bytes | None:
+        """The targets as bytes (None: never cached). An embedded daemon's targets are the
+        client's own objects (a ``torch.Size``, a numpy integer): such a value stands as its repr."""
+        try:
+            return msgpack.packb(targets, default=repr)
+        except (TypeError, ValueError, OverflowError):
+            return None
+
+    def get(self, key: bytes) -> tuple[tuple, tuple] | None:
+        with self._lock:
+            got = self._plans.get(key)
+            if got is None:
+                self.misses += 1
+            else:
+                self.hits += 1
+                self._plans.move_to_end(key)
+            return got
+
+    def put(self, key: bytes, tensors: tuple, keys: tuple) -> None:
+        with self._lock:
+            self._plans[key] = (tensors, keys)
+            while len(self._plans) > self._size:
+                self._plans.popitem(last=False)
 
 
 @dataclass
@@ -34,6 +81,8 @@ class SourceSet:
     # (name, dtype, shape, placement JSON) of a source tensor -> its key: a target laid out the
     # same way is one whole copy, with no planning (the common same-layout restore)
     same: Mapping[tuple, Any] = field(default_factory=dict)
+    # the plans made over these sources' geometry (None: plan every time, e.g. a flushed version)
+    plans: PlanCache | None = None
 
 
 def tensor_signature(name: str, dtype: str, shape, placement: dict | str) -> tuple:
@@ -165,7 +214,7 @@ def from_ram(version, slot_path) -> SourceSet:
     restore reads it."""
     parts = dict(version.parts)
     paths = {rank: slot_path(part.slot) for rank, part in parts.items()}
-    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths, slot_path), RamSame(parts))
+    return SourceSet(RamGlobals(version.globals()), RamTensors(parts, paths, slot_path), RamSame(parts), PlanCache())
 
 
 def from_disk(reader) -> SourceSet:
@@ -287,8 +336,16 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
     """Plan a rank's restore: the plan's tensors answer ``targets`` in order.
 
     Raises PlacementMismatch for an unknown tensor, a dtype or global shape that differs from
-    the saved one, or a target region that no source covers.
+    the saved one, or a target region that no source covers. A plan made before over the same
+    sources for the same targets (``SourceSet.plans``) is reused: only its keys are placed.
     """
+    cache = sources.plans
+    asked = PlanCache.key(targets) if cache is not None else None
+    if asked is not None:
+        hit = cache.get(asked)  # type: ignore[union-attr]
+        if hit is not None:
+            tensors, keys = hit
+            return RestorePlan(tuple(map(sources.tensors.__getitem__, keys)), tensors, keys=keys, reused=True)
     used: dict[Any, int] = {}
     table: list[PlanSource] = []
     out_tensors = []
@@ -307,4 +364,7 @@ def plan(sources: SourceSet, targets: list[dict]) -> RestorePlan:
                 out.append(_tuple_new(PlanCopy, (idx, sv, dv)))
             fills = tuple([_tuple_new(PlanFill, (f.view, f.value)) for f in fills]) if fills else ()
             out_tensors.append(_tuple_new(PlanTensor, (t["name"], tuple(out), fills)))
-    return RestorePlan(tuple(table), tuple(out_tensors), keys=tuple(used))  # used: keys in table order
+    made = RestorePlan(tuple(table), tuple(out_tensors), keys=tuple(used))  # used: keys in table order
+    if asked is not None:
+        cache.put(asked, made.tensors, made.keys)  # type: ignore[union-attr]
+    return made

@@ -351,6 +351,7 @@ class Daemon:
     def _lease_reply(self, body, found, plan):
         lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
         self.store.counters.restores += 1
+        self.store.counters.restore_plans_reused += plan.reused
         self.store.counters.restore_bytes += sum(
             math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
         )

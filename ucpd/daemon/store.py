@@ -53,6 +53,7 @@ class Counters:
     bad_messages: int = 0
     restores: int = 0
     restore_bytes: int = 0
+    restore_plans_reused: int = 0  # restores answered with a plan made before (``restore.PlanCache``)
     evicted: int = 0
     index_errors: int = 0
 

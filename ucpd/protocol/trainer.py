@@ -197,6 +197,8 @@ class RestorePlan:
     # the daemon's keys of the sources, in table order (never on the wire): a cached plan reads
     # the same keys of the next version (``ucpd.daemon.pulls``)
     keys: tuple = _field(default=(), compare=False, repr=False)
+    # made before over the same sources for the same targets (``daemon.restore.PlanCache``)
+    reused: bool = _field(default=False, compare=False, repr=False)
 
     def to_wire(self) -> dict:
         return {"sources": [s.to_wire() for s in self.sources], "tensors": [t.to_wire() for t in self.tensors]}

@@ -54,7 +54,9 @@ class Replica:
     run: str = ""  # the run of the job that wrote it (a version is read from one run only)
     whole: bool = False
     damaged: bool = False  # a chunk failed its check as it landed
-    verified: bool = False  # checked again before the first restore served from it
+    # every chunk checked since it landed or since the last node loss (``Replicator``: a loss
+    # makes a restart read it next, so the copies that landed before are checked again then)
+    verified: bool = False
     pins: int = 0  # restores and pushes reading it
     frames: int = 0  # replica_data messages received
     chunks: dict[int, np.ndarray] = field(default_factory=dict, repr=False)  # rank -> parts.chunk_table
@@ -212,7 +214,7 @@ class ReplicaStore:
                     self._free(rep)
             raise
         with self.lock:
-            rep.whole = True
+            rep.whole = rep.verified = True  # every chunk was checked, as it landed or just now
         return rep
 
     def _check_unchecked(self, rep: Replica) -> None:

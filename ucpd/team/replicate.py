@@ -59,6 +59,8 @@ class Replicator:
         self.parity_heal: ParityHealer | None = None  # made at the first tick (the group is made after us)
         self._stopping = False
         self._thread: threading.Thread | None = None
+        self._live: frozenset[int] = frozenset()  # the live nodes at the last view change
+        self._recheck = False  # a node was lost: the replicas held are checked again (``_heal``)
 
     @property
     def store(self):
@@ -101,6 +103,10 @@ class Replicator:
             if self.parity_heal.due(now, rejoined is not None):
                 self._work.put(("parity_heal", 0))
         if rejoined is not None:
+            live = self.team.live()
+            if self._live - live:
+                self._recheck = True
+            self._live = live
             for rec in list(self.pushed.values()):
                 rec.holders -= rejoined
             self._queue_heal(now)
@@ -272,6 +278,7 @@ class Replicator:
             self._seen_waiting = {}
         if not self.wanted:
             return
+        recheck = self._recheck_marked()
         live = sorted(team.live())
         own = [v.step for v in self.store.versions_in(RESTORABLE) if v.parts]
         for step in own:
@@ -287,14 +294,29 @@ class Replicator:
         # a lost node's parts are what a restart reads next: checked now (once), off its path,
         # and never copied on damaged
         orphans = [(o, s) for o, s in orphans if team.sources.replica_sound(o, s)]
-        if not orphans:
-            return
-        _, holdings = team.sources.held_by_node(None)
-        for origin, step in orphans:
-            holders = {n for n, items in holdings.items() if any(h.origin == origin and h.step == step for h in items)}
-            holders.add(self.rank)
-            for h in orphan_heal_targets(origin, self.rank, live, self.wanted, team.domains, holders):
-                self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
+        if orphans:
+            _, holdings = team.sources.held_by_node(None)
+            for origin, step in orphans:
+                holders = {n for n, items in holdings.items() if any(h.origin == origin and h.step == step for h in items)}
+                holders.add(self.rank)
+                for h in orphan_heal_targets(origin, self.rank, live, self.wanted, team.domains, holders):
+                    self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
+        for origin, step in recheck:  # the other copies a restart may read here, after the copying
+            team.sources.replica_sound(origin, step)
+
+    def _recheck_marked(self) -> list[tuple[int, int]]:
+        """After a node loss: every whole replica held is marked to be checked again (a restart
+        reads them next, maybe long after they landed), and listed. ``replica_sound`` checks
+        one at most once, whether this thread or a restore asks first."""
+        if not self._recheck:
+            return []
+        self._recheck = False
+        replicas = self.team.replicas
+        with self.store.atomic():
+            marked = [(o, s) for (o, s), r in replicas.held.items() if r.whole]
+            for key in marked:
+                replicas.held[key].verified = False
+        return marked
 
     def _heal_push(self, holder: int, step: int, push, holders: set) -> None:
         faults.point("heal.push", step)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from .. import checked, faults, native, protocol
-from ..daemon.restore import RamGlobals, RamSame, RamTensors, SourceSet
+from ..daemon.restore import PlanCache, RamGlobals, RamSame, RamTensors, SourceSet
 from ..daemon.manifest import RankPart
 from ..daemon.versions import SEALED, Version, VersionState
 from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
@@ -47,6 +47,7 @@ log = logging.getLogger("ucpd.team")
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
 ASKED_TTL = 5.0  # seconds the peers' answers about a step serve the restores that follow (a small team's)
+OWN_KEPT = 4  # steps whose own holdings (manifests) are kept made
 SHARED_KEPT = 4  # directory answers whose parts and indexes are kept for the restores that follow
 FETCH_PREFIX = "fetch-"
 
@@ -190,9 +191,11 @@ class VersionSources:
         self.transport = team.transport
         self.shm_dir = team.shm_dir
         self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
-        self._shared: dict[tuple, tuple[Version, RamSame]] = {}  # (step, gen, run) -> parts and indexes
+        self._shared: dict[tuple, tuple[Version, RamSame, PlanCache]] = {}  # (step, run, parts chosen) -> parts, indexes, plans
         self._asked = PeersAsked(lambda live, step: ask_all(self.transport, self.rank, live, "holdings", {"step": step}))
         self._shared_lock = threading.Lock()
+        self._checking = threading.Lock()  # replicas are checked one at a time (``replica_sound``)
+        self._own: dict[int, tuple[list, list[dict], list[Holding]]] = {}  # step -> (objects, items, holdings)
         self.settle = Settle(team)  # answers a view in flux makes short, asked again as it settles
         self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
         self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
@@ -221,33 +224,72 @@ class VersionSources:
                 if parts:
                     out.append(dict(item, ranks=[p["rank"] for p in parts], parts=parts))
             return out
+        if step is not None:
+            items = list(self._own_items(step)[0])
+            parity = self.team.parity
+            if parity is not None:
+                for item in parity.holdings(step):
+                    man = parity.manifests.get((item["origin"], item["step"]), {})
+                    items.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
+            return items
         items = []
         store, parity = self.store, self.team.parity
-        zero = step is None and self.directory is not None
+        zero = self.directory is not None
         with store.atomic():
             for v in store.versions_in(SEALED):
-                if (step is None or v.step == step) and v.parts:
+                if v.parts:
                     item = with_run({"origin": self.rank, "step": v.step, "world_size": v.world_size,
                                      "ranks": sorted(v.parts)}, run_of(v))
-                    if step is not None:
-                        item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in v.parts.values()]
-                    elif zero and 0 in v.parts:
+                    if zero and 0 in v.parts:
                         item["parts"] = [protocol.part_to_wire(v.parts[0], used_bytes(v.parts[0]))]
                     items.append(item)
             for (origin, s), rep in self.replicas.held.items():
-                if rep.whole and (step is None or s == step):
+                if rep.whole:
                     item = with_run({"origin": origin, "step": s, "world_size": rep.world_size,
                                      "ranks": sorted(rep.parts)}, run_of(rep))
-                    if step is not None:
-                        item["parts"] = [protocol.part_to_wire(p, rep.used[r]) for r, p in rep.parts.items()]
-                    elif zero and 0 in rep.parts:
+                    if zero and 0 in rep.parts:
                         item["parts"] = [protocol.part_to_wire(rep.parts[0], rep.used[0])]
                     items.append(item)
         if parity is not None:
-            for item in parity.holdings(step):
+            for item in parity.holdings(None):
                 man = parity.manifests.get((item["origin"], item["step"]), {})
                 items.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
         return items
+
+    def _own_items(self, step: int) -> tuple[list[dict], list[Holding]]:
+        """Our versions and whole replicas of ``step``, as HOLDING items with manifests and as
+        checked Holdings: made again only when the objects behind them changed (a committed
+        part never changes), since every restore and every peer's ask wants them (a manifest
+        per tensor: 10^5 of them on a large rank)."""
+        store = self.store
+        with store.atomic():
+            objs = [v for v in store.versions_in(SEALED) if v.step == step and v.parts]
+            objs += [rep for (_, s), rep in self.replicas.held.items() if s == step and rep.whole]
+            got = self._own.get(step)
+            if got is not None and len(got[0]) == len(objs) and all(a is b for a, b in zip(got[0], objs)):
+                return got[1], got[2]
+            items = []
+            for o in objs:
+                if isinstance(o, Version):
+                    item = with_run({"origin": self.rank, "step": o.step, "world_size": o.world_size, "ranks": sorted(o.parts)}, run_of(o))
+                    item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in o.parts.values()]
+                else:
+                    item = with_run({"origin": o.origin, "step": step, "world_size": o.world_size, "ranks": sorted(o.parts)}, run_of(o))
+                    item["parts"] = [protocol.part_to_wire(p, o.used[r]) for r, p in o.parts.items()]
+                items.append(item)
+            held = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in items]
+            self._own[step] = (objs, items, held)
+            for old in sorted(self._own)[:-OWN_KEPT]:
+                del self._own[old]
+        return items, held
+
+    def _own_held(self, step: int) -> list[Holding]:
+        """``own_holdings(step)`` as checked Holdings (the peers' were checked on receipt)."""
+        held = list(self._own_items(step)[1])
+        if self.team.parity is not None:
+            held += [Holding.from_wire(self.rank, protocol.HOLDING("holding", i))
+                     for i in self.own_holdings(step) if i.get("via") == "parity"]
+        return held
 
     def holdings_by_node(self, live, step: int | None = None) -> dict[int, list[Holding]]:
         """What every live node holds (of ``step``, with manifests; None: of every step)."""
@@ -271,12 +313,13 @@ class VersionSources:
             if step is None:
                 return None, self.holdings_by_node(sorted(live), step)
             gen, out = self._asked.held(step, live, stale)
-            out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+            out[self.rank] = self._own_held(step)
             return gen, out
         gen, held = self.directory.held(step, stale)
         out = {e["node"]: [Holding.from_wire(e["node"], i) for i in e["items"]]
                for e in held if e["node"] in live and e["node"] != self.rank}
-        out[self.rank] = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+        out[self.rank] = self._own_held(step) if step is not None else [
+            Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
         return gen, out
 
     def forget_asked(self) -> None:
@@ -438,22 +481,29 @@ class VersionSources:
         return out
 
     def replica_sound(self, origin: int, step: int) -> bool:
-        """Check a replica we hold (once) before serving from it; a damaged one is dropped. The
-        healing thread checks a lost node's parts at once, so the restore that follows does not."""
+        """Whether a replica we hold may serve: checked as it landed, and again after a node
+        loss (``Replicator``'s healing thread checks them then, the lost node's parts first, so
+        the restore that follows does not); a damaged one is dropped."""
         rep = self.replicas.get(origin, step)
         if rep is None:
             return False
         if rep.verified:
             return True
-        try:
-            check_parts(rep.mapping(), rep.bases, rep.parts, f"replica of node {origin} step {step} on node {self.rank}")
-        except ChecksumMismatch as exc:
-            log.error("team: %s; using another copy", exc)
-            self.replicas.checksum_errors += 1
-            self.replicas.drop(origin, step)
-            return False
-        rep.verified = True
-        return True
+        with self._checking:  # one check of a copy: a restore asking meanwhile waits for its answer
+            rep = self.replicas.get(origin, step)
+            if rep is None:
+                return False
+            if rep.verified:
+                return True
+            try:
+                check_parts(rep.mapping(), rep.bases, rep.parts, f"replica of node {origin} step {step} on node {self.rank}")
+            except ChecksumMismatch as exc:
+                log.error("team: %s; using another copy", exc)
+                self.replicas.checksum_errors += 1
+                self.replicas.drop(origin, step)
+                return False
+            rep.verified = True
+            return True
 
     def _sources(self, out: TeamSources, world: int, chosen: dict, rebuilt: dict, spread: dict) -> None:
         """Fill ``out``: each rank's part, where it is read, and the version's source set. The
@@ -461,10 +511,12 @@ class VersionSources:
         planned from it (a team's version has every rank's tensors: 10^5-10^6 of them)."""
         step = out.step
         keep = out.gen is not None and not out.partial  # (a partial answer's parts serve only itself)
+        # a committed part is the same bytes wherever it is held: the parts (and the plans made
+        # over them) serve the next gathers that choose the same parts, not only this one
+        shared_key = (step, out.run, tuple(sorted((r, p.get("objects_crc"), p.get("used"), len(p.get("tensors") or ()))
+                                                  for r, (_, p) in chosen.items())))
         with self._shared_lock:
-            shared = self._shared.get((step, out.gen, out.run)) if keep else None
-        if shared is not None and shared[0].parts.keys() != chosen.keys():
-            shared = None
+            shared = self._shared.get(shared_key) if keep else None
         with self.store.atomic():
             for rank, (copy, p) in chosen.items():
                 out.parts[rank] = shared[0].parts[rank] if shared is not None else part_from_wire(p)
@@ -492,18 +544,18 @@ class VersionSources:
                     out.where[rank] = PeerRead(first, copy.origin, rank, self._new_file(out), tuple(others))
         if shared is None:
             parts = dict(out.parts)  # (this restore's own dict stays its own)
-            shared = (Version(step, world, VersionState.COMMITTED, parts), RamSame(parts))
+            shared = (Version(step, world, VersionState.COMMITTED, parts), RamSame(parts), PlanCache())
             if out.partial:
                 _shapes_known(shared[0])
             if keep:
                 with self._shared_lock:
-                    self._shared[(step, out.gen, out.run)] = shared
+                    self._shared[shared_key] = shared
                     while len(self._shared) > SHARED_KEPT:
                         del self._shared[next(iter(self._shared))]
-        out.version, same = shared
+        out.version, same, plans = shared
         out.objects = {r: (p.objects, p.objects_crc if p.objects_crc is not None else native.crc32c(p.objects))
                        for r, p in out.parts.items()}
-        out.sources = SourceSet(RamGlobals(out.version.globals()), TeamTensors(out.parts, out.where), same)
+        out.sources = SourceSet(RamGlobals(out.version.globals()), TeamTensors(out.parts, out.where), same, plans)
 
     def _new_file(self, got: TeamSources) -> str:
         """A name for a private shm file of ``got`` (deleted when it is released)."""
