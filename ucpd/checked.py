@@ -375,8 +375,8 @@ class CheckedCopier:
     def verify(self) -> None:
         """Check every chunk the added copies read, writing nothing (raises :func:`damaged`).
         Call it before ``run`` when a damaged source must leave the destinations as they were:
-        it costs one more read of the sources (``run`` then copies without checking again: the
-        sources must not change in between, as a leased restore source cannot). The chunks of every source are
+        it costs one more read of the sources (``run`` still checks what it copies, in the same
+        pass: bytes that change in between are reported too). The chunks of every source are
         checksummed in one native batch per chunk size (a restore reads 10^5 sources)."""
         runs: dict[int, tuple[list, list]] = {}  # chunk size -> ([(source, first chunk)], [(address, bytes)])
 
@@ -414,18 +414,11 @@ class CheckedCopier:
         return _runs(i for i in chunks if i < len(src.crcs))
 
     def run(self) -> None:
-        """Copy, checking every whole chunk in the same pass (fused copy+CRC). After
-        :meth:`verify` the contiguous copies are plain copies: their chunks were checked a
-        moment ago, and the sources are leased (nothing writes them), so a second CRC of the
-        same bytes would only cost the compute the check already paid."""
         threads = self.threads or knobs.copy_threads()
         for key, ranges in (() if self.verified else self.apart.items()):
             src = self.sources[key]
             verify(src, touched_chunks(ranges, src.chunk, src.nbytes), threads)
         for chunk, items in self.fused.items():
-            if self.verified:
-                native.copy_batch(items, threads=threads)
-                continue
             got = native.copy_batch(items, threads=threads, crc_chunk=chunk)
             for (key, first), crcs in zip(self.expect[chunk], got):
                 self._check(key, first, crcs)
@@ -466,9 +459,7 @@ class CheckedCopier:
 
     def _run_rest(self, threads: int) -> None:
         """The partial, scatter and strided copies (``run``)."""
-        if self.plain and self.verified:
-            native.copy_batch(self.plain, threads=threads)  # their chunks were checked whole
-        elif self.plain:
+        if self.plain:
             self._run_partial(threads)
         if self.scatter:
             items = [(d, st, sp, sh, isz, self.sources[k].chunk, lo) for k, d, st, sp, sh, isz, lo in self.scatter]

@@ -191,14 +191,15 @@ def mem_limit() -> int:
 
 
 def restore_verify() -> str:
-    """How a restore checks its sources before writing its targets. ``all`` (default): every
-    chunk the plan reads is verified before the first target byte is written, so a damaged
-    source leaves every target as it was (the bytes are read from RAM twice: the check, then
-    the copy). ``window``: the plan runs in windows of ``restore_window()`` bytes, each verified
-    and then copied while it is still in cache (read from RAM once; on a GPU the DMA of a window
-    overlaps the check of the next); no byte of a damaged chunk is written, but windows before
-    it are (the next source, if any, rewrites every target)."""
-    mode = _get("UCPD_RESTORE_VERIFY", "all")
+    """How a restore checks its sources as it writes its targets. ``window`` (default): the
+    plan runs in windows of ``restore_window()`` bytes, each chunk checked and then copied while
+    it is still in cache (each byte read from RAM once; on a GPU the DMA of a window overlaps
+    the check of the next); no byte of a damaged chunk is written, but the windows before it
+    are: the next source, if any, rewrites every target, and when none is left the error says
+    the targets are partly written. ``all``: every chunk the plan reads is verified before the
+    first target byte is written, so a damaged source leaves every target as it was, at the
+    cost of reading the bytes from RAM twice (the check, then the copy)."""
+    mode = _get("UCPD_RESTORE_VERIFY", "window")
     if mode not in ("all", "window"):
         raise ValueError(f"UCPD_RESTORE_VERIFY must be 'all' or 'window', got {mode!r}")
     return mode

@@ -14,8 +14,8 @@ the floor measured in the same run:
 - ucpd snapshot (a real ``ucpd serve``, default flags but its private dirs and a memory limit):
   the ``snapshot()`` call (the trainer blocked), until ``staged()``, until committed; the first
   snapshot of the job (cold slot) beside the pinning cost;
-- restore into CUDA tensors, same layout (``UCPD_RESTORE_VERIFY=all``, the default, and
-  ``window``) and resharded (every 2-D tensor's second half of columns, ``Shard(1, 1, 2)``), per
+- restore into CUDA tensors, same layout (``UCPD_RESTORE_VERIFY=window``, the default, and
+  ``all``) and resharded (every 2-D tensor's second half of columns, ``Shard(1, 1, 2)``), per
   byte against the host->device floor; ``last_device_restore`` (pageable bytes must be 0);
 - ``--small`` tiny tensors (2 KiB each): call, staged, committed and restore per tensor;
 - a training step of a bf16 MLP stack with and without a snapshot every step (``guard``);

@@ -13,6 +13,9 @@ but never touched, so populating it zeroes and maps 1 GiB of pages, about two-th
 first touch on one thread. A warm slot costs only the page-table work, which threads split as
 well. Faulting them in during the copy instead costs several times as much (one trap per page).
 Kernels without ``MADV_POPULATE_WRITE`` (before 5.14) map with ``MAP_POPULATE`` (one thread).
+A read-only mapping (a restore's sources) is not populated: a restore reads part of each file
+it maps (a reshard reads half of a source rank's slot), and the pages it reads come in as it
+reads them, 16 to a fault (the kernel's fault-around), cheaper than mapping every page first.
 """
 
 from __future__ import annotations
@@ -95,7 +98,7 @@ class Mappings:
                 return hit[1]
             if hit is not None:
                 self._drop(key)
-        mm, st = self._map(path, writable, populate=not (writable and _can_populate))
+        mm, st = self._map(path, writable, populate=writable and not _can_populate)
         arr = np.frombuffer(mm, dtype=np.uint8)
         if writable and _can_populate:
             try:

@@ -7,7 +7,8 @@ file read-only once, checks the CRC of every chunk any copy touches, and copies 
 the target tensors — one copy from the daemon's RAM to the trainer's memory, with no staging
 in between for CPU targets; CUDA targets are filled by DMA straight from the registered
 source (``ucpd_client.device_restore``). The copying and verifying (fused copy+CRC where the
-windows allow) is ``ucpd.checked.CheckedCopier``, in windows when ``UCPD_RESTORE_VERIFY=window``.
+windows allow) is ``ucpd.checked.CheckedCopier``, in windows of ``UCPD_RESTORE_WINDOW`` bytes
+(``UCPD_RESTORE_VERIFY=all``: every chunk checked before the first byte is copied).
 
 A restore runs in a ``DaemonSession`` (``ucpd_client.session``): its connection, its mappings
 of the sources, its CUDA backend; it records where the data came from in the session
@@ -115,14 +116,15 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
     global elements its placement names. Returns (step, the version's plain values).
 
-    Every chunk a plan reads is verified before any target is written: a damaged source
-    (a flipped byte in a slot or a flushed file) leaves the targets as they were. The client
-    then tells the daemon (``release`` with ``damaged``), which counts it
+    Every chunk a plan reads is verified before its bytes are written (``knobs.restore_verify``:
+    by default window by window, each chunk just before it is copied; with ``all``, every chunk
+    before the first target byte). A damaged source (a flipped byte in a slot or a flushed file)
+    is never copied: the client tells the daemon (``release`` with ``damaged``), which counts it
     (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
     the daemon answers from the next source, the same step from the flush dir, or (no step
-    asked) the previous version. When no other
-    source is left, ChecksumMismatch is raised, the targets untouched (with
-    ``UCPD_RESTORE_VERIFY=window``: no byte of a damaged chunk written, earlier windows are)."""
+    asked) the previous version, and that source rewrites every target. When no other source
+    is left, ChecksumMismatch is raised, saying whether the targets are partly written (the
+    windows before the damaged chunk) or, with ``all``, unchanged."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -139,7 +141,7 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
         except ChecksumMismatch as exc:  # the daemon has no sound copy left
             if first is None:
                 raise
-            raise ChecksumMismatch(f"{first}; then: {exc}; the targets are unchanged") from None
+            raise ChecksumMismatch(f"{first}; then: {exc}{_targets_left()}") from None
         damaged = False
         try:
             faults.point("client.restore", reply["step"])  # test-only crash points (inert in production)
@@ -149,7 +151,7 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
             damaged = True
             first = first or exc
             if (reply["step"], reply["where"]) in tried or len(tried) + 1 >= MAX_SOURCES_TRIED:
-                raise
+                raise ChecksumMismatch(f"{exc}{_targets_left()}") from None
             tried.append((reply["step"], reply["where"]))
             body["avoid"] = [list(t) for t in tried]
             continue
@@ -160,6 +162,14 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     if tried:
         session.last_restore["damaged"] = tried  # (step, where) of each source that failed its checksums
     return reply["step"], values
+
+
+def _targets_left() -> str:
+    """What a restore that found no sound source left in its targets, in the words of its error."""
+    if knobs.restore_verify() == "all":
+        return "; the targets are unchanged"
+    return ("; the targets may be partly written (the windows before the damaged chunk): restore another step "
+            "before training on them (UCPD_RESTORE_VERIFY=all leaves them unchanged instead)")
 
 
 def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, verify: str | None = None) -> None:
@@ -175,10 +185,10 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
                 verify: str | None = None) -> dict[str, Any]:
     """Verify the source chunks the plan reads and the plain values, then copy and fill.
 
-    ``knobs.restore_verify()``: ``all`` (default) checks every chunk before the first target
-    byte is written, so a damaged source leaves every target as it was; ``window`` runs the plan
-    in windows of ``knobs.restore_window()`` bytes, each checked and then copied while in cache
-    (no byte of a damaged chunk is written; earlier windows are). CUDA targets:
+    ``knobs.restore_verify()``: ``window`` (default) runs the plan in windows of
+    ``knobs.restore_window()`` bytes, each checked and then copied while in cache (no byte of a
+    damaged chunk is written; earlier windows are); ``all`` checks every chunk before the first
+    target byte is written, so a damaged source leaves every target as it was. CUDA targets:
     ``ucpd_client.device_restore`` (straight from the registered slot to the device)."""
     if len(plan.tensors) != len(entries) or any(e.name != t.name for e, t in zip(entries, plan.tensors)):
         raise ProtocolError(

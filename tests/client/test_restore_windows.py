@@ -1,7 +1,7 @@
 """CPU restores in windows (``UCPD_RESTORE_VERIFY=window``): each window of the plan is verified
 and then copied while its bytes are in cache. The same bytes as a verify-everything-first
 restore, same layout and resharded; a damaged chunk is never copied, the windows before it are.
-The default (``all``) and its "targets unchanged" promise: ``tests/corruption``."""
+The default; ``UCPD_RESTORE_VERIFY=all`` and its "targets unchanged" promise: ``tests/corruption``."""
 
 from __future__ import annotations
 

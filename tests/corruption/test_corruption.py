@@ -17,6 +17,7 @@ import torch
 from helpers import TEST_JOB
 from helpers.daemons import free_port
 from helpers.waiting import wait_until
+from ucpd import knobs
 from ucpd.errors import ChecksumMismatch
 from ucpd.format import open_version
 from ucpd.rpc import Connection
@@ -80,21 +81,36 @@ def source_of(d, name: str, step: int | None = None, numel: int = N) -> tuple[st
 
 @pytest.mark.parametrize("where", ["w-chunk0", "w-chunk1", "b"])
 def test_a_flipped_byte_in_shm_with_no_other_copy_is_a_typed_error_and_the_targets_stay_unchanged(make_daemon, where):
+    """With UCPD_RESTORE_VERIFY=all: every chunk is checked before the first target byte."""
     d = make_daemon("--mem-limit", "256M", "--keep", "1", flush=False)
-    with ckpt_of(d) as ckpt:
+    with ckpt_of(d) as ckpt, knobs.override(UCPD_RESTORE_VERIFY="all"):
         ckpt.snapshot(1, state(1)).wait()
         name, at = {"w-chunk0": ("w", 100), "w-chunk1": ("w", (1 << 20) + 100), "b": ("b", 8)}[where]
         slot, off = source_of(d, name, numel=N if name == "w" else 1000)
         offset = off + at
         flip(slot, offset)
         t = sentinel()
-        with pytest.raises(ChecksumMismatch, match="chunk"):
+        with pytest.raises(ChecksumMismatch, match="chunk.*the targets are unchanged"):
             ckpt.restore(t)
         assert unchanged(t), "a failed restore wrote into its targets"
         assert failures(d).get("ram", 0) >= 1
         flip(slot, offset)  # mended: served again, bit for bit
         t = sentinel()
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], state(1)["w"]) and torch.equal(t["b"], state(1)["b"])
+
+
+def test_by_default_a_damaged_chunk_is_never_written_and_the_error_says_the_targets_are_partly_written(make_daemon):
+    d = make_daemon("--mem-limit", "256M", "--keep", "1", flush=False)
+    with ckpt_of(d) as ckpt:
+        ckpt.snapshot(1, state(1)).wait()
+        slot, off = source_of(d, "w", numel=N)
+        flip(slot, off + (1 << 20) + 100)  # in w's second chunk: its first is copied before
+        t = sentinel()
+        with pytest.raises(ChecksumMismatch, match="partly written.*UCPD_RESTORE_VERIFY=all"):
+            ckpt.restore(t)
+        per_chunk = (1 << 20) // 4
+        assert torch.equal(t["w"][:per_chunk], state(1)["w"][:per_chunk])
+        assert (t["w"][per_chunk:] == 7.0).all() and t["step"] == -1, "a damaged chunk was written"
 
 
 def test_a_damaged_newest_version_in_shm_is_answered_by_the_previous_one(make_daemon):
@@ -109,7 +125,7 @@ def test_a_damaged_newest_version_in_shm_is_answered_by_the_previous_one(make_da
         assert torch.equal(t["w"], state(1)["w"]) and t["step"] == 1
         assert ckpt.last_restore == {"step": 1, "where": "ram", "damaged": [(2, "ram")]}
         t = sentinel()
-        with pytest.raises(ChecksumMismatch):  # asked for step 2 by name: no other copy of it
+        with pytest.raises(ChecksumMismatch), knobs.override(UCPD_RESTORE_VERIFY="all"):  # step 2 by name: no other copy
             ckpt.restore(t, step=2)
         assert unchanged(t)
         assert failures(d)["ram"] == 2
@@ -171,7 +187,7 @@ def test_a_flipped_byte_in_a_flushed_file_falls_back_to_the_previous_flushed_ver
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], state(1)["w"])
         assert ckpt.last_restore == {"step": 1, "where": "disk", "damaged": [(2, "disk")]}
         t = sentinel()
-        with pytest.raises(ChecksumMismatch):
+        with pytest.raises(ChecksumMismatch), knobs.override(UCPD_RESTORE_VERIFY="all"):
             ckpt.restore(t, step=2)
         assert unchanged(t)
         assert failures(d) == {"disk": 2}

@@ -1,8 +1,8 @@
 """A flipped byte in a shard object of an ``s3://`` flush dir (moto's server on loopback) is
 reported exactly as a flipped byte in a flushed file (``tests/corruption/test_corruption.py``):
 a restore of the newest step falls back to the previous one and ``last_restore`` names the
-damaged copy; a restore that names the damaged step raises ``ChecksumMismatch`` with the targets
-unchanged; the daemon counts each failure on disk."""
+damaged copy; a restore that names the damaged step raises ``ChecksumMismatch`` (with
+``UCPD_RESTORE_VERIFY=all``: the targets unchanged); the daemon counts each failure on disk."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 
 from helpers import TEST_JOB
 from helpers.s3server import moto_server, s3  # noqa: F401  (fixtures)
+from ucpd import knobs
 from ucpd.errors import ChecksumMismatch
 from ucpd.format import list_versions, open_version
 from ucpd.rpc import Connection
@@ -78,7 +79,7 @@ def test_a_flipped_byte_in_an_object_falls_back_to_the_previous_version_as_a_fil
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], state(1)["w"])
         assert ckpt.last_restore == {"step": 1, "where": "disk", "damaged": [(2, "disk")]}
         t = sentinel()
-        with pytest.raises(ChecksumMismatch):
+        with pytest.raises(ChecksumMismatch), knobs.override(UCPD_RESTORE_VERIFY="all"):
             ckpt.restore(t, step=2)
         assert unchanged(t)
     with Connection(damaged.run_dir) as conn:
@@ -88,7 +89,7 @@ def test_a_flipped_byte_in_an_object_falls_back_to_the_previous_version_as_a_fil
 def test_a_restore_that_names_the_damaged_step_raises_checksum_mismatch_at_once(damaged):
     with Checkpointer(damaged.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         t = sentinel()
-        with pytest.raises(ChecksumMismatch, match="step 2"):
+        with pytest.raises(ChecksumMismatch, match="step 2"), knobs.override(UCPD_RESTORE_VERIFY="all"):
             ckpt.restore(t, step=2)
         assert unchanged(t)
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], state(1)["w"])
