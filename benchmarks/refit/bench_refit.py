@@ -12,7 +12,8 @@ One run, default flags (``--gib 1``): a model of ``--gib`` GiB of fp32 tensors (
 - metadata bytes of a cold and a warm pull (the pull requests and replies);
 - commit -> receiver notified (a subscription; a 4 KiB snapshot, 20 steps);
 - peak extra memory during a warm pull: the receiver's USS, the sending daemon's USS, and the
-  fetch files in the receiving node's shm dir (another node);
+  bytes of the receiving node's landing files (``fetch-*`` in its shm dir: held from pull to
+  pull, so counted whole, not as a rise; another node);
 - the peers' ways, same bytes: ``torch.distributed`` broadcast (gloo, 2 processes on
   loopback) and a safetensors file on /dev/shm (save, load, copy into the targets).
 
@@ -51,10 +52,11 @@ def model(nbytes: int, step: int) -> dict[str, torch.Tensor]:
 
 
 class Peak:
-    """The peak of ``sample()`` minus its value at the start, sampled every 2 ms in a thread."""
+    """The peak of ``sample()`` minus its value at the start (``relative``; else the peak
+    itself), sampled every 2 ms in a thread."""
 
-    def __init__(self, sample):
-        self.sample, self.base, self.peak = sample, sample(), 0
+    def __init__(self, sample, relative: bool = True):
+        self.sample, self.base, self.peak = sample, sample() if relative else 0, 0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
 
@@ -77,10 +79,12 @@ def uss(pid: int) -> int:
     return psutil.Process(pid).memory_full_info().uss
 
 
-def dir_bytes(path: str) -> int:
+def dir_bytes(path: str, prefix: str = "") -> int:
     total = 0
     for root, _, files in os.walk(path):
         for f in files:
+            if not f.startswith(prefix):
+                continue
             try:
                 total += os.stat(os.path.join(root, f)).st_blocks * 512
             except OSError:
@@ -115,7 +119,7 @@ def timed_pulls(w, step, into, reps, floor, sample_sender=None, sample_recv_dir=
         floors.append(floor())
     ratios = sorted(t / f for t, f in zip(times, floors))
     with Peak(lambda: uss(os.getpid())) as recv, Peak(sample_sender or (lambda: 0)) as send, \
-            Peak(sample_recv_dir or (lambda: 0)) as fetched:
+            Peak(sample_recv_dir or (lambda: 0), relative=False) as fetched:
         w.pull(step, into)
     peaks = {"receiver_uss": recv.peak, "sender_uss": send.peak, "fetch_files": fetched.peak}
     nbytes = w.last_pull["bytes"]
@@ -199,7 +203,7 @@ def other_node(lb: Loopback, nbytes: int, reps: int) -> dict:
             sock.measure(nb)  # warm-up
             out = timed_pulls(_W(), 1, into, reps, lambda: nb / 1e9 / sock.gbps(nb),
                               sample_sender=lambda: uss(nodes[0].proc.pid),
-                              sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir))
+                              sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir, "fetch-"))
         finally:
             sock.stop()
         assert all(torch.equal(into[f"model.{n}"], t.chunk(2)[0]) for n, t in full.items())
@@ -286,7 +290,7 @@ def main(argv=None) -> int:
                      f"{r['receiver_uss'] / MiB:.0f}", f"{r['sender_uss'] / MiB:.0f}", f"{r['fetch_files'] / MiB:.0f}",
                      f"{r['buckets']}"])
     print(table(["refit", "MiB", "s", "GB/s", "floor GB/s", "time / floor (min-max)", "cold meta B", "warm meta B",
-                 "recv extra MiB", "sender extra MiB", "fetch files MiB", "buckets"], rows, markdown=True))
+                 "recv extra MiB", "sender extra MiB", "landing files MiB", "buckets"], rows, markdown=True))
     peers = [["ucpd pull, same node", f"{one['seconds']:.3f}", f"{gbps(one['bytes'], one['seconds']):.2f}"],
              ["ucpd pull, another node (half the bytes)", f"{two['seconds']:.3f}", f"{gbps(two['bytes'], two['seconds']):.2f}"],
              ["torch.distributed broadcast (gloo, loopback)", f"{gloo_s:.3f}", f"{gbps(nbytes, gloo_s):.2f}"],
