@@ -113,7 +113,11 @@ def path_name(path: tuple) -> str:
 
 def split_state(state_dict: Any, rank: int = 0) -> tuple[dict[str, torch.Tensor], Any]:
     """(named tensors to snapshot, the pickleable description of everything else). ``rank``:
-    the sender's group rank, naming the local tensors of DTensors whose mesh it is not on."""
+    the sender's group rank, naming the local tensors of DTensors whose mesh it is not on.
+
+    Walked with torch's pytree rather than ``ucpd.state_names``: torchft's own transports
+    flatten and rebuild the state through a treespec (named tuples, registered pytree nodes,
+    received in place), and ``placements`` are named by its key paths."""
     leaves, spec = pytree.tree_flatten_with_path(state_dict)
     DTensor = dtensor_class()
     tensors: dict[str, torch.Tensor] = {}
