@@ -223,9 +223,13 @@ def test_a_damaged_replica_is_detected_and_another_copy_serves(make_team):
             f.seek(100)
             f.write(bytes([b[0] ^ 0xFF]))
     wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][2]["live"], "node 2 to be declared dead")
+    # the loss makes node 0 check every replica it holds again, off any restore's path: the
+    # lost node's part and node 1's (which landed before the loss) are both found damaged
+    wait_for(lambda: status(team.nodes[0].run_dir)["team"]["counters"]["replica_checksum_errors"] >= 2,
+             "node 0's healing thread to find both damaged replicas before any restore")
     restore_on(team.run_dirs()[:2], 2, 1, 1, 1)  # node 0's rank reads node 2's part from node 1
     st = status(team.nodes[0].run_dir)
-    assert st["team"]["counters"]["replica_checksum_errors"] >= 1
+    assert st["team"]["counters"]["replica_checksum_errors"] >= 2
     assert st["checksum_failures"]["replica"] >= 1  # ucpd_checksum_failures_total{where="replica"}
 
 
