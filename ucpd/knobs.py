@@ -198,10 +198,12 @@ def restore_verify() -> str:
     are: the next source, if any, rewrites every target, and when none is left the error says
     the targets are partly written. ``all``: every chunk the plan reads is verified before the
     first target byte is written, so a damaged source leaves every target as it was, at the
-    cost of reading the bytes from RAM twice (the check, then the copy)."""
+    cost of reading the bytes from RAM twice (the check, then the copy). ``fused``: CPU targets
+    in one pass that checksums each chunk as it copies it (the fastest; a damaged chunk's bytes
+    have landed when the error is raised; CUDA targets as ``window``)."""
     mode = _get("UCPD_RESTORE_VERIFY", "window")
-    if mode not in ("all", "window"):
-        raise ValueError(f"UCPD_RESTORE_VERIFY must be 'all' or 'window', got {mode!r}")
+    if mode not in ("all", "window", "fused"):
+        raise ValueError(f"UCPD_RESTORE_VERIFY must be 'window', 'fused' or 'all', got {mode!r}")
     return mode
 
 

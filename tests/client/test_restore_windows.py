@@ -69,7 +69,31 @@ def test_window_mode_never_copies_a_damaged_chunk_and_says_which(ckpt):
     assert (big[3 * MiB // 4 :] == 7.0).all()  # the damaged chunk and what follows: not written
 
 
+def test_fused_mode_checks_each_chunk_as_it_copies_and_a_damaged_one_is_an_error(ckpt):
+    want = state()
+    with knobs.override(UCPD_RESTORE_VERIFY="fused"):
+        t = {k: torch.zeros_like(v) for k, v in want.items()}
+        ckpt.restore(t)
+        assert all(torch.equal(t[k], want[k]) for k in want)
+        half = {"m": torch.zeros(512, 512)}
+        ckpt.restore(half, placements={"m": P.Shard(1, 0, 2)})
+        assert torch.equal(half["m"], want["m"][:, :512])
+    body = {"rank": 0, "world_size": 1, "job": TEST_JOB,
+            "targets": [{"name": "big", "dtype": "float32", "shape": [want["big"].numel()], "placement": {"kind": "replicated"}}]}
+    with Connection(ckpt.daemon.run_dir) as conn:
+        reply = conn.call("restore", **body)
+        conn.call("release", lease=reply["lease"])
+    (src,) = reply["plan"].sources
+    with open(src.path, "r+b") as f:
+        f.seek(src.offset + 2 * MiB + 5)
+        b = f.read(1)
+        f.seek(src.offset + 2 * MiB + 5)
+        f.write(bytes([b[0] ^ 1]))
+    with knobs.override(UCPD_RESTORE_VERIFY="fused"), pytest.raises(ChecksumMismatch, match="chunk 2.*partly written"):
+        ckpt.restore({k: torch.zeros_like(v) for k, v in want.items()})
+
+
 def test_the_knob_refuses_an_unknown_mode():
     with knobs.override(UCPD_RESTORE_VERIFY="sometimes"):
-        with pytest.raises(ValueError, match="all' or 'window"):
+        with pytest.raises(ValueError, match="'window', 'fused' or 'all'"):
             knobs.restore_verify()
