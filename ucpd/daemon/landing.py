@@ -7,8 +7,9 @@ pages, the unmapping, and the client mapping each new file took three quarters o
 time. A pull's bucket instead lands in a ``Landing``: a file of the daemon's shm dir, mapped
 once here (and once by the client, whose mappings are kept by path), its rows packed one after
 the other. A landing is busy from the pull's answer until its lease ends, then serves the next
-bucket. A receiver keeps at most two buckets in flight (``ucpd_client.Weights``), so a few
-landings serve it; idle ones beyond ``MAX_IDLE`` are deleted, the largest first.
+bucket. A receiver keeps at most two buckets in flight (``ucpd_client.Weights``), so two
+landings serve it; a landing idle for ``IDLE_SECONDS`` is deleted, and so are idle ones beyond
+``MAX_IDLE`` (the largest first).
 
 The bytes still come through the team's own fetch (``team.fetch.fetch_shares``: the data lane,
 several copies at once, each chunk checked against its CRC as it lands; on the control lane
@@ -22,6 +23,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 import uuid
 
 from ..protocol import PlanSource, RestorePlan
@@ -31,15 +33,16 @@ from ..team.sources import FETCH_PREFIX
 
 log = logging.getLogger("ucpd.pulls")
 
-MAX_IDLE = 4  # idle landings kept per daemon
+MAX_IDLE = 16  # idle landings kept per daemon (two per receiver pulling now)
+IDLE_SECONDS = 30.0  # a landing no pull used for this long goes (its RAM back to the node)
 ALIGN = 4096  # each row starts on a page: the client's copies stay aligned
 
 
 class Landing:
-    __slots__ = ("path", "capacity", "mm", "address")
+    __slots__ = ("path", "capacity", "mm", "address", "idle_since")
 
     def __init__(self, path: str, capacity: int):
-        self.path, self.capacity = path, capacity
+        self.path, self.capacity, self.idle_since = path, capacity, 0.0
         self.mm = open_reserved(path, capacity, [(0, capacity)])
         self.address = ctypes.addressof(ctypes.c_char.from_buffer(self.mm))
 
@@ -57,13 +60,14 @@ class Landing:
 class Landings:
     """The daemon's landing files (``shm_dir``: where they are made)."""
 
-    def __init__(self, shm_dir: str):
-        self.shm_dir = shm_dir
+    def __init__(self, shm_dir: str, clock=time.monotonic):
+        self.shm_dir, self.clock = shm_dir, clock
         self._idle: list[Landing] = []
         self._busy = 0
         self._lock = threading.Lock()
 
     def take(self, nbytes: int) -> Landing:
+        self.expire()
         with self._lock:
             fits = [x for x in self._idle if x.capacity >= nbytes]
             if fits:
@@ -78,12 +82,23 @@ class Landings:
         return got
 
     def give_back(self, landing: Landing) -> None:
+        landing.idle_since = self.clock()
         with self._lock:
             self._busy -= 1
             self._idle.append(landing)
             self._idle.sort(key=lambda x: x.capacity)
             drop = self._idle[MAX_IDLE:]
             del self._idle[MAX_IDLE:]
+        for x in drop:
+            x.close()
+        self.expire()
+
+    def expire(self) -> None:
+        """Delete the landings idle for ``IDLE_SECONDS``."""
+        old = self.clock() - IDLE_SECONDS
+        with self._lock:
+            drop = [x for x in self._idle if x.idle_since < old]
+            self._idle = [x for x in self._idle if x.idle_since >= old]
         for x in drop:
             x.close()
 

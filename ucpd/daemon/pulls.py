@@ -156,6 +156,11 @@ class Pulls:
         with self.store.atomic():
             found.release()
 
+    def tick(self) -> None:
+        """Housekeeping (the loop's): landings idle past ``landing.IDLE_SECONDS`` go."""
+        if self.landings is not None:
+            self.landings.expire()
+
     def status(self) -> dict:
         return {"plans": len(self._plans), **self.counters, **(self.landings.status() if self.landings else {})}
 

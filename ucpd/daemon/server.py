@@ -488,6 +488,7 @@ class Daemon:
         if self.leases:
             for lease in self.leases.due():
                 self.leases.end(lease)
+        self.pulls.tick()  # landing files no pull used for a while go
         idle = self.config.idle_exit
         if idle and now - self._last_activity > idle and not self.parking.waits and (self.flusher is None or self.flusher.idle()):
             log.info("idle for %.0f s: exiting", idle)
