@@ -164,6 +164,27 @@ def test_healing_gives_way_to_a_snapshot_waiting_for_the_replication_thread(make
     assert rep.healing["done"] == 1 and rep.healing["failed"] == 0
 
 
+def test_a_member_that_learns_a_commit_after_its_first_pass_still_heals_that_step(make):
+    """A restarted or replaced daemon learns the team's commits after it rejoins: a pass that
+    ran before then skipped the step; the next passes (the view no longer changing) heal it."""
+    team = make(3, (2, 1), 2)
+    wait_until(lambda: all(n.team.membership.incarnation(p) for n in team for p in range(3) if p != n.rank),
+               tick=ticking(list(team)))
+    snapshot(team, 6, 2, (1,))
+    team.lose(2)
+    team.wait_live({0, 1})
+    new = team.replace(2)
+    known = new.team.is_committed
+    new.team.is_committed = lambda step: False  # the commits not heard yet
+    team.wait_live({0, 1, 2})
+    for _ in range(40):  # 2 s of the team's time: passes run (the view changed), the view settles
+        team.tick()
+    assert new.team.replicator.healing["done"] == 0 and not healthy(team)
+    new.team.is_committed = known  # the commits arrive; the view does not change again
+    team.wait(lambda: healthy(team), "healthy once the commit is known", 60)
+    assert new.team.replicator.healing["done"] == 1
+
+
 # --- the decision, alone -------------------------------------------------------------------------------
 
 

@@ -118,7 +118,10 @@ class ParityHealer:
         settled = len(replies) == len(others)
         for step in sorted(steps, reverse=True):
             if not team.is_committed(step):
-                continue  # (not known committed here yet, or a dead run's: never healed)
+                # not known committed here yet (a restarted daemon learns the commits after it
+                # rejoins), or a dead run's: never healed; passes go on while the window lasts
+                settled = False
+                continue
             if step in self.cannot or step in self.outside or self._holds_share(step, steps[step]):
                 continue
             if self.yield_to():
