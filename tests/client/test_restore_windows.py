@@ -47,19 +47,24 @@ def test_window_mode_restores_the_same_bytes_same_layout_and_resharded_in_many_w
         assert torch.equal(half["m"], want["m"][:, 512:])
 
 
-def test_window_mode_never_copies_a_damaged_chunk_and_says_which(ckpt):
-    want = state()
+def flip_in_big(ckpt, at: int) -> None:
+    """Flip a bit of the slot's copy of ``big``, ``at`` bytes into it."""
     body = {"rank": 0, "world_size": 1, "job": TEST_JOB,
-            "targets": [{"name": "big", "dtype": "float32", "shape": [want["big"].numel()], "placement": {"kind": "replicated"}}]}
+            "targets": [{"name": "big", "dtype": "float32", "shape": [state()["big"].numel()], "placement": {"kind": "replicated"}}]}
     with Connection(ckpt.daemon.run_dir) as conn:
         reply = conn.call("restore", **body)
         conn.call("release", lease=reply["lease"])
     (src,) = reply["plan"].sources
     with open(src.path, "r+b") as f:
-        f.seek(src.offset + 3 * MiB + 5)
+        f.seek(src.offset + at)
         b = f.read(1)
-        f.seek(src.offset + 3 * MiB + 5)
+        f.seek(src.offset + at)
         f.write(bytes([b[0] ^ 1]))
+
+
+def test_window_mode_never_copies_a_damaged_chunk_and_says_which(ckpt):
+    want = state()
+    flip_in_big(ckpt, 3 * MiB + 5)
     t = {k: torch.full_like(v, 7.0) for k, v in want.items()}
     with knobs.override(UCPD_RESTORE_VERIFY="window", UCPD_RESTORE_WINDOW="1M"):
         with pytest.raises(ChecksumMismatch, match="chunk 3"):
@@ -78,17 +83,7 @@ def test_fused_mode_checks_each_chunk_as_it_copies_and_a_damaged_one_is_an_error
         half = {"m": torch.zeros(512, 512)}
         ckpt.restore(half, placements={"m": P.Shard(1, 0, 2)})
         assert torch.equal(half["m"], want["m"][:, :512])
-    body = {"rank": 0, "world_size": 1, "job": TEST_JOB,
-            "targets": [{"name": "big", "dtype": "float32", "shape": [want["big"].numel()], "placement": {"kind": "replicated"}}]}
-    with Connection(ckpt.daemon.run_dir) as conn:
-        reply = conn.call("restore", **body)
-        conn.call("release", lease=reply["lease"])
-    (src,) = reply["plan"].sources
-    with open(src.path, "r+b") as f:
-        f.seek(src.offset + 2 * MiB + 5)
-        b = f.read(1)
-        f.seek(src.offset + 2 * MiB + 5)
-        f.write(bytes([b[0] ^ 1]))
+    flip_in_big(ckpt, 2 * MiB + 5)
     with knobs.override(UCPD_RESTORE_VERIFY="fused"), pytest.raises(ChecksumMismatch, match="chunk 2.*partly written"):
         ckpt.restore({k: torch.zeros_like(v) for k, v in want.items()})
 
