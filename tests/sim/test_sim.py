@@ -15,6 +15,8 @@ from ucpd.sim.control import measure
 from ucpd.sim.schedule import random_schedule
 from ucpd.team import commit as commit_mod
 from ucpd.team.commit import CommitNode
+from ucpd.team.commit_decisions import Decisions
+from ucpd.team.run_fences import RunFences
 
 SCHEDULES = 160
 
@@ -67,7 +69,7 @@ def _fails(seeds) -> list[str]:
 
 def test_deciding_before_every_rank_is_covered_is_caught_as_p1(monkeypatch):
     def eager(self, step, now):  # decides on the first report
-        if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
+        if self.coordinator != self.rank or step in self.deciding or step not in self.tally:
             return []
         return self._decide(step, now)
 
@@ -77,14 +79,14 @@ def test_deciding_before_every_rank_is_covered_is_caught_as_p1(monkeypatch):
 
 
 def test_making_a_step_visible_before_every_node_recorded_it_is_caught_as_p2(monkeypatch):
-    advance = CommitNode._advance
+    advance = Decisions.advance
 
-    def hasty(self, step, d, now, send=True):  # phase 2 as soon as one other node recorded
+    def hasty(self, step, d, now, v, send=True):  # phase 2 as soon as one other node recorded
         if d.phase == 1 and len(d.acked) >= 2:
-            d.acked = set(self.live)
-        return advance(self, step, d, now, send)
+            d.acked = set(v.live)
+        return advance(self, step, d, now, v, send)
 
-    monkeypatch.setattr(CommitNode, "_advance", hasty)
+    monkeypatch.setattr(Decisions, "advance", hasty)
     caught = _fails(range(40))
     assert any("P2" in m for m in caught), caught[:3]
 
@@ -161,18 +163,18 @@ def test_deciding_from_the_reports_of_two_runs_is_caught_as_p1(monkeypatch):
     """The defect of issue 21: a coordinator that unions one node's part of the dead run with
     another's of the new run, and does not fence the dead run."""
     def union(self, step, now):
-        if self.coordinator != self.rank or step in self.deciding or step not in self.reports:
+        if self.coordinator != self.rank or step in self.deciding or step not in self.tally:
             return []
         by_world: dict[int, set[int]] = {}
-        for (world, _run), ranks in self._cover[step].items():
+        for (world, _run), ranks in self.tally.cover(step).items():
             by_world.setdefault(world, set()).update(ranks)
         return self._decide(step, now) if any(len(r) == w for w, r in by_world.items()) else []
 
     monkeypatch.setattr(CommitNode, "_consider", union)
-    monkeypatch.setattr(CommitNode, "_current", lambda self, run: True)
+    monkeypatch.setattr(RunFences, "current", lambda self, run: True)
     assert any("P1" in e for e in _with_runs_fails(range(20)))
 
 
 def test_a_run_that_is_not_fenced_off_is_caught_as_p5(monkeypatch):
-    monkeypatch.setattr(CommitNode, "_current", lambda self, run: True)  # reports of any run count
+    monkeypatch.setattr(RunFences, "current", lambda self, run: True)  # reports of any run count
     assert any("P5" in e for e in _with_runs_fails(range(20)))

@@ -33,6 +33,11 @@ from ucpd.protocol import WINDOW
 from ucpd.sim import SimCluster
 from ucpd.sim.schedule import random_schedule
 from ucpd.team.commit import Commit, CommitNode, Decided, Fence, Send
+from ucpd.team.commit_decisions import Decisions
+from ucpd.team.commit_groups import CommitGroups
+from ucpd.team.commit_ledger import CommittedSteps
+from ucpd.team.commit_tally import Tally
+from ucpd.team.run_fences import RunFences
 
 SCHEDULES = 2000
 NODES = (3, 4, 5)
@@ -331,7 +336,7 @@ BAD = [
 def test_the_good_messages_the_bad_ones_break_are_taken():
     c = team(3)
     c.deliver(0, 1, {"m": GOOD})
-    assert c.nodes[0].reports[3] == {1: (2, frozenset({1}), "")}
+    assert c.nodes[0].tally.reports[3] == {1: (2, frozenset({1}), "")}
     c.deliver(0, 1, {"m": STATE})  # well formed (of another epoch: ignored)
 
 
@@ -344,10 +349,16 @@ def test_a_malformed_message_raises_and_changes_nothing(msg):
     c.run_until_quiet()
     protect(c, 2, 1, [2], 3)  # step 1 is being decided: something in every table
     for i in range(3):
-        before = copy.deepcopy(vars(c.nodes[i]))
+        before = copy.deepcopy(_state(c.nodes[i]))
         with pytest.raises(ProtocolError):
             c.deliver(i, (i + 1) % 3, {"m": msg})
-        assert vars(c.nodes[i]) == before
+        assert _state(c.nodes[i]) == before
+
+
+def _state(node: CommitNode) -> dict:
+    """Everything the node holds, its parts' state included (their collaborators, callables, left out)."""
+    parts = (RunFences, CommitGroups, Decisions, Tally, CommittedSteps)
+    return {k: _state(v) if isinstance(v, parts) else v for k, v in vars(node).items() if not callable(v)}
 
 
 @pytest.mark.parametrize("src", [0, -1, 3, True, "1", None])
@@ -418,7 +429,7 @@ def test_a_new_run_is_fenced_on_every_node_before_it_begins():
     assert c.fences[1][-1] == Fence("b", frozenset())  # node 1 abandons run a's undecided parts
     protect(c, 0, 5, [0], 3, run="a")  # a straggler's late report of run a changes nothing
     c.settle()
-    assert not c.ever_visible and all(5 not in c.nodes[i].reports for i in range(3))
+    assert not c.ever_visible and all(5 not in c.nodes[i].tally for i in range(3))
     begin_run(c, "b")  # run b resumes at latest() + 1 = step 5, whatever run a left of it
     c.settle()  # (its trainers snapshot once it is ready on their node)
     for i in range(3):
@@ -452,8 +463,8 @@ def test_a_new_coordinator_learns_the_fence_from_the_survivors():
     protect(c, 2, 4, [2], 3, run="a")  # a report of the superseded run on its way
     c.kill(0)  # the coordinator that handed out the fence dies; node 1 takes over
     c.settle()
-    assert c.nodes[1].run == "b" and c.nodes[1].fence == c.nodes[2].fence
-    assert 4 not in c.nodes[1].reports
+    assert c.nodes[1].run == "b" and c.nodes[1].fences.fence == c.nodes[2].fences.fence
+    assert 4 not in c.nodes[1].tally
     begin_run(c, "b", [2])
     c.settle()
     assert c.nodes[2].run_ready("b")
@@ -471,7 +482,7 @@ def test_malformed_fence_messages_are_refused(msg):
     c = team(2)
     with pytest.raises(ProtocolError):
         c.deliver(0, 1, {"m": msg})
-    assert c.nodes[0].run is None and c.nodes[0].fence == 0
+    assert c.nodes[0].run is None and c.nodes[0].fences.fence == 0
 
 
 # --- aggregation: groups of ``fanout`` nodes, each with an aggregator (docs/PROTOCOL.md) ----------
