@@ -227,3 +227,31 @@ def test_only_the_roots_tell_a_folder_from_an_object_store():
     """The storage seam (``ucpd.format.roots``): a checkpoint root is a ``Root``, and only the
     roots (and the object store's own module) ask whether a name is a URL."""
     assert _calls_outside("is_url", {"ucpd/format/roots.py", "ucpd/format/objstore.py"}) == []
+
+
+def _face_members(*faces) -> set[str]:
+    return {n for face in faces for k in face.__mro__ if k is not object
+            for n in [*vars(k), *getattr(k, "__annotations__", {})] if not n.startswith("_")}
+
+
+def test_the_daemon_uses_the_team_only_through_its_face():
+    """``ucpd/daemon/`` reaches the team of daemons through ``versions.TeamFace`` (and the sources
+    a restore gathered through ``TeamSourcesFace``): every ``<x>.team.<member>`` names a member a
+    face declares, and none goes on into a part (``self.team.sources.widen``: ask the face).
+    ``daemon/cli.py`` builds the team: the composition root is left out."""
+    from ucpd.daemon.versions import TeamFace, TeamSourcesFace
+
+    allowed = _face_members(TeamFace, TeamSourcesFace)
+    found = []
+    for path in sorted((ROOT / "ucpd" / "daemon").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel == "ucpd/daemon/cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "team":
+                if node.attr not in allowed:
+                    found.append(f"{rel}:{node.lineno}: .team.{node.attr} is not on the team's face")
+            chain = node.value.value if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) else None
+            if isinstance(chain, ast.Attribute) and chain.attr == "team":
+                found.append(f"{rel}:{node.lineno}: .team.{node.value.attr}.{node.attr} reaches into a part of the team")
+    assert found == []

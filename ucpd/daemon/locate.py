@@ -19,6 +19,7 @@ from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, StorageError, VersionNotFound
 from ..format.roots import as_root
 from . import restore as restore_plan
+from .versions import TeamFace, TeamSourcesFace
 
 log = logging.getLogger("ucpd.locate")
 
@@ -32,7 +33,7 @@ class Found:
     job: str
     where: str  # "ram" | "disk"
     version: object | None = None  # this node's RAM version read (a lease pins it)
-    team: object | None = None  # the team's gathered sources (they hold their own pins; release())
+    team: TeamSourcesFace | None = None  # the team's gathered sources (they hold their own pins; release())
 
     @property
     def partial(self) -> bool:
@@ -49,7 +50,8 @@ class Locator:
     """``store``: the NodeStore; ``flush_dir``: the daemon's ``--flush-dir`` (None: none);
     ``team``: the node's Team (None: one node); ``note_checksum_failure(where)`` counts damage."""
 
-    def __init__(self, store, flush_dir: str | None, team=None, note_checksum_failure=lambda where, n=1: None, root=None):
+    def __init__(self, store, flush_dir: str | None, team: TeamFace | None = None,
+                 note_checksum_failure=lambda where, n=1: None, root=None):
         """``root``: the flush dir's ``Root`` (default: ``flush_dir``'s; an object store's with a
         staging folder, which restores fetch into)."""
         self.flush_root = root if root is not None else as_root(flush_dir) if flush_dir else None
@@ -266,7 +268,7 @@ class Locator:
             self._release(found)
             step, again = found.step, wider.pop(0)
             if again is None:
-                self.team.sources.widen(f"step {step}, rank {reader[0]}: {why}")
+                self.team.widen(f"step {step}, rank {reader[0]}: {why}")
             found = self.find(step, job, avoid, again)
 
     def _release(self, found: Found) -> None:

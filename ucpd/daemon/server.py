@@ -35,7 +35,7 @@ from .slot_prep import SlotPreparer
 from .status import ChecksumFailures
 from .store import NodeStore
 from .subscribers import Subscribers
-from .versions import DEFAULT_JOB
+from .versions import DEFAULT_JOB, TeamFace
 
 log = logging.getLogger("ucpd.server")
 CLIENT_SEEN_S = 3600.0  # a client not heard from for this long is no longer counted
@@ -83,7 +83,8 @@ class Daemon:
     then on (``close`` closes them)."""
 
     def __init__(
-        self, config: DaemonConfig, *, locks: DirLocks, store: NodeStore, team=None, flusher=None, flush_root=None,
+        self, config: DaemonConfig, *, locks: DirLocks, store: NodeStore, team: TeamFace | None = None, flusher=None,
+        flush_root=None,
     ):
         self.config = config
         self._locks = locks
@@ -337,8 +338,6 @@ class Daemon:
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
         found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
         try:
-            if found.partial:
-                self.team.counters["restores_from_holders"] += 1
             if found.team is not None:
                 plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
         except BaseException:

@@ -132,6 +132,65 @@ class CommitPolicy(Protocol):
         commits it now, False leaves it COMPLETE (or PROTECTED) until ``NodeStore.commit``."""
 
 
+class TeamSourcesFace(Protocol):
+    """What the daemon reads of a restore's sources gathered across the team (``Found.team``;
+    ``team.sources.TeamSources``): they hold pins on the peers until ``release``."""
+
+    step: int
+    sources: "SourceSet"  # what each global tensor is made of, and where its bytes are
+    objects: dict  # rank -> (its non-tensor objects, their CRC32C)
+    partial: bool  # only some ranks' parts (their holders asked): a plan they do not cover widens
+    indexed: bool  # ... those the piece index named
+
+    def release(self) -> None:
+        """The pins on the peers go (the restore ended, or nobody reads them after all)."""
+
+
+class TeamFace(CommitPolicy, Protocol):
+    """What the daemon may use of the team of daemons (``team.Team``; ``Daemon.team``,
+    ``Locator.team``, ``Pulls``): the commit policy, its life cycle, the runs of the job, and the
+    questions a restore asks — never a part of the team (``tests/test_house.py`` refuses
+    ``self.team.<part>.`` in ``ucpd/daemon/``). ``transport``, ``lane`` and ``counters`` are
+    there for a pull's landing (``landing.land``), which fetches into a file of its own."""
+
+    shm_dir: str
+    transport: object  # team.transport.PeerTransport
+    lane: object  # team.lane.DataLane | None
+    counters: dict[str, int]
+
+    def attach(self, store, leases) -> None:
+        """Join the team: bind, connect, start the team's threads (the daemon's store and leases)."""
+
+    def tick(self) -> None:
+        """Timers (the daemon's loop)."""
+
+    def close(self) -> None: ...
+
+    def join_run(self, run: str | None) -> None:
+        """Block until the team fenced the runs before ``run`` (a worker thread)."""
+
+    def run_ready(self, run: str | None) -> bool: ...
+
+    def latest(self) -> int | None:
+        """The newest committed step that the live nodes still hold whole."""
+
+    def restore_sources(self, step: int | None, reader: tuple | None = None) -> TeamSourcesFace:
+        """Where every rank's part of ``step`` is read from (with ``reader``: first only the parts it reads)."""
+
+    def widen(self, why: str) -> None:
+        """A restore planned from some ranks' parts needs every rank's: the next gather asks for all."""
+
+    def localize(self, sources: TeamSourcesFace, plan):
+        """The plan's bytes that live on peers fetched here, checked; the plan that reads them here."""
+
+    def drop_copies(self) -> int:
+        """Free the copies held for the peers (the team's job was dropped); the bytes."""
+
+    def seen_waiting(self, job: str, step: int) -> dict[int, dict]: ...
+
+    def status(self) -> dict: ...
+
+
 class SingleNodeCommit:
     """One node: a version every local rank sealed is committed."""
 

@@ -125,6 +125,10 @@ class CommitNode:
         """Committed steps, oldest first; only the newest ``limit`` if given."""
         return self.committed.steps(limit)
 
+    def decided(self, step: int) -> bool:
+        """Whether ``step`` was decided here: committed, recorded, or being decided (coordinator)."""
+        return self.is_committed(step) or step in self.recorded or step in self.deciding
+
     def run_ready(self, run: str) -> bool | None:
         """Whether ``run`` is the job's current run here, with every step decided before its fence
         visible (its trainers may read ``latest()`` and snapshot); None: a later run superseded it."""

@@ -422,7 +422,10 @@ class VersionSources:
 
     def localize(self, sources: TeamSources, plan: protocol.RestorePlan) -> protocol.RestorePlan:
         """Fetch the tensors the plan reads from peers into their local files (``PeerRead.path``),
-        each checked on arrival; the plan reads them there as it is."""
+        each checked on arrival; the plan reads them there as it is. A restore from some ranks'
+        parts (``partial``) counts as ``restores_from_holders``."""
+        if sources.partial:
+            self.team.counters["restores_from_holders"] += 1
         by_path = {w.path: w for w in sources.remote.values()}
         wanted: dict[str, list[protocol.PlanSource]] = {}
         for s in plan.sources:

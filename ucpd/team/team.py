@@ -29,6 +29,7 @@ requests are never made holding either.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -153,10 +154,8 @@ class Team:
             self.replicas.close()
         for name in os.listdir(self.shm_dir):
             if name.startswith(FETCH_PREFIX):
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(os.path.join(self.shm_dir, name))
-                except OSError:
-                    pass
 
     def _room(self, nbytes: int) -> bool:
         spare = sum(sz for _, sz in self.replicas.spares)
@@ -312,8 +311,7 @@ class Team:
         """Whether the team decided ``step`` (committed, or recorded or being decided here): its
         parts must stay (the store asks, holding its lock)."""
         with self._lock:
-            c = self.commit
-            return c.is_committed(step) or step in c.recorded or step in c.deciding
+            return self.commit.decided(step)
 
     def _drop_fenced(self, fence: Fence) -> None:
         """Abandon this node's parts and replicas of runs other than ``fence.run`` that the team
@@ -374,6 +372,10 @@ class Team:
         """Where every rank's part of ``step`` is read from (``sources.TeamSources``); with
         ``reader`` (rank, world size, targets), in a large team, first only the parts it reads."""
         return self.sources.restore_sources(step, reader)
+
+    def widen(self, why: str) -> None:
+        """A restore planned from some ranks' parts needs every rank's (``VersionSources.widen``)."""
+        self.sources.widen(why)
 
     def localize(self, sources, plan: protocol.RestorePlan) -> protocol.RestorePlan:
         """Bring the plan's bytes that live on peers here, checked (``VersionSources.localize``)."""
