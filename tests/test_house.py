@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import ast
 import functools
+import inspect
 import pathlib
 import re
+import textwrap
 
 import pytest
 
@@ -255,3 +257,19 @@ def test_the_daemon_uses_the_team_only_through_its_face():
             if isinstance(chain, ast.Attribute) and chain.attr == "team":
                 found.append(f"{rel}:{node.lineno}: .team.{node.value.attr}.{node.attr} reaches into a part of the team")
     assert found == []
+
+
+def test_the_team_and_its_gathered_sources_have_what_their_faces_declare():
+    from ucpd.daemon.versions import TeamFace, TeamSourcesFace
+    from ucpd.team.sources import TeamSources
+    from ucpd.team.team import Team
+
+    def members(cls) -> set[str]:  # methods, properties and what __init__ assigns to self
+        assigned = {t.attr for n in ast.walk(ast.parse(textwrap.dedent(inspect.getsource(cls.__init__))))
+                    if isinstance(n, (ast.Assign, ast.AnnAssign))
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                    for t in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(t, ast.Attribute)}
+        return assigned | {n for n in dir(cls) if not n.startswith("_")}
+
+    assert _face_members(TeamFace) - members(Team) == set()
+    assert _face_members(TeamSourcesFace) - members(TeamSources) == set()
