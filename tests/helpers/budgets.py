@@ -11,19 +11,19 @@ from __future__ import annotations
 
 # seconds of worker time, on a quiet 2-core machine (docs/TESTING.md, "Budgets")
 BUDGETS = {
-    "team": 330.0,
-    "client": 250.0,
-    "daemon": 110.0,
-    "faults": 230.0,
-    "examples": 100.0,
-    "format": 60.0,
-    "ucl": 30.0,
-    "native": 20.0,
-    "sim": 20.0,
-    "fuzz": 25.0,
-    "corruption": 20.0,
-    "gpu": 5.0,
+    "team": 280.0,
+    "client": 230.0,
+    "faults": 210.0,
+    "daemon": 140.0,
     "top": 60.0,
+    "examples": 60.0,
+    "format": 40.0,
+    "fuzz": 15.0,
+    "native": 15.0,
+    "sim": 12.0,
+    "corruption": 10.0,
+    "ucl": 10.0,
+    "gpu": 5.0,
 }
 
 
