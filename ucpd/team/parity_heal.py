@@ -79,6 +79,7 @@ class ParityHealer:
         ``RETRY`` seconds while the last pass left work and the view is younger than ``WINDOW``)."""
         if self._until is None or view_changed:
             self._until, self._due, self._changed = now + WINDOW, now, now
+            self.cannot_restripe.clear()  # another view may leave enough survivors to re-stripe
         if self.queued or now < self._due or (now > self._until and not self._lost()):
             return False
         self.queued = True
