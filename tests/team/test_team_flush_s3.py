@@ -15,6 +15,7 @@ import torch
 
 from helpers import TEST_JOB, ranks
 from helpers.s3server import moto_server, s3  # noqa: F401  (fixtures)
+from ucpd import knobs
 from ucpd.errors import ChecksumMismatch
 from ucpd.format import list_versions, open_version, read_latest, validate
 from ucpd_client import Checkpointer, layouts as L, placement as P
@@ -107,8 +108,8 @@ def test_every_node_uploads_its_share_and_a_lone_daemon_restores_it_in_another_l
     want, placements = big_state(1, 0, 1)  # one rank: every tensor whole
     with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ckpt:
         t = {k: torch.full_like(v, -1.0) for k, v in want.items()}
-        with pytest.raises(ChecksumMismatch, match="step 2"):  # a damaged object, met as a damaged file
-            ckpt.restore(t, placements=placements, step=2)
+        with pytest.raises(ChecksumMismatch, match="step 2"), knobs.override(UCPD_RESTORE_VERIFY="all"):
+            ckpt.restore(t, placements=placements, step=2)  # a damaged object, met as a damaged file
         assert all((v == -1.0).all() for v in t.values())
         assert ckpt.restore(t, placements=placements) == 1
         assert ckpt.last_restore == {"step": 1, "where": "disk", "damaged": [(2, "disk")]}
