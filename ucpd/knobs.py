@@ -191,17 +191,18 @@ def mem_limit() -> int:
 
 
 def restore_verify() -> str:
-    """How a restore checks its sources as it writes its targets. ``window`` (default): the
-    plan runs in windows of ``restore_window()`` bytes, each chunk checked and then copied while
-    it is still in cache (each byte read from RAM once; on a GPU the DMA of a window overlaps
-    the check of the next); no byte of a damaged chunk is written, but the windows before it
-    are: the next source, if any, rewrites every target, and when none is left the error says
-    the targets are partly written. ``all``: every chunk the plan reads is verified before the
-    first target byte is written, so a damaged source leaves every target as it was, at the
-    cost of reading the bytes from RAM twice (the check, then the copy). ``fused``: CPU targets
-    in one pass that checksums each chunk as it copies it (the fastest; a damaged chunk's bytes
-    have landed when the error is raised; CUDA targets as ``window``)."""
-    mode = _get("UCPD_RESTORE_VERIFY", "window")
+    """How a restore checks its sources as it writes its targets; each mode reads every byte it
+    copies and checks every chunk against its CRC32C. ``fused`` (default): CPU targets in one
+    pass that checksums each chunk as it copies it, each byte read from RAM once (the fastest:
+    a restore near a plain copy); a damaged chunk is found as it lands, the next source, if
+    any, rewrites every target, and when none is left the error says the targets are partly
+    written. CUDA targets go as ``window``. ``window``: the plan runs in windows of
+    ``restore_window()`` bytes, each chunk checked and then copied while it is still in cache
+    (on a GPU the DMA of a window overlaps the check of the next): no byte of a damaged chunk is
+    written, the windows before it are. ``all``: every chunk the plan reads is verified before
+    the first target byte is written, so a damaged source leaves every target as it was, at the
+    cost of reading the bytes from RAM twice (the check, then the copy)."""
+    mode = _get("UCPD_RESTORE_VERIFY", "fused")
     if mode not in ("all", "window", "fused"):
         raise ValueError(f"UCPD_RESTORE_VERIFY must be 'window', 'fused' or 'all', got {mode!r}")
     return mode
@@ -209,7 +210,7 @@ def restore_verify() -> str:
 
 def restore_window() -> int:
     """Bytes of a restore window (``restore_verify() == "window"``, and the pieces a GPU restore
-    queues at once): rounded down to whole CRC chunks, at least one."""
+    queues at once in any mode): rounded down to whole CRC chunks, at least one."""
     return max(1, parse_size(_get("UCPD_RESTORE_WINDOW", "16M")))
 
 

@@ -550,12 +550,12 @@ class Checkpointer:
         CUDA targets are filled straight from the daemon's shared memory (page-locked once) by
         DMA, after the work queued on the caller's current stream of each target device.
 
-        Every chunk is checked just before it is copied (a damaged chunk is never written; the
-        next sound source, if any, rewrites every target). Raises VersionNotFound,
+        Every chunk is checked against its CRC32C as it is copied, in one pass (a damaged one
+        makes the next sound source, if any, rewrite every target). Raises VersionNotFound,
         PlacementMismatch (unknown tensor, wrong shape or dtype, uncovered region),
-        ChecksumMismatch (every source left was damaged; the windows before the damage are
-        written — with ``UCPD_RESTORE_VERIFY=all`` the targets are unchanged instead; restore
-        another step, or from the flush directory).
+        ChecksumMismatch (every source left was damaged; the targets are partly written — with
+        ``UCPD_RESTORE_VERIFY=all`` they are unchanged instead; restore another step, or from
+        the flush directory).
         """
         return restore_mod.restore(self.session, target_state, step, placements)
 

@@ -8,10 +8,11 @@ piece of a resharded restore (rows of one width, a pitch apart on either side) i
 ``cudaMemcpy2DAsync``. Pieces are grouped into *windows* of ``knobs.restore_window()`` bytes.
 
 Before a window's DMAs are queued, every chunk its pieces read is checked against its CRC32C on
-the CPU (``CheckedCopier.add_read`` + ``verify``). With ``knobs.restore_verify() == "window"``
-(default) the check of window *k+1* runs while the DMA of window *k* is in flight (the bytes
-are read from RAM once by the CPU, once by the DMA engine). With ``"all"`` every window is
-checked before the first is queued: a damaged source leaves every target as it was.
+the CPU (``CheckedCopier.add_read`` + ``verify``). By default (``knobs.restore_verify()`` ``"fused"``
+or ``"window"``) the check of window *k+1* runs while the DMA of window *k* is in flight (the
+bytes are read from RAM once by the CPU, once by the DMA engine; no unchecked byte reaches a
+device). With ``"all"`` every window is checked before the first is queued: a damaged source
+leaves every target as it was.
 
 Each device's pieces go on that device's restore stream, which first waits on the caller's
 current stream of that device (work queued on the targets before ``restore()`` comes first);

@@ -7,8 +7,9 @@ file read-only once, checks the CRC of every chunk any copy touches, and copies 
 the target tensors — one copy from the daemon's RAM to the trainer's memory, with no staging
 in between for CPU targets; CUDA targets are filled by DMA straight from the registered
 source (``ucpd_client.device_restore``). The copying and verifying (fused copy+CRC where the
-windows allow) is ``ucpd.checked.CheckedCopier``, in windows of ``UCPD_RESTORE_WINDOW`` bytes
-(``UCPD_RESTORE_VERIFY=all``: every chunk checked before the first byte is copied).
+windows allow) is ``ucpd.checked.CheckedCopier``: by default one pass that checksums each chunk
+as it copies it (``UCPD_RESTORE_VERIFY=window``: windows of ``UCPD_RESTORE_WINDOW`` bytes, each
+chunk checked just before it is copied; ``all``: every chunk checked before the first byte).
 
 A restore runs in a ``DaemonSession`` (``ucpd_client.session``): its connection, its mappings
 of the sources, its CUDA backend; it records where the data came from in the session
@@ -116,15 +117,15 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     """Fill each entry's tensor (any view: strided ones go through a staging copy) with the
     global elements its placement names. Returns (step, the version's plain values).
 
-    Every chunk a plan reads is verified before its bytes are written (``knobs.restore_verify``:
-    by default window by window, each chunk just before it is copied; with ``all``, every chunk
+    Every chunk a plan reads is checked against its CRC32C (``knobs.restore_verify``: by default
+    as it is copied, in one pass; ``window``: just before it is copied; ``all``: every chunk
     before the first target byte). A damaged source (a flipped byte in a slot or a flushed file)
-    is never copied: the client tells the daemon (``release`` with ``damaged``), which counts it
+    is met as ``ChecksumMismatch``: the client tells the daemon (``release`` with ``damaged``), which counts it
     (``ucpd_checksum_failures_total``), and asks again naming the damaged copies (``avoid``):
     the daemon answers from the next source, the same step from the flush dir, or (no step
     asked) the previous version, and that source rewrites every target. When no other source
-    is left, ChecksumMismatch is raised, saying whether the targets are partly written (the
-    windows before the damaged chunk) or, with ``all``, unchanged."""
+    is left, ChecksumMismatch is raised, saying whether the targets are partly written or,
+    with ``all``, unchanged."""
     targets = [
         {"name": e.name, "dtype": dtype_name(e.tensor), "shape": list(e.tensor.shape), "placement": e.placement}
         for e in entries
@@ -166,10 +167,12 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
 
 def _targets_left() -> str:
     """What a restore that found no sound source left in its targets, in the words of its error."""
-    if knobs.restore_verify() == "all":
+    mode = knobs.restore_verify()
+    if mode == "all":
         return "; the targets are unchanged"
-    return ("; the targets may be partly written (the windows before the damaged chunk): restore another step "
-            "before training on them (UCPD_RESTORE_VERIFY=all leaves them unchanged instead)")
+    what = "the windows before the damaged chunk" if mode == "window" else "the damaged chunk among them"
+    return (f"; the targets may be partly written ({what}): restore another step before training on them "
+            "(UCPD_RESTORE_VERIFY=all leaves them unchanged instead)")
 
 
 def apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, verify: str | None = None) -> None:
@@ -185,10 +188,11 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
                 verify: str | None = None) -> dict[str, Any]:
     """Verify the source chunks the plan reads and the plain values, then copy and fill.
 
-    ``knobs.restore_verify()``: ``window`` (default) runs the plan in windows of
-    ``knobs.restore_window()`` bytes, each checked and then copied while in cache (no byte of a
-    damaged chunk is written; earlier windows are); ``all`` checks every chunk before the first
-    target byte is written, so a damaged source leaves every target as it was. CUDA targets:
+    ``knobs.restore_verify()``: ``fused`` (default) copies in one pass that checksums each
+    chunk as it copies it; ``window`` runs the plan in windows of ``knobs.restore_window()``
+    bytes, each checked and then copied while in cache (no byte of a damaged chunk is written;
+    earlier windows are); ``all`` checks every chunk before the first target byte is written, so
+    a damaged source leaves every target as it was. CUDA targets:
     ``ucpd_client.device_restore`` (straight from the registered slot to the device)."""
     if len(plan.tensors) != len(entries) or any(e.name != t.name for e, t in zip(entries, plan.tensors)):
         raise ProtocolError(

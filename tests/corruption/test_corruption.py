@@ -99,18 +99,22 @@ def test_a_flipped_byte_in_shm_with_no_other_copy_is_a_typed_error_and_the_targe
         assert ckpt.restore(t) == 1 and torch.equal(t["w"], state(1)["w"]) and torch.equal(t["b"], state(1)["b"])
 
 
-def test_by_default_a_damaged_chunk_is_never_written_and_the_error_says_the_targets_are_partly_written(make_daemon):
+def test_by_default_a_damaged_chunk_is_met_as_it_is_copied_and_the_error_says_the_targets_are_partly_written(make_daemon):
     d = make_daemon("--mem-limit", "256M", "--keep", "1", flush=False)
     with ckpt_of(d) as ckpt:
         ckpt.snapshot(1, state(1)).wait()
         slot, off = source_of(d, "w", numel=N)
-        flip(slot, off + (1 << 20) + 100)  # in w's second chunk: its first is copied before
+        flip(slot, off + (1 << 20) + 100)  # in w's second chunk
         t = sentinel()
-        with pytest.raises(ChecksumMismatch, match="partly written.*UCPD_RESTORE_VERIFY=all"):
+        with pytest.raises(ChecksumMismatch, match="chunk 1.*partly written.*UCPD_RESTORE_VERIFY=all"):
+            ckpt.restore(t)
+        assert t["step"] == -1  # the plain values are never put back from a damaged version
+        t = sentinel()
+        with knobs.override(UCPD_RESTORE_VERIFY="window"), pytest.raises(ChecksumMismatch, match="partly written"):
             ckpt.restore(t)
         per_chunk = (1 << 20) // 4
         assert torch.equal(t["w"][:per_chunk], state(1)["w"][:per_chunk])
-        assert (t["w"][per_chunk:] == 7.0).all() and t["step"] == -1, "a damaged chunk was written"
+        assert (t["w"][per_chunk:] == 7.0).all() and t["step"] == -1, "window mode wrote a damaged chunk"
 
 
 def test_a_damaged_newest_version_in_shm_is_answered_by_the_previous_one(make_daemon):
