@@ -94,57 +94,58 @@ class HeldCopies:
                     out.append(dict(item, ranks=[p["rank"] for p in parts], parts=parts))
             return out
         if step is not None:
-            items = list(self._own_items(step)[0])
-            parity = self.team.parity
-            if parity is not None:
-                for item in parity.holdings(step):
-                    man = parity.manifests.get((item["origin"], item["step"]), {})
-                    items.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
-            return items
+            return list(self._own_items(step)[0]) + self._parity_items(step)
         items = []
-        store, parity = self.store, self.team.parity
         zero = self.directory is not None
-        with store.atomic():
-            for v in store.versions_in(SEALED):
-                if v.parts:
-                    item = with_run({"origin": self.rank, "step": v.step, "world_size": v.world_size,
-                                     "ranks": sorted(v.parts)}, run_of(v))
-                    if zero and 0 in v.parts:
-                        item["parts"] = [protocol.part_to_wire(v.parts[0], used_bytes(v.parts[0]))]
-                    items.append(item)
-            for (origin, s), rep in self.replicas.held.items():
-                if rep.whole:
-                    item = with_run({"origin": origin, "step": s, "world_size": rep.world_size,
-                                     "ranks": sorted(rep.parts)}, run_of(rep))
-                    if zero and 0 in rep.parts:
-                        item["parts"] = [protocol.part_to_wire(rep.parts[0], rep.used[0])]
-                    items.append(item)
-        if parity is not None:
-            for item in parity.holdings(None):
-                man = parity.manifests.get((item["origin"], item["step"]), {})
-                items.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
-        return items
+        with self.store.atomic():
+            for o in self._own_objects(None):
+                item = self._header(o)
+                if zero and 0 in o.parts:
+                    item["parts"] = [self._part(o, 0, o.parts[0])]
+                items.append(item)
+        return items + self._parity_items(None)
+
+    def _own_objects(self, step: int | None) -> list:
+        """Our sealed versions and the whole replicas we hold (of ``step``; None: of every step);
+        the caller holds the store's lock."""
+        objs = [v for v in self.store.versions_in(SEALED) if v.parts and step in (None, v.step)]
+        return objs + [rep for rep in self.replicas.held.values() if rep.whole and step in (None, rep.step)]
+
+    def _header(self, o) -> dict:
+        """The HOLDING item of one of our versions or a whole replica, without manifests."""
+        origin = self.rank if isinstance(o, Version) else o.origin
+        return with_run({"origin": origin, "step": o.step, "world_size": o.world_size, "ranks": sorted(o.parts)}, run_of(o))
+
+    @staticmethod
+    def _part(o, rank: int, part) -> dict:
+        """Rank ``rank``'s manifest in ``o`` (a version of ours or a replica) as a PART record."""
+        return protocol.part_to_wire(part, used_bytes(part) if isinstance(o, Version) else o.used[rank])
+
+    def _parity_items(self, step: int | None) -> list[dict]:
+        """The parity manifests we keep of other members (of ``step``; None: of every step)."""
+        parity = self.team.parity
+        if parity is None:
+            return []
+        out = []
+        for item in parity.holdings(step):
+            man = parity.manifests.get((item["origin"], item["step"]), {})
+            out.append(with_run(item, "" if man.get("inc", "-") == "-" else man["inc"]))
+        return out
 
     def _own_items(self, step: int) -> tuple[list[dict], list[Holding]]:
         """Our versions and whole replicas of ``step``, as HOLDING items with manifests and as
         checked Holdings: made again only when the objects behind them changed (a committed
         part never changes), since every restore and every peer's ask wants them (a manifest
         per tensor: 10^5 of them on a large rank)."""
-        store = self.store
-        with store.atomic():
-            objs = [v for v in store.versions_in(SEALED) if v.step == step and v.parts]
-            objs += [rep for (_, s), rep in self.replicas.held.items() if s == step and rep.whole]
+        with self.store.atomic():
+            objs = self._own_objects(step)
             got = self._own.get(step)
             if got is not None and len(got[0]) == len(objs) and all(a is b for a, b in zip(got[0], objs)):
                 return got[1], got[2]
             items = []
             for o in objs:
-                if isinstance(o, Version):
-                    item = with_run({"origin": self.rank, "step": o.step, "world_size": o.world_size, "ranks": sorted(o.parts)}, run_of(o))
-                    item["parts"] = [protocol.part_to_wire(p, used_bytes(p)) for p in o.parts.values()]
-                else:
-                    item = with_run({"origin": o.origin, "step": step, "world_size": o.world_size, "ranks": sorted(o.parts)}, run_of(o))
-                    item["parts"] = [protocol.part_to_wire(p, o.used[r]) for r, p in o.parts.items()]
+                item = self._header(o)
+                item["parts"] = [self._part(o, r, p) for r, p in o.parts.items()]
                 items.append(item)
             held = [Holding.from_wire(self.rank, protocol.HOLDING("holding", i)) for i in items]
             self._own[step] = (objs, items, held)
@@ -154,11 +155,8 @@ class HeldCopies:
 
     def _own_held(self, step: int) -> list[Holding]:
         """``own_holdings(step)`` as checked Holdings (the peers' were checked on receipt)."""
-        held = list(self._own_items(step)[1])
-        if self.team.parity is not None:
-            held += [Holding.from_wire(self.rank, protocol.HOLDING("holding", i))
-                     for i in self.own_holdings(step) if i.get("via") == "parity"]
-        return held
+        return list(self._own_items(step)[1]) + [Holding.from_wire(self.rank, protocol.HOLDING("holding", i))
+                                                 for i in self._parity_items(step)]
 
     def holdings_by_node(self, live, step: int | None = None) -> dict[int, list[Holding]]:
         """What every live node holds (of ``step``, with manifests; None: of every step)."""
