@@ -36,12 +36,14 @@ from __future__ import annotations
 import logging
 import random
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 
 import msgpack
 
 from ..errors import UcpdError
 from .levels import ASK_TIMEOUT, TTL, Level, Levels, ask_pages, reply_when_done
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -93,13 +95,16 @@ def partner(index: int, level: int, n: int) -> int | None:
 
 
 class Directory:
-    """This node's end of the directory. ``sources``: the node's ``VersionSources`` (its
-    transport, rank, live view, clock and own holdings)."""
+    """This node's end of the directory. ``view``: the team's (rank, live nodes, clock);
+    ``transport``: the peer transport it asks through; ``own_holdings``: what this node holds
+    (``held.HeldCopies.own_holdings``: of a step, or of every step)."""
 
-    def __init__(self, sources) -> None:
-        self.sources = sources
-        self.rank = sources.rank
-        self._levels = Levels(self._build, lambda: sources.team.clock(), name="directory",
+    def __init__(self, view: TeamView, transport, own_holdings: Callable[[int | None], list[dict]]) -> None:
+        self.view = view
+        self.rank = view.rank
+        self.transport = transport
+        self.own_holdings = own_holdings
+        self._levels = Levels(self._build, view.clock, name="directory",
                               new_wave=lambda: random.getrandbits(62), inline=(0,))
         self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
 
@@ -123,18 +128,18 @@ class Directory:
             return None, [self._own(step), *self._asked(view, step)]
 
     def _view(self) -> tuple[int, ...]:
-        return tuple(sorted(self.sources.team.live() | {self.rank}))
+        return tuple(sorted(self.view.live() | {self.rank}))
 
     def _build(self, step: int | None, level: int, got: Level) -> list[dict]:
         return [self._own(step)] if level == 0 else self._gather(step, level, got)
 
     def _own(self, step: int | None) -> dict:
-        return {"node": self.rank, "items": self.sources.own_holdings(step)}
+        return {"node": self.rank, "items": self.own_holdings(step)}
 
     def _asked(self, nodes, step: int | None) -> list[dict]:
         """Each other node of ``nodes`` asked ``holdings`` directly (one that does not answer is left out)."""
         body = {} if step is None else {"step": step}
-        replies = ask_all(self.sources.transport, self.rank, nodes, "holdings", body)
+        replies = ask_all(self.transport, self.rank, nodes, "holdings", body)
         return [{"node": n, "items": r.get("items", [])} for n, r in sorted(replies.items())]
 
     def _gather(self, step: int | None, level: int, got: Level) -> list[dict]:
@@ -170,7 +175,7 @@ class Directory:
             body["wave"] = wave
         if step is not None:
             body["step"] = step
-        pages = ask_pages(self.sources.transport.request, node, "directory", body, _wait(level + 1),
+        pages = ask_pages(self.transport.request, node, "directory", body, _wait(level + 1),
                           later=lambda first: {"of": first["wave"]})  # the rest in pages of the same level
         return [e for reply in pages for e in reply["held"]]
 

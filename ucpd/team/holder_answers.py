@@ -26,12 +26,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from .. import protocol
 from ..errors import UcpdError, VersionNotFound
 from .decide import Holding, run_to_read
-from .piece_index import wants_of
+from .piece_index import PieceIndex, wants_of
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -47,11 +49,18 @@ class _Answer:
 
 
 class HolderAnswers:
-    """The holders' answers of this node's restores in the saved layout (``sources``: the node's
-    ``VersionSources``, for its rank, transport, directory and own holdings)."""
+    """The holders' answers of this node's restores in the saved layout. ``view``: the team's
+    (rank, current run); ``transport``: the peer transport; ``own_holdings`` / ``held_by_node``:
+    what this node / every live node holds (``held.HeldCopies``, through the directory);
+    ``index``: the piece index (None: a small team's, without one)."""
 
-    def __init__(self, sources) -> None:
-        self.sources = sources
+    def __init__(self, view: TeamView, transport, own_holdings: Callable[..., list[dict]],
+                 held_by_node: Callable[..., tuple], index: PieceIndex | None) -> None:
+        self.view = view
+        self.transport = transport
+        self.own_holdings = own_holdings
+        self.held_by_node = held_by_node
+        self.index = index
         self._answers: dict[tuple, tuple[float, _Answer]] = {}  # (node, step, ranks, gen) -> its answer
         self._lock = threading.Lock()
 
@@ -63,18 +72,18 @@ class HolderAnswers:
         the restore's targets (for a restore in another world size, or with a fourth item True:
         the piece index names the ranks they read). ``stale``: that gather was found out of date. Raises VersionNotFound when the parts to read cannot be
         named (another world size and no targets or no index answer): the restore reads every part."""
-        me = self.sources.rank
+        me = self.view.rank
         rank, world = reader[0], reader[1]
         targets = reader[2] if len(reader) > 2 else None
         by_index = len(reader) > 3 and reader[3]
         if stale is not None:
             self.forget()
         for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
-            gen, by_node = self.sources.held_by_node(None, stale)
+            gen, by_node = self.held_by_node(None, stale)
             items = [h for hs in by_node.values() for h in hs if h.step == step]
-            run = run_to_read(items, self.sources.team.current_run())
+            run = run_to_read(items, self.view.current_run())
             saved = {h.world_size for h in items if h.run == run}
-            held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.sources.own_holdings(step)]
+            held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
             if saved == {world} and not by_index:
                 # the whole node part the rank's is in (a rank skips writing what a lower rank of
                 # its node holds: ``snapshots.skip_for``), and rank 0's
@@ -116,7 +125,7 @@ class HolderAnswers:
         reader's own rank's in the saved world (its own plain values first, as ``merged_values``
         reads them)."""
         rank, world = reader[0], reader[1]
-        index = self.sources.index
+        index = self.index
         if len(saved) != 1 or targets is None or index is None:
             raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}"
                                   + ("" if index is not None else " (no piece index: --commit-fanout 0)"))
@@ -146,7 +155,7 @@ class HolderAnswers:
         with answer.lock:  # the first restore asks; those that want the same answer meanwhile wait for it
             if answer.items is None:
                 try:
-                    reply, _ = self.sources.transport.request(node, "holdings", {"step": step, "ranks": list(ranks)},
+                    reply, _ = self.transport.request(node, "holdings", {"step": step, "ranks": list(ranks)},
                                                               timeout=10.0)
                 except UcpdError as exc:
                     log.warning("team: node %d did not answer holdings: %s", node, exc)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import zlib
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgpack
@@ -48,6 +49,7 @@ from ..errors import UcpdError
 from ..daemon.manifest import fragments_of
 from .levels import ASK_TIMEOUT, Levels, ask_pages, reply_when_done
 from .parts import part_from_wire
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -245,13 +247,19 @@ def _view_id(view: tuple[int, ...]) -> int:
 
 
 class PieceIndex:
-    """This node's end of the piece index. ``sources``: the node's ``VersionSources`` (its
-    transport, rank, live view, clock and own holdings)."""
+    """This node's end of the piece index. ``view``: the team's (rank, live nodes, clock);
+    ``transport``: the peer transport it asks through; ``own_holdings``: what this node holds of
+    a step (``held.HeldCopies.own_holdings``); ``held_by_node``: what every live node holds
+    (``held.HeldCopies.held_by_node``, through the directory)."""
 
-    def __init__(self, sources) -> None:
-        self.sources = sources
-        self.rank = sources.rank
-        self._levels = Levels(lambda step, level, got: self._build(step, level, got.view), lambda: sources.team.clock(),
+    def __init__(self, view: TeamView, transport, own_holdings: Callable[[int | None], list[dict]],
+                 held_by_node: Callable[[int | None], tuple]) -> None:
+        self.view = view
+        self.rank = view.rank
+        self.transport = transport
+        self.own_holdings = own_holdings
+        self.held_by_node = held_by_node
+        self._levels = Levels(lambda step, level, got: self._build(step, level, got.view), view.clock,
                               name="index", new_wave=lambda: 0)  # (one wave: the index is not renewed by waves)
         self.counters = {"index_gathers": 0, "index_requests": 0, "index_queries": 0, "index_fallbacks": 0}
 
@@ -291,13 +299,13 @@ class PieceIndex:
     def _ask_owner(self, node: int, step: int, queries: list, near: list[int], view) -> tuple[set[int], list[str]]:
         if node == self.rank:
             return answer(self._top(step, view), queries, set(near), self.rank)
-        reply, _ = self.sources.transport.request(
+        reply, _ = self.transport.request(
             node, "pieces", {"step": step, "v": _view_id(view), "queries": queries, "near": near},
             timeout=_wait(_top_level(len(view)) + 1))
         return set(reply["ranks"]), list(reply["known"])
 
     def _view(self) -> tuple[int, ...]:
-        return tuple(sorted(self.sources.team.live() | {self.rank}))
+        return tuple(sorted(self.view.live() | {self.rank}))
 
     def _top(self, step: int, view) -> Entries:
         top = _top_level(len(view))
@@ -324,17 +332,17 @@ class PieceIndex:
         """The entries of the parts we hold of ``step``: our own, and a copy of a node that does
         not hold its own part (lost, or replaced by a new daemon: the directory's gather, the
         one ``latest`` made, says which do). Every holder of such a copy adds it; merged once."""
-        _, by_node = self.sources.held_by_node(None)
+        _, by_node = self.held_by_node(None)
         whole = {h.origin for hs in by_node.values() for h in hs
                  if h.step == step and h.node == h.origin and h.node in view and not h.parity}
-        parts = [p for item in self.sources.own_holdings(step)
+        parts = [p for item in self.own_holdings(step)
                  if item["origin"] == self.rank or item["origin"] not in whole for p in item.get("parts") or ()]
         return entries_of(parts)
 
     def _ask_level(self, node: int, step: int, level: int, m: int, r: int, view) -> Entries:
         body = {"step": step, "level": level, "m": m, "r": r, "v": _view_id(view)}
         out: Entries = {}
-        for reply in ask_pages(self.sources.transport.request, node, "index", body, _wait(level + 1)):
+        for reply in ask_pages(self.transport.request, node, "index", body, _wait(level + 1)):
             merge(out, from_wire(reply["entries"]))
         return out
 

@@ -152,14 +152,18 @@ class VersionSources:
         self.rank = team.rank
         self.transport = team.transport
         self.shm_dir = team.shm_dir
-        self.directory = Directory(self) if team.config.fanout else None  # a large team's (``--commit-fanout``)
+        view = team.view
+        # a large team's (``--commit-fanout``)
+        self.directory = Directory(view, self.transport, self.own_holdings) if team.config.fanout else None
         self._shared: dict[tuple, tuple[Version, RamSame, PlanCache]] = {}  # (step, run, parts chosen) -> parts, indexes, plans
         self._shared_lock = threading.Lock()
         self._checking = threading.Lock()  # replicas are checked one at a time (``replica_sound``)
         self.held = HeldCopies(team, self.directory)  # what this node and the peers hold
         self.settle = Settle(team)  # answers a view in flux makes short, asked again as it settles
-        self.holders = HolderAnswers(self)  # a restore in the saved layout: only its parts' holders asked
-        self.index = PieceIndex(self) if self.directory is not None else None  # ... in another: the ranks it reads
+        # a restore in another layout: the piece index names the ranks it reads; in the saved one only its parts' holders are asked
+        self.index = PieceIndex(view, self.transport, self.own_holdings, self.held_by_node) \
+            if self.directory is not None else None
+        self.holders = HolderAnswers(view, self.transport, self.own_holdings, self.held_by_node, self.index)
 
     @property
     def store(self):

@@ -8,13 +8,11 @@ here, a new run of the job — and carries out what they output: ``Send`` goes t
 to ``NodeStore.commit``, ``Fence`` abandons the fenced runs' undecided parts and replicas; gossip's
 messages go to the peers they name.
 
-The jobs around it are objects of their own, built here with this driver as their handle:
-
-- ``replicate.Replicator`` — the thread that copies our parts to their holders and heals;
-- ``serve.PeerServer`` — what we answer the peers, one handler per message type;
-- ``sources.VersionSources`` — where a restore or flush reads each part, and fetching it here;
-- ``replicas.ReplicaStore`` / ``parity_group.ParityGroup`` — what we hold for the others;
-- ``lane_keeper.LaneKeeper`` — the data lane bulk bytes move on (``lane``, ``lane_nixl``).
+The jobs around it are objects of their own, built here (docs/ARCHITECTURE.md, "The team's parts");
+a part that only reads the team gets its ``view.TeamView``: ``replicate.Replicator`` (copies our
+parts to their holders, heals), ``serve.PeerServer`` (answers the peers), ``sources.VersionSources``
+(where a restore or flush reads each part), ``replicas.ReplicaStore`` / ``parity_group.ParityGroup``
+(what we hold for the others), ``lane_keeper.LaneKeeper`` (the data lane bulk bytes move on).
 
 A new run of the job waits in ``join_run`` until the team fenced the earlier runs; parts,
 replicas and holdings carry their run, and a restore reads a step from one run's parts.
@@ -22,9 +20,8 @@ replicas and holdings carry their run, and a restore reads a step from one run's
 Threads: the transport's I/O thread runs the peer callbacks; the replication thread pushes
 copies; the daemon's loop calls ``tick``; with gossip on the real clock, a membership thread
 wakes when the protocol's next probe or timeout is due (a fifth of a period: finer than the
-daemon's loop); the daemon's worker threads call ``latest`` and
-``restore_sources``. Lock order: the store lock, then ``self._lock`` (the protocol's); peer
-requests are never made holding either.
+daemon's loop); the daemon's worker threads call ``latest`` and ``restore_sources``. Lock order:
+the store lock, then ``self._lock`` (the protocol's); peer requests are never made holding either.
 """
 
 from __future__ import annotations
@@ -35,6 +32,7 @@ import os
 import threading
 import time
 import uuid
+from types import MappingProxyType
 
 from .. import faults, knobs, protocol
 from ..daemon.leases import Leases
@@ -56,6 +54,7 @@ from .serve import PeerServer
 from .sources import FETCH_PREFIX, VersionSources
 from .status import team_status
 from .transport import PeerTransport
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -85,6 +84,7 @@ class Team:
         self._membership_thread: GossipThread | None = None
         self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
+        self.view = TeamView(self.rank, config.nodes, MappingProxyType(self.domains), self.live, clock, self.current_run, self.is_committed)
         self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
                          "parity_checksum_errors": 0, "restores_from_holders": 0, "restores_widened": 0,
                          "holdings_answered": 0, "manifests_answered": 0}
