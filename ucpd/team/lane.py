@@ -77,10 +77,12 @@ PROBE_BYTES = 16 << 20
 PROBE_ROUNDS = 3
 PROBE_MAX = 64 << 20
 WARN_EVERY_S = 5.0
+RECEIVER = 1 << 32  # the ``src`` of a receiver's hello: a client pulling weights, not a node
+TICKET_SKEW_S = 60.0  # how far the clocks of the node that made a receiver's ticket and ours may differ
 _LEN = struct.Struct("<I")
 _COUNTERS = ("connections_opened", "connections_accepted", "auth_failures", "malformed", "puts_sent", "puts_received",
              "gets_sent", "gets_answered", "bytes_sent", "bytes_received", "chunks_verified", "checksum_errors",
-             "streams_cut", "errors_answered")
+             "streams_cut", "errors_answered", "receiver_gets")
 
 
 @dataclass
@@ -161,6 +163,7 @@ class DataLane:
         self._closed = False
         self._last_warn: dict[str, float] = {}
         self.address: str | None = None
+        self.ticket: bytes | None = None  # a receiver's (``ReceiverLane``), sent in its hello
         self.fallback: str | None = None  # why the transport asked for (--data-transport) could not start
 
     # --- life cycle ------------------------------------------------------------------------------
@@ -227,6 +230,16 @@ class DataLane:
     def reaches(self, node: int) -> bool:
         link = self.peers.get(node)
         return link is not None and link.address is not None and not self._closed
+
+    def receiver_ticket(self, seconds: float) -> tuple[bytes, bytes]:
+        """A ticket for a receiver this node serves (``ReceiverLane``), good for ``seconds``, and
+        the key it proves with: see ``receiver_ticket``."""
+        return receiver_ticket(self.key, self.rank, seconds)
+
+    def address_of(self, node: int) -> str | None:
+        """``HOST:PORT`` of ``node``'s lane, as its hello said (None: not known)."""
+        link = self.peers.get(node)
+        return None if link is None or link.address is None else f"{_bracket(link.address[0])}:{link.address[1]}"
 
     def status(self) -> dict:
         with self._lock:
@@ -382,7 +395,7 @@ class DataLane:
         except OSError as exc:
             raise DaemonUnreachable(f"cannot open the data lane to node {dest} at {address[0]}:{address[1]}: {exc}") from None
         try:
-            _prove(sock, self.key, self.rank, dest, f"{address[0]}:{address[1]}")
+            _prove(sock, self.key, self.rank, dest, f"{address[0]}:{address[1]}", self.ticket)
             _limit(sock, IO_TIMEOUT_S)
         except (OSError, EOFError, ValueError) as exc:
             _shut(sock)
@@ -472,6 +485,10 @@ class DataLane:
             self._count(malformed=1)
             _send_map(sock, {"e": [exc.code, str(exc)]})
             return not spec.payload  # a put's bytes follow: we cannot tell where they end
+        if src == RECEIVER and op != "get":  # a receiver reads; it never writes a replica
+            self._count(malformed=1)
+            _send_map(sock, {"e": ["auth", f"a receiver may only get, not {op!r}"]})
+            return False
         if op == "put":
             return self._serve_put(sock, src, spec, b)
         if op == "get":
@@ -528,9 +545,10 @@ class DataLane:
                 self._paced_send(sock, v[: v.nbytes // 2])
                 raise ConnectionResetError("the data lane was cut mid-get (fault injected)")
             self._paced_send(sock, v)
-        self._count(gets_answered=1, bytes_sent=nbytes)
-        with self._lock:
-            self.peers.setdefault(src, PeerLink(src)).sent += nbytes
+        self._count(gets_answered=1, bytes_sent=nbytes, **({"receiver_gets": 1} if src == RECEIVER else {}))
+        if src != RECEIVER:
+            with self._lock:
+                self.peers.setdefault(src, PeerLink(src)).sent += nbytes
         return True
 
     def _serve_probe(self, sock, spec, b: dict) -> bool:
@@ -567,6 +585,67 @@ class DataLane:
                 link.observed_gbps = round(gbps if link.observed_gbps is None else 0.8 * link.observed_gbps + 0.2 * gbps, 3)
 
 
+class ReceiverLane(DataLane):
+    """A receiver's end of the data lane (``ucpd_client.lane_pull``): it only ``get``s, from the
+    nodes whose addresses it is given, and listens for nothing.
+
+    A receiver does not hold the job's secret: the daemon it pulls through hands it a ticket and
+    a key (``DataLane.receiver_ticket``: the key is an HMAC of the ticket under the lane key, so
+    every node of the team can derive it, and no key of another ticket or of the lane follows
+    from it). Its hello names the ticket; the serving node checks it has not expired, derives the
+    key and runs the usual challenge with it (each side proves it holds the key, with fresh
+    nonces), then serves ``get`` only. A pooled connection stays open past its ticket's end
+    (it was proven when made); ``renew`` takes the next pull's ticket for new connections."""
+
+    def __init__(self, ticket: bytes, key: bytes, addresses: dict[int, str]):
+        self.rank, self.key, self.ticket, self.secured = RECEIVER, key, ticket, True
+        self.payload_mac, self._pkey = False, b""  # (a payload MAC needs the job secret; the chunk CRCs check every byte)
+        self._bucket = TokenBucket(0.0)
+        self.link_floor = 0.0
+        self.counters = dict.fromkeys(_COUNTERS, 0)
+        self._count_lock = threading.Lock()
+        self.peers = {}
+        self._lock = threading.Lock()
+        self._server, self._accepted, self._closed, self._last_warn = None, set(), False, {}
+        self.address, self.fallback = None, None
+        self._on_put = self._on_get = None
+        for node, address in addresses.items():
+            self.set_peer(node, address)
+
+    def renew(self, ticket: bytes, key: bytes, addresses: dict[int, str]) -> None:
+        self.ticket, self.key = ticket, key
+        for node, address in addresses.items():
+            self.set_peer(node, address)
+
+    def start(self) -> str:
+        raise ProtocolError("a receiver's data lane serves nothing: it only gets")
+
+
+def receiver_ticket(lane_key: bytes, node: int, seconds: float) -> tuple[bytes, bytes]:
+    """``(ticket, key)`` for a receiver node ``node`` serves: the ticket names the node and when
+    it ends; the key is ``HMAC(lane key, "R" | ticket)``."""
+    ticket = msgpack.packb({"node": node, "until": time.time() + seconds, "nonce": os.urandom(16)}, use_bin_type=True)
+    return ticket, receiver_key(lane_key, ticket)
+
+
+def receiver_key(lane_key: bytes, ticket: bytes) -> bytes:
+    return hmac.new(lane_key, b"R" + ticket, hashlib.sha256).digest()
+
+
+def _ticket_key(lane_key: bytes, ticket) -> bytes:
+    """The key a receiver's ``ticket`` proves with; raises _Refused for a malformed or expired one."""
+    try:
+        t = msgpack.unpackb(ticket, raw=False) if isinstance(ticket, bytes) and len(ticket) <= 256 else None
+    except (ValueError, msgpack.ExtraData):
+        t = None
+    if not isinstance(t, dict) or not isinstance(t.get("until"), (int, float)) or not isinstance(t.get("node"), int):
+        raise _Refused("a receiver's hello without a valid ticket")
+    if t["until"] + TICKET_SKEW_S < time.time():
+        raise _Refused(f"a receiver's ticket from node {t['node']} expired {time.time() - t['until']:.0f} s ago: "
+                       "its pull should ask its daemon again")
+    return receiver_key(lane_key, ticket)
+
+
 # --- the handshake (docs/PROTOCOL.md, "The data lane") -------------------------------------------------
 
 class _Refused(Exception):
@@ -581,11 +660,11 @@ def handshake_mac(key: bytes, side: bytes, first: bytes, second: bytes, src: int
     return hmac.new(key, side + first + second + struct.pack("<QQ", src, dst), hashlib.sha256).digest()
 
 
-def _prove(sock: socket.socket, key: bytes, src: int, dst: int, where: str) -> None:
-    """The client's side: check that node ``dst`` holds the secret, then prove we do. Raises
-    AuthError."""
+def _prove(sock: socket.socket, key: bytes, src: int, dst: int, where: str, ticket: bytes | None = None) -> None:
+    """The client's side: check that node ``dst`` holds the secret (a receiver: the key its
+    ``ticket`` names), then prove we do. Raises AuthError."""
     nonce = os.urandom(16)
-    _send_map(sock, {"v": LANE_VERSION, "src": src, "dst": dst, "nonce": nonce})
+    _send_map(sock, {"v": LANE_VERSION, "src": src, "dst": dst, "nonce": nonce, **({"ticket": ticket} if ticket else {})})
     msg = _recv_map(sock)
     if "e" in msg:
         raise AuthError(f"node {dst} refused our data lane: {msg['e'][1]}")
@@ -610,6 +689,8 @@ def _admit(sock: socket.socket, key: bytes, rank: int) -> int:
     if hello.get("v") != LANE_VERSION or not isinstance(src, int) or dst != rank or src == rank \
             or not isinstance(theirs, bytes) or len(theirs) != 16:
         raise _Refused(f"a hello that is not for node {rank} (lane version {LANE_VERSION})")
+    if src == RECEIVER:
+        key = _ticket_key(key, hello.get("ticket"))
     nonce = os.urandom(16)
     _send_map(sock, {"nonce": nonce, "mac": handshake_mac(key, b"S", theirs, nonce, src, rank)})
     proof = _recv_map(sock)
