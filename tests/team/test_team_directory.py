@@ -167,14 +167,14 @@ def test_a_level_larger_than_a_page_comes_in_pages_of_the_same_answer(team, monk
 def test_a_page_of_an_answer_that_is_gone_is_a_typed_error(team):
     team[3].team.latest()
     with pytest.raises(UcpdError, match="ask again from the start"):
-        team[1].team._on_request(3, "directory", {"level": 1, "of": 12345, "first": 1}, [])
+        team[1].team.server.on_request(3, "directory", {"level": 1, "of": 12345, "first": 1}, [])
 
 
 def test_a_node_without_a_directory_refuses_to_serve_one(ucpd_isolation):
     t = InProcTeam(2, ucpd_isolation, replicas=1)
     try:
         with pytest.raises(ProtocolError, match="no directory"):
-            t[0].team._on_request(1, "directory", {"level": 0}, [])
+            t[0].team.server.on_request(1, "directory", {"level": 0}, [])
     finally:
         t.close()
 

@@ -265,14 +265,14 @@ def test_a_read_comes_from_every_copy_at_once_and_a_slow_copy_serves_less(make_t
         grains = -(-len(data[4]) // 64)
         before = {h: team.net.seen[(h, "fetch")] for h in w.nodes}
         others = lambda: sum(team.net.seen[(h, "fetch")] - before[h] for h in w.nodes if h != slow)  # noqa: E731
-        server = team[slow].team.server
-        fetch_ = server._on_fetch
+        handlers = team[slow].team.server.handlers
+        fetch_ = handlers["fetch"]
 
         def slowly(*args):  # a copy busy serving other readers: it answers once the others sent the rest
             wait_until(lambda: others() >= grains - 1, timeout=20)
             return fetch_(*args)
 
-        monkeypatch.setattr(server, "_on_fetch", slowly)
+        monkeypatch.setitem(handlers, "fetch", slowly)
         plan = team[reader].team.localize(got, plan_for(team[reader], got, 4))
         served = {h: team.net.seen[(h, "fetch")] - before[h] for h in w.nodes}
         assert _planned_bytes(plan) == data[4]

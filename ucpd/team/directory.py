@@ -42,7 +42,9 @@ from concurrent.futures import Future
 import msgpack
 
 from ..errors import UcpdError
+from .counters import DirectoryCounters
 from .levels import ASK_TIMEOUT, TTL, Level, Levels, ask_pages, reply_when_done
+from .serve import PeerServer
 from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
@@ -97,16 +99,19 @@ def partner(index: int, level: int, n: int) -> int | None:
 class Directory:
     """This node's end of the directory. ``view``: the team's (rank, live nodes, clock);
     ``transport``: the peer transport it asks through; ``own_holdings``: what this node holds
-    (``held.HeldCopies.own_holdings``: of a step, or of every step)."""
+    (``held.HeldCopies.own_holdings``: of a step, or of every step); ``server``: the node's peer
+    server, where it answers ``directory``."""
 
-    def __init__(self, view: TeamView, transport, own_holdings: Callable[[int | None], list[dict]]) -> None:
+    def __init__(self, view: TeamView, transport, own_holdings: Callable[[int | None], list[dict]],
+                 server: PeerServer) -> None:
         self.view = view
         self.rank = view.rank
         self.transport = transport
         self.own_holdings = own_holdings
         self._levels = Levels(self._build, view.clock, name="directory",
                               new_wave=lambda: random.getrandbits(62), inline=(0,))
-        self.counters = {"directory_gathers": 0, "directory_requests": 0, "directory_fallbacks": 0}
+        self.counters = DirectoryCounters()
+        server.register("directory", lambda src, body, frames: self.serve(body))
 
     # --- asking -------------------------------------------------------------------------------------
 
@@ -122,7 +127,7 @@ class Directory:
         try:
             return lvl.wave, lvl.future.result(_wait(top + 1))  # (its wave: the gen a stale answer names)
         except Exception as exc:  # (a timeout too): the directory only saves requests; ask as without it
-            self.counters["directory_fallbacks"] += 1
+            self.counters.directory_fallbacks += 1
             log.warning("team: the directory of %s failed (%s): asking every live node",
                         "every step" if step is None else f"step {step}", str(exc) or type(exc).__name__)
             return None, [self._own(step), *self._asked(view, step)]
@@ -148,7 +153,7 @@ class Directory:
         view, n = got.view, len(got.view)
         me = view.index(self.rank)
         if level == levels(n):
-            self.counters["directory_gathers"] += 1
+            self.counters.directory_gathers += 1
         renew = got.wave if got.fresh else None
         lower = self._levels.get(step, level - 1, view, renew)
         held = {e["node"]: e for e in lower.future.result(_wait(level))}
@@ -163,7 +168,7 @@ class Directory:
         block = {view[i] for i in span(me, level, n)}
         missing = sorted(block - set(held))
         if missing:
-            self.counters["directory_fallbacks"] += 1
+            self.counters.directory_fallbacks += 1
             log.info("team: level %d of the directory lacks nodes %s (partner %s, view %s): asking them directly",
                      level, missing, None if p is None else view[p], list(view))
             held.update((e["node"], e) for e in self._asked(missing, step))
@@ -192,7 +197,7 @@ class Directory:
             out: Future = Future()
             out.set_result((_page(got, body["first"]), []))
             return out
-        self.counters["directory_requests"] += 1
+        self.counters.directory_requests += 1
         view = self._view()
         # (a view with fewer nodes than the asker's has a lower top: all we know; it asks the rest)
         got = self._levels.get(step, level, view, body.get("wave"))

@@ -35,7 +35,7 @@ import os
 import time
 import uuid
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +98,15 @@ class ShareWriter:
     def __init__(self, team) -> None:
         self.team = team
         self.storage_options: dict | None = None  # fsspec's, for an object-store --flush-dir (set by cli.compose)
+        self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucpd-flush-share")
+
+    def serve(self, src: int, body: dict, frames: list) -> Future:
+        """A ``flush_share`` request: the lead hands us pieces of a flush to write, one batch at a
+        time, on a thread of our own (the transport goes on meanwhile); the reply has their CRCs."""
+        return self._writer.submit(lambda: ({"crcs": self.write(body)}, []))
+
+    def close(self) -> None:
+        self._writer.shutdown(wait=False, cancel_futures=True)
 
     def write(self, body: dict) -> list[list[int]]:
         """Write every piece of a ``flush_share`` body; each piece's grid CRCs, in order."""

@@ -47,8 +47,10 @@ import msgpack
 
 from ..errors import UcpdError
 from ..daemon.manifest import fragments_of
+from .counters import IndexCounters
 from .levels import ASK_TIMEOUT, Levels, ask_pages, reply_when_done
 from .parts import part_from_wire
+from .serve import PeerServer
 from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
@@ -250,10 +252,11 @@ class PieceIndex:
     """This node's end of the piece index. ``view``: the team's (rank, live nodes, clock);
     ``transport``: the peer transport it asks through; ``own_holdings``: what this node holds of
     a step (``held.HeldCopies.own_holdings``); ``held_by_node``: what every live node holds
-    (``held.HeldCopies.held_by_node``, through the directory)."""
+    (``held.HeldCopies.held_by_node``, through the directory); ``server``: the node's peer server,
+    where it answers ``index`` and ``pieces``."""
 
     def __init__(self, view: TeamView, transport, own_holdings: Callable[[int | None], list[dict]],
-                 held_by_node: Callable[[int | None], tuple]) -> None:
+                 held_by_node: Callable[[int | None], tuple], server: PeerServer) -> None:
         self.view = view
         self.rank = view.rank
         self.transport = transport
@@ -261,7 +264,9 @@ class PieceIndex:
         self.held_by_node = held_by_node
         self._levels = Levels(lambda step, level, got: self._build(step, level, got.view), view.clock,
                               name="index", new_wave=lambda: 0)  # (one wave: the index is not renewed by waves)
-        self.counters = {"index_gathers": 0, "index_requests": 0, "index_queries": 0, "index_fallbacks": 0}
+        self.counters = IndexCounters()
+        server.register("index", lambda src, body, frames: self.serve_level(body))
+        server.register("pieces", lambda src, body, frames: self.serve_queries(src, body))
 
     # --- asking -------------------------------------------------------------------------------------
 
@@ -290,7 +295,7 @@ class PieceIndex:
             if missing:
                 raise UcpdError(f"no owner knows saved tensor {missing[0]!r}")
         except Exception as exc:
-            self.counters["index_fallbacks"] += 1
+            self.counters.index_fallbacks += 1
             log.info("team: the piece index of step %d cannot say which parts to read (%s): reading every part",
                      step, exc)
             return None
@@ -322,7 +327,7 @@ class PieceIndex:
         if me >= p:
             raise UcpdError(f"node {self.rank} owns no part of the index ({n} live nodes, {p} owners)")
         if level == _top_level(n):
-            self.counters["index_gathers"] += 1
+            self.counters.index_gathers += 1
         lower = self._levels.get(step, level - 1, view).future.result(_wait(level))
         m, r = level_keeps(me, level)
         out = {name: (d, s, set(pcs)) for name, (d, s, pcs) in keep(lower, p, m, r).items()}
@@ -352,7 +357,7 @@ class PieceIndex:
         """An ``index`` request: our level ``level`` of ``step`` kept to the owners ``o % m == r``,
         from entry ``first`` on, once built."""
         view = self._check_view(body)
-        self.counters["index_requests"] += 1
+        self.counters.index_requests += 1
         got = self._levels.get(body["step"], body["level"], view)
 
         def reply(lvl: Entries) -> dict:
@@ -370,7 +375,7 @@ class PieceIndex:
     def serve_queries(self, src: int, body: dict) -> Future:
         """A ``pieces`` request: the ranks to read for the asker's queries, from our shard."""
         view = self._check_view(body)
-        self.counters["index_queries"] += 1
+        self.counters.index_queries += 1
         if view.index(self.rank) >= owners(len(view)):
             raise UcpdError(f"node {self.rank} owns no part of the index ({len(view)} live nodes)")
         got = self._levels.get(body["step"], _top_level(len(view)), view)

@@ -154,14 +154,14 @@ class VersionSources:
         self.shm_dir = team.shm_dir
         view = team.view
         # a large team's (``--commit-fanout``)
-        self.directory = Directory(view, self.transport, self.own_holdings) if team.config.fanout else None
+        self.directory = Directory(view, self.transport, self.own_holdings, team.server) if team.config.fanout else None
         self._shared: dict[tuple, tuple[Version, RamSame, PlanCache]] = {}  # (step, run, parts chosen) -> parts, indexes, plans
         self._shared_lock = threading.Lock()
         self._checking = threading.Lock()  # replicas are checked one at a time (``replica_sound``)
         self.held = HeldCopies(team, self.directory)  # what this node and the peers hold
         self.settle = Settle(team)  # answers a view in flux makes short, asked again as it settles
         # a restore in another layout: the piece index names the ranks it reads; in the saved one only its parts' holders are asked
-        self.index = PieceIndex(view, self.transport, self.own_holdings, self.held_by_node) \
+        self.index = PieceIndex(view, self.transport, self.own_holdings, self.held_by_node, team.server) \
             if self.directory is not None else None
         self.holders = HolderAnswers(view, self.transport, self.own_holdings, self.held_by_node, self.index)
 

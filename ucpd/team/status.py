@@ -85,7 +85,5 @@ def _status(team) -> dict:
         "protocol": pending,
         "transport": dict(team.transport.counters),
         "lane": team.lane.status() if team.lane is not None else {"transport": "zmq", "peers": [], "counters": {}},
-        "counters": dict(team.counters, replica_checksum_errors=replicas.checksum_errors if replicas else 0,
-                         **(team.sources.directory.counters if team.sources.directory is not None else {}),
-                         **(team.sources.index.counters if team.sources.index is not None else {})),
+        "counters": dict(team.counters, replica_checksum_errors=replicas.checksum_errors if replicas else 0),
     }

@@ -6,22 +6,13 @@ heartbeats, or ``gossip.Gossip`` with ``--membership gossip`` — and ``commit.C
 inputs — ticks of its clock, heartbeats or gossip, the peers' commit messages, versions protected
 here, a new run of the job — and carries out what they output: ``Send`` goes to a peer, ``Commit``
 to ``NodeStore.commit``, ``Fence`` abandons the fenced runs' undecided parts and replicas; gossip's
-messages go to the peers they name.
+messages go to the peers they name. A new run of the job waits in ``join_run`` until the team
+fenced the earlier runs.
 
-The jobs around it are objects of their own, built here (docs/ARCHITECTURE.md, "The team's parts");
-a part that only reads the team gets its ``view.TeamView``: ``replicate.Replicator`` (copies our
-parts to their holders, heals), ``serve.PeerServer`` (answers the peers), ``sources.VersionSources``
-(where a restore or flush reads each part), ``replicas.ReplicaStore`` / ``parity_group.ParityGroup``
-(what we hold for the others), ``lane_keeper.LaneKeeper`` (the data lane bulk bytes move on).
-
-A new run of the job waits in ``join_run`` until the team fenced the earlier runs; parts,
-replicas and holdings carry their run, and a restore reads a step from one run's parts.
-
-Threads: the transport's I/O thread runs the peer callbacks; the replication thread pushes
-copies; the daemon's loop calls ``tick``; with gossip on the real clock, a membership thread
-wakes when the protocol's next probe or timeout is due (a fifth of a period: finer than the
-daemon's loop); the daemon's worker threads call ``latest`` and ``restore_sources``. Lock order:
-the store lock, then ``self._lock`` (the protocol's); peer requests are never made holding either.
+The jobs around it are parts of their own, built here and given what they use: a read-only
+``view.TeamView``, the store, the transport, their counters (``counters``), callables for what
+they ask of a sibling; each registers what it answers with the ``serve.PeerServer``. Which part
+gets what, and the threads and lock order: docs/ARCHITECTURE.md, "The team's parts".
 """
 
 from __future__ import annotations
@@ -39,6 +30,7 @@ from ..daemon.leases import Leases
 from ..daemon.versions import RESTORABLE, Version, VersionState
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
+from .counters import TeamCounters
 from .flush_lead import TeamFlush
 from .flush_share import ShareWriter
 from .holders import replica_holders
@@ -51,6 +43,8 @@ from .replicas import ReplicaStore
 from .replicate import Replicator
 from .runs import wait_admitted
 from .serve import PeerServer
+from .serve_held import HeldServer
+from .serve_parity import register_parity
 from .sources import FETCH_PREFIX, VersionSources
 from .status import team_status
 from .transport import PeerTransport
@@ -85,19 +79,21 @@ class Team:
         self.commit: CommitNode | None = None  # made in attach(), knowing what was re-adopted
         self.domains: dict[int, str] = {self.rank: config.domain or f"node-{self.rank}"}
         self.view = TeamView(self.rank, config.nodes, MappingProxyType(self.domains), self.live, clock, self.current_run, self.is_committed)
-        self.counters = {"replicated_bytes": 0, "fetched_bytes": 0, "push_failures": 0, "peer_bad_messages": 0,
-                         "parity_checksum_errors": 0, "restores_from_holders": 0, "restores_widened": 0,
-                         "holdings_answered": 0, "manifests_answered": 0}
+        self.counters = TeamCounters()  # each part's, gathered
         self.store = None
         self.replicas: ReplicaStore | None = None
         self.leases: Leases | None = None
-        self.server: PeerServer | None = None
+        self.held_server: HeldServer | None = None
+        self.server = PeerServer(self.rank, self.counters.serve)  # each part registers what it answers
+        self.server.register("commit", lambda src, b, frames: self.on_commit_message(src, b["m"]))
+        self.server.register("gossip", lambda src, b, frames: self.on_gossip(src, b["m"]))
+        self.server.register("hello", lambda src, b, frames: self.on_hello(src, b))
         self.transport = (link or PeerTransport)(
             self.rank,
             config.listen,
             config.secret,
-            on_message=self._on_message,
-            on_request=self._on_request,
+            on_message=self.server.on_message,
+            on_request=self.server.on_request,
             on_heartbeat=None if self.gossip else self._on_heartbeat,
             heartbeat_interval=None if self.gossip else config.heartbeat,
             net_limit=config.net_limit,
@@ -106,13 +102,19 @@ class Team:
         )
         # bulk bytes on a lane of their own; an in-process link (tests) keeps them on itself, where its faults reach them
         self.lanes = NoLane() if link is not None or config.data_transport == "zmq" else LaneKeeper(
-            config, lambda src, b: self.server.on_put(src, b), lambda src, b: self.server.on_get(src, b),
+            config, lambda src, b: self.held_server.on_put(src, b), lambda src, b: self.held_server.on_get(src, b),
             lambda also: set(replica_holders(self.rank, sorted(self.live() | {also}), max(1, config.replicas), self.domains)))
         self.replicator = Replicator(self)
         self.sources = VersionSources(self)
+        if not config.fanout:
+            self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
+                               "(started with --commit-fanout 0): ask every node with `holdings`")
+        self.counters.add(*(p.counters for p in (self.sources.directory, self.sources.index) if p is not None))
         self.flush_lead = TeamFlush(self) if self.flushes else None
         self.flush_share = ShareWriter(self)
+        self.server.register("flush_share", self.flush_share.serve)
         self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit()) if config.parity else None
+        register_parity(self.server, self.parity, self.rank)
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -126,7 +128,8 @@ class Team:
                                  fanout=self.config.fanout)
         self.replicas = ReplicaStore(self.shm_dir, store.atomic(), self.config.keep, self._room)
         self.leases = leases if leases is not None else Leases(store, clock=self.clock)
-        self.server = PeerServer(self, self.leases)
+        self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, self.sources.own_holdings,
+                                      self.counters.serve)
         self.address = self.transport.bind()
         self.lanes.start()
         self.transport.start(self.config.peers)
@@ -146,8 +149,9 @@ class Team:
         if self._membership_thread is not None:
             self._membership_thread.stop()
         self.replicator.stop()
-        if self.server is not None:
-            self.server.close()
+        if self.held_server is not None:
+            self.held_server.close()
+        self.flush_share.close()
         self.transport.close()
         self.lanes.close()
         if self.replicas is not None:
@@ -278,12 +282,6 @@ class Team:
             self.membership.on_message(src, body, self.clock())
             sends = self.membership.take_sends()
         self._send_gossip(sends)
-
-    def _on_message(self, src: int, msg_type: str, body: dict, frames: list) -> None:
-        self.server.on_message(src, msg_type, body, frames)
-
-    def _on_request(self, src: int, msg_type: str, body: dict, frames: list):
-        return self.server.on_request(src, msg_type, body, frames)
 
     def on_commit_message(self, src: int, msg: dict) -> None:
         """A peer's commit-protocol message (the I/O thread)."""
