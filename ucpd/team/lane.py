@@ -487,6 +487,8 @@ class DataLane:
             return not spec.payload  # a put's bytes follow: we cannot tell where they end
         if src == RECEIVER and op != "get":  # a receiver reads; it never writes a replica
             self._count(malformed=1)
+            if spec.payload:
+                _drain(sock, b["nbytes"])
             _send_map(sock, {"e": ["auth", f"a receiver may only get, not {op!r}"]})
             return False
         if op == "put":
