@@ -245,7 +245,7 @@ class TeamFlush:
             for fname in set(uploads) - finished:
                 up.abort(fname, uploads[fname])
             raise
-        self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + sent
+        self.team.counters.flush.flush_uploaded_bytes += sent
         writers = sorted(set(sm.written_by.values()))
         log.info("team: step %d uploaded to %s by nodes %s in %.2f s (%d parts)", step, root.url, writers,
                  time.monotonic() - t0, len(parts))

@@ -198,7 +198,7 @@ class ShareWriter:
     def _landed(self, step: int, upload, nbytes: int) -> None:
         """A part's upload is over: raise its error, or count its bytes."""
         upload.result()
-        self.team.counters["flush_uploaded_bytes"] = self.team.counters.get("flush_uploaded_bytes", 0) + nbytes
+        self.team.counters.flush.flush_uploaded_bytes += nbytes
         _fault_points(step)
 
     def _fill_part(self, step: int, chunk: int, part: dict, mine: list[dict], sources: list[Source],
@@ -283,7 +283,7 @@ class ShareWriter:
             except ChecksumMismatch as exc:  # a copy it read is damaged: read those tensors from each other copy
                 self._reread_damaged(step, exc, reads, by_key, arrays, checked_of, windows, storage)
                 crcs = write()  # the rows again, in place
-            self.team.counters["flush_written_bytes"] = self.team.counters.get("flush_written_bytes", 0) + \
+            self.team.counters.flush.flush_written_bytes += \
                 (r1 - r0) * place.row_bytes
             return crcs
         finally:
@@ -297,7 +297,7 @@ class ShareWriter:
         source tensors whose chunks fail, and read each from every other copy in turn (alone,
         not in shares) until one passes; ``arrays`` then holds it. Raises ChecksumMismatch
         naming the copies tried when none does (the lead then gives the piece to another node)."""
-        self.team.counters["flush_checksum_errors"] = self.team.counters.get("flush_checksum_errors", 0) + 1
+        self.team.counters.flush.flush_checksum_errors += 1
         bad = [key for key, buf in arrays.items()
                if bad_chunks(checked_of(key, buf), _chunks(reads[key], storage.itemsize))]
         if not bad:
@@ -344,8 +344,8 @@ class ShareWriter:
         first, *rest = [only] if only is not None else [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
         self.team.sources.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)
         nbytes = sum(n for _, n in ranges)
-        self.team.counters["fetched_bytes"] += nbytes
-        self.team.counters["flush_fetched_bytes"] = self.team.counters.get("flush_fetched_bytes", 0) + nbytes
+        self.team.counters.fetch.fetched_bytes += nbytes
+        self.team.counters.flush.flush_fetched_bytes += nbytes
         return {s.key: mm for s, _ in wanted}
 
 

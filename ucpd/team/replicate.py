@@ -46,6 +46,7 @@ class Replicator:
         self.team = team
         self.rank = team.rank
         self.wanted = team.config.replicas
+        self.counters = team.counters.replicate
         self.pushed: dict[int, Pushed] = {}
         self.healing = {"pending": 0, "done": 0, "bytes": 0, "failed": 0}
         self.pushers = ThreadPoolExecutor(PUSH_IN_FLIGHT, thread_name_prefix="ucpd-push")
@@ -210,7 +211,7 @@ class Replicator:
         """Send origin's parts of step (written by the job's run ``run``) to ``holder``; True once
         it verified and kept them. The bytes go on the data lane where the holder has one (in
         batches cut where chunks end: each is checked as it lands), else on the control lane."""
-        transport, counters, lane = self.team.transport, self.team.counters, self.team.lane
+        transport, counters, lane = self.team.transport, self.counters, self.team.lane
         on_lane = lane is not None and lane.reaches(holder)
         t0 = time.monotonic()
         try:
@@ -250,10 +251,10 @@ class Replicator:
             t2 = time.monotonic()
             transport.request(holder, "replica_end", {"origin": origin, "step": step, "frames": frames}, timeout=120.0)
         except UcpdError as exc:
-            counters["push_failures"] += 1
+            counters.push_failures += 1
             log.warning("team: copying node %d's step %d to node %d failed: %s", origin, step, holder, exc)
             return False
-        counters["replicated_bytes"] += total
+        counters.replicated_bytes += total
         log.debug("team: node %d step %d -> node %d: %d bytes in %.3f s (begin %.3f, data %.3f on the %s, end %.3f)",
                   origin, step, holder, total, time.monotonic() - t0, t1 - t0, t2 - t1, "lane" if on_lane else "control lane",
                   time.monotonic() - t2)

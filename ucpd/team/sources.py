@@ -152,6 +152,7 @@ class VersionSources:
         self.rank = team.rank
         self.transport = team.transport
         self.shm_dir = team.shm_dir
+        self.counters = team.counters.fetch
         view = team.view
         # a large team's (``--commit-fanout``)
         self.directory = Directory(view, self.transport, self.own_holdings, team.server) if team.config.fanout else None
@@ -239,7 +240,7 @@ class VersionSources:
 
     def widen(self, why: str) -> None:
         """A restore planned from some ranks' parts needs more: it is planned from every rank's."""
-        self.team.counters["restores_widened"] += 1
+        self.counters.restores_widened += 1
         self.holders.forget()  # (one may be out of date)
         log.info("team: a restore asks every rank's part: %s", why)
 
@@ -429,7 +430,7 @@ class VersionSources:
         each checked on arrival; the plan reads them there as it is. A restore from some ranks'
         parts (``partial``) counts as ``restores_from_holders``."""
         if sources.partial:
-            self.team.counters["restores_from_holders"] += 1
+            self.counters.restores_from_holders += 1
         by_path = {w.path: w for w in sources.remote.values()}
         wanted: dict[str, list[protocol.PlanSource]] = {}
         for s in plan.sources:
@@ -447,7 +448,7 @@ class VersionSources:
                     for s in batch:
                         if not checked:
                             self._check_fetched(w, sources.step, s, arr, mm)
-                        self.team.counters["fetched_bytes"] += s.nbytes
+                        self.counters.fetched_bytes += s.nbytes
                 del arr
             finally:
                 close_map(mm)
@@ -469,7 +470,7 @@ class VersionSources:
         try:
             return check(w.nodes)
         except ChecksumMismatch as exc:
-            self.team.counters["fetch_checksum_errors"] = self.team.counters.get("fetch_checksum_errors", 0) + 1
+            self.counters.fetch_checksum_errors += 1
             if len(w.nodes) == 1:
                 raise
             first = exc
@@ -497,7 +498,7 @@ class VersionSources:
                 mm = opened[w.path] = open_reserved(w.path, size, [(0, size)])
                 for at in range(0, size, DATA_BATCH):
                     self._fetch_shares(w, got.step, [(at, min(DATA_BATCH, size - at))], mm)
-                self.team.counters["fetched_bytes"] += size
+                self.counters.fetched_bytes += size
             got.unpin_peers()
         except BaseException:
             opened.clear()
