@@ -53,6 +53,7 @@ from ucpd.ucl.resolve import resolve
 
 from . import state as state_mod
 from .errors import InvalidJobName
+from .lane_pull import LanePull
 from .restore import apply_plan, process_id
 from .session import DaemonSession
 from .staging import dtype_name, entry_of
@@ -203,6 +204,8 @@ class Weights:
         self.session = DaemonSession(self.run_dir, 0, 1, self.job, None, conn)
         self._layouts: dict[tuple, _Layout] = {}
         self._ahead: ThreadPoolExecutor | None = None  # asks for the next bucket while one is copied
+        self._lane: LanePull | None = None  # other nodes' rows received here (made at the first such pull)
+        self._use_lane = os.environ.get("UCPD_PULL_LANE", "1").strip().lower() not in ("0", "false", "no", "off")
         # the last pull: step, buckets, warm (buckets planned before), bytes, meta_bytes (its pull requests and replies)
         self.last_pull: dict | None = None
 
@@ -237,11 +240,12 @@ class Weights:
         buckets, conn = layout.buckets, self.session.conn()
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="ucpd-pull-ahead")
-        fut = self._ahead.submit(self._ask, step, buckets[0], stats)
+        lane = self._use_lane and all(e.tensor.is_cpu for e in entries)
+        fut = self._ahead.submit(self._ask, step, buckets[0], stats, entries, lane, 0)
         try:
             for k, b in enumerate(buckets):
                 try:
-                    reply, plan = fut.result()
+                    reply, plan, fills, staged = fut.result()
                 except VersionNotFound as exc:
                     fut = None
                     raise VersionNotFound(
@@ -249,9 +253,10 @@ class Weights:
                         "filled): pull a newer step (Weights.latest(), or the subscription's next notice)") from None
                 fut = None
                 # the next bucket is asked for (on another node: fetched here) while this one is copied
-                nxt = self._ahead.submit(self._ask, step, buckets[k + 1], stats) if k + 1 < len(buckets) else None
+                nxt = self._ahead.submit(self._ask, step, buckets[k + 1], stats, entries, lane, (k + 1) % 2) \
+                    if k + 1 < len(buckets) else None
                 try:
-                    self._fill(b, entries, plan, reply, conn, stats)
+                    self._fill(plan, reply, conn, stats, fills, staged)
                 finally:
                     fut = nxt
         finally:
@@ -291,10 +296,12 @@ class Weights:
                           "placement": it.placement} for it in b.items]
         return _Layout(saved, buckets)
 
-    def _ask(self, step: int, b: _Bucket, stats: dict) -> tuple[dict, RestorePlan]:
-        """One bucket's pull request (on the pull-ahead thread's own connection): its lease and
-        its plan (a warm one: the cached copies over this version's sources)."""
-        body: dict = {"step": step, "job": self.job, **process_id()}
+    def _ask(self, step: int, b: _Bucket, stats: dict, entries: list, lane: bool, slot: int) -> tuple:
+        """One bucket's pull request (on the pull-ahead thread's own connection): its lease, its
+        plan (a warm one: the cached copies over this version's sources), its targets (fills and
+        dtype staging); ``lane``: rows other nodes hold are received here into the targets (or
+        window ``slot``) before it returns, and the plan left to run is the rest."""
+        body: dict = {"step": step, "job": self.job, **process_id(), **({"lane": True} if lane else {})}
         if b.plan_id is not None:
             body["plan"] = b.plan_id
         else:
@@ -315,11 +322,21 @@ class Weights:
         else:
             stats["warm"] += 1
             plan = RestorePlan(plan.sources, b.tensors)
-        return reply, plan
+        fills, staged = self._targets(b, entries)
+        if reply.get("remote"):
+            try:
+                if self._lane is None:
+                    self._lane = LanePull(self.session.maps)
+                plan = self._lane.receive(step, plan, reply["remote"], fills, slot)
+            except BaseException:
+                conn.call("release", lease=reply["lease"])
+                raise
+        return reply, plan, fills, staged
 
-    def _fill(self, b: _Bucket, entries: list, plan: RestorePlan, reply: dict, conn, stats: dict) -> None:
-        """Copy one bucket into its targets in one pass, each chunk checksummed as it is copied,
-        and give its lease back."""
+    @staticmethod
+    def _targets(b: _Bucket, entries: list) -> tuple[list, list]:
+        """A bucket's fills (its targets as entries, in the plan's order) and the (target,
+        staging tensor) pairs of those whose dtype differs from the saved one."""
         fills, staged = [], []
         for it, t in zip(b.items, b.targets):
             target = _rows(entries[it.index].tensor, it.rows)
@@ -328,7 +345,12 @@ class Weights:
                 staged.append((target, host))
                 target = host
             fills.append(entry_of(it.name, target, None))
-            stats["bytes"] += target.numel() * target.element_size()
+        return fills, staged
+
+    def _fill(self, plan: RestorePlan, reply: dict, conn, stats: dict, fills: list, staged: list) -> None:
+        """Copy one bucket into its targets in one pass, each chunk checksummed as it is copied,
+        and give its lease back."""
+        stats["bytes"] += sum(e.tensor.numel() * e.tensor.element_size() for e in fills)
         damaged = False
         try:
             apply_plan(self.session, fills, plan, verify="fused")
@@ -344,6 +366,9 @@ class Weights:
         if self._ahead is not None:
             self._ahead.shutdown(wait=True)
             self._ahead = None
+        if self._lane is not None:
+            self._lane.close()
+            self._lane = None
         self.session.close()
 
     def __enter__(self) -> "Weights":

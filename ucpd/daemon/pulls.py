@@ -11,8 +11,12 @@ the source table — where each source tensor's bytes are in this version and th
 so no names, shapes, placements or copies move again. A layout that changed is planned again
 (a new id, a whole answer).
 
-On a team, what other nodes hold is fetched into a landing file reused from pull to pull
-(``daemon/landing.py``), given back when the pull's lease ends.
+On a team, what other nodes hold is read by the receiver itself when it asks (``lane``): the
+answer names those rows, the nodes holding each (pinned there until the lease ends), their data
+lane addresses and a ticket to prove on that lane (``team.lane.ReceiverLane``), so the bytes
+cross once, into the receiver's tensors (``ucpd_client.lane_pull``). Otherwise (a receiver that
+does not ask, a NIXL or control lane, a holder whose lane is unknown) they are fetched here into
+a landing file reused from pull to pull (``daemon/landing.py``), given back when the lease ends.
 
 Each pull holds a lease (``Leases.grant``, ``PULL_LEASE_SECONDS``): the version read stays put
 while it is read, and no longer than that bound (``--keep`` then goes on; a receiver that read
@@ -27,6 +31,7 @@ from collections import OrderedDict
 
 from ..errors import ProtocolError
 from ..protocol import RestorePlan
+from ..team.lane import DataLane
 from .landing import Landings, land
 from .leases import PULL_LEASE_SECONDS
 
@@ -79,7 +84,7 @@ class Pulls:
         self.locate, self.team, self.leases, self.store = locate, team, leases, store
         self._plans: OrderedDict[int, _Cached] = OrderedDict()
         self._ids = itertools.count(1)
-        self.counters = {"cold": 0, "warm": 0, "replanned": 0}
+        self.counters = {"cold": 0, "warm": 0, "replanned": 0, "lane": 0}
         self.landings: Landings | None = None  # where peers' bytes land (a team), made on first use
 
     def pull(self, body: dict, job: str) -> dict:
@@ -136,9 +141,11 @@ class Pulls:
         return plan_id
 
     def _answer(self, body: dict, found, plan_id: int, plan: RestorePlan, whole: bool) -> dict:
-        landing = None
+        landing = remote = None
         try:
-            if found.team is not None:  # the peers' bytes fetched here, checked, into a reused landing file
+            if found.team is not None and body.get("lane"):
+                remote = self._remote(found.team, plan)
+            if found.team is not None and remote is None:  # the peers' bytes fetched here, checked, into a reused landing file
                 if self.landings is None:
                     self.landings = Landings(self.team.shm_dir)
                 plan, landing = land(self.team, found.team, plan, self.landings)
@@ -150,7 +157,35 @@ class Pulls:
             if landing is not None:
                 self.leases.get(lease).releases.append(lambda: self.landings.give_back(landing))
         sent = plan if whole else RestorePlan(plan.sources, ())
-        return {"lease": lease, "step": found.step, "where": found.where, "plan_id": plan_id, "plan": sent}
+        out = {"lease": lease, "step": found.step, "where": found.where, "plan_id": plan_id, "plan": sent}
+        if remote is not None:
+            self.counters["lane"] += 1
+            out["remote"] = remote
+        return out
+
+    def _remote(self, sources, plan: RestorePlan) -> dict | None:
+        """The plan's rows that live on peers, for the receiver to get on the data lane itself:
+        each row's part and the nodes holding it (pinned until the lease ends), their lane
+        addresses, a ticket. None: nothing is on a peer, or some row's holder cannot be reached
+        on a TCP data lane (then the rows land here)."""
+        lane = self.team.lane
+        if type(lane) is not DataLane:  # (None: the control lane; NIXL: its gets are not TCP streams)
+            return None
+        by_path = {w.path: w for w in sources.remote.values()}
+        rows, used = [], set()
+        for i, s in enumerate(plan.sources):
+            w = by_path.get(s.path)
+            if w is None:
+                continue
+            nodes = [n for n in w.nodes if lane.reaches(n)]
+            if w.node not in nodes:
+                return None
+            rows.append((i, w.origin, w.rank, nodes))
+            used.update(nodes)
+        if not rows:
+            return None
+        ticket, key = lane.receiver_ticket(PULL_LEASE_SECONDS + 60.0)
+        return {"rows": rows, "lanes": [(n, lane.address_of(n)) for n in sorted(used)], "ticket": ticket, "key": key}
 
     def _release(self, found) -> None:
         with self.store.atomic():

@@ -22,7 +22,7 @@ from typing import Any, ClassVar, NamedTuple
 from ..errors import ProtocolError, UcpdError
 from .wire import (
     BIG_FRAME, MAX_INT, MAX_NAME_LEN, MAX_PATH_LEN, MAX_RANKS, MessageType, Record, boolean, binary, crc32, any_map, number,
-    integer, list_of, map_of, nullable, one_of, file_path, shape, text, gc_paused, job_name, pack, reply_from_wire,
+    integer, list_of, map_of, nullable, one_of, tuple_of, file_path, shape, text, gc_paused, job_name, pack, reply_from_wire,
     reply_to_wire, unpack_envelope, validate_fields,
 )
 
@@ -468,11 +468,15 @@ REQUESTS: dict[str, MessageType] = {
             # names the plan a cold one got (plan) and moves only the sources' places and CRCs
             "pull", {"step": integer()},
             {"job": job_name, "targets": list_of(TARGET_ENTRY), "plan": integer(), "pid": integer(), "pidns": text,
-             "incarnation": text},
+             "incarnation": text, "lane": boolean},
             "plan (or reuse the cached plan `plan` of) the copies that fill a receiver's targets from step; reply: "
             "the lease to release, the step, where it is read, the plan's id, and the RestorePlan inline (its "
-            "tensors empty when the plan is reused: the client keeps them)",
+            "tensors empty when the plan is reused: the client keeps them); lane: the receiver gets other nodes' "
+            "rows itself on the data lane, and `remote` names them (rows: [source index, origin, rank, nodes "
+            "holding it]), the nodes' lane addresses and a ticket and key to prove (ucpd.team.lane.ReceiverLane)",
             Record({"lease": integer(), "step": integer(), "where": WHERE, "plan_id": integer()},
+                   {"remote": Record({"rows": list_of(tuple_of(integer(), integer(), integer(), list_of(integer(), 256))),
+                                      "lanes": list_of(tuple_of(integer(), text), 4096), "ticket": binary, "key": binary})},
                    inline={"plan": RestorePlan}),
         ),
         MessageType(
