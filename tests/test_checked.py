@@ -59,7 +59,10 @@ def test_a_column_shard_of_a_whole_tensor_strided():
     assert (out.reshape(16, 16) == g[:, 16:32]).all()
 
 
-@pytest.mark.parametrize("rows, bad_byte, caught", [((4, 12), 5 * 96 + 3, True), ((4, 12), 15 * 96, False), ((0, 16), 0, True)])
+# rows 4..12 read bytes 384..1152 of 256-byte chunks: chunk 1 is read in part (256..384 before the
+# copied bytes), chunk 4 too (1152..1280 after them); damage anywhere in a chunk read is caught
+@pytest.mark.parametrize("rows, bad_byte, caught", [((4, 12), 5 * 96 + 3, True), ((4, 12), 300, True), ((4, 12), 1200, True),
+                                                    ((4, 12), 15 * 96, False), ((0, 16), 0, True)])
 def test_damage_is_caught_only_where_read(rows, bad_byte, caught):
     g = np.arange(16 * 24, dtype=np.int32).reshape(16, 24)  # 96-byte rows: slices cut chunks
     src = source(g.reshape(-1).copy(), damage=bad_byte)
