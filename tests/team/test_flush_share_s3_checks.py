@@ -4,12 +4,12 @@ files: a peer cannot make it write anywhere else. Refused before any byte is rea
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 
 from ucpd.errors import ProtocolError, StorageError
+from ucpd.team.counters import FetchCounters, FlushCounters, ServeCounters
 from ucpd.team.flush_share import ShareWriter
+from ucpd.team.serve import PeerServer
 
 SHARD = "model-00001-of-00001.safetensors"
 
@@ -21,7 +21,8 @@ def body(dir_: str, file: str = SHARD, step: int = 4) -> dict:
 
 
 def writer(flush_dir):
-    return ShareWriter(SimpleNamespace(rank=1, config=SimpleNamespace(flush_dir=flush_dir)))
+    return ShareWriter(1, flush_dir, "/nonexistent", None, None, None, FlushCounters(), FetchCounters(),
+                       PeerServer(1, ServeCounters()))
 
 
 @pytest.mark.parametrize("dir_, error, says", [

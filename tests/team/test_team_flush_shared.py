@@ -21,7 +21,6 @@ from ucpd.daemon.versions import VersionState
 from ucpd.errors import DaemonUnreachable, StorageError
 from ucpd.format import list_versions, open_version, validate
 from ucpd.team import flush_lead
-from ucpd.team.flush_lead import TeamFlush
 
 NODES, PER_NODE = 3, 2
 WORLD = NODES * PER_NODE
@@ -62,7 +61,7 @@ def snapshot(team: InProcTeam, step: int, run: int = 1) -> None:
 
 
 def flush(team: InProcTeam, step: int, root) -> bool:
-    return TeamFlush(team[0].team).write(team[0].store.version(step), root, lambda done, total: None)
+    return team[0].team.flush_lead.write(team[0].store.version(step), root, lambda done, total: None)
 
 
 def flush_while_ticking(team: InProcTeam, step: int, root, until=None):

@@ -336,7 +336,7 @@ def compose(config, *, policy=None, store=None):
         store = store if store is not None else make_store(config, policy or team, single_job=team is not None)
         root = make_flush_root(config)
         if team is not None and root is not None:  # every node uploads its share of an S3 flush with these
-            team.flush_share.storage_options = root.storage_options
+            team.flush_storage_options = root.storage_options
         flusher = make_flusher(config, store, team, root)
         return Daemon(config, locks=locks, store=store, team=team, flusher=flusher, flush_root=root)
     except BaseException:

@@ -39,6 +39,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -54,9 +55,11 @@ from ..format.shares import (
 from ..ucl.geometry import GBox, intersect, volume
 from ..ucl.plan import plan_consolidate
 from ..dtypes import dtype as lookup_dtype
+from .counters import FlushCounters
 from .flush_plan import Batch, Piece, ShareFlush, row_blocks
 from .parts import with_run
 from .sources import LocalRead
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -137,33 +140,40 @@ def _add_held(held: dict[int, int], g, r0: int, r1: int) -> None:
 
 
 class TeamFlush:
-    """Node 0's flush of a version, written by every live node. ``team``: the driver (``team.Team``)."""
+    """Node 0's flush of a version, written by every live node. ``view``: the team's (rank, live
+    nodes); ``transport``: where the other nodes' shares are asked; ``restore_sources(step)``:
+    where each part is read (``VersionSources.restore_sources``: pinned on its holders);
+    ``write_own(body)``: this node's share (``flush_share.ShareWriter.write``); ``counters``: the
+    flush's."""
 
-    def __init__(self, team) -> None:
-        self.team = team
+    def __init__(self, view: TeamView, transport, restore_sources: Callable[[int], object],
+                 write_own: Callable[[dict], list[list[int]]], counters: FlushCounters) -> None:
+        self.view, self.transport = view, transport
+        self.restore_sources, self.write_own = restore_sources, write_own
+        self.counters = counters
 
     def write(self, version, root: Path | ObjectRoot, progress, rate: float = 0.0) -> bool:
         """Write ``version`` into ``root`` (``step-<N>``; a folder, or an ``ObjectRoot``) with every
         live node; False when the lead must write it alone (see the module). ``progress(done,
         total)`` as bytes land; ``rate``: each writer's ceiling in bytes/s (``--flush-rate``; 0: none)."""
-        team, step = self.team, version.step
+        view, step = self.view, version.step
         if isinstance(root, ObjectRoot) and not root.s3:
             log.info("team: %s is not S3 (no multipart uploads to share); node %d writes step %d alone", root.url,
-                     team.rank, step)
+                     view.rank, step)
             return False
-        got = team.sources.restore_sources(step)  # pins every part on its holders
+        got = self.restore_sources(step)  # pins every part on its holders
         try:
             faults.stall("flush.fetch", step)
             faults.point("flush.fetch.kill", step)
             if any(isinstance(w, LocalRead) and w.origin is None for w in got.where.values()):
-                log.info("team: step %d has a part rebuilt from parity on this node; node %d writes it alone", step, team.rank)
+                log.info("team: step %d has a part rebuilt from parity on this node; node %d writes it alone", step, view.rank)
                 return False
             origin = {r: w.origin for r, w in got.where.items()}
-            holders = {r: got.holders.get(r) or ((team.rank,) if isinstance(w, LocalRead) else w.nodes)
+            holders = {r: got.holders.get(r) or ((view.rank,) if isinstance(w, LocalRead) else w.nodes)
                        for r, w in got.where.items()}
             globals_ = got.version.globals()
             files = plan_files([(g.name, g.dtype, g.shape, g.pattern) for g in (globals_[n] for n in sorted(globals_))])
-            live = sorted(team.live())
+            live = sorted(view.live())
             if isinstance(root, ObjectRoot):
                 self._upload(root, step, got, origin, holders, globals_, files, live, progress, rate)
                 return True
@@ -245,7 +255,7 @@ class TeamFlush:
             for fname in set(uploads) - finished:
                 up.abort(fname, uploads[fname])
             raise
-        self.team.counters.flush.flush_uploaded_bytes += sent
+        self.counters.flush_uploaded_bytes += sent
         writers = sorted(set(sm.written_by.values()))
         log.info("team: step %d uploaded to %s by nodes %s in %.2f s (%d parts)", step, root.url, writers,
                  time.monotonic() - t0, len(parts))
@@ -280,7 +290,7 @@ class TeamFlush:
                         log.warning("team: node %d failed pieces of step %d's flush: %s; they go to another node", b.node, step, exc)
                         sm.on_failed(b.id, str(exc))
                     progress(sm.bytes_done, sm.total_bytes)
-                live = self.team.live()
+                live = self.view.live()
                 for node in sorted({n for ns in sm.holders.values() for n in ns} | sm.writers):
                     if node not in live:
                         log.warning("team: node %d was lost during step %d's flush; its unfinished pieces go to others", node, step)
@@ -291,9 +301,9 @@ class TeamFlush:
             pool.shutdown(wait=False, cancel_futures=True)
 
     def _send(self, b: Batch, body: dict) -> list:
-        if b.node == self.team.rank:
-            return self.team.flush_share.write(body)  # our own share, on this thread
-        reply, _ = self.team.transport.request(b.node, "flush_share", body, timeout=SHARE_TIMEOUT)
+        if b.node == self.view.rank:
+            return self.write_own(body)  # our own share, on this thread
+        reply, _ = self.transport.request(b.node, "flush_share", body, timeout=SHARE_TIMEOUT)
         return reply["crcs"]
 
     def _body(self, node: int, rows: list[tuple[str, int, int]], sm: ShareFlush, step: int, got, origin: dict,

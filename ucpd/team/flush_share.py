@@ -35,6 +35,7 @@ import os
 import time
 import uuid
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,7 +55,10 @@ from ..format.roots import as_root
 from ..format.shares import TensorPlace, grid_crcs, write_rows
 from ..native import CHUNK_BYTES
 from ..ucl.plan import SourcePiece, plan_consolidate
+from .counters import FetchCounters, FlushCounters
 from .parts import run_of
+from .replicas import ReplicaStore
+from .serve import PeerServer
 from .shmfiles import close_map, open_reserved, remove
 from .sources import FETCH_PREFIX, PeerRead, unpin_local
 
@@ -93,12 +97,23 @@ def pieces_of(name: str, sources: list[Source]) -> list[SourcePiece]:
 
 
 class ShareWriter:
-    """Writes the batches the lead sends this node. ``team``: the driver (``team.Team``)."""
+    """Writes the batches the lead sends this node. ``rank``: this node's; ``flush_dir``: its own
+    ``--flush-dir`` (a peer's batch is written under it only); ``shm_dir``: where fetch windows go;
+    ``store`` / ``replicas``: the parts and copies held here; ``fetch_ranges``: reads ranges of a
+    part from its holders (``VersionSources.fetch_ranges``); ``counters`` / ``fetched``: this
+    part's and the fetch path's counters; ``server``: the node's peer server, where it answers
+    ``flush_share``; ``storage_options``: fsspec's, for an object-store ``--flush-dir``."""
 
-    def __init__(self, team) -> None:
-        self.team = team
-        self.storage_options: dict | None = None  # fsspec's, for an object-store --flush-dir (set by cli.compose)
+    def __init__(self, rank: int, flush_dir: str | None, shm_dir: str, store, replicas: ReplicaStore,
+                 fetch_ranges: Callable[..., None], counters: FlushCounters, fetched: FetchCounters,
+                 server: PeerServer, storage_options: dict | None = None) -> None:
+        self.rank, self.flush_dir, self.shm_dir = rank, flush_dir, shm_dir
+        self.store, self.replicas = store, replicas
+        self.fetch_ranges = fetch_ranges
+        self.counters, self.fetched = counters, fetched
+        self.storage_options = storage_options
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="ucpd-flush-share")
+        server.register("flush_share", self.serve)
 
     def serve(self, src: int, body: dict, frames: list) -> Future:
         """A ``flush_share`` request: the lead hands us pieces of a flush to write, one batch at a
@@ -116,10 +131,10 @@ class ShareWriter:
         store = self._checked_store(body) if parts else None
         sources = [Source(s["rank"], s["idx"], TensorEntry.from_wire(s["t"]), s["origin"], tuple(s["nodes"]))
                    for s in body["sources"]]
-        mine = [s for s in sources if self.team.rank in s.nodes]
-        others = [s for s in sources if self.team.rank not in s.nodes]
-        local = _LocalParts(self.team, step, run)
-        pace = _Pace(body.get("rate") or 0, self.team.store)
+        mine = [s for s in sources if self.rank in s.nodes]
+        others = [s for s in sources if self.rank not in s.nodes]
+        local = _LocalParts(self.rank, self.store, self.replicas, step, run)
+        pace = _Pace(body.get("rate") or 0, self.store)
         try:
             if parts:
                 return self._upload(step, chunk, body["pieces"], parts, store, mine + others, local, pace)
@@ -134,7 +149,7 @@ class ShareWriter:
                 _fault_points(step)
             return out
         except OSError as exc:  # a full or failing flush dir: the lead gives our pieces to others
-            raise StorageError(f"node {self.team.rank} could not write step {step}'s flush share: {exc}") from None
+            raise StorageError(f"node {self.rank} could not write step {step}'s flush share: {exc}") from None
         finally:
             local.release()
 
@@ -146,7 +161,7 @@ class ShareWriter:
         m = spec.TMP_RE.match(tmp.name)
         if not tmp.is_absolute() or m is None or int(m.group(1)) != body["step"]:
             raise ProtocolError(f"flush_share: {body['dir']!r} is not the temporary folder of step {body['step']}")
-        mine = self.team.config.flush_dir
+        mine = self.flush_dir
         if mine and not as_root(mine, self.storage_options).contains(str(tmp)):
             raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine}: give every node the same "
                                "--flush-dir, mounted at the same path")
@@ -159,7 +174,7 @@ class ShareWriter:
     def _checked_store(self, body: dict) -> SharedUpload:
         """The job's root in the object store, refused unless ``dir`` is step ``<N>``'s folder of a
         job under our own ``--flush-dir`` and every part and piece names one of its shard files."""
-        url, mine = body["dir"].rstrip("/"), (self.team.config.flush_dir or "").rstrip("/")
+        url, mine = body["dir"].rstrip("/"), (self.flush_dir or "").rstrip("/")
         if not mine or not as_root(mine, self.storage_options).contains(url):
             raise StorageError(f"{body['dir']} is outside this node's --flush-dir {mine or '(none)'}: give every node "
                                "the same --flush-dir")
@@ -198,7 +213,7 @@ class ShareWriter:
     def _landed(self, step: int, upload, nbytes: int) -> None:
         """A part's upload is over: raise its error, or count its bytes."""
         upload.result()
-        self.team.counters.flush.flush_uploaded_bytes += nbytes
+        self.counters.flush_uploaded_bytes += nbytes
         _fault_points(step)
 
     def _fill_part(self, step: int, chunk: int, part: dict, mine: list[dict], sources: list[Source],
@@ -283,7 +298,7 @@ class ShareWriter:
             except ChecksumMismatch as exc:  # a copy it read is damaged: read those tensors from each other copy
                 self._reread_damaged(step, exc, reads, by_key, arrays, checked_of, windows, storage)
                 crcs = write()  # the rows again, in place
-            self.team.counters.flush.flush_written_bytes += \
+            self.counters.flush_written_bytes += \
                 (r1 - r0) * place.row_bytes
             return crcs
         finally:
@@ -297,7 +312,7 @@ class ShareWriter:
         source tensors whose chunks fail, and read each from every other copy in turn (alone,
         not in shares) until one passes; ``arrays`` then holds it. Raises ChecksumMismatch
         naming the copies tried when none does (the lead then gives the piece to another node)."""
-        self.team.counters.flush.flush_checksum_errors += 1
+        self.counters.flush_checksum_errors += 1
         bad = [key for key, buf in arrays.items()
                if bad_chunks(checked_of(key, buf), _chunks(reads[key], storage.itemsize))]
         if not bad:
@@ -305,7 +320,7 @@ class ShareWriter:
         for key in bad:
             s = by_key[key]
             tried = []
-            for node in [n for n in s.nodes if n != self.team.rank] or [s.origin]:
+            for node in [n for n in s.nodes if n != self.rank] or [s.origin]:
                 tried.append(node)
                 try:
                     got = self._fetch_window(step, s.rank, [(s, reads[key])], windows, only=node)[key]
@@ -338,14 +353,14 @@ class ShareWriter:
                     ranges.append((lo, hi - lo))
         s0 = wanted[0][0]
         size = max(s.entry.offset + s.entry.nbytes for s, _ in wanted)
-        path = os.path.join(self.team.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
+        path = os.path.join(self.shm_dir, f"{FETCH_PREFIX}{uuid.uuid4().hex[:12]}")
         mm = open_reserved(path, size, ranges)
         windows.append((path, mm))
-        first, *rest = [only] if only is not None else [n for n in s0.nodes if n != self.team.rank] or [s0.origin]
-        self.team.sources.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)
+        first, *rest = [only] if only is not None else [n for n in s0.nodes if n != self.rank] or [s0.origin]
+        self.fetch_ranges(PeerRead(first, s0.origin, rank, path, tuple(rest)), step, ranges, mm)
         nbytes = sum(n for _, n in ranges)
-        self.team.counters.fetch.fetched_bytes += nbytes
-        self.team.counters.flush.flush_fetched_bytes += nbytes
+        self.fetched.fetched_bytes += nbytes
+        self.counters.flush_fetched_bytes += nbytes
         return {s.key: mm for s, _ in wanted}
 
 
@@ -387,14 +402,14 @@ class _LocalParts:
     """The parts of one step this node holds (its own ranks', replicas it keeps), pinned while
     a batch reads them."""
 
-    def __init__(self, team, step: int, run: str) -> None:
-        self.team, self.step, self.run = team, step, run
+    def __init__(self, rank: int, store, replicas: ReplicaStore, step: int, run: str) -> None:
+        self.rank, self.store, self.replicas, self.step, self.run = rank, store, replicas, step, run
         self.pins: list = []
         self.bufs: dict[tuple[int, int], object] = {}  # (origin, rank) -> the part's bytes, or None
 
     def buffer(self, s: Source):
         """The bytes of ``s``'s rank part (its slot's, from offset 0) if this node holds them."""
-        if self.team.rank not in s.nodes:
+        if self.rank not in s.nodes:
             return None
         k = (s.origin, s.rank)
         if k not in self.bufs:
@@ -402,19 +417,19 @@ class _LocalParts:
         return self.bufs[k]
 
     def _open(self, s: Source):
-        store, replicas = self.team.store, self.team.replicas
+        store, replicas = self.store, self.replicas
         with store.atomic():
-            if s.origin == self.team.rank and replicas.get(s.origin, self.step) is None:  # (else: rebuilt from parity)
+            if s.origin == self.rank and replicas.get(s.origin, self.step) is None:  # (else: rebuilt from parity)
                 v = store.sealed(self.step)
                 part = v.parts.get(s.rank) if v is not None else None
                 if part is None or run_of(v) != self.run:
-                    raise VersionNotFound(f"node {self.team.rank} no longer holds rank {s.rank} of step {self.step}")
+                    raise VersionNotFound(f"node {self.rank} no longer holds rank {s.rank} of step {self.step}")
                 store.pin(v)
                 self.pins.append(v)
                 return np.frombuffer(store.slot_view(part.slot), np.uint8)
             rep = replicas.get(s.origin, self.step)
             if rep is None or s.rank not in rep.parts or run_of(rep) != self.run:
-                raise VersionNotFound(f"node {self.team.rank} holds no copy of rank {s.rank} of step {self.step}")
+                raise VersionNotFound(f"node {self.rank} holds no copy of rank {s.rank} of step {self.step}")
             replicas.pin(rep)
             self.pins.append(rep)
             base = rep.bases[s.rank]
@@ -422,5 +437,5 @@ class _LocalParts:
 
     def release(self) -> None:
         self.bufs.clear()
-        unpin_local(self.team.store, self.team.replicas, self.pins)
+        unpin_local(self.store, self.replicas, self.pins)
         self.pins = []

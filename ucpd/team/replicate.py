@@ -8,8 +8,10 @@ is ``decide.own_heal_targets`` / ``decide.orphan_heal_targets``), ``parity_heal`
 restarted member of a parity group takes its share of the parity back: ``parity_heal``) and ``survey`` (ask the peers which
 ranks of which undecided versions they hold: ``ucpd.daemon.stalls``).
 
-``team``: the driver (``team.Team``): this node's rank, config, store, replicas, parity group,
-transport, live nodes, failure domains, counters, and ``report_protected`` into the protocol.
+It is given what it uses (``Replicator.__init__``): the team's view, the store, the replicas held
+here, the transport and data lane, its counters, and callables for what it asks of the others —
+the protocol (``report_protected``), the version sources (``replica_sound``, ``held_by_node``),
+the parity group (``protect``, and its healer).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults, knobs, protocol
@@ -25,13 +28,17 @@ from ..daemon import stalls
 from ..daemon.manifest import RankPart
 from ..daemon.versions import RESTORABLE
 from ..errors import UcpdError
+from .counters import ReplicateCounters
 from .decide import Pushed, orphan_heal_targets, own_heal_targets, under_protected
 from .holders import replica_holders
+from .lane import DataLane
 from .parity_group import DEGRADED, FAILED
 from .parity_heal import ParityHealer
 from .parts import chunk_batches, run_of, used_bytes, with_run
+from .replicas import ReplicaStore
 from .directory import ask_all
 from .sources import DATA_BATCH
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -42,11 +49,25 @@ HEAL_RETRY = 2.0  # seconds between retries of a version left with fewer copies 
 class Replicator:
     """This node's copies on other nodes: made, counted (``pushed``) and made again."""
 
-    def __init__(self, team) -> None:
-        self.team = team
-        self.rank = team.rank
-        self.wanted = team.config.replicas
-        self.counters = team.counters.replicate
+    def __init__(self, view: TeamView, wanted: int, store, replicas: ReplicaStore, transport,
+                 lane: Callable[[], DataLane | None], counters: ReplicateCounters, *,
+                 report_protected: Callable[[int, tuple[int, ...], int, str], None],
+                 replica_sound: Callable[[int, int], bool], held_by_node: Callable[..., tuple],
+                 parity_protect: Callable[[int], str] | None = None,
+                 parity_healer: Callable[[Callable[[], bool]], ParityHealer] | None = None) -> None:
+        """``wanted``: replicas of each part (``--replicas``); ``lane()``: the data lane now (None:
+        bulk bytes go on the control lane); ``report_protected(step, ranks, world, run)``: into the
+        commit protocol; ``replica_sound(origin, step)`` / ``held_by_node(step)``: the version
+        sources'; ``parity_protect(step)``: the parity group's (``--parity``), and
+        ``parity_healer(yield_to)`` makes its healer."""
+        self.view = view
+        self.rank = view.rank
+        self.wanted = wanted
+        self.store, self.replicas, self.transport, self.lane = store, replicas, transport, lane
+        self.counters = counters
+        self.report_protected = report_protected
+        self.replica_sound, self.held_by_node = replica_sound, held_by_node
+        self.parity_protect = parity_protect
         self.pushed: dict[int, Pushed] = {}
         self.healing = {"pending": 0, "done": 0, "bytes": 0, "failed": 0}
         self.pushers = ThreadPoolExecutor(PUSH_IN_FLIGHT, thread_name_prefix="ucpd-push")
@@ -57,15 +78,11 @@ class Replicator:
         self._seen_waiting: dict[tuple[str, int], dict[int, dict]] = {}  # the last survey: (job, step) -> {node: item}
         self._lock = threading.Lock()
         self._protects = 0  # protects queued: a heal pass gives way to them (a snapshot waits)
-        self.parity_heal: ParityHealer | None = None  # made at the first tick (the group is made after us)
+        self.parity_heal = parity_healer(self.protects_waiting) if parity_healer is not None else None
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._live: frozenset[int] = frozenset()  # the live nodes at the last view change
         self._recheck = False  # a node was lost: the replicas held are checked again (``_heal``)
-
-    @property
-    def store(self):
-        return self.team.store
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ucpd-replicate", daemon=True)
@@ -98,20 +115,18 @@ class Replicator:
             self._survey_due = now + max(1.0, knobs.stall_warn() / 2)
             if self._stalled(time.time()):
                 self._work.put(("survey", None))
-        if self.team.parity is not None:
-            if self.parity_heal is None:
-                self.parity_heal = ParityHealer(self.team, self.protects_waiting)
+        if self.parity_heal is not None:
             if self.parity_heal.due(now, rejoined is not None):
                 self._work.put(("parity_heal", 0))
         if rejoined is not None:
-            live = self.team.live()
+            live = self.view.live()
             if self._live - live:
                 self._recheck = True
             self._live = live
             for rec in list(self.pushed.values()):
                 rec.holders -= rejoined
             self._queue_heal(now)
-        elif now >= self._heal_due and self._under_protected(self.team.live()):
+        elif now >= self._heal_due and self._under_protected(self.view.live()):
             self._queue_heal(now)
 
     def forget(self, steps) -> None:
@@ -150,7 +165,6 @@ class Replicator:
                 log.exception("team: %s of step %s failed", kind, step)
 
     def _protect(self, step: int) -> None:
-        team = self.team
         v = self.store.sealed(step)
         if v is None:
             return
@@ -160,8 +174,8 @@ class Replicator:
         if rec is None or rec.run != run:  # (the copies of another run's part of the step hold other bytes)
             rec = self.pushed[step] = Pushed(ranks, v.world_size, run)
         tried: set[int] = set()
-        if team.parity is not None:
-            got = team.parity.protect(step)
+        if self.parity_protect is not None:
+            got = self.parity_protect(step)
             if got == FAILED:
                 # an error, not a dead member: the parity does not hold our part, so it is not
                 # reported protected; tried again (by then a member that died is known dead)
@@ -173,8 +187,8 @@ class Replicator:
             if got == DEGRADED:
                 log.warning("team: step %d is in its group's parity without its dead members: degraded", step)
         while len(rec.holders) < self.wanted:
-            live = sorted(team.live())
-            candidates = [h for h in replica_holders(self.rank, live, self.wanted + len(tried), team.domains)
+            live = sorted(self.view.live())
+            candidates = [h for h in replica_holders(self.rank, live, self.wanted + len(tried), self.view.domains)
                           if h not in rec.holders and h not in tried]
             if not candidates:
                 break
@@ -185,11 +199,11 @@ class Replicator:
         if len(rec.holders) < self.wanted:
             log.warning(
                 "team: step %d protected by %d of %d replicas (%d live nodes): degraded",
-                step, len(rec.holders), self.wanted, len(team.live()),
+                step, len(rec.holders), self.wanted, len(self.view.live()),
             )
         rec.protected = True
         self.store.protect(step, v)
-        team.report_protected(step, ranks, rec.world_size, run)
+        self.report_protected(step, ranks, rec.world_size, run)
         self._forget_old_pushes()
 
     def _push_own(self, holder: int, step: int) -> bool:
@@ -211,7 +225,7 @@ class Replicator:
         """Send origin's parts of step (written by the job's run ``run``) to ``holder``; True once
         it verified and kept them. The bytes go on the data lane where the holder has one (in
         batches cut where chunks end: each is checked as it lands), else on the control lane."""
-        transport, counters, lane = self.team.transport, self.counters, self.team.lane
+        transport, counters, lane = self.transport, self.counters, self.lane()
         on_lane = lane is not None and lane.reaches(holder)
         t0 = time.monotonic()
         try:
@@ -272,7 +286,7 @@ class Replicator:
 
         Our own versions: copy to the holders the current view designates. A part whose origin
         is gone and that we hold: the lowest live holder copies it to more nodes."""
-        team = self.team
+        view = self.view
         self._heal_queued = False
         self._survey_due = 0.0
         with self._lock:
@@ -280,30 +294,30 @@ class Replicator:
         if not self.wanted:
             return
         recheck = self._recheck_marked()
-        live = sorted(team.live())
+        live = sorted(view.live())
         own = [v.step for v in self.store.versions_in(RESTORABLE) if v.parts]
         for step in own:
             rec = self.pushed.get(step)
             if rec is None:
                 continue
             rec.holders &= set(live)
-            for h in own_heal_targets(self.rank, live, self.wanted, team.domains, rec.holders):
+            for h in own_heal_targets(self.rank, live, self.wanted, view.domains, rec.holders):
                 self._heal_push(h, step, lambda h=h: self._push_own(h, step), rec.holders)
         # a dead origin's committed steps only (a dead run's undecided ones are not healed)
-        orphans = [(o, s) for (o, s), r in list(team.replicas.held.items())
-                   if r.whole and o not in live and team.is_committed(s)]
+        orphans = [(o, s) for (o, s), r in list(self.replicas.held.items())
+                   if r.whole and o not in live and view.is_committed(s)]
         # a lost node's parts are what a restart reads next: checked now (once), off its path,
         # and never copied on damaged
-        orphans = [(o, s) for o, s in orphans if team.sources.replica_sound(o, s)]
+        orphans = [(o, s) for o, s in orphans if self.replica_sound(o, s)]
         if orphans:
-            _, holdings = team.sources.held_by_node(None)
+            _, holdings = self.held_by_node(None)
             for origin, step in orphans:
                 holders = {n for n, items in holdings.items() if any(h.origin == origin and h.step == step for h in items)}
                 holders.add(self.rank)
-                for h in orphan_heal_targets(origin, self.rank, live, self.wanted, team.domains, holders):
+                for h in orphan_heal_targets(origin, self.rank, live, self.wanted, view.domains, holders):
                     self._heal_push(h, step, lambda h=h, o=origin, s=step: self._push_replica(h, o, s), holders)
         for origin, step in recheck:  # the other copies a restart may read here, after the copying
-            team.sources.replica_sound(origin, step)
+            self.replica_sound(origin, step)
 
     def _recheck_marked(self) -> list[tuple[int, int]]:
         """After a node loss: every whole replica held is marked to be checked again (a restart
@@ -312,7 +326,7 @@ class Replicator:
         if not self._recheck:
             return []
         self._recheck = False
-        replicas = self.team.replicas
+        replicas = self.replicas
         with self.store.atomic():
             marked = [(o, s) for (o, s), r in replicas.held.items() if r.whole]
             for key in marked:
@@ -332,7 +346,7 @@ class Replicator:
             self.healing["pending"] -= 1
 
     def _push_replica(self, holder: int, origin: int, step: int) -> bool:
-        replicas = self.team.replicas
+        replicas = self.replicas
         with self.store.atomic():
             rep = replicas.get(origin, step)
             if rep is None:
@@ -354,7 +368,7 @@ class Replicator:
         """Ask every live peer which ranks of which undecided versions it holds: what the daemon
         logs and a pending ``wait`` reply tell about a stuck step."""
         seen: dict[tuple[str, int], dict[int, dict]] = {}
-        for node, reply in ask_all(self.team.transport, self.rank, self.team.live(), "waiting", {}).items():
+        for node, reply in ask_all(self.transport, self.rank, self.view.live(), "waiting", {}).items():
             for item in reply.get("items", []):
                 seen.setdefault((item["job"], item["step"]), {})[node] = item
         with self._lock:

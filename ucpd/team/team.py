@@ -38,6 +38,7 @@ from .lane import DataLane
 from .lane_keeper import LaneKeeper, NoLane
 from .liveness import GossipThread, make_membership, node_ranges
 from .parity_group import ParityGroup
+from .parity_heal import ParityHealer
 from .parts import run_of
 from .replicas import ReplicaStore
 from .replicate import Replicator
@@ -61,10 +62,9 @@ class Team:
     local_parts = True
 
     def __init__(self, config: TeamConfig, shm_dir: str, link=None, clock=time.monotonic) -> None:
-        """``link``: makes the transport to the peers, called as ``PeerTransport`` is (tests pass
-        an in-process one: ``tests/helpers/fake_link.py``). ``clock``: the time of the team's
-        timers (liveness, the protocol's resends, peer leases, heal retries); a test passes one it
-        advances itself, so no timer races the machine's load."""
+        """``link``: makes the transport to the peers, as ``PeerTransport`` (tests: ``helpers/fake_link.py``).
+        ``clock``: the time of the team's timers (liveness, resends, peer leases, heal retries);
+        a test passes one it advances itself, so no timer races the machine's load."""
         self.config = config
         self.rank = config.node_rank
         self.shm_dir = shm_dir
@@ -83,7 +83,7 @@ class Team:
         self.store = None
         self.replicas: ReplicaStore | None = None
         self.leases: Leases | None = None
-        self.held_server: HeldServer | None = None
+        self.flush_storage_options: dict | None = None  # fsspec's, for an object-store --flush-dir (cli.compose)
         self.server = PeerServer(self.rank, self.counters.serve)  # each part registers what it answers
         self.server.register("commit", lambda src, b, frames: self.on_commit_message(src, b["m"]))
         self.server.register("gossip", lambda src, b, frames: self.on_gossip(src, b["m"]))
@@ -104,32 +104,26 @@ class Team:
         self.lanes = NoLane() if link is not None or config.data_transport == "zmq" else LaneKeeper(
             config, lambda src, b: self.held_server.on_put(src, b), lambda src, b: self.held_server.on_get(src, b),
             lambda also: set(replica_holders(self.rank, sorted(self.live() | {also}), max(1, config.replicas), self.domains)))
-        self.replicator = Replicator(self)
         self.sources = VersionSources(self)
         if not config.fanout:
             self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
                                "(started with --commit-fanout 0): ask every node with `holdings`")
         self.counters.add(*(p.counters for p in (self.sources.directory, self.sources.index) if p is not None))
-        self.flush_lead = TeamFlush(self) if self.flushes else None
-        self.flush_share = ShareWriter(self)
-        self.server.register("flush_share", self.flush_share.serve)
         self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit()) if config.parity else None
         register_parity(self.server, self.parity, self.rank)
 
     # --- life cycle ----------------------------------------------------------------------------
 
     def attach(self, store, leases: Leases | None = None) -> None:
-        """Join: bind the peer port, connect to the peers, start the replication thread.
-        ``leases``: the node's leases, where a peer's pin on our RAM is one (None: a table of
-        the team's own, on its clock)."""
+        """Join: build the parts that need the store, bind the peer port, connect, start the threads.
+        ``leases``: the node's, where a peer's pin on our RAM is one (None: the team's own)."""
         self.store = store
         held = store.versions_in((VersionState.COMPLETE, VersionState.PROTECTED, *RESTORABLE))
         self.commit = CommitNode(self.rank, self.config.nodes, committed=[v.step for v in held if v.state in RESTORABLE],
                                  fanout=self.config.fanout)
         self.replicas = ReplicaStore(self.shm_dir, store.atomic(), self.config.keep, self._room)
         self.leases = leases if leases is not None else Leases(store, clock=self.clock)
-        self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, self.sources.own_holdings,
-                                      self.counters.serve)
+        self._build_parts(store)
         self.address = self.transport.bind()
         self.lanes.start()
         self.transport.start(self.config.peers)
@@ -145,16 +139,30 @@ class Team:
                 self.replicator.protect(v.step)
         log.info("team: node %d of %d listening on %s", self.rank, self.config.nodes, self.address)
 
+    def _build_parts(self, store) -> None:
+        """The parts that read or hold the node's store, each given what it uses."""
+        src, c, parity = self.sources, self.counters, self.parity
+        self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, src.own_holdings, c.serve)
+        self.flush_share = ShareWriter(self.rank, self.config.flush_dir, self.shm_dir, store, self.replicas, src.fetch_ranges,
+                                       c.flush, c.fetch, self.server, self.flush_storage_options)
+        self.flush_lead = TeamFlush(self.view, self.transport, src.restore_sources, lambda b: self.flush_share.write(b), c.flush)
+        self.replicator = Replicator(
+            self.view, self.config.replicas, store, self.replicas, self.transport, lambda: self.lane, c.replicate,
+            report_protected=self.report_protected, replica_sound=src.replica_sound, held_by_node=src.held_by_node,
+            parity_protect=parity.protect if parity else None,
+            parity_healer=(lambda yield_to: ParityHealer(self, yield_to)) if parity else None)
+
     def close(self) -> None:
         if self._membership_thread is not None:
             self._membership_thread.stop()
-        self.replicator.stop()
-        if self.held_server is not None:
+        attached = self.store is not None
+        if attached:
+            self.replicator.stop()
             self.held_server.close()
-        self.flush_share.close()
+            self.flush_share.close()
         self.transport.close()
         self.lanes.close()
-        if self.replicas is not None:
+        if attached:
             self.replicas.close()
         for name in os.listdir(self.shm_dir):
             if name.startswith(FETCH_PREFIX):
@@ -173,8 +181,7 @@ class Team:
         return False
 
     def tick(self) -> None:
-        """Timers: liveness, the protocol's resends, peer leases, heal retries, the stall survey.
-        Called by the daemon's loop."""
+        """Timers (the daemon's loop): liveness, the protocol's resends, peer leases, heals, the stall survey."""
         now = self.clock()
         if self._membership_thread is None:
             self._step_membership(now)
@@ -203,8 +210,7 @@ class Team:
             self.transport.fail_pending(peer, "was declared dead (silent for --dead-after)")
             self.lanes.forget(peer)
         for peer in view.rejoined:
-            # its predecessor never answers what we asked it: fail those requests now, not at
-            # their timeout (a copy stuck on it would hold up the replication thread)
+            # its predecessor never answers: fail what we asked it now (a copy stuck on it holds up replication)
             self.transport.fail_pending(peer, "restarted (a new incarnation)")
             self.lanes.forget(peer)
             self.transport.send(peer, "hello", self.hello())
@@ -306,15 +312,13 @@ class Team:
             return self.commit.run_ready(run or "") is True
 
     def decided(self, step: int) -> bool:
-        """Whether the team decided ``step`` (committed, or recorded or being decided here): its
-        parts must stay (the store asks, holding its lock)."""
+        """Whether the team decided ``step`` (committed, or recorded or being decided here): the store asks."""
         with self._lock:
             return self.commit.decided(step)
 
     def _drop_fenced(self, fence: Fence) -> None:
-        """Abandon this node's parts and replicas of runs other than ``fence.run`` that the team
-        never decided (a part a copy still reads goes when the copy ends; a replica a reader
-        pins stays until it is replaced or leaves with ``--keep``: restores read one run)."""
+        """Abandon our parts and replicas of runs but ``fence.run`` the team never decided (a part a copy
+        reads goes when the copy ends; a pinned replica when replaced or by ``--keep``: restores read one run)."""
         keep = lambda step: step in fence.keep or self.decided(step)  # noqa: E731
         job = self.store.team_job
         with self.store.atomic():
@@ -356,9 +360,8 @@ class Team:
     def members_now(self, members) -> dict[int, str | None]:
         """The live ones of ``members`` and their incarnations (None: not heard from yet)."""
         with self._lock:
-            live = self.membership.view.live
-            return {g: self.incarnation if g == self.rank else self.membership.incarnation(g)
-                    for g in members if g in live}
+            live, m = self.membership.view.live, self.membership
+            return {g: self.incarnation if g == self.rank else m.incarnation(g) for g in members if g in live}
 
     # --- the daemon's questions ---------------------------------------------------------------------
 
@@ -367,8 +370,7 @@ class Team:
         return self.sources.latest()
 
     def restore_sources(self, step: int | None, reader: tuple | None = None):
-        """Where every rank's part of ``step`` is read from (``sources.TeamSources``); with
-        ``reader`` (rank, world size, targets), in a large team, first only the parts it reads."""
+        """Where every rank's part of ``step`` is read from (``sources.TeamSources``; ``reader``: ``TeamFace``'s)."""
         return self.sources.restore_sources(step, reader)
 
     def widen(self, why: str) -> None:
@@ -384,7 +386,7 @@ class Team:
         return self.sources.gather_for_flush(version)
 
     def flush_shared(self, version, root, progress, rate: float = 0.0) -> bool:
-        """The flusher's ``shared``: every live node writes its share (``flush_lead.TeamFlush``)."""
+        """The flusher's ``shared``: every live node writes its share (``flush_lead.TeamFlush``; the lead's)."""
         return self.flush_lead.write(version, root, progress, rate)
 
     def seen_waiting(self, job: str, step: int) -> dict[int, dict]:
