@@ -273,3 +273,85 @@ def test_the_team_and_its_gathered_sources_have_what_their_faces_declare():
 
     assert _face_members(TeamFace) - members(Team) == set()
     assert _face_members(TeamSourcesFace) - members(TeamSources) == set()
+
+
+def _team_chains() -> set[str]:
+    """Every ``<x>.team.<member>.<attr>`` and ``team.<member>.<attr>`` in ``ucpd/team/``: a part
+    reaching through the driver into another part (or its config)."""
+    found = set()
+    for path in sorted((ROOT / "ucpd" / "team").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute):
+                base = node.value.value
+                if (isinstance(base, ast.Name) and base.id == "team") or (isinstance(base, ast.Attribute) and base.attr == "team"):
+                    found.add(f"{rel}: team.{node.value.attr}.{node.attr}")
+    return found
+
+
+# What is left of issue 39's chains, named: the list only shrinks (a chain gone must leave it too).
+# The parity group and its healers still take the driver; ``status`` reads every part.
+TEAM_CHAINS_LEFT = {
+    "ucpd/team/parity_group.py: team.config.keep", "ucpd/team/parity_group.py: team.config.nodes",
+    "ucpd/team/parity_group.py: team.counters.get", "ucpd/team/parity_group.py: team.replicator.pushers",
+    "ucpd/team/parity_group.py: team.transport.request",
+    "ucpd/team/parity_heal.py: team.replicas.get", "ucpd/team/parity_heal.py: team.replicas.rebuilt",
+    "ucpd/team/parity_heal.py: team.store.atomic", "ucpd/team/parity_heal.py: team.store.sealed",
+    "ucpd/team/parity_heal.py: team.transport.request",
+    "ucpd/team/parity_restripe.py: team.replicas.get", "ucpd/team/parity_restripe.py: team.replicas.pin",
+    "ucpd/team/parity_restripe.py: team.replicas.rebuilt", "ucpd/team/parity_restripe.py: team.replicas.unpin",
+    "ucpd/team/parity_restripe.py: team.replicator.pushers", "ucpd/team/parity_restripe.py: team.store.read_done",
+    "ucpd/team/parity_restripe.py: team.transport.request",
+    "ucpd/team/settle.py: team.config.dead_after", "ucpd/team/settle.py: team.config.heartbeat",
+    "ucpd/team/settle.py: team.config.nodes", "ucpd/team/settle.py: team.membership.view",
+    "ucpd/team/sources.py: team.config.fanout", "ucpd/team/sources.py: team.counters.fetch",
+    "ucpd/team/sources.py: team.parity.rebuild_checked",
+    "ucpd/team/status.py: team.config.membership", "ucpd/team/status.py: team.config.nodes",
+    "ucpd/team/status.py: team.domains.get", "ucpd/team/status.py: team.lane.status",
+    "ucpd/team/status.py: team.replicator.healing", "ucpd/team/status.py: team.replicator.pushed",
+    "ucpd/team/status.py: team.store.atomic", "ucpd/team/status.py: team.transport.counters",
+}
+
+
+def test_no_team_part_reaches_another_through_the_driver():
+    """A part of the team gets what it uses (a ``view.TeamView``, the store, the transport,
+    callables for what it asks a sibling): ``self.team.parity.on_unit`` is a new caller the
+    parity group cannot see. The chains left are named in ``TEAM_CHAINS_LEFT``, which only shrinks."""
+    found = _team_chains()
+    assert sorted(found - TEAM_CHAINS_LEFT) == [], "a new chain through the team: give the part what it uses"
+    assert sorted(TEAM_CHAINS_LEFT - found) == [], "gone: take it off TEAM_CHAINS_LEFT"
+
+
+def _built_with_the_team() -> set[str]:
+    """Every ``Part(..., team, ...)`` in ``ucpd/team/``: a class built with the whole driver
+    (``self`` inside ``team.py``; ``team`` or ``self.team`` elsewhere)."""
+    found = set()
+    for path in sorted((ROOT / "ucpd" / "team").rglob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            name = f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
+            if not name[:1].isupper():
+                continue
+            for a in [*node.args, *(k.value for k in node.keywords)]:
+                if (isinstance(a, ast.Name) and (a.id == "team" or (a.id == "self" and rel == "ucpd/team/team.py"))) or (
+                        isinstance(a, ast.Attribute) and a.attr == "team" and isinstance(a.value, ast.Name) and a.value.id == "self"):
+                    found.add(f"{rel}: {name}")
+    return found
+
+
+# Parts still built with the whole team (issue 39): the list only shrinks.
+BUILT_WITH_THE_TEAM_LEFT = {
+    "ucpd/team/team.py: VersionSources", "ucpd/team/team.py: ParityGroup", "ucpd/team/team.py: ParityHealer",
+    "ucpd/team/sources.py: HeldCopies", "ucpd/team/sources.py: Settle",
+}
+
+
+def test_no_team_part_is_built_with_the_whole_team():
+    """A part's constructor names what it takes, typed (``Replicator(view, wanted, store, ...)``),
+    never the untyped driver. What is left is named in ``BUILT_WITH_THE_TEAM_LEFT``, which only shrinks."""
+    found = _built_with_the_team()
+    assert sorted(found - BUILT_WITH_THE_TEAM_LEFT) == [], "built with the whole team: pass what it uses"
+    assert sorted(BUILT_WITH_THE_TEAM_LEFT - found) == [], "gone: take it off BUILT_WITH_THE_TEAM_LEFT"
