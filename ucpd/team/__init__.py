@@ -8,7 +8,9 @@
 - ``parts`` — a rank's part as the team moves it: used bytes, run, manifest off the wire, check on arrival.
 - ``team`` — the driver the daemon plugs in (its commit policy): feeds the state machines, carries out their outputs.
 - ``replicate`` — the replication thread: copies our parts to their holders, heals after a loss.
-- ``serve`` — the peer request server: one handler per peer message type.
+- ``view``, ``counters`` — what a part may read of the team (``TeamView``), and each part's counters.
+- ``serve``, ``serve_held``, ``serve_parity`` — the peer request server (each part registers its
+  handlers), the answers about the copies held here, the parity group's.
 - ``sources`` — finding a version across the team and bringing its bytes here, checked.
 - ``directory`` — what every live node holds, gathered by recursive doubling in a large team.
 - ``shmfiles`` — the private shm files a reader fills: ranges reserved up front, removed quietly.
