@@ -96,3 +96,27 @@ def test_a_lost_parity_member_never_replaced_is_re_striped_over_the_survivors_an
     left = [i for i in survivors if i != carrier]
     wait_for(lambda: not status(team.nodes[left[0]].run_dir)["team"]["nodes"][carrier]["live"], "the carrier declared dead")
     restore_on([team.nodes[i].run_dir for i in left], 2 * PER_NODE, PER_NODE, TP, 2)  # bit for bit, another DP
+
+
+@pytest.mark.parametrize("parity", ["3", "2+2"])
+def test_a_survivor_restarted_on_its_shm_after_a_re_stripe_heals_its_share_of_the_new_layout(make_team, monkeypatch,
+                                                                                              parity):
+    monkeypatch.setenv("UCPD_PARITY_UNIT", "64K")
+    monkeypatch.setenv("UCPD_PARITY_RESTRIPE_SECONDS", "2")
+    team = make_team(NODES, "--parity", parity)
+    snapshot_two_steps(team)
+    team.lose(1)  # no replacement comes: steps 1 and 2 are re-striped over nodes 0, 2, 3
+    survivors = (0, 2, 3)
+    wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][1]["live"], "node 1 to be declared dead")
+    wait_for(lambda: versions_healthy(team, survivors), "every version healthy over the survivors", 60)
+    carrier = next(i for i in survivors if [1, 2] in status(team.nodes[i].run_dir)["team"]["replicas_held"])
+    carried = status(team.nodes[carrier].run_dir)["team"]["replicas_held"]
+    team.nodes[carrier].kill()  # its shm stays: its own parts come back, node 1's rebuilt blob and its blocks do not
+    team.start(carrier)
+    others = [i for i in survivors if i != carrier]
+    wait_for(lambda: status(team.nodes[carrier].run_dir)["team"]["healing"]["done"] >= 2, "the carrier to heal its share", 60)
+    wait_for(lambda: versions_healthy(team, survivors), "every version healthy again after the carrier's restart", 60)
+    assert status(team.nodes[carrier].run_dir)["team"]["replicas_held"] == carried  # node 1's blobs, carried again
+    team.lose(others[0])  # a second loss: node 1's part and the lost survivor's come from the carrier's share
+    wait_for(lambda: not status(team.nodes[carrier].run_dir)["team"]["nodes"][others[0]]["live"], "the second loss seen")
+    restore_on([team.nodes[i].run_dir for i in (carrier, others[1])], 2 * PER_NODE, PER_NODE, TP, 2)  # bit for bit

@@ -250,12 +250,16 @@ class ParityGroup:
             if self.team.rank in body["healed"] and step in self.acked:
                 self.acked[step][src] = inc
 
-    def healed_here(self, step: int, manifests: dict, blocks: tuple | None) -> None:
+    def healed_here(self, step: int, manifests: dict, blocks: tuple | None, layout: StepLayout | None = None) -> None:
         """We hold our share of ``step`` again (``parity_heal``): every member's manifest
         (``manifests``: origin -> manifest) and, where we hold parity of the step, ``blocks``
-        ((job run, ``ParityBlocks``))."""
+        ((job run or ``layout``'s tag, ``ParityBlocks``)); ``layout``: the step's re-striped one."""
         now = self._members_now()
         with self._lock:
+            if layout is not None:
+                self.layouts[step] = layout
+                for old in sorted(self.layouts)[: -self.keep]:
+                    del self.layouts[old]
             if blocks is not None:
                 self.blocks[(step, blocks[0])] = blocks[1]
             for origin, man in manifests.items():

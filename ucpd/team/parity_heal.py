@@ -26,7 +26,10 @@ When a member stays lost past ``$UCPD_PARITY_RESTRIPE_SECONDS`` (30 s) of a sett
 no replacement, every survivor re-stripes each committed step over the survivors
 (``decide.parity_restripe``, carried out by ``parity_restripe.restripe_step``): passes go on
 every 5 s while a member is lost, so steps written meanwhile are re-striped too. A replacement
-that comes later has no share of a re-striped step (it is not in its layout).
+that comes later has no share of a re-striped step (it is not in its layout). A member of the
+re-striped layout that restarts (or is replaced) heals its share of it as above, in that
+layout: the blobs its segments carry that it lacks (a lost member's rebuilt copy, its own on a
+replacement) rebuilt from the layout's code, its blocks of the layout's rows decoded.
 
 Threads: ``run`` on the replication thread; ``due`` on the driver's tick.
 """
@@ -117,6 +120,7 @@ class ParityHealer:
                 if item["origin"] in s.members:
                     steps.setdefault(item["step"], set()).add(item["origin"])
         settled = len(replies) == len(others)
+        unhealed: set[int] = set()  # our share not held: not re-striped from what we lack
         for step in sorted(steps, reverse=True):
             if not team.is_committed(step):
                 # not known committed here yet (a restarted daemon learns the commits after it
@@ -132,13 +136,15 @@ class ParityHealer:
             except UcpdError as exc:
                 log.warning("team: healing our share of step %d's parity failed: %s; trying again", step, exc)
                 done = False
+            if not done:
+                unhealed.add(step)
             settled = settled and done
         if not any(g not in live for g in s.members):
             return settled
         if now - self._changed < restripe_after():
             return False  # a member lost: a replacement may still come
         for step in sorted(steps, reverse=True):
-            if not team.is_committed(step) or step in self.cannot or step in self.cannot_restripe:
+            if not team.is_committed(step) or step in self.cannot or step in self.cannot_restripe or step in unhealed:
                 continue
             if self.yield_to():
                 return False
@@ -222,13 +228,11 @@ class ParityHealer:
             log.warning("team: step %d's parity manifests name several runs %s; not healed", step, sorted(runs))
             return False
         lay = group.layout_of(step, mans)
-        if lay.tag:  # re-striped over the survivors while we were away: no share of it is ours
-            if me in lay.stripes.members:
-                self.cannot[step] = f"step {step}: our share of its re-striped layout was lost (restarted since)"
-                log.error("team: %s; it stays degraded", self.cannot[step])
-            else:
+        if lay.tag:  # re-striped over the survivors
+            if me not in lay.stripes.members:  # while we were away: no share of it is ours
                 self.outside.add(step)
-            return True
+                return True
+            return self._heal_restriped(step, lay, mans, live, healing)
         sizes = {g: mans[g]["size"] if g in mans else (0 if g in live else None) for g in s.members}
         with team.store.atomic():
             have = team.store.sealed(step) is not None or team.replicas.get(me, step) is not None
@@ -269,3 +273,60 @@ class ParityHealer:
         log.info("team: our share of step %d's parity held again (%s%d parity rows re-encoded, %d bytes)", step,
                  "own part rebuilt, " if plan is not None and plan.rebuild else "", len(plan.rows) if plan else 0, nbytes)
         return True
+
+    def _heal_restriped(self, step: int, lay, mans: dict[int, dict], live, healing: dict) -> bool:
+        """Heal our share of ``step`` re-striped over the survivors (``lay``), which a restart
+        (or a replacement) left us without: the blobs our segments carry that we no longer
+        hold (a lost member's rebuilt copy, our own on a replacement) rebuilt from the layout's
+        code, our parity blocks of its rows decoded, the layout and its manifests kept."""
+        team, group, me = self.team, self.group, self.team.rank
+        s, run = lay.stripes, next(iter(mans.values()))["inc"]
+        wire = lay.to_wire()
+        mine = [o for c, o, _, _ in lay.segments if c == me]
+        lacking = [o for o in mine if o not in mans or not self._holds_blob(o, step)]
+        if any(o not in mans for o in lacking):
+            return False  # a manifest we need is not to be had now: asked again
+        sizes = {g: lay.vsize(g) for g in s.members}
+        plan = parity_heal(s, me, step, sizes, live, not lacking)
+        if plan is not None and plan.cannot:
+            self.cannot[step] = plan.cannot
+            healing["failed"] += 1
+            log.error("team: %s", plan.cannot)
+            return True
+        laid = {o: dict(m, layout=wire) for o, m in mans.items()}
+        healing["pending"] += 1
+        try:
+            nbytes = 0
+            for o in lacking:
+                man = mans[o]
+                team.replicas.rebuilt(o, step, man["world_size"], man["parts"], "" if run == "-" else run,
+                                      lambda buf, o=o: group.rebuild_into(o, step, buf, mans=laid))
+                nbytes += man["size"]
+            pb = ParityBlocks(s)
+            for row in plan.rows if plan is not None else ():
+                full = group.recover_row(s, step, row, me, sizes, live, lay.tag, lay.locate)
+                pb.put(row, full[s.k + s.parity_holders(row).index(me)])
+                nbytes += s.unit
+        finally:
+            healing["pending"] -= 1
+        kept = {o: {k: v for k, v in m.items() if k not in ("layout", "held", "healed")} for o, m in mans.items()
+                if o in lay.origins()}
+        group.healed_here(step, kept, (lay.tag, pb) if pb.blocks else None, layout=lay)
+        healing["done"] += 1
+        healing["bytes"] += nbytes
+        notice = dict(kept.get(me) or {"origin": me, "step": step, "inc": run, "size": 0, "bases": [], "parts": [],
+                                       "world_size": next(iter(mans.values()))["world_size"]},
+                      healed=sorted(lay.origins() | set(s.members)))
+        for g in s.members:
+            if g != me and g in live:
+                team.transport.request(g, "parity_manifest", notice, timeout=30.0)
+        log.info("team: our share of step %d's re-striped parity held again (nodes %s's blobs rebuilt, %d parity rows "
+                 "re-encoded, %d bytes)", step, lacking, len(plan.rows) if plan else 0, nbytes)
+        return True
+
+    def _holds_blob(self, origin: int, step: int) -> bool:
+        team = self.team
+        with team.store.atomic():
+            if origin == team.rank and team.store.sealed(step) is not None:
+                return True
+            return team.replicas.get(origin, step) is not None
