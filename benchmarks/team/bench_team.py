@@ -217,12 +217,12 @@ def cmd_build_state(ctx, shapes, rank, world, seed, blocks=BLOCKS):
     return _build(ctx, shapes, rank, world, seed, blocks)
 
 
-def cmd_build_target(ctx, shapes, rank, world, seed, step):
+def cmd_build_target(ctx, shapes, rank, world, seed, step, blocks=BLOCKS):
     """Targets of a restore at ``rank`` of ``world``, with the CRC each tensor must end with, and
     a warm source buffer of the same bytes for the memcpy floor."""
     import torch
 
-    nbytes = _build(ctx, shapes, rank, world, seed)
+    nbytes = _build(ctx, shapes, rank, world, seed, blocks)
     ctx.flat["marker.step"].fill_(float(step))
     ctx.expected = {name: _crc(t) for name, t in ctx.flat.items()}
     ctx.last_step = step
