@@ -8,7 +8,9 @@ One run, default flags (``--gib 1``): a model of ``--gib`` GiB of fp32 tensors (
 - another node: a 2-daemon team on loopback, a trainer rank on each node holding half of every
   tensor; a receiver on node 1 pulls node 0's halves — against the loopback socket floor
   (``benchmarks/team/floors_net.py``: one TCP stream, ``recv_into`` the destination), also
-  measured after each pull;
+  measured after each pull; twice on the same team: the receiver getting node 0's bytes itself
+  on the data lane (the default), and node 1's daemon landing them first (``UCPD_PULL_LANE=0``,
+  the way before it);
 - metadata bytes of a cold and a warm pull (the pull requests and replies);
 - commit -> receiver notified (a subscription; a 4 KiB snapshot, 20 steps);
 - peak extra memory during a warm pull: the receiver's USS, the sending daemon's USS, and the
@@ -173,7 +175,7 @@ def _team_rank(rank: int, run_dirs: list[str], nbytes: int, q) -> None:
     q.put(rank)
 
 
-def other_node(lb: Loopback, nbytes: int, reps: int) -> dict:
+def other_node(lb: Loopback, nbytes: int, reps: int) -> tuple[dict, dict]:
     from ucpd_client import Weights, placement as P
 
     nodes = lb.team("team", 2, ["--replicas", "0", "--keep", "2", "--mem-limit", f"{4 * nbytes // MiB + 512}M"])
@@ -189,25 +191,31 @@ def other_node(lb: Loopback, nbytes: int, reps: int) -> dict:
     full = model(nbytes, 1)
     into = {f"model.{n}": torch.empty(t.shape[0] // 2, *t.shape[1:]) for n, t in full.items()}  # node 0's halves
     pl = {n: P.Shard(0, 0, 2) for n in into}
-    with Weights(job=JOB, run_dir=nodes[1].run_dir) as w:
-        class _W:  # the same placements at every pull
-            last_pull = None
+    nb = sum(t.numel() * t.element_size() for t in into.values())
+    sock = SocketFloor()
+    outs = {}
+    try:
+        sock.measure(nb)  # warm-up
+        for mode in ("1", "0"):  # received by the receiver itself, then landed by node 1's daemon first (before)
+            os.environ["UCPD_PULL_LANE"] = mode
+            with Weights(job=JOB, run_dir=nodes[1].run_dir) as w:
+                class _W:  # the same placements at every pull
+                    last_pull = None
 
-            def pull(self, step, into_):
-                w.pull(step, into_, placements=pl)
-                self.last_pull = w.last_pull
+                    def pull(self, step, into_):
+                        w.pull(step, into_, placements=pl)
+                        self.last_pull = w.last_pull
 
-        nb = sum(t.numel() * t.element_size() for t in into.values())
-        sock = SocketFloor()
-        try:
-            sock.measure(nb)  # warm-up
-            out = timed_pulls(_W(), 1, into, reps, lambda: nb / 1e9 / sock.gbps(nb),
-                              sample_sender=lambda: uss(nodes[0].proc.pid),
-                              sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir, "fetch-"))
-        finally:
-            sock.stop()
-        assert all(torch.equal(into[f"model.{n}"], t.chunk(2)[0]) for n, t in full.items())
-    return out
+                for t in into.values():
+                    t.zero_()
+                outs[mode] = timed_pulls(_W(), 1, into, reps, lambda: nb / 1e9 / sock.gbps(nb),
+                                         sample_sender=lambda: uss(nodes[0].proc.pid),
+                                         sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir, "fetch-") + dir_bytes("/dev/shm", "ucpd-pull-window-"))
+                assert all(torch.equal(into[f"model.{n}"], t.chunk(2)[0]) for n, t in full.items())
+    finally:
+        os.environ.pop("UCPD_PULL_LANE", None)
+        sock.stop()
+    return outs["1"], outs["0"]
 
 
 def _gloo(rank: int, port: int, nbytes: int, reps: int, q) -> None:
@@ -276,21 +284,22 @@ def main(argv=None) -> int:
         log("same node ...")
         one = same_node(lb, nbytes, args.reps)
         log("another node ...")
-        two = other_node(lb, nbytes, args.reps)
+        two, landed = other_node(lb, nbytes, args.reps)
     finally:
         cleanup()
     log("peers ...")
     gloo_s = gloo_broadcast(nbytes, args.reps)
     st_s = safetensors_shm(nbytes, args.reps)
     rows = []
-    for label, r, floor in (("same node (vs memcpy)", one, "memcpy"), ("another node (vs loopback socket)", two, "socket")):
+    for label, r, floor in (("same node (vs memcpy)", one, "memcpy"), ("another node (vs loopback socket)", two, "socket"),
+                            ("another node, landed by node 1 first (UCPD_PULL_LANE=0)", landed, "socket")):
         rate = gbps(r["bytes"], r["seconds"])
         rows.append([label, f"{r['bytes'] / MiB:.0f}", f"{r['seconds']:.3f}", f"{rate:.2f}", f"{r['floor_gbps']:.2f}",
                      f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})", f"{r['cold_meta']}", f"{r['warm_meta']}",
                      f"{r['receiver_uss'] / MiB:.0f}", f"{r['sender_uss'] / MiB:.0f}", f"{r['fetch_files'] / MiB:.0f}",
                      f"{r['buckets']}"])
     print(table(["refit", "MiB", "s", "GB/s", "floor GB/s", "time / floor (min-max)", "cold meta B", "warm meta B",
-                 "recv extra MiB", "sender extra MiB", "landing files MiB", "buckets"], rows, markdown=True))
+                 "recv extra MiB", "sender extra MiB", "landing files + windows MiB", "buckets"], rows, markdown=True))
     peers = [["ucpd pull, same node", f"{one['seconds']:.3f}", f"{gbps(one['bytes'], one['seconds']):.2f}"],
              ["ucpd pull, another node (half the bytes)", f"{two['seconds']:.3f}", f"{gbps(two['bytes'], two['seconds']):.2f}"],
              ["torch.distributed broadcast (gloo, loopback)", f"{gloo_s:.3f}", f"{gbps(nbytes, gloo_s):.2f}"],
@@ -300,7 +309,7 @@ def main(argv=None) -> int:
     n = one["notify"]
     print(f"\ncommit -> notified: {n['wait_to_notified_ms']:.2f} ms after the trainer's wait() returned "
           f"(median of 20); {n['snapshot_to_notified_ms']:.2f} ms from a 4 KiB snapshot() call")
-    write_json(args.json, {"machine": machine(), "same_node": one, "other_node": two, "gloo_s": gloo_s,
+    write_json(args.json, {"machine": machine(), "same_node": one, "other_node": two, "other_node_landed": landed, "gloo_s": gloo_s,
                            "safetensors_s": st_s, "nbytes": nbytes})
     return 0
 
