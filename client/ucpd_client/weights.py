@@ -10,12 +10,16 @@ layout. One RAM copy serves the trainer's restores and these receivers alike.
            names={"qkv.weight": "model.layers.0.attn.qkv.weight"})
 
 A receiver is any process on a node of the team (it need not be a trainer rank): it talks to
-its node's daemon, which fetches what other nodes hold. ``pull`` reads only the tensors named
-(``into``'s, renamed by ``names``), in buckets of at most half of ``bucket_bytes`` of saved bytes
-(a tensor larger than that is cut in row blocks when its placement is replicated, a shard or a
-box), two at a time: the next bucket is asked for — and, from another node, fetched into the
-daemon's RAM — while the current one is copied, so at most ``bucket_bytes`` are staged on each
-side. Each bucket is read under a lease (the version cannot be evicted while it is read; the
+its node's daemon. What other nodes hold, the receiver gets itself on the team's data lane with a
+ticket its daemon hands it (``ucpd_client.lane_pull``): straight into its tensors where a saved
+row is read whole by one contiguous run (else into a reused window, then copied), each chunk
+checked as it lands, so those bytes cross once. (``UCPD_PULL_LANE=0``, CUDA targets, or a team
+without a TCP data lane: the daemon fetches them into a landing file and the receiver copies them.)
+``pull`` reads only the tensors named (``into``'s, renamed by ``names``), in buckets of at most
+half of ``bucket_bytes`` of saved bytes (a tensor larger than that is cut in row blocks when its
+placement is replicated, a shard or a box), two at a time: the next bucket is asked for — and
+received, or fetched into the daemon's RAM — while the current one is copied, so at most
+``bucket_bytes`` are staged on each side. Each bucket is read under a lease (the version cannot be evicted while it is read; the
 lease ends after ``$UCPD_PULL_LEASE_S``, 30 s, so a trainer's ``--keep`` never waits longer on
 a hung receiver); a version evicted between two buckets of a long pull raises VersionNotFound at
 the next one. The copy is one pass over the source: each CRC32C chunk is checksummed as it is

@@ -1,4 +1,6 @@
-"""Landing files: where a receiver's pull on a team lands the bytes of other nodes, reused.
+"""Landing files: where a receiver's pull on a team lands the bytes of other nodes, reused, when
+the receiver does not get them itself on the data lane (``ucpd.daemon.pulls``: it did not ask,
+its targets are on a GPU, or the team has no TCP data lane).
 
 A restore fetches what peers hold into a new private shm file per read (``team.sources``:
 allocated, mapped, filled, unmapped and deleted each time). For a receiver that pulls every
