@@ -11,8 +11,9 @@ only; its connections pooled from pull to pull) asks each holder for the rows of
   tensor, a row block, a shard saved as it is read, one part of a fused target; a dtype
   conversion's staging tensor too): the socket's bytes are received straight into the target;
 - **in a window** otherwise (a column shard, a split of a fused row, a padded vocabulary): a
-  file of this process in /dev/shm, two of them (a bucket copied, the next received), reused
-  from pull to pull, from which the plan's copies then run (one fused copy + CRC pass).
+  file of this process in /dev/shm (as large as the largest bucket's such rows, at most about
+  half of ``bucket_bytes``), reused from pull to pull, from which the plan's copies then run
+  (one fused copy + CRC pass).
 
 Every chunk is checked against its CRC32C as it lands (``lane._land_checked``, while in cache).
 A chunk that fails, or a stream cut mid-bucket, costs the rows of that part another ``get``: once
@@ -70,19 +71,19 @@ def _unlink(path: str) -> None:
 
 
 class LanePull:
-    """A receiver's end of its pulls' cross-node rows (``Weights``): the lane and two windows."""
+    """A receiver's end of its pulls' cross-node rows (``Weights``): the lane and the window."""
 
     def __init__(self, maps):
         self.maps = maps  # the session's mappings (the windows are mapped there, read by apply_plan)
         self.lane: ReceiverLane | None = None
-        self._windows: list[_Window | None] = [None, None]
+        self._window_file: _Window | None = None
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None  # one get per holder's part, at once
         self.stats = {"in_place": 0, "windowed": 0, "retries": 0}
 
-    def receive(self, step: int, plan: RestorePlan, remote: dict, fills: list, slot: int) -> RestorePlan:
+    def receive(self, step: int, plan: RestorePlan, remote: dict, fills: list) -> RestorePlan:
         """Receive ``plan``'s rows that ``remote`` (the pull reply's) names into ``fills``'
-        tensors (``entry_of`` entries, in the plan's tensor order) or window ``slot``; returns the
+        tensors (``entry_of`` entries, in the plan's tensor order) or the window; returns the
         plan that is left to run: the local rows, the windowed ones read from the window, and no
         copy of a row that landed in place."""
         lane = self._lane(remote)
@@ -92,7 +93,7 @@ class LanePull:
         moved: dict[int, PlanSource] = {}
         into: dict[int, memoryview] = dict(direct)
         if window_rows:
-            w = self._window(slot, sum(-(-plan.sources[i].nbytes // ALIGN) * ALIGN for i in window_rows))
+            w = self._window(sum(-(-plan.sources[i].nbytes // ALIGN) * ALIGN for i in window_rows))
             at, base = 0, w.array.ctypes.data
             for i in window_rows:
                 s = plan.sources[i]
@@ -148,22 +149,21 @@ class LanePull:
                 self.lane.renew(remote["ticket"], remote["key"], addresses)
             return self.lane
 
-    def _window(self, slot: int, nbytes: int) -> _Window:
-        w = self._windows[slot]
+    def _window(self, nbytes: int) -> _Window:
+        w = self._window_file
         if w is None or w.capacity < nbytes:
             if w is not None:
                 w.close()
-            w = self._windows[slot] = _Window(self.maps, -(-nbytes // (1 << 20)) * (1 << 20))
+            w = self._window_file = _Window(self.maps, -(-nbytes // (1 << 20)) * (1 << 20))
         return w
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
-        for i, w in enumerate(self._windows):
-            if w is not None:
-                w.close()
-                self._windows[i] = None
+        if self._window_file is not None:
+            self._window_file.close()
+            self._window_file = None
         if self.lane is not None:
             self.lane.close()
             self.lane = None

@@ -17,8 +17,8 @@ checked as it lands, so those bytes cross once. (``UCPD_PULL_LANE=0``, CUDA targ
 without a TCP data lane: the daemon fetches them into a landing file and the receiver copies them.)
 ``pull`` reads only the tensors named (``into``'s, renamed by ``names``), in buckets of at most
 half of ``bucket_bytes`` of saved bytes (a tensor larger than that is cut in row blocks when its
-placement is replicated, a shard or a box), two at a time: the next bucket is asked for — and
-received, or fetched into the daemon's RAM — while the current one is copied, so at most
+placement is replicated, a shard or a box), two at a time: the next bucket is asked for (and, landed by the
+daemon, fetched into its RAM) while the current one is received and copied, so at most
 ``bucket_bytes`` are staged on each side. Each bucket is read under a lease (the version cannot be evicted while it is read; the
 lease ends after ``$UCPD_PULL_LEASE_S``, 30 s, so a trainer's ``--keep`` never waits longer on
 a hung receiver); a version evicted between two buckets of a long pull raises VersionNotFound at
@@ -245,7 +245,7 @@ class Weights:
         if self._ahead is None:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="ucpd-pull-ahead")
         lane = self._use_lane and all(e.tensor.is_cpu for e in entries)
-        fut = self._ahead.submit(self._ask, step, buckets[0], stats, entries, lane, 0)
+        fut = self._ahead.submit(self._ask, step, buckets[0], stats, entries, lane)
         try:
             for k, b in enumerate(buckets):
                 try:
@@ -257,10 +257,9 @@ class Weights:
                         "filled): pull a newer step (Weights.latest(), or the subscription's next notice)") from None
                 fut = None
                 # the next bucket is asked for (on another node: fetched here) while this one is copied
-                nxt = self._ahead.submit(self._ask, step, buckets[k + 1], stats, entries, lane, (k + 1) % 2) \
-                    if k + 1 < len(buckets) else None
+                nxt = self._ahead.submit(self._ask, step, buckets[k + 1], stats, entries, lane) if k + 1 < len(buckets) else None
                 try:
-                    self._fill(plan, reply, conn, stats, fills, staged)
+                    self._fill(step, plan, reply, conn, stats, fills, staged)
                 finally:
                     fut = nxt
         finally:
@@ -300,11 +299,10 @@ class Weights:
                           "placement": it.placement} for it in b.items]
         return _Layout(saved, buckets)
 
-    def _ask(self, step: int, b: _Bucket, stats: dict, entries: list, lane: bool, slot: int) -> tuple:
+    def _ask(self, step: int, b: _Bucket, stats: dict, entries: list, lane: bool) -> tuple:
         """One bucket's pull request (on the pull-ahead thread's own connection): its lease, its
         plan (a warm one: the cached copies over this version's sources), its targets (fills and
-        dtype staging); ``lane``: rows other nodes hold are received here into the targets (or
-        window ``slot``) before it returns, and the plan left to run is the rest."""
+        dtype staging). ``lane``: ask to get the rows other nodes hold ourselves (``_fill``)."""
         body: dict = {"step": step, "job": self.job, **process_id(), **({"lane": True} if lane else {})}
         if b.plan_id is not None:
             body["plan"] = b.plan_id
@@ -327,14 +325,6 @@ class Weights:
             stats["warm"] += 1
             plan = RestorePlan(plan.sources, b.tensors)
         fills, staged = self._targets(b, entries)
-        if reply.get("remote"):
-            try:
-                if self._lane is None:
-                    self._lane = LanePull(self.session.maps)
-                plan = self._lane.receive(step, plan, reply["remote"], fills, slot)
-            except BaseException:
-                conn.call("release", lease=reply["lease"])
-                raise
         return reply, plan, fills, staged
 
     @staticmethod
@@ -351,16 +341,22 @@ class Weights:
             fills.append(entry_of(it.name, target, None))
         return fills, staged
 
-    def _fill(self, plan: RestorePlan, reply: dict, conn, stats: dict, fills: list, staged: list) -> None:
-        """Copy one bucket into its targets in one pass, each chunk checksummed as it is copied,
-        and give its lease back."""
+    def _fill(self, step: int, plan: RestorePlan, reply: dict, conn, stats: dict, fills: list, staged: list) -> None:
+        """Receive one bucket's rows other nodes hold (into the targets, or the window), copy
+        the rest into its targets in one pass, each chunk checksummed as it is copied, and give
+        its lease back. (The next bucket's request is on its way meanwhile.)"""
         stats["bytes"] += sum(e.tensor.numel() * e.tensor.element_size() for e in fills)
         damaged = False
         try:
-            apply_plan(self.session, fills, plan, verify="fused")
-        except ChecksumMismatch:
-            damaged = True
-            raise
+            if reply.get("remote"):  # (its errors name no damaged source here: each holder was tried)
+                if self._lane is None:
+                    self._lane = LanePull(self.session.maps)
+                plan = self._lane.receive(step, plan, reply["remote"], fills)
+            try:
+                apply_plan(self.session, fills, plan, verify="fused")
+            except ChecksumMismatch:
+                damaged = True
+                raise
         finally:
             conn.call("release", lease=reply["lease"], **({"damaged": True} if damaged else {}))
         for target, host in staged:

@@ -61,7 +61,7 @@ def test_rows_land_in_the_target_or_in_the_window_in_one_get(holders):
     plan, fills = two_rows(src)
     pull = LanePull(Mappings())
     try:
-        rest = pull.receive(7, plan, remote(holders), fills, 0)
+        rest = pull.receive(7, plan, remote(holders), fills)
         assert np.array_equal(fills[0].tensor.numpy().view(np.uint8), src[:N])  # landed in place
         assert len(rest.sources) == 1 and rest.tensors[0].copies == () and rest.tensors[1].copies[0].src_key == 0
         w = rest.sources[0]
@@ -83,7 +83,7 @@ def test_a_damaged_copy_or_a_cut_stream_is_read_again_and_lands_right(holders):
     plan, fills = two_rows(src)
     pull = LanePull(Mappings())
     try:
-        pull.receive(7, plan, remote(holders), fills, 0)
+        pull.receive(7, plan, remote(holders), fills)
         assert np.array_equal(fills[0].tensor.numpy().view(np.uint8), src[:N])
         assert holders[0].lane.counters["receiver_gets"] == 1 and holders[1].lane.counters["receiver_gets"] == 1
         assert pull.lane.counters["checksum_errors"] == 1 and pull.stats["retries"] == 1
@@ -91,7 +91,7 @@ def test_a_damaged_copy_or_a_cut_stream_is_read_again_and_lands_right(holders):
         faults.arm("lane.cut.get")  # the next get a holder serves breaks halfway through
         try:
             fills[0].tensor.zero_()
-            pull.receive(8, plan, remote(holders, nodes=(1, 0)), fills, 1)
+            pull.receive(8, plan, remote(holders, nodes=(1, 0)), fills)
         finally:
             faults.arm("")
         assert np.array_equal(fills[0].tensor.numpy().view(np.uint8), src[:N])
@@ -107,7 +107,7 @@ def test_when_no_holder_sends_sound_bytes_the_pull_raises_a_typed_error(holders)
     pull = LanePull(Mappings())
     try:
         with pytest.raises(ChecksumMismatch, match=r"no holder of rank 0's part of step 7 \(nodes \[0, 1\]\).*pull again"):
-            pull.receive(7, plan, remote(holders), fills, 0)
+            pull.receive(7, plan, remote(holders), fills)
     finally:
         pull.close()
 
