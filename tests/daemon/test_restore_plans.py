@@ -81,3 +81,40 @@ def test_a_reused_plan_reads_the_sources_where_they_are_now_and_the_cache_is_bou
         plan(sources, [dict(target, shape=[1, 8], placement=P.Shard(0, rank, 4).to_dict())])
     assert not plan(sources, [target]).reused
     assert sources.plans.hits == 2
+
+
+def test_status_shows_where_the_last_restores_spent_their_time(make_daemon):
+    d = make_daemon("--mem-limit", "256M", flush=False)
+    full = state(1)
+    with Checkpointer(d.run_dir, rank=0, world_size=1, embedded=False) as ck:
+        ck.snapshot(1, full).wait()
+    with Checkpointer(d.run_dir, rank=0, world_size=2, embedded=False) as ck:
+        t = {k: torch.zeros_like(v.chunk(2)[0]) for k, v in full.items()}
+        assert ck.restore(t, placements={k: P.Shard(0, 0, 2) for k in t}) == 1
+    with Connection(d.run_dir) as conn:
+        last = conn.call("status")["restore"]["last"]
+    assert len(last) == 1 and last[0]["step"] == 1 and last[0]["rank"] == 0
+    phases = last[0]["phases_ms"]
+    assert "plan" in phases and phases["plan"] > 0
+    assert last[0]["total_ms"] >= sum(phases.values()) - 0.5  # the phases do not overlap; "other" is the rest
+
+
+def test_phases_add_up_within_one_recording_and_count_nothing_outside_one():
+    import time
+
+    from ucpd.daemon.phases import phase, recording
+
+    with phase("outside"):  # no recording on this thread: nothing kept, nothing raised
+        pass
+    with recording() as rec:
+        with phase("a"):
+            time.sleep(0.002)
+        with phase("a"):
+            time.sleep(0.002)
+        with recording() as inner:  # nested: the outer recording records
+            with phase("b"):
+                pass
+    assert inner is rec and set(rec.seconds) == {"a", "b"} and rec.seconds["a"] >= 0.004
+    assert rec.total >= rec.seconds["a"] and "outside" not in rec.seconds
+    out = rec.to_status()
+    assert out["phases_ms"]["other"] >= 0 and out["total_ms"] >= out["phases_ms"]["a"]

@@ -19,6 +19,7 @@ from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, StorageError, VersionNotFound
 from ..format.roots import as_root
 from . import restore as restore_plan
+from .phases import phase
 from .versions import TeamFace, TeamSourcesFace
 
 log = logging.getLogger("ucpd.locate")
@@ -256,7 +257,8 @@ class Locator:
             wider = ([] if found.team.indexed else [(*reader, True)]) + [None]
         while True:
             try:
-                return found, restore_plan.plan(found.sources, reader[2])
+                with phase("plan"):
+                    return found, restore_plan.plan(found.sources, reader[2])
             except PlacementMismatch as exc:
                 if not found.partial or not wider:
                     self._release(found)
@@ -290,7 +292,8 @@ class Locator:
                 raise
             got = None
         try:
-            disk = self.disk_latest(job, needed=got is None) if step is None else None
+            with phase("flush dir"):
+                disk = self.disk_latest(job, needed=got is None) if step is None else None
         except StorageError:
             if got is not None:
                 with self.store.atomic():

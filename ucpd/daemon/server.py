@@ -10,7 +10,6 @@ that is not yet committed — are parked and answered when their condition is me
 from __future__ import annotations
 
 import logging
-import math
 import os
 import queue
 import threading
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 import zmq
 
 from .. import faults, gcpause, knobs, protocol
-from ..dtypes import dtype as lookup_dtype
 from ..errors import (
     InvalidPlacement, PlacementMismatch, ProtocolError, UcpdError,
 )
@@ -30,12 +28,14 @@ from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
 from .parking import Parked, Parking, Workers, begin_reply, wait_answer
+from .phases import phase
+from .restores import Restores, job_of
 from .pulls import Pulls
 from .slot_prep import SlotPreparer
 from .status import ChecksumFailures
 from .store import NodeStore
 from .subscribers import Subscribers
-from .versions import DEFAULT_JOB, TeamFace
+from .versions import TeamFace
 
 log = logging.getLogger("ucpd.server")
 CLIENT_SEEN_S = 3600.0  # a client not heard from for this long is no longer counted
@@ -66,13 +66,7 @@ class DaemonConfig:
     job: str | None = None  # the job a team serves (None: the first that snapshots)
 
 
-def _job(body: dict) -> str:
-    return body.get("job") or DEFAULT_JOB
-
-
-def _objects_body(objects: dict) -> dict:
-    """{rank: (bytes, crc)} as the reply fields ``objects`` and ``objects_crcs``."""
-    return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
+_job = job_of
 
 
 class Daemon:
@@ -106,6 +100,7 @@ class Daemon:
             self.team.attach(self.store, self.leases)
         self._done: queue.Queue = queue.Queue()
         self._workers = Workers(self._done)  # requests answered from a worker thread (asking peers, a download)
+        self.restores = Restores(self.store, self.locate, self.leases, self.team, self._workers.defer, self._joined)
         self.metrics = None
         if config.metrics_port is not None:
             from .metrics import Metrics
@@ -261,7 +256,8 @@ class Daemon:
             return work
 
         def joined():
-            self.team.join_run(body.get("incarnation"))
+            with phase("admit"):
+                self.team.join_run(body.get("incarnation"))
             return work()
 
         return joined
@@ -325,37 +321,7 @@ class Daemon:
         return len(self._clients)
 
     def _on_restore(self, ident, req_id, body):
-        if self.team is not None:
-            return self._workers.defer(ident, req_id, "restore", self._joined(body, lambda: self._restore(body)))
-        job = _job(body)
-        fetch = self.locate.pending_fetch(body.get("step"), job, {(job, s, w) for s, w in body.get("avoid") or ()})
-        if fetch is not None:  # a download from the object store first, on a worker: the loop keeps serving
-            return self._workers.defer(ident, req_id, "restore", fetch, then=lambda: self._restore(body))
-        return self._restore(body)
-
-    def _restore(self, body):
-        job = _job(body)
-        avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
-        found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
-        try:
-            if found.team is not None:
-                plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
-        except BaseException:
-            with self.store.atomic():
-                found.release()
-            raise
-        with self.store.atomic():
-            return self._lease_reply(body, found, plan)
-
-    def _lease_reply(self, body, found, plan):
-        lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
-        self.store.counters.restores += 1
-        self.store.counters.restore_plans_reused += plan.reused
-        self.store.counters.restore_bytes += sum(
-            math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
-        )
-        faults.point("restore.planned", found.step)
-        return {"lease": lease, "step": found.step, "where": found.where, **_objects_body(found.objects), "plan": plan}
+        return self.restores.on_restore(ident, req_id, body)
 
     def _on_subscribe(self, ident, req_id, body):
         v = self.store.version_for_restore(None, _job(body))
@@ -366,19 +332,7 @@ class Daemon:
         return self._workers.defer(ident, req_id, "pull", pull) if self.team is not None else pull()
 
     def _on_describe(self, ident, req_id, body):
-        if self.team is not None:
-            return self._workers.defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
-        fetch = self.locate.pending_fetch(body.get("step"), _job(body))
-        if fetch is not None:
-            return self._workers.defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
-        return self._describe(body)
-
-    def _describe(self, body):
-        found = self.locate.find(body.get("step"), _job(body))
-        with self.store.atomic():
-            found.release()
-        tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in found.sources.globals.items()}
-        return {"step": found.step, "where": found.where, "tensors": tensors, **_objects_body(found.objects)}
+        return self.restores.on_describe(ident, req_id, body)
 
     def _on_release(self, ident, req_id, body):
         held = self.leases.get(body["lease"])

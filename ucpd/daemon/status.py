@@ -125,6 +125,8 @@ def collect(daemon) -> dict:
         "team": team,
         "degraded": degraded(daemon, flush, team),
         "counters": vars(store.counters).copy(),
+        # the last restores: where each one's time went before its reply (admit, holdings, plan, fetch...)
+        "restore": daemon.restores.recent.to_status(),
     }
 
 

@@ -30,6 +30,7 @@ import numpy as np
 from .. import checked, faults, native, protocol
 from ..daemon.restore import PlanCache, RamGlobals, RamSame, RamTensors, SourceSet
 from ..daemon.manifest import RankPart
+from ..daemon.phases import phase
 from ..daemon.versions import Version, VersionState
 from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
 from .decide import Holding, choose_copies, latest_whole, run_to_read
@@ -215,7 +216,8 @@ class VersionSources:
                 got = None
                 try:
                     got = self._plan_sources(step, stale, reader)
-                    self._lease_peers(got)
+                    with phase("pins"):
+                        self._lease_peers(got)
                     return got
                 except (VersionNotFound, PlacementMismatch) as exc:
                     why = exc
@@ -228,7 +230,8 @@ class VersionSources:
         for attempt in range(3):
             got = self.settle.planned(step, lambda: self._plan_sources(step, stale))
             try:
-                self._lease_peers(got)
+                with phase("pins"):
+                    self._lease_peers(got)
                 return got
             except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
                 got.release()
@@ -275,17 +278,19 @@ class VersionSources:
     def _plan_sources(self, step: int | None, stale: int | None = None, reader: tuple | None = None
                       ) -> TeamSources:
         if step is None:
-            step = self.latest()
+            with phase("latest"):
+                step = self.latest()
             if step is None:
                 raise VersionNotFound("no committed version is held whole by the live nodes of the team")
         if not self.team.is_committed(step):
             raise VersionNotFound(f"step {step} is not committed by the team")
         ranks, indexed = None, False
-        if reader is None:
-            gen, held = self._held(step, stale)
-            run = run_to_read(held, self.team.current_run())
-        else:
-            gen, held, run, ranks, indexed = self.holders.held(step, reader, stale)
+        with phase("holdings"):
+            if reader is None:
+                gen, held = self._held(step, stale)
+                run = run_to_read(held, self.team.current_run())
+            else:
+                gen, held, run, ranks, indexed = self.holders.held(step, reader, stale)
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
             try:
@@ -308,8 +313,10 @@ class VersionSources:
                                               and rank in h.ranks and (h.node, h.origin) not in damaged}))
         try:
             lost = sorted({c.origin for c, _ in chosen.values() if c.parity})
-            rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
-            self._sources(out, world, chosen, rebuilt, self._spread(held, run, chosen, damaged))
+            with phase("rebuild"):
+                rebuilt = {origin: self._rebuild(origin, step, out) for origin in lost}
+            with phase("sources"):
+                self._sources(out, world, chosen, rebuilt, self._spread(held, run, chosen, damaged))
         except BaseException:
             out.release()
             raise

@@ -1,0 +1,109 @@
+"""The ``restore`` and ``describe`` requests: where the version is (this node's RAM, the team's,
+the flush dir), the plan of the trainer's targets, the bytes held on peers fetched here and
+checked, the lease the client releases; each restore's phases recorded (``phases``).
+
+A team's answer asks the peers, so it runs on a worker thread (``Workers.defer``) after the
+requester's run joined the team (``joined``); one node's answers on the loop, unless an object
+store must be downloaded from first.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+from .. import faults
+from ..dtypes import dtype as lookup_dtype
+from .phases import RecentRestores, phase, recording
+from .versions import DEFAULT_JOB
+
+log = logging.getLogger("ucpd")
+
+SLOW_RESTORE_S = 0.05  # a restore answered slower than this is logged with its phases
+
+
+def job_of(body: dict) -> str:
+    return body.get("job") or DEFAULT_JOB
+
+
+def objects_body(objects: dict) -> dict:
+    """{rank: (bytes, crc)} as the reply fields ``objects`` and ``objects_crcs``."""
+    return {"objects": {r: b for r, (b, _) in objects.items()}, "objects_crcs": {r: c for r, (_, c) in objects.items()}}
+
+
+class Restores:
+    """Answers ``restore`` and ``describe``. ``joined(body, work)``: ``work`` once the requester's
+    run joined the team; ``defer(ident, req_id, type, work, then=None)``: run it on a worker."""
+
+    def __init__(self, store, locate, leases, team, defer, joined) -> None:
+        self.store, self.locate, self.leases, self.team = store, locate, leases, team
+        self._defer, self._joined = defer, joined
+        self.recent = RecentRestores()  # where the last restores' time went (``ucpd status``)
+
+    def on_restore(self, ident, req_id, body):
+        if self.team is not None:
+            return self._defer(ident, req_id, "restore", self._recorded(body, self._joined(body, lambda: self._restore(body))))
+        job = job_of(body)
+        fetch = self.locate.pending_fetch(body.get("step"), job, {(job, s, w) for s, w in body.get("avoid") or ()})
+        if fetch is not None:  # a download from the object store first, on a worker: the loop keeps serving
+            return self._defer(ident, req_id, "restore", fetch, then=self._recorded(body, lambda: self._restore(body)))
+        return self._recorded(body, lambda: self._restore(body))()
+
+    def _recorded(self, body, work):
+        """``work`` (a restore) with its phases recorded: kept for ``ucpd status``, logged when slow."""
+        def recorded():
+            with recording() as rec:
+                reply = None
+                try:
+                    reply = work()
+                    return reply
+                finally:
+                    rec.total = time.perf_counter() - rec.started
+                    step = reply.get("step") if isinstance(reply, dict) else None
+                    self.recent.note(step, body["rank"], rec)
+                    if rec.total > SLOW_RESTORE_S:
+                        log.info("slow restore: %.0f ms for rank %d of %d (step %s): %s", rec.total * 1e3, body["rank"],
+                                 body["world_size"], step, rec.describe())
+
+        return recorded
+
+    def _restore(self, body):
+        job = job_of(body)
+        avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
+        found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
+        try:
+            if found.team is not None:
+                with phase("fetch"):
+                    plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
+        except BaseException:
+            with self.store.atomic():
+                found.release()
+            raise
+        with self.store.atomic():
+            return self._lease_reply(body, found, plan)
+
+    def _lease_reply(self, body, found, plan):
+        lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))
+        self.store.counters.restores += 1
+        self.store.counters.restore_plans_reused += plan.reused
+        self.store.counters.restore_bytes += sum(
+            math.prod(t["shape"]) * lookup_dtype(t["dtype"]).itemsize for t in body["targets"]
+        )
+        faults.point("restore.planned", found.step)
+        return {"lease": lease, "step": found.step, "where": found.where, **objects_body(found.objects), "plan": plan}
+
+    def on_describe(self, ident, req_id, body):
+        if self.team is not None:
+            return self._defer(ident, req_id, "describe", self._joined(body, lambda: self._describe(body)))
+        fetch = self.locate.pending_fetch(body.get("step"), job_of(body))
+        if fetch is not None:
+            return self._defer(ident, req_id, "describe", fetch, then=lambda: self._describe(body))
+        return self._describe(body)
+
+    def _describe(self, body):
+        found = self.locate.find(body.get("step"), job_of(body))
+        with self.store.atomic():
+            found.release()
+        tensors = {name: {"dtype": dt, "shape": list(shape)} for name, (dt, shape, _) in found.sources.globals.items()}
+        return {"step": found.step, "where": found.where, "tensors": tensors, **objects_body(found.objects)}
