@@ -40,7 +40,7 @@ def row(src: np.ndarray, offset: int, nbytes: int = N) -> PlanSource:
 
 
 def remote(peers, nodes=(0, 1), rows=(0, 1), ticket=None) -> dict:
-    t, k = ticket or peers[0].lane.receiver_ticket(30)
+    t, k = ticket or receiver_ticket(peers[0].lane.key, 0, 30)
     return {"rows": [(i, 0, 0, list(nodes)) for i in rows], "lanes": [(n, peers[n].lane.address) for n in nodes],
             "ticket": t, "key": k}
 
@@ -116,7 +116,7 @@ def test_a_receiver_without_a_sound_ticket_is_refused_and_may_only_get(holders):
     lane0 = holders[0].lane
     body = {"origin": 0, "step": 7, "rank": 0, "ranges": [[0, C]]}
     dst = memoryview(bytearray(C))
-    ticket, key = lane0.receiver_ticket(30)
+    ticket, key = receiver_ticket(lane0.key, 0, 30)
     cases = {
         "forged key": (ticket, bytes(32)),
         "no ticket": (None, key),

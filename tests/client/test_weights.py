@@ -139,12 +139,12 @@ def test_a_version_evicted_between_two_buckets_of_a_pull_is_refused_typed_and_th
         assert w.last_pull["buckets"] == 4 and all(torch.equal(into[n], state(1)["model"][n]) for n in into)
         real_ask, asked = w._ask, []
 
-        def ask(step, bucket, stats):  # on the pull-ahead thread, as the third bucket is asked for
+        def ask(step, bucket, stats, *rest):  # on the pull-ahead thread, as the third bucket is asked for
             asked.append(step)
             if len(asked) == 3:
                 ck.snapshot(2, state(2)).wait()  # step 1 is past --keep 1: evicted once bucket 2's lease goes
                 wait_until(lambda: gone(probe, 1), "step 1 to be evicted", 15)
-            return real_ask(step, bucket, stats)
+            return real_ask(step, bucket, stats, *rest)
 
         w._ask = ask
         with pytest.raises(VersionNotFound, match=r"step 1 .*pull a newer step \(Weights.latest\(\)"):

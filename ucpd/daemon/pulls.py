@@ -31,7 +31,7 @@ from collections import OrderedDict
 
 from ..errors import ProtocolError
 from ..protocol import RestorePlan
-from ..team.lane import DataLane
+from ..team.lane import DataLane, address_of, receiver_ticket
 from .landing import Landings, land
 from .leases import PULL_LEASE_SECONDS
 
@@ -184,8 +184,8 @@ class Pulls:
             used.update(nodes)
         if not rows:
             return None
-        ticket, key = lane.receiver_ticket(PULL_LEASE_SECONDS + 60.0)
-        return {"rows": rows, "lanes": [(n, lane.address_of(n)) for n in sorted(used)], "ticket": ticket, "key": key}
+        ticket, key = receiver_ticket(lane.key, lane.rank, PULL_LEASE_SECONDS + 60.0)
+        return {"rows": rows, "lanes": [(n, address_of(lane, n)) for n in sorted(used)], "ticket": ticket, "key": key}
 
     def _release(self, found) -> None:
         with self.store.atomic():

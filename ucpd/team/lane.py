@@ -231,16 +231,6 @@ class DataLane:
         link = self.peers.get(node)
         return link is not None and link.address is not None and not self._closed
 
-    def receiver_ticket(self, seconds: float) -> tuple[bytes, bytes]:
-        """A ticket for a receiver this node serves (``ReceiverLane``), good for ``seconds``, and
-        the key it proves with: see ``receiver_ticket``."""
-        return receiver_ticket(self.key, self.rank, seconds)
-
-    def address_of(self, node: int) -> str | None:
-        """``HOST:PORT`` of ``node``'s lane, as its hello said (None: not known)."""
-        link = self.peers.get(node)
-        return None if link is None or link.address is None else f"{_bracket(link.address[0])}:{link.address[1]}"
-
     def status(self) -> dict:
         with self._lock:
             peers = [p.to_status() for _, p in sorted(self.peers.items())]
@@ -592,9 +582,8 @@ class ReceiverLane(DataLane):
     nodes whose addresses it is given, and listens for nothing.
 
     A receiver does not hold the job's secret: the daemon it pulls through hands it a ticket and
-    a key (``DataLane.receiver_ticket``: the key is an HMAC of the ticket under the lane key, so
-    every node of the team can derive it, and no key of another ticket or of the lane follows
-    from it). Its hello names the ticket; the serving node checks it has not expired, derives the
+    a key (``receiver_ticket``: the key is an HMAC of the ticket under the lane key, so every
+    node of the team can derive it, and no key of another ticket or of the lane follows from it). Its hello names the ticket; the serving node checks it has not expired, derives the
     key and runs the usual challenge with it (each side proves it holds the key, with fresh
     nonces), then serves ``get`` only. A pooled connection stays open past its ticket's end
     (it was proven when made); ``renew`` takes the next pull's ticket for new connections."""
@@ -628,6 +617,12 @@ def receiver_ticket(lane_key: bytes, node: int, seconds: float) -> tuple[bytes, 
     it ends; the key is ``HMAC(lane key, "R" | ticket)``."""
     ticket = msgpack.packb({"node": node, "until": time.time() + seconds, "nonce": os.urandom(16)}, use_bin_type=True)
     return ticket, receiver_key(lane_key, ticket)
+
+
+def address_of(lane: DataLane, node: int) -> str | None:
+    """``HOST:PORT`` of ``node``'s lane, as its hello told ``lane`` (None: not known)."""
+    link = lane.peers.get(node)
+    return None if link is None or link.address is None else f"{_bracket(link.address[0])}:{link.address[1]}"
 
 
 def receiver_key(lane_key: bytes, ticket: bytes) -> bytes:
