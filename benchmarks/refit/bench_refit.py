@@ -107,18 +107,36 @@ class MemcpyFloor:
         return time.perf_counter() - t0
 
 
-def timed_pulls(w, step, into, reps, floor, sample_sender=None, sample_recv_dir=None) -> dict:
+def cpu_seconds(pids) -> float:
+    """User + system CPU seconds so far of the processes ``pids`` (with their threads)."""
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def timed_pulls(w, step, into, reps, floor, sample_sender=None, sample_recv_dir=None, pull_pids=(), floor_pids=()) -> dict:
     """Warm pulls, each followed by one measurement of its floor (``floor()``: seconds for the
     same bytes), so that a machine whose load drifts weighs on both alike: the ratio reported is
-    the median of the per-rep ratios."""
+    the median of the per-rep ratios. Also the CPU seconds a pull costs (this process and
+    ``pull_pids``: the daemons) against the floor's (``floor_pids``): a measure the machine's
+    load does not stretch."""
     w.pull(step, into)  # cold: planned, cached
     cold_meta = w.last_pull["meta_bytes"]
     times, floors = [], []
+    cpu_pull = cpu_floor = 0.0
+    me = (os.getpid(), *pull_pids)
     for _ in range(reps):
+        c0 = cpu_seconds(me)
         t0 = time.perf_counter()
         w.pull(step, into)
         times.append(time.perf_counter() - t0)
+        c1 = cpu_seconds(me)
+        f0 = cpu_seconds(floor_pids)
         floors.append(floor())
+        cpu_pull += c1 - c0
+        cpu_floor += cpu_seconds(floor_pids) - f0
     ratios = sorted(t / f for t, f in zip(times, floors))
     with Peak(lambda: uss(os.getpid())) as recv, Peak(sample_sender or (lambda: 0)) as send, \
             Peak(sample_recv_dir or (lambda: 0), relative=False) as fetched:
@@ -127,6 +145,7 @@ def timed_pulls(w, step, into, reps, floor, sample_sender=None, sample_recv_dir=
     nbytes = w.last_pull["bytes"]
     return {"seconds": median(times), "floor_gbps": gbps(nbytes, median(floors)), "ratio": median(ratios),
             "ratio_min": ratios[0], "ratio_max": ratios[-1], "times": times, "floors": floors,
+            "cpu_s": cpu_pull / reps, "floor_cpu_s": cpu_floor / reps if floor_pids else None,
             "cold_meta": cold_meta, "warm_meta": w.last_pull["meta_bytes"],
             "warm": w.last_pull["warm"], "buckets": w.last_pull["buckets"], "bytes": nbytes, **peaks}
 
@@ -141,7 +160,7 @@ def same_node(lb: Loopback, nbytes: int, reps: int) -> dict:
     into = {f"model.{n}": torch.empty_like(t) for n, t in state.items()}
     with Weights(job=JOB, run_dir=d.run_dir) as w:
         floor = MemcpyFloor(sum(t.numel() * t.element_size() for t in into.values()))
-        out = timed_pulls(w, 1, into, reps, floor, sample_sender=lambda: uss(d.proc.pid))
+        out = timed_pulls(w, 1, into, reps, floor, sample_sender=lambda: uss(d.proc.pid), pull_pids=(d.proc.pid,))
         del floor
         assert all(torch.equal(into[f"model.{n}"], t) for n, t in state.items())
         out["notify"] = notify_latency(d.run_dir, w)
@@ -210,7 +229,8 @@ def other_node(lb: Loopback, nbytes: int, reps: int) -> tuple[dict, dict]:
                     t.zero_()
                 outs[mode] = timed_pulls(_W(), 1, into, reps, lambda: nb / 1e9 / sock.gbps(nb),
                                          sample_sender=lambda: uss(nodes[0].proc.pid),
-                                         sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir, "fetch-") + dir_bytes("/dev/shm", "ucpd-pull-window-"))
+                                         sample_recv_dir=lambda: dir_bytes(nodes[1].shm_dir, "fetch-") + dir_bytes("/dev/shm", f"ucpd-pull-window-{os.getpid()}-"),
+                                         pull_pids=(nodes[0].proc.pid, nodes[1].proc.pid), floor_pids=[p.pid for p in sock.procs])
                 assert all(torch.equal(into[f"model.{n}"], t.chunk(2)[0]) for n, t in full.items())
     finally:
         os.environ.pop("UCPD_PULL_LANE", None)
@@ -293,13 +313,14 @@ def main(argv=None) -> int:
     rows = []
     for label, r, floor in (("same node (vs memcpy)", one, "memcpy"), ("another node (vs loopback socket)", two, "socket"),
                             ("another node, landed by node 1 first (UCPD_PULL_LANE=0)", landed, "socket")):
+        cpu = f"{r['cpu_s']:.3f}" + (f" / {r['floor_cpu_s']:.3f}" if r.get("floor_cpu_s") else "")
         rate = gbps(r["bytes"], r["seconds"])
         rows.append([label, f"{r['bytes'] / MiB:.0f}", f"{r['seconds']:.3f}", f"{rate:.2f}", f"{r['floor_gbps']:.2f}",
                      f"{r['ratio']:.2f}x ({r['ratio_min']:.2f}-{r['ratio_max']:.2f})", f"{r['cold_meta']}", f"{r['warm_meta']}",
                      f"{r['receiver_uss'] / MiB:.0f}", f"{r['sender_uss'] / MiB:.0f}", f"{r['fetch_files'] / MiB:.0f}",
-                     f"{r['buckets']}"])
+                     f"{r['buckets']}", cpu])
     print(table(["refit", "MiB", "s", "GB/s", "floor GB/s", "time / floor (min-max)", "cold meta B", "warm meta B",
-                 "recv extra MiB", "sender extra MiB", "landing files + windows MiB", "buckets"], rows, markdown=True))
+                 "recv extra MiB", "sender extra MiB", "landing files + windows MiB", "buckets", "CPU s a pull / floor's"], rows, markdown=True))
     peers = [["ucpd pull, same node", f"{one['seconds']:.3f}", f"{gbps(one['bytes'], one['seconds']):.2f}"],
              ["ucpd pull, another node (half the bytes)", f"{two['seconds']:.3f}", f"{gbps(two['bytes'], two['seconds']):.2f}"],
              ["torch.distributed broadcast (gloo, loopback)", f"{gloo_s:.3f}", f"{gbps(nbytes, gloo_s):.2f}"],
