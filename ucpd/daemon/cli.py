@@ -11,6 +11,7 @@ import tomllib
 from .. import knobs
 from ..errors import UcpdError
 from ..team.liveness import MEMBERSHIPS
+from . import heap
 
 GOSSIP_FROM = 64  # --membership auto: nodes from which gossip replaces all-to-all heartbeats
 AUTO_FANOUT = 32  # --commit-fanout's default from GOSSIP_FROM nodes (a rack's worth)
@@ -404,7 +405,9 @@ def cmd_serve(args) -> int:
     # jobs. At the default thresholds the collector walks them all several times per commit
     # (half its cost at 100k tensors, benchmarks/snapshot/bench_scale_tensors.py); these keep that rare.
     gc.set_threshold(50_000, 20, 10)
+    heap.limit_arenas()  # before the threads start: one malloc arena, trimmed (RSS that grew at every fault)
     daemon = compose(config_from_args(args))
+    heap.HeapTrim().start()
     for note in daemon.store.adopted.dropped:
         print(f"ucpd: re-adoption: {note}", file=sys.stderr)
     if daemon.store.adopted.versions:
