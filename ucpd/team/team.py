@@ -28,6 +28,7 @@ from types import MappingProxyType
 from .. import faults, knobs, protocol
 from ..daemon.leases import Leases
 from ..daemon.versions import RESTORABLE, Version, VersionState
+from . import commit_faults
 from .commit import Commit, CommitNode, Decided, Fence, Send
 from .config import TeamConfig
 from .counters import TeamCounters
@@ -239,19 +240,14 @@ class Team:
 
     def _apply(self, outputs: list) -> None:
         """Carry out the protocol's outputs, in order."""
-        if faults.armed():
-            self._fault_points(outputs)
-        sent = set()
+        commit_faults.before_apply(outputs, self.commit.coordinator == self.rank)
+        sent: set[str] = set()
         for out in outputs:
             if faults.dying():
                 return
             if isinstance(out, Send):
                 self.transport.send(out.dest, "commit", {"m": out.msg})
-                kind = out.msg.get("t")
-                if faults.armed() and kind in ("record", "commit") and kind not in sent:
-                    sent.add(kind)
-                    point = "commit.record_sent_one" if kind == "record" else "commit.visible_one"
-                    faults.point(point, out.msg.get("step"), settle=0.3)
+                commit_faults.after_send(out.msg, sent)
             elif isinstance(out, Commit):
                 self.sources.forget_asked()
                 self.store.commit(out.step)
@@ -262,16 +258,6 @@ class Team:
                 log.info("team: run %r of the job is the current one; earlier runs are fenced off", out.run)
                 self.sources.forget_asked()
                 self._drop_fenced(out)
-
-    def _fault_points(self, outputs: list) -> None:
-        """Test-only crash points of the coordinator (``ucpd.faults``; inert in production)."""
-        if self.commit.coordinator != self.rank:
-            return
-        for out in outputs:
-            if isinstance(out, Decided):
-                faults.point("commit.decided", out.step)
-            if isinstance(out, Commit):
-                faults.point("commit.recorded", out.step)
 
     # --- inputs of the protocol --------------------------------------------------------------------
 
