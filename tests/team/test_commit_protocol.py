@@ -25,6 +25,7 @@ the end are ``ucpd.sim.schedule.random_schedule``'s; a failure names its seed: r
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 
@@ -39,7 +40,9 @@ from ucpd.team.commit_ledger import CommittedSteps
 from ucpd.team.commit_tally import Tally
 from ucpd.team.run_fences import RunFences
 
-SCHEDULES = 2000
+# a sample of the random schedules in every run (seeds 0-1,999 passed on 2026-11-28, when every run
+# took 2,000: a minute of worker time); UCPD_TEST_SCHEDULES=2000 runs them all again
+SCHEDULES = int(os.environ.get("UCPD_TEST_SCHEDULES", "600"))
 NODES = (3, 4, 5)
 
 
