@@ -290,7 +290,7 @@ def _team_chains() -> set[str]:
 
 
 # What is left of issue 39's chains, named: the list only shrinks (a chain gone must leave it too).
-# The parity group and its healers still take the driver; ``status`` reads every part.
+# The parity group and its healers, the view's settling and the version sources still take the driver.
 TEAM_CHAINS_LEFT = {
     "ucpd/team/parity_group.py: team.config.keep", "ucpd/team/parity_group.py: team.config.nodes",
     "ucpd/team/parity_group.py: team.counters.get", "ucpd/team/parity_group.py: team.replicator.pushers",
@@ -306,10 +306,6 @@ TEAM_CHAINS_LEFT = {
     "ucpd/team/settle.py: team.config.nodes", "ucpd/team/settle.py: team.membership.view",
     "ucpd/team/sources.py: team.config.fanout", "ucpd/team/sources.py: team.counters.fetch",
     "ucpd/team/sources.py: team.parity.rebuild_checked",
-    "ucpd/team/status.py: team.config.membership", "ucpd/team/status.py: team.config.nodes",
-    "ucpd/team/status.py: team.domains.get", "ucpd/team/status.py: team.lane.status",
-    "ucpd/team/status.py: team.replicator.healing", "ucpd/team/status.py: team.replicator.pushed",
-    "ucpd/team/status.py: team.store.atomic", "ucpd/team/status.py: team.transport.counters",
 }
 
 

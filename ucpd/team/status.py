@@ -1,48 +1,78 @@
 """The team as ``ucpd status`` shows it: the nodes, the health of every version of ours, the
-bytes held, the counters."""
+bytes held, the counters. ``TeamStatus`` is given by the driver what it reads, the one reader of
+every part: the replicator's copies and heals, the replicas and parity held, the transport's and
+the data lane's counters, the parts' counters gathered (``counters.TeamCounters``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 from ..daemon.versions import RESTORABLE, VersionState
+from .config import TeamConfig
+from .counters import TeamCounters
+from .view import TeamView
+
+if TYPE_CHECKING:
+    from .lane import DataLane
+    from .parity_group import ParityGroup
+    from .replicas import ReplicaStore
+    from .replicate import Replicator
 
 
-def team_status(team) -> dict:
-    """``team``'s status (``team.Team``): nodes, versions and their health, bytes, counters."""
-    with team.store.atomic():  # the replicas and the parity group's dicts live under the store's lock
-        return _status(team)
+@dataclass(frozen=True)
+class TeamStatus:
+    """What ``ucpd status`` reads of the team (``Team.status``); calling it gives the status."""
+
+    config: TeamConfig
+    view: TeamView
+    store: object  # the node's store face
+    replicas: ReplicaStore
+    replicator: Replicator
+    parity: ParityGroup | None
+    protocol_state: Callable[[], tuple]  # ``Team.protocol_state``: (view, pending, coordinator, latest)
+    gossip: object | None  # the gossip membership (None: heartbeats)
+    transport_counters: dict
+    lane: Callable[[], DataLane | None]
+    counters: TeamCounters
+
+    def __call__(self) -> dict:
+        with self.store.atomic():  # the replicas and the parity group's dicts live under the store's lock
+            return _status(self)
 
 
-def _membership(team) -> dict:
+def _membership(t: TeamStatus) -> dict:
     """How liveness is learnt (``--membership``) and, for gossip, its counters and suspects."""
-    out = {"kind": team.config.membership}
-    if team.gossip:
-        m = team.membership
+    out = {"kind": t.config.membership}
+    if t.gossip is not None:
+        m = t.gossip
         out["counters"] = dict(m.counters)
-        out["suspect"] = [n for n in range(team.config.nodes) if m.state(n) == "suspect"]
+        out["suspect"] = [n for n in range(t.config.nodes) if m.state(n) == "suspect"]
     return out
 
 
-def _status(team) -> dict:
-    config, parity, replicas, store = team.config, team.parity, team.replicas, team.store
-    view, pending, coordinator, latest = team.protocol_state()
+def _status(t: TeamStatus) -> dict:
+    config, parity, replicas, store = t.config, t.parity, t.replicas, t.store
+    view, pending, coordinator, latest = t.protocol_state()
     nodes = []
     for n in range(config.nodes):
         nodes.append({
             "node": n,
             "address": config.peers[n] if n < len(config.peers) else None,
             "live": n in view.live,
-            "domain": team.domains.get(n),
+            "domain": t.view.domains.get(n),
             "coordinator": n == coordinator,
         })
     own_bytes = sum(v.nbytes for v in store.versions_in(tuple(VersionState)) if v.parts)
-    rep_bytes = sum(r.size for r in replicas.held.values()) if replicas else 0
+    rep_bytes = sum(r.size for r in replicas.held.values())
     par_bytes = parity.nbytes if parity is not None else 0
     # health is about committed versions only (one protected but never committed — a dead
     # run's — is neither healed nor counted), replicas and parity alike: healthy while each
     # level configured survives as many more losses as configured (R live replica holders;
     # the group's parity held by all its members), degraded otherwise
     versions = []
-    for step, rec in sorted(team.replicator.pushed.items()):
+    for step, rec in sorted(t.replicator.pushed.items()):
         v = store.version(step)
         if v is None:
             continue  # evicted here
@@ -62,12 +92,13 @@ def _status(team) -> dict:
         else:
             health = "degraded"
         versions.append(dict(row, health=health))
-    held = sorted([o, s] for (o, s), r in replicas.held.items() if r.whole) if replicas else []
+    held = sorted([o, s] for (o, s), r in replicas.held.items() if r.whole)
+    lane = t.lane()
     degraded = any(v["health"] == "degraded" for v in versions) or len(view.live) < config.nodes
     return {
-        "node_rank": team.rank,
+        "node_rank": t.view.rank,
         "nodes": nodes,
-        "membership": _membership(team),
+        "membership": _membership(t),
         "epoch": view.epoch,
         "coordinator": coordinator,
         "team_latest": latest,
@@ -81,9 +112,9 @@ def _status(team) -> dict:
         "overhead": round((own_bytes + rep_bytes + par_bytes) / own_bytes, 3) if own_bytes else None,
         "versions": versions,
         "replicas_held": held,
-        "healing": dict(team.replicator.healing),
+        "healing": dict(t.replicator.healing),
         "protocol": pending,
-        "transport": dict(team.transport.counters),
-        "lane": team.lane.status() if team.lane is not None else {"transport": "zmq", "peers": [], "counters": {}},
-        "counters": dict(team.counters, replica_checksum_errors=replicas.checksum_errors if replicas else 0),
+        "transport": dict(t.transport_counters),
+        "lane": lane.status() if lane is not None else {"transport": "zmq", "peers": [], "counters": {}},
+        "counters": dict(t.counters, replica_checksum_errors=replicas.checksum_errors),
     }

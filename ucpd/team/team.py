@@ -48,7 +48,7 @@ from .serve import PeerServer
 from .serve_held import HeldServer
 from .serve_parity import register_parity
 from .sources import FETCH_PREFIX, VersionSources
-from .status import team_status
+from .status import TeamStatus
 from .transport import PeerTransport
 from .view import TeamView
 
@@ -152,6 +152,8 @@ class Team:
             report_protected=self.report_protected, replica_sound=src.replica_sound, held_by_node=src.held_by_node,
             parity_protect=parity.protect if parity else None,
             parity_healer=(lambda yield_to: ParityHealer(self, yield_to)) if parity else None)
+        self._status = TeamStatus(self.config, self.view, store, self.replicas, self.replicator, parity, self.protocol_state,
+                                  self.membership if self.gossip else None, self.transport.counters, lambda: self.lane, c)
 
     def close(self) -> None:
         if self._membership_thread is not None:
@@ -380,6 +382,6 @@ class Team:
         return self.replicator.seen_waiting(job, step)
 
     def status(self) -> dict:
-        """The team as ``ucpd status`` shows it."""
-        return team_status(self)
+        """The team as ``ucpd status`` shows it (``status.TeamStatus``)."""
+        return self._status()
 
