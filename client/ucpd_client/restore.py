@@ -200,12 +200,20 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
             "in their order; client and daemon disagree (different ucpd releases?)"
         )
     mode, window = verify or knobs.restore_verify(), knobs.restore_window()
+    on = session.cuda.device_of
+    # sources the daemon still fetches from peers (``pending``): copied once ``fetched`` says they
+    # are here, after the rest; "all" (nothing written before every chunk is checked) and device
+    # targets wait for them first
+    pending = frozenset(reply.get("pending") or ())
+    if pending and (mode == "all" or any(on(e.tensor) >= 0 for e in entries)):
+        _wait_fetched(session, reply)
+        pending = frozenset()
     sources, hosts = _sources(session, plan.sources)
     threads = knobs.copy_threads()
     cpu = _Windows(sources, window if mode == "window" else 0, threads, fused=mode == "fused")
+    later = _Windows(sources, window if mode == "window" else 0, threads, fused=mode == "fused")
     device = None
     finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
-    on = session.cuda.device_of
     for e, t in zip(entries, plan.tensors):
         target = e.tensor
         if on(target) >= 0:
@@ -216,7 +224,11 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
             continue
         host = target if target.is_cpu and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
         if t.copies:
-            _add_copies(cpu, host, t.copies)
+            if pending:
+                _add_copies(cpu, host, [c for c in t.copies if c.src_key not in pending])
+                _add_copies(later, host, [c for c in t.copies if c.src_key in pending])
+            else:
+                _add_copies(cpu, host, t.copies)
         if t.fills or host is not target:
             finish.append((target, host, t.fills))
     values = merged_values(reply["objects"], session.rank, reply["objects_crcs"])  # checked before any write
@@ -232,6 +244,9 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
         if device is not None:
             device.drain()
         raise
+    if pending:
+        _wait_fetched(session, reply)
+        later.run()
     if device is not None:
         device.finish()
         session.last_device_restore = dict(device.stats)
@@ -242,6 +257,12 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
         if host is not target:
             target.copy_(host)
     return values
+
+
+def _wait_fetched(session: DaemonSession, reply: dict) -> None:
+    """Until the daemon has the restore's sources it fetches from peers here, checked (raises the
+    error that stopped their fetch: the restore then fails as one that read a damaged or lost copy)."""
+    session.conn().call("fetched", lease=reply["lease"])
 
 
 class _Windows:

@@ -11,16 +11,22 @@ from __future__ import annotations
 
 import logging
 import math
+import queue
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults
 from ..dtypes import dtype as lookup_dtype
+from ..errors import UcpdError
 from .phases import RecentRestores, phase, recording
 from .versions import DEFAULT_JOB
 
 log = logging.getLogger("ucpd")
 
 SLOW_RESTORE_S = 0.05  # a restore answered slower than this is logged with its phases
+FETCH_THREADS = 8  # restores whose peers' bytes land at once (each a stream per holder)
+FETCHES_KEPT = 64  # landed fetches kept for a ``fetched`` that may still come
 
 
 def job_of(body: dict) -> str:
@@ -33,13 +39,18 @@ def objects_body(objects: dict) -> dict:
 
 
 class Restores:
-    """Answers ``restore`` and ``describe``. ``joined(body, work)``: ``work`` once the requester's
-    run joined the team; ``defer(ident, req_id, type, work, then=None)``: run it on a worker."""
+    """Answers ``restore``, ``fetched`` and ``describe``. ``joined(body, work)``: ``work`` once the
+    requester's run joined the team; ``defer(ident, req_id, type, work, then=None)``: run it on a
+    worker; ``done``: the loop's queue of answers (a ``fetched`` answered from a fetch thread)."""
 
-    def __init__(self, store, locate, leases, team, defer, joined) -> None:
+    def __init__(self, store, locate, leases, team, defer, joined, done: queue.Queue) -> None:
         self.store, self.locate, self.leases, self.team = store, locate, leases, team
-        self._defer, self._joined = defer, joined
+        self._defer, self._joined, self._done = defer, joined, done
         self.recent = RecentRestores()  # where the last restores' time went (``ucpd status``)
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None  # the fetch threads, made on the first fetch
+        self._fetches: dict[int, object] = {}  # lease -> its PeerFetch, until ``fetched`` is answered
+        self._asked: set[int] = set()  # leases whose client asked ``fetched``
 
     def on_restore(self, ident, req_id, body):
         if self.team is not None:
@@ -72,16 +83,64 @@ class Restores:
         job = job_of(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
         found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
+        fetch = None
         try:
-            if found.team is not None:
+            if found.team is not None:  # bytes that live on peers: their files made now, fetched while the client copies
                 with phase("fetch"):
-                    plan = self.team.localize(found.team, plan)  # bytes that live on peers, fetched and checked
+                    fetch = found.team.start_fetch(plan)
         except BaseException:
             with self.store.atomic():
                 found.release()
             raise
         with self.store.atomic():
-            return self._lease_reply(body, found, plan)
+            reply = self._lease_reply(body, found, plan)
+        if fetch is not None:
+            reply["pending"] = fetch.pending
+            self._fetches[reply["lease"]] = fetch
+            self._fetch_pool().submit(self._run_fetch, fetch, found.step)
+        return reply
+
+    def _fetch_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ucpd-fetch")
+            for lease in [k for k, f in self._fetches.items() if f.done and f.error is None and k not in self._asked]:
+                if len(self._fetches) > FETCHES_KEPT:  # landed and never asked for (a client that died)
+                    del self._fetches[lease]
+            return self._pool
+
+    def _run_fetch(self, fetch, step: int) -> None:
+        try:
+            fetch.run()
+        except Exception as exc:  # told to the client that asks ``fetched``; the daemon goes on
+            log.warning("team: fetching step %d's bytes from peers for a restore failed: %s", step, exc)
+
+    def on_fetched(self, ident, req_id, body):
+        """``fetched``: answered once the lease's pending sources are here (at once if there were
+        none, or they landed); their fetch's error if it failed."""
+        lease = body["lease"]
+        with self._lock:
+            fetch = self._fetches.get(lease)
+            self._asked.add(lease)
+        if fetch is None:
+            return {}
+
+        def answer(error):
+            with self._lock:
+                self._fetches.pop(lease, None)
+                self._asked.discard(lease)
+            if error is None:
+                self._done.put(("reply", ident, req_id, "fetched", {}, None))
+            else:
+                exc = error if isinstance(error, UcpdError) else UcpdError(f"fetching the restore's bytes from peers failed: {error!r}")
+                self._done.put(("reply", ident, req_id, "fetched", None, exc))
+
+        fetch.after(answer)
+        return None
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _lease_reply(self, body, found, plan):
         lease = self.leases.grant(found, body.get("pid"), body.get("pidns"))

@@ -100,7 +100,7 @@ class Daemon:
             self.team.attach(self.store, self.leases)
         self._done: queue.Queue = queue.Queue()
         self._workers = Workers(self._done)  # requests answered from a worker thread (asking peers, a download)
-        self.restores = Restores(self.store, self.locate, self.leases, self.team, self._workers.defer, self._joined)
+        self.restores = Restores(self.store, self.locate, self.leases, self.team, self._workers.defer, self._joined, self._done)
         self.metrics = None
         if config.metrics_port is not None:
             from .metrics import Metrics
@@ -331,6 +331,9 @@ class Daemon:
         pull = self._joined(body, lambda: self.pulls.pull(body, _job(body)))
         return self._workers.defer(ident, req_id, "pull", pull) if self.team is not None else pull()
 
+    def _on_fetched(self, ident, req_id, body):
+        return self.restores.on_fetched(ident, req_id, body)
+
     def _on_describe(self, ident, req_id, body):
         return self.restores.on_describe(ident, req_id, body)
 
@@ -456,6 +459,7 @@ class Daemon:
         if self.team is not None:
             self.team.close()
         self._workers.close()
+        self.restores.close()
         self.locate.close()
         if self.flusher is not None:
             self.flusher.stop()

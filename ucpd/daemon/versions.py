@@ -142,6 +142,10 @@ class TeamSourcesFace(Protocol):
     partial: bool  # only some ranks' parts (their holders asked): a plan they do not cover widens
     indexed: bool  # ... those the piece index named
 
+    def start_fetch(self, plan) -> object | None:
+        """The plan's bytes held on peers: their local files made now, a ``PeerFetch`` to run that
+        brings them (None: the plan reads nothing from peers)."""
+
     def release(self) -> None:
         """The pins on the peers go (the restore ended, or nobody reads them after all)."""
 

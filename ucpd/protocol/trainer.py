@@ -443,9 +443,18 @@ REQUESTS: dict[str, MessageType] = {
              "incarnation": text},
             "plan the copies that fill these targets; reply: the lease to release, the step and where it is read, "
             "the plain values by rank, and the RestorePlan (its fields inline); "
-            "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died",
+            "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died; "
+            "pending: the plan's sources still being fetched from peers (read them after `fetched`)",
             Record({"lease": integer(), "step": integer(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS},
-                   inline={"plan": RestorePlan}),
+                   {"pending": list_of(integer(0))}, inline={"plan": RestorePlan}),
+        ),
+        MessageType(
+            "fetched",
+            {"lease": integer()},
+            {},
+            "reply once the sources a restore's reply named `pending` are here, checked (or the error that "
+            "stopped their fetch)",
+            EMPTY,
         ),
         MessageType(
             "describe",

@@ -38,6 +38,7 @@ from .directory import Directory
 from .fetch import fetch_shares
 from .held import HeldCopies
 from .holder_answers import HolderAnswers
+from .peer_fetch import DATA_BATCH, PeerFetch
 from .piece_index import PieceIndex
 from .settle import Settle
 from .shmfiles import close_map, open_reserved, remove
@@ -45,7 +46,6 @@ from .parts import check_parts, part_from_wire, used_bytes
 
 log = logging.getLogger("ucpd.team")
 
-DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames)
 SHARED_KEPT = 4  # directory answers whose parts and indexes are kept for the restores that follow
 FETCH_PREFIX = "fetch-"
 
@@ -98,6 +98,7 @@ class TeamSources:
         self.pins: list = []  # our versions and replicas read (unpinned on release)
         self.files: list[str] = []  # fetched or rebuilt copies (deleted on release)
         self.leases: list[tuple[int, str]] = []  # (peer, lease) pinning what we read from peers
+        self.fetch: PeerFetch | None = None  # the peers' bytes still landing (``start_fetch``)
 
     @property
     def remote(self) -> dict[int, PeerRead]:
@@ -109,8 +110,20 @@ class TeamSources:
             self.reader.transport.send(node, "unpin", {"lease": lease})
         self.leases = []
 
+    def start_fetch(self, plan: protocol.RestorePlan) -> PeerFetch | None:
+        """``VersionSources.start_fetch`` of this restore."""
+        return self.reader.start_fetch(self, plan)
+
     def release(self) -> None:
-        """The client finished reading: unpin, delete fetched copies."""
+        """The client finished reading: unpin, delete fetched copies (once a fetch still
+        landing is over: the client may have stopped waiting for it)."""
+        fetch = self.fetch
+        if fetch is not None and not fetch.done:
+            fetch.after(lambda _: self._release_now())
+            return
+        self._release_now()
+
+    def _release_now(self) -> None:
         self.unpin_peers()
         unpin_local(self.reader.store, self.reader.replicas, self.pins)
         self.pins = []
@@ -434,33 +447,42 @@ class VersionSources:
 
     def localize(self, sources: TeamSources, plan: protocol.RestorePlan) -> protocol.RestorePlan:
         """Fetch the tensors the plan reads from peers into their local files (``PeerRead.path``),
-        each checked on arrival; the plan reads them there as it is. A restore from some ranks'
-        parts (``partial``) counts as ``restores_from_holders``."""
+        each checked on arrival; the plan reads them there as it is."""
+        fetch = self.start_fetch(sources, plan)
+        if fetch is not None:
+            fetch.run()
+        return plan
+
+    def start_fetch(self, sources: TeamSources, plan: protocol.RestorePlan) -> PeerFetch | None:
+        """The fetch of what the plan reads from peers (None: nothing), its local files made now at
+        their full size (the client may map them); ``PeerFetch.run`` brings the bytes. A restore
+        from some ranks' parts (``partial``) counts as ``restores_from_holders``."""
         if sources.partial:
             self.counters.restores_from_holders += 1
         by_path = {w.path: w for w in sources.remote.values()}
         wanted: dict[str, list[protocol.PlanSource]] = {}
-        for s in plan.sources:
+        pending = []
+        for i, s in enumerate(plan.sources):
             if s.path in by_path:
                 wanted.setdefault(s.path, []).append(s)
-        for path, rows in wanted.items():
-            w = by_path[path]
-            part = sources.parts[w.rank]
-            mm = open_reserved(path, used_bytes(part), [(s.offset, s.nbytes) for s in rows])
-            try:
-                arr = np.frombuffer(mm, np.uint8)
-                for batch in _batches(rows, DATA_BATCH):
-                    # on the data lane each chunk is checked as it lands: not read again here
-                    checked = self._fetch_shares(w, sources.step, [(s.offset, s.nbytes, s.crcs, s.chunk) for s in batch], mm)
-                    for s in batch:
-                        if not checked:
-                            self._check_fetched(w, sources.step, s, arr, mm)
-                        self.counters.fetched_bytes += s.nbytes
-                del arr
-            finally:
+                pending.append(i)
+        if not wanted:
+            sources.unpin_peers()
+            return None
+        todo = []
+        try:
+            for path, rows in wanted.items():
+                w = by_path[path]
+                todo.append((w, rows, open_reserved(path, used_bytes(sources.parts[w.rank]), [(s.offset, s.nbytes) for s in rows])))
+        except BaseException:
+            for _, _, mm in todo:
                 close_map(mm)
-        sources.unpin_peers()  # all here: the peers may evict it again
-        return plan
+            raise
+        sources.fetch = PeerFetch(self, sources, todo, pending)
+        return sources.fetch
+
+    def check_fetched(self, w: PeerRead, step: int, s: protocol.PlanSource, arr: np.ndarray, mm) -> None:
+        return self._check_fetched(w, step, s, arr, mm)
 
     def _check_fetched(self, w: PeerRead, step: int, s: protocol.PlanSource, arr: np.ndarray, mm) -> None:
         """Check one fetched tensor; if it fails, fetch it again whole from each copy in turn
@@ -544,6 +566,8 @@ class VersionSources:
     def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple], mm) -> bool:
         return fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
 
+    fetch_into = _fetch_shares  # (``PeerFetch``)
+
 
 def _shapes_known(version: Version) -> None:
     """Some ranks' parts give each global tensor's shape only if every fragment states it whole
@@ -557,15 +581,3 @@ def _shapes_known(version: Version) -> None:
                 name, shape = t.name if shared else frag.name, tuple(frag.global_shape)
                 if None in shape or seen.setdefault(name, shape) != shape:
                     raise PlacementMismatch(f"the shape of global tensor {name!r} comes from every rank's parts")
-
-
-def _batches(rows: list, limit: int):
-    batch, size = [], 0
-    for s in rows:
-        if batch and size + s.nbytes > limit:
-            yield batch
-            batch, size = [], 0
-        batch.append(s)
-        size += s.nbytes
-    if batch:
-        yield batch

@@ -1,0 +1,91 @@
+"""A restore's bytes held on peers, fetched into this node's files while the client copies the
+rest: the files are made at their full size before the reply (the client maps them at once), the
+bytes land on a fetch thread, each batch checked as it lands (a damaged one fetched again from the
+other copies), and the client reads those sources only after ``fetched`` said they are here.
+
+Threads: the restore's worker makes it (``VersionSources.start_fetch``), a fetch thread runs it,
+the daemon's loop asks ``after`` (the client's ``fetched``), and the lease's end releases what the
+restore read only once the fetch is over (``TeamSources.release``).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+
+from .shmfiles import close_map
+
+DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames or lane chunks)
+
+
+class PeerFetch:
+    """The fetch of ``todo`` — ``(PeerRead, [PlanSource], writable map of its file)`` — for the
+    restore of ``sources`` (``TeamSources``) by ``reader`` (``VersionSources``). ``pending``: the
+    indexes of the plan's sources it brings (the reply's ``pending``)."""
+
+    def __init__(self, reader, sources, todo: list, pending: list[int]) -> None:
+        self.reader, self.sources, self.pending = reader, sources, pending
+        self._todo = todo
+        self._lock = threading.Lock()
+        self._done = False
+        self._then: list[Callable[[BaseException | None], None]] = []
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        """Fetch and check every source (raises what stopped it, after telling those waiting)."""
+        reader, step = self.reader, self.sources.step
+        try:
+            for w, rows, mm in self._todo:
+                arr = np.frombuffer(mm, np.uint8)
+                try:
+                    for batch in batches(rows, DATA_BATCH):
+                        # on the data lane each chunk is checked as it lands: not read again here
+                        checked = reader.fetch_into(w, step, [(s.offset, s.nbytes, s.crcs, s.chunk) for s in batch], mm)
+                        for s in batch:
+                            if not checked:
+                                reader.check_fetched(w, step, s, arr, mm)
+                            reader.counters.fetched_bytes += s.nbytes
+                finally:
+                    del arr
+                    close_map(mm)
+            self.sources.unpin_peers()  # all here: the peers may evict it again
+        except BaseException as exc:
+            self.error = exc
+            raise
+        finally:
+            for _, _, mm in self._todo:  # (those an error left unreached)
+                close_map(mm)
+            self._todo = []
+            with self._lock:
+                self._done, then, self._then = True, self._then, []
+            for fn in then:
+                fn(self.error)
+
+    def after(self, fn: Callable[[BaseException | None], None]) -> None:
+        """Call ``fn(error or None)`` once the fetch is over (now, if it is)."""
+        with self._lock:
+            if not self._done:
+                self._then.append(fn)
+                return
+        fn(self.error)
+
+    @property
+    def done(self) -> bool:
+        with self._lock:
+            return self._done
+
+
+def batches(rows: list, limit: int):
+    """``rows`` (with ``nbytes``) in order, cut into runs of at most ``limit`` bytes (one row a
+    run where a row alone is larger)."""
+    batch, size = [], 0
+    for s in rows:
+        if batch and size + s.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(s)
+        size += s.nbytes
+    if batch:
+        yield batch
