@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from .. import faults
 from .shmfiles import close_map
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames or lane chunks)
@@ -37,6 +38,7 @@ class PeerFetch:
         """Fetch and check every source (raises what stopped it, after telling those waiting)."""
         reader, step = self.reader, self.sources.step
         try:
+            faults.stall("restore.fetch", step)  # test-only: a peer slow to answer (inert in production)
             for w, rows, mm in self._todo:
                 arr = np.frombuffer(mm, np.uint8)
                 try:
