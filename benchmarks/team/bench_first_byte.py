@@ -98,6 +98,7 @@ def bench(env: Loopback, args) -> dict:
         for i, r in zip(which, res):
             if r["nbad"] or r["step"] != last:
                 raise AssertionError(f"rank {i} got step {r['step']}, {r['nbad']} tensors differ: {r['bad']}")
+            r["phases_ms"] = survivors[i].status()["restore"]["last"][-1]["phases_ms"]  # the daemon's side of it
         return res
 
     cases: dict = {"cold": [], "warm": [], "alone": []}
@@ -132,8 +133,15 @@ def report(r: dict) -> str:
         ms = lambda xs: f"{min(xs) * 1e3:.0f} / {median(xs) * 1e3:.0f} / {max(xs) * 1e3:.0f}"  # noqa: E731
         rows.append([name, ms(fb), ms(worst), ms(rpc), f"{median(fb) / TARGET_S:.2f}",
                      f"{min(loads):.1f}-{max(loads):.1f}"])
-    return table(["case", "first byte, every rank (min / median / max ms)", "slowest rank per restore",
-                  "restore RPC", "median / 20 ms", "load"], rows)
+    out = table(["case", "first byte, every rank (min / median / max ms)", "slowest rank per restore",
+                 "restore RPC", "median / 20 ms", "load"], rows)
+    lines = []
+    for name, runs in r["cases"].items():  # the daemon's phases, median over the ranks' restores (ms)
+        per = [x["phases_ms"] for run in runs for x in run["ranks"]]
+        names = sorted({k for p in per for k in p}, key=lambda k: -median([p.get(k, 0.0) for p in per]))
+        lines.append(f"  {name}: daemon phases (median ms): "
+                     + ", ".join(f"{k} {median([p.get(k, 0.0) for p in per]):.1f}" for k in names))
+    return out + "\n" + "\n".join(lines)
 
 
 def main(argv=None) -> int:
