@@ -80,6 +80,7 @@ def test_a_hung_flush_dir_never_blocks_snapshots_or_restores_and_status_says_sta
     assert len(held) <= 2 + 2, f"a hung flush pins at most the version it writes and one waiting: {held}"
     m = _metrics(st["metrics_port"])
     assert m["ucpd_flush_stalled"] == 1 and m["ucpd_degraded"] == 1
+    d.kill()  # a SIGTERM would wait out the hung write: the fixture's stop gave it 10 s, then killed it
 
 
 def test_a_flush_dir_that_blocks_on_open_never_blocks_latest_or_restores(make_daemon, dirs):

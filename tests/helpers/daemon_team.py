@@ -135,10 +135,14 @@ class DaemonTeam:
                 os.kill(self.nodes[i].proc.pid, signal.SIGCONT)
 
     def stop(self) -> None:
+        """Stop every node: all are asked (SIGTERM) before any is waited for, so a team's nodes
+        shut down side by side, each killed if it has not exited within 10 s."""
         for i, d in enumerate(self.nodes):
             self.resume(i)
             if self.net is not None:
                 self.net.heal(i)
+            d.terminate()
+        for d in self.nodes:
             d.stop()
             shutil.rmtree(d.shm_dir, ignore_errors=True)
 
