@@ -11,6 +11,7 @@ replication thread (healing). Peer requests are never made holding the store loc
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 
@@ -20,7 +21,11 @@ from .decide import Holding
 from .directory import ask_all
 from .parts import run_of, used_bytes, with_run
 
+log = logging.getLogger("ucpd.team")
+
 ASKED_TTL = 5.0  # seconds the peers' answers about a step serve the restores that follow (a small team's)
+PREPARED_TTL = 120.0  # ... when asked ahead of the restores, after a node was lost (``HeldCopies.prepare``)
+PREPARE_AFTER = (1.0, 6.0)  # seconds after a loss the answers about the newest committed step are asked ahead
 OWN_KEPT = 4  # steps whose own holdings (manifests) are kept made
 
 
@@ -37,11 +42,12 @@ class PeersAsked:
         self._held: dict[tuple, tuple[int, float, dict]] = {}  # (step, live) -> (gen, when, holdings)
         self._gen = itertools.count(1)
 
-    def held(self, step: int, live: frozenset, stale: int | None) -> tuple[int, dict[int, list[Holding]]]:
-        """(gen, {peer: its holdings of ``step``})."""
+    def held(self, step: int, live: frozenset, stale: int | None, ttl: float = ASKED_TTL) -> tuple[int, dict[int, list[Holding]]]:
+        """(gen, {peer: its holdings of ``step``}). ``ttl``: how long a new answer serves (an
+        answer asked ahead of the restores serves longer: ``PREPARED_TTL``)."""
         key, now = (step, live), time.monotonic()
         with self._lock:
-            for k in [k for k, (_, when, _) in self._held.items() if now - when > ASKED_TTL]:
+            for k in [k for k, (_, until, _) in self._held.items() if now > until]:
                 del self._held[k]
             got = self._held.get(key)
             if got is not None and got[0] == stale:
@@ -49,10 +55,16 @@ class PeersAsked:
         if got is None:
             replies = self._ask(sorted(live), step)
             peers = {node: [Holding.from_wire(node, i) for i in reply.get("items", [])] for node, reply in sorted(replies.items())}
-            got = (next(self._gen), now, peers)
+            got = (next(self._gen), now + ttl, peers)
             with self._lock:
                 self._held[key] = got
         return got[0], dict(got[2])
+
+    def renew(self, step: int, live: frozenset, ttl: float) -> None:
+        """Ask again now about ``step`` (the answer kept may predate copies made since)."""
+        with self._lock:
+            self._held.pop((step, live), None)
+        self.held(step, live, None, ttl)
 
     def forget(self) -> None:
         with self._lock:
@@ -70,6 +82,9 @@ class HeldCopies:
         self.transport = team.transport
         self._asked = PeersAsked(lambda live, step: ask_all(self.transport, self.rank, live, "holdings", {"step": step}))
         self._own: dict[int, tuple[list, list[dict], list[Holding]]] = {}  # step -> (objects, items, holdings)
+        self._live: frozenset | None = None  # the live nodes at the last tick
+        self._prepare_at: list[float] = []  # when to ask the peers ahead of a restore (``on_tick``)
+        self._preparing = threading.Lock()
 
     @property
     def store(self):
@@ -190,5 +205,29 @@ class HeldCopies:
         return gen, out
 
     def forget(self) -> None:
-        """The team committed or fenced: the next restore asks the peers again."""
+        """The team committed: the next restore asks the peers again."""
         self._asked.forget()
+
+    def on_tick(self, now: float) -> None:
+        """A node was lost (the live nodes shrank): the job will restart and restore the newest
+        committed step, so in a small team the peers' answers about it are asked ahead, 1 s and
+        6 s after the loss (once healing made the new copies), on a thread of their own; they
+        serve the restores for ``PREPARED_TTL`` seconds or until the next commit."""
+        live = self.team.live()
+        if self._live is not None and live < self._live and self.directory is None:
+            self._prepare_at = [now + d for d in PREPARE_AFTER]
+        self._live = live
+        if self._prepare_at and now >= self._prepare_at[0] and not self._preparing.locked():
+            self._prepare_at.pop(0)
+            threading.Thread(target=self._prepare, args=(live,), name="ucpd-restore-prepare", daemon=True).start()
+
+    def _prepare(self, live: frozenset) -> None:
+        with self._preparing:
+            job = self.store.team_job
+            newest = self.store.latest_committed(job) if job is not None else None
+            if newest is None or len(live) < 2:
+                return
+            try:
+                self._asked.renew(newest.step, live, PREPARED_TTL)
+            except Exception as exc:  # noqa: BLE001 - only a head start: the restore asks itself
+                log.info("team: asking the peers about step %d ahead of a restore failed: %s", newest.step, exc)

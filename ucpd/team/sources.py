@@ -197,8 +197,12 @@ class VersionSources:
         return self.held.held_by_node(step, stale)
 
     def forget_asked(self) -> None:
-        """The team committed or fenced: the next restore asks the peers again."""
+        """The team committed: the next restore asks the peers again."""
         self.held.forget()
+
+    def on_tick(self, now: float) -> None:
+        """Timers (the team's tick): after a loss, the peers are asked ahead of the restores (``HeldCopies.on_tick``)."""
+        self.held.on_tick(now)
 
     # --- restore ------------------------------------------------------------------------------------
 

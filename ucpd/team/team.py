@@ -195,6 +195,7 @@ class Team:
         for node, _ in self.leases.end_expired_peers(self.live()):
             log.info("team: node %d's lease on our RAM ended without an unpin (expired or node dead)", node)
         self.replicator.on_tick(now, frozenset(rejoined) if rejoined is not None else None)
+        self.sources.on_tick(now)
 
     def _step_membership(self, now: float) -> None:
         """Run the membership's timers; a new view goes to the commit protocol and the links."""
@@ -258,8 +259,7 @@ class Team:
                 log.debug("team: step %d decided, recorded", out.step)
             elif isinstance(out, Fence):
                 log.info("team: run %r of the job is the current one; earlier runs are fenced off", out.run)
-                self.sources.forget_asked()
-                self._drop_fenced(out)
+                self._drop_fenced(out)  # (a committed step's copies stay: the peers' answers about it hold)
 
     # --- inputs of the protocol --------------------------------------------------------------------
 
