@@ -66,6 +66,20 @@ def test_a_receiver_on_another_node_is_told_of_commits_and_gets_node_0s_bytes_it
         assert lane0["receiver_gets"] >= 4 and lane0["streams_cut"] == 1, lane0
         assert not [n for n in os.listdir(team.nodes[1].shm_dir) if n.startswith("fetch-")]  # nothing landed on node 1
 
+        # UCPD_PULL_LANE=0: node 0's bytes land in files node 1 keeps from pull to pull (no new file, no
+        # new mapping), two buckets in flight at most: with small buckets, many pulls, the same few files
+        monkeypatch.setenv("UCPD_PULL_LANE", "0")
+        with Weights(job=TEST_JOB, run_dir=team.nodes[1].run_dir, bucket_bytes=96 << 10) as small:
+            landed = []
+            for _ in range(3):
+                into = {"a": torch.empty(ROWS, COLS), "b": torch.empty(ROWS, COLS, dtype=torch.bfloat16)}
+                small.pull(2, into, names={"a": "w1", "b": "w2"})
+                assert torch.equal(into["a"], full(2, "w1")) and torch.equal(into["b"], full(2, "w2").bfloat16())
+                assert small.last_pull["buckets"] >= 3 and small._lane is None
+                landed.append(sorted(n for n in os.listdir(team.nodes[1].shm_dir) if n.startswith("fetch-")))
+            assert landed[0] == landed[1] == landed[2] and 1 <= len(landed[0]) <= 2, landed
+        monkeypatch.delenv("UCPD_PULL_LANE")
+
         # node 0 dies mid-pull: the pull raises a typed error, it never ends with unchecked bytes
         receive = LanePull.receive
 
@@ -80,25 +94,3 @@ def test_a_receiver_on_another_node_is_told_of_commits_and_gets_node_0s_bytes_it
             with pytest.raises((DaemonUnreachable, VersionNotFound)):
                 small.pull(2, {"a": torch.empty(ROWS, COLS)}, names={"a": "w1"})
     ranks.kill(procs)
-
-
-def test_without_the_lane_node_1_lands_node_0s_bytes_in_files_it_keeps(make_team, tmp_path, monkeypatch):
-    monkeypatch.setenv("UCPD_PULL_LANE", "0")
-    team = make_team(2, "--replicas", "0", "--keep", "2")
-    gate = tmp_path / "gate"
-    gate.write_text("2")
-    procs, _ = ranks.spawn(trainer, 2, team.run_dirs(), [2], gate, wait_for=0)
-    with Weights(job=TEST_JOB, run_dir=team.nodes[1].run_dir) as w, w.subscribe() as sub:
-        assert sub.next(timeout=60) == 2
-        # node 0's bytes land in files node 1 keeps from pull to pull (no new file, no new mapping),
-        # two buckets in flight at most: with small buckets, many pulls, the same few files
-        with Weights(job=TEST_JOB, run_dir=team.nodes[1].run_dir, bucket_bytes=96 << 10) as small:
-            landed = []
-            for _ in range(3):
-                into = {"a": torch.empty(ROWS, COLS), "b": torch.empty(ROWS, COLS, dtype=torch.bfloat16)}
-                small.pull(2, into, names={"a": "w1", "b": "w2"})
-                assert torch.equal(into["a"], full(2, "w1")) and torch.equal(into["b"], full(2, "w2").bfloat16())
-                assert small.last_pull["buckets"] >= 3 and small._lane is None
-                landed.append(sorted(n for n in os.listdir(team.nodes[1].shm_dir) if n.startswith("fetch-")))
-            assert landed[0] == landed[1] == landed[2] and 1 <= len(landed[0]) <= 2, landed
-    ranks.join(procs)
