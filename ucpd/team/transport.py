@@ -489,6 +489,9 @@ class PeerTransport:
                     self.counters["late_replies"] += 1
                     return
                 self._pending.pop(h["re"], None)
+                if entry[1].done():  # failed meanwhile (its node declared dead): a late reply
+                    self.counters["late_replies"] += 1
+                    return
                 if h["e"] is not None:
                     entry[1].set_exception(error_from_code(*h["e"]))
                 else:
