@@ -21,6 +21,10 @@ def manifests_answered(run_dir: str) -> int:
     return status(run_dir)["team"]["counters"]["manifests_answered"]
 
 
+def holdings_answered(run_dir: str) -> int:  # ``holdings`` of every step: what latest() asks
+    return status(run_dir)["team"]["counters"]["holdings_answered"]
+
+
 def test_a_restarted_jobs_restore_after_a_loss_reads_answers_asked_ahead(make_team):
     team = make_team(3, "--replicas", "1", "--keep", "2")
     procs, done = ranks.spawn(snapshot_ranks, 4, team.run_dirs()[:2], 2, 2, (1, 2), False)
@@ -38,8 +42,9 @@ def test_a_restarted_jobs_restore_after_a_loss_reads_answers_asked_ahead(make_te
     import time
 
     time.sleep(6.5)  # the second ask, after the copies healing made
-    asked = manifests_answered(node2)
-    restore_on([node0], 2, 2, 2, 2)  # a new job: TP2 on node 0, checked bit for bit
+    asked, every = manifests_answered(node2), holdings_answered(node2)
+    restore_on([node0], 2, 2, 2, 2)  # a new job: latest() then restore() in TP2 on node 0, checked bit for bit
     assert manifests_answered(node2) == asked, "the restore asked node 2 for manifests again"
+    assert holdings_answered(node2) == every, "latest() asked node 2 what it holds of every step"
     last = status(node0)["restore"]["last"]
     assert last and all(r["step"] == 2 and r["phases_ms"].get("holdings", 0.0) < 50 for r in last[-2:]), last

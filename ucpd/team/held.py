@@ -17,7 +17,7 @@ import time
 
 from .. import protocol
 from ..daemon.versions import SEALED, Version
-from .decide import Holding
+from .decide import Holding, latest_whole
 from .directory import ask_all
 from .parts import run_of, used_bytes, with_run
 
@@ -59,6 +59,12 @@ class PeersAsked:
             with self._lock:
                 self._held[key] = got
         return got[0], dict(got[2])
+
+    def kept(self, step: int, live: frozenset) -> dict[int, list[Holding]] | None:
+        """The answer kept about ``step`` in this view (None: none, or out of date), asking nothing."""
+        with self._lock:
+            got = self._held.get((step, live))
+            return dict(got[2]) if got is not None and time.monotonic() <= got[1] else None
 
     def renew(self, step: int, live: frozenset, ttl: float) -> None:
         """Ask again now about ``step`` (the answer kept may predate copies made since)."""
@@ -207,6 +213,19 @@ class HeldCopies:
     def forget(self) -> None:
         """The team committed: the next restore asks the peers again."""
         self._asked.forget()
+
+    def kept_whole(self, step: int) -> bool:
+        """A small team's kept answer about ``step`` (asked ahead after a loss, or by a restore of
+        the last seconds) and our own holdings show it whole on the live nodes: ``latest()`` need
+        not ask every node what it holds of every step."""
+        if self.directory is not None:
+            return False
+        live = self.team.live()
+        held = self._asked.kept(step, live)
+        if held is None:
+            return False
+        held[self.rank] = self._own_held(step)
+        return latest_whole((h for items in held.values() for h in items), lambda s: s == step) == step
 
     def on_tick(self, now: float) -> None:
         """A node was lost (the live nodes shrank): the job will restart and restore the newest

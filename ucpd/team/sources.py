@@ -209,6 +209,10 @@ class VersionSources:
     def latest(self) -> int | None:
         """The newest committed step that the live nodes still hold whole (None: none); an
         answer found short is asked again as the view settles (``settle``)."""
+        newest = self.team.protocol_state()[3]
+        if newest is not None and self.team.is_committed(newest) and self.held.kept_whole(newest):
+            return newest  # the answer kept about it says it is whole: no round of every node's holdings
+
         def ask(stale):
             gen, held = self.held_by_node(None, stale)
             return gen, held, latest_whole((h for items in held.values() for h in items), self.team.is_committed)
