@@ -98,7 +98,8 @@ def bench(env: Loopback, args) -> dict:
         for i, r in zip(which, res):
             if r["nbad"] or r["step"] != last:
                 raise AssertionError(f"rank {i} got step {r['step']}, {r['nbad']} tensors differ: {r['bad']}")
-            r["phases_ms"] = survivors[i].status()["restore"]["last"][-1]["phases_ms"]  # the daemon's side of it
+            last = (survivors[i].status().get("restore") or {}).get("last")  # the daemon's side of it (newer daemons)
+            r["phases_ms"] = last[-1]["phases_ms"] if last else {}
         return res
 
     cases: dict = {"cold": [], "warm": [], "alone": []}
@@ -137,7 +138,9 @@ def report(r: dict) -> str:
                  "restore RPC", "median / 20 ms", "load"], rows)
     lines = []
     for name, runs in r["cases"].items():  # the daemon's phases, median over the ranks' restores (ms)
-        per = [x["phases_ms"] for run in runs for x in run["ranks"]]
+        per = [x["phases_ms"] for run in runs for x in run["ranks"] if x["phases_ms"]]
+        if not per:
+            continue
         names = sorted({k for p in per for k in p}, key=lambda k: -median([p.get(k, 0.0) for p in per]))
         lines.append(f"  {name}: daemon phases (median ms): "
                      + ", ".join(f"{k} {median([p.get(k, 0.0) for p in per]):.1f}" for k in names))
