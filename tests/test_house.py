@@ -293,14 +293,13 @@ def _team_chains() -> set[str]:
 # The parity group and its healers, the view's settling and the version sources still take the driver.
 TEAM_CHAINS_LEFT = {
     "ucpd/team/parity_group.py: team.config.keep", "ucpd/team/parity_group.py: team.config.nodes",
-    "ucpd/team/parity_group.py: team.counters.get", "ucpd/team/parity_group.py: team.replicator.pushers",
     "ucpd/team/parity_group.py: team.transport.request",
     "ucpd/team/parity_heal.py: team.replicas.get", "ucpd/team/parity_heal.py: team.replicas.rebuilt",
     "ucpd/team/parity_heal.py: team.store.atomic", "ucpd/team/parity_heal.py: team.store.sealed",
     "ucpd/team/parity_heal.py: team.transport.request",
     "ucpd/team/parity_restripe.py: team.replicas.get", "ucpd/team/parity_restripe.py: team.replicas.pin",
     "ucpd/team/parity_restripe.py: team.replicas.rebuilt", "ucpd/team/parity_restripe.py: team.replicas.unpin",
-    "ucpd/team/parity_restripe.py: team.replicator.pushers", "ucpd/team/parity_restripe.py: team.store.read_done",
+    "ucpd/team/parity_restripe.py: team.store.read_done",
     "ucpd/team/parity_restripe.py: team.transport.request",
     "ucpd/team/settle.py: team.config.dead_after", "ucpd/team/settle.py: team.config.heartbeat",
     "ucpd/team/settle.py: team.config.nodes", "ucpd/team/settle.py: team.membership.view",

@@ -17,15 +17,19 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from .. import faults, native, protocol
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
+from .counters import ParityCounters
 from .holders import group_of, parity_groups
 from .parts import aligned, check_parts, part_from_wire, used_bytes
 from .shmfiles import close_map, open_reserved
 from .stripes import DEFAULT_UNIT, ParityBlocks, StepLayout, Stripes, recover
 
 log = logging.getLogger("ucpd.team.parity")
+
+UNITS_IN_FLIGHT = 4  # parity units a protect or a re-stripe keeps unacknowledged
 
 # what ``ParityGroup.protect`` achieved
 PROTECTED = "protected"  # every member of the group holds its share of our part
@@ -73,8 +77,12 @@ def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> lis
 
 
 class ParityGroup:
-    def __init__(self, team, k: int, m: int, unit: int = DEFAULT_UNIT) -> None:
+    def __init__(self, team, k: int, m: int, unit: int = DEFAULT_UNIT, counters: ParityCounters | None = None) -> None:
+        """``counters``: the group's (``Team.counters.parity``)."""
         self.team = team
+        self.counters = counters if counters is not None else ParityCounters()
+        # the units a protect or a re-stripe sends, UNITS_IN_FLIGHT unacknowledged at once (a pool of our own)
+        self.pushers = ThreadPoolExecutor(UNITS_IN_FLIGHT, thread_name_prefix="ucpd-parity")
         groups = parity_groups(team.config.nodes, k, m)
         g = group_of(groups, team.rank)
         self.stripes = Stripes(g.members, g.k, g.m, unit)
@@ -88,6 +96,9 @@ class ParityGroup:
         self._restriping: dict[tuple[int, str], tuple[StepLayout, set]] = {}  # (step, tag) -> (layout, origins in)
         self.keep = team.config.keep + 1
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.pushers.shutdown(wait=False, cancel_futures=True)
 
     @property
     def nbytes(self) -> int:
@@ -134,9 +145,9 @@ class ParityGroup:
                         body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
                         team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
 
-            for _ in team.replicator.pushers.map(send, range(s.units(size))):
+            for _ in self.pushers.map(send, range(s.units(size))):
                 pass
-            team.counters["parity_bytes_sent"] = team.counters.get("parity_bytes_sent", 0) + size * s.m
+            self.counters.parity_bytes_sent += size * s.m
             for member in s.members:
                 if member != team.rank and member in now:
                     team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
@@ -404,7 +415,7 @@ class ParityGroup:
             bases = self.rebuild(origin, step, into, mans=mans)
             check_parts(into, bases, parts, what)
         except ChecksumMismatch as exc:
-            self.team.counters["parity_checksum_errors"] += 1
+            self.counters.parity_checksum_errors += 1
             for suspect in sorted(set(self.stripes.members) - {origin}):
                 try:
                     bases = self.rebuild(origin, step, into, distrust=frozenset({suspect}), mans=mans)
@@ -461,7 +472,7 @@ class ParityGroup:
             full = self.recover_row(s, step, row, carrier, sizes, live, inc, locate)
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
-        team.counters["parity_rebuilt_bytes"] = team.counters.get("parity_rebuilt_bytes", 0) + m["size"]
+        self.counters.parity_rebuilt_bytes += m["size"]
         return bases
 
     def recover_row(self, s: Stripes, step: int, row: int, missing: int, sizes: dict, live, inc: str,

@@ -66,7 +66,7 @@ def restripe_step(team, plan: ParityRestripe, mans: dict[int, dict], current: di
                     team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
             return s.unit
 
-        nbytes += sum(team.replicator.pushers.map(send, range(s.units(layout.vsize(me)))))
+        nbytes += sum(group.pushers.map(send, range(s.units(layout.vsize(me)))))
     finally:
         blobs = None
         _unpin(team, pins)

@@ -110,7 +110,8 @@ class Team:
             self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
                                "(started with --commit-fanout 0): ask every node with `holdings`")
         self.counters.add(*(p.counters for p in (self.sources.directory, self.sources.index) if p is not None))
-        self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit()) if config.parity else None
+        self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit(), counters=self.counters.parity) \
+            if config.parity else None
         register_parity(self.server, self.parity, self.rank)
 
     # --- life cycle ----------------------------------------------------------------------------
@@ -163,6 +164,8 @@ class Team:
             self.replicator.stop()
             self.held_server.close()
             self.flush_share.close()
+        if self.parity is not None:
+            self.parity.close()
         self.transport.close()
         self.lanes.close()
         if attached:
