@@ -8,7 +8,7 @@ replicator ``ReplicateCounters``, the restore and fetch path ``FetchCounters``, 
 gathered counters while it is 0 (they appeared once a part first counted them, and still do).
 ``TeamCounters`` is ``Team.counters``: it makes the parts' dataclasses, and is the gathered
 counters as a mapping; a write by name goes to the one part's field (for the writers not yet
-given their part's: the daemon's landing, the parity group).
+given their part's: the daemon's landing, through ``TeamFace.counters``).
 """
 
 from __future__ import annotations
