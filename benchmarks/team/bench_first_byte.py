@@ -98,8 +98,8 @@ def bench(env: Loopback, args) -> dict:
         for i, r in zip(which, res):
             if r["nbad"] or r["step"] != last:
                 raise AssertionError(f"rank {i} got step {r['step']}, {r['nbad']} tensors differ: {r['bad']}")
-            last = (survivors[i].status().get("restore") or {}).get("last")  # the daemon's side of it (newer daemons)
-            r["phases_ms"] = last[-1]["phases_ms"] if last else {}
+            recent = (survivors[i].status().get("restore") or {}).get("last")  # the daemon's side of it (newer daemons)
+            r["phases_ms"] = recent[-1]["phases_ms"] if recent else {}
         return res
 
     cases: dict = {"cold": [], "warm": [], "alone": []}
