@@ -16,15 +16,18 @@ from typing import Callable
 import numpy as np
 
 from .. import faults
-from .shmfiles import close_map
+from .shmfiles import close_map, open_reserved
 
 DATA_BATCH = 32 << 20  # bytes per fetch request (split into transport frames or lane chunks)
 
 
 class PeerFetch:
-    """The fetch of ``todo`` — ``(PeerRead, [PlanSource], writable map of its file)`` — for the
-    restore of ``sources`` (``TeamSources``) by ``reader`` (``VersionSources``). ``pending``: the
-    indexes of the plan's sources it brings (the reply's ``pending``)."""
+    """The fetch of ``todo`` — ``(PeerRead, [PlanSource], size of its file)``, each file made
+    sized and empty (``shmfiles.create_sized``) — for the restore of ``sources`` (``TeamSources``)
+    by ``reader`` (``VersionSources``). ``pending``: the indexes of the plan's sources it brings
+    (the reply's ``pending``). Reserving the files' pages (a full /dev/shm fails the fetch, with
+    its error, never a reader with SIGBUS: the client reads them only after ``fetched``) and
+    faulting them in is the fetch's work, off the reply's path."""
 
     def __init__(self, reader, sources, todo: list, pending: list[int]) -> None:
         self.reader, self.sources, self.pending = reader, sources, pending
@@ -39,7 +42,8 @@ class PeerFetch:
         reader, step = self.reader, self.sources.step
         try:
             faults.stall("restore.fetch", step)  # test-only: a peer slow to answer (inert in production)
-            for w, rows, mm in self._todo:
+            for w, rows, size in self._todo:
+                mm = open_reserved(w.path, size, [(s.offset, s.nbytes) for s in rows], made=True)
                 arr = np.frombuffer(mm, np.uint8)
                 try:
                     for batch in batches(rows, DATA_BATCH):
@@ -57,8 +61,6 @@ class PeerFetch:
             self.error = exc
             raise
         finally:
-            for _, _, mm in self._todo:  # (those an error left unreached)
-                close_map(mm)
             self._todo = []
             with self._lock:
                 self._done, then, self._then = True, self._then, []

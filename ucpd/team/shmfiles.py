@@ -8,14 +8,25 @@ from __future__ import annotations
 import mmap
 import os
 
-__all__ = ["close_map", "open_reserved", "remove"]
+__all__ = ["close_map", "create_sized", "open_reserved", "remove"]
 
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 
 
-def open_reserved(path: str, nbytes: int, ranges) -> mmap.mmap:
-    """``path`` (a new private shm file of ``nbytes``) mapped writable, the byte ``ranges``
-    (offset, length) reserved now: a full /dev/shm fails here, not with SIGBUS."""
+def create_sized(path: str, nbytes: int) -> None:
+    """``path``, a new private shm file of ``nbytes`` that holds no page yet (a reader may map it
+    now; :func:`open_reserved` with ``made=True`` reserves and fills it later, on another thread)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, max(nbytes, 64))
+    finally:
+        os.close(fd)
+
+
+def open_reserved(path: str, nbytes: int, ranges, made: bool = False) -> mmap.mmap:
+    """``path`` (a new private shm file of ``nbytes``; ``made``: one :func:`create_sized` made)
+    mapped writable, the byte ``ranges`` (offset, length) reserved now: a full /dev/shm fails
+    here, not with SIGBUS."""
     size = max(nbytes, 64)
     spans: list[list[int]] = []  # the ranges, sorted, those less than a page apart joined (one call each)
     for off, n in sorted(r for r in ranges if r[1]):
@@ -23,9 +34,10 @@ def open_reserved(path: str, nbytes: int, ranges) -> mmap.mmap:
             spans[-1][1] = max(spans[-1][1], off + n)
         else:
             spans.append([off, off + n])
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    fd = os.open(path, os.O_RDWR) if made else os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        os.ftruncate(fd, size)
+        if not made:
+            os.ftruncate(fd, size)
         for lo, hi in spans:
             os.posix_fallocate(fd, lo, hi - lo)
         mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)

@@ -41,7 +41,7 @@ from .holder_answers import HolderAnswers
 from .peer_fetch import DATA_BATCH, PeerFetch
 from .piece_index import PieceIndex
 from .settle import Settle
-from .shmfiles import close_map, open_reserved, remove
+from .shmfiles import create_sized, open_reserved, remove
 from .parts import check_parts, part_from_wire, used_bytes
 
 log = logging.getLogger("ucpd.team")
@@ -478,14 +478,10 @@ class VersionSources:
             sources.unpin_peers()
             return None
         todo = []
-        try:
-            for path, rows in wanted.items():
-                w = by_path[path]
-                todo.append((w, rows, open_reserved(path, used_bytes(sources.parts[w.rank]), [(s.offset, s.nbytes) for s in rows])))
-        except BaseException:
-            for _, _, mm in todo:
-                close_map(mm)
-            raise
+        for path, rows in wanted.items():  # made sized and empty: reserving and filling their pages is the fetch's
+            w = by_path[path]
+            create_sized(path, used_bytes(sources.parts[w.rank]))
+            todo.append((w, rows, used_bytes(sources.parts[w.rank])))
         sources.fetch = PeerFetch(self, sources, todo, pending)
         return sources.fetch
 
