@@ -110,3 +110,36 @@ def test_a_peer_lost_while_its_bytes_land_fails_the_restore_with_a_typed_error_a
     s = status(team.run_dirs()[0])  # still serving
     assert s["latest_committed"] == 1
     wait_for(lambda: not glob.glob(os.path.join(shm0, "fetch-*")), "node 0 to delete the fetched files of the failed restore", 30)
+
+
+def test_device_targets_wait_for_the_peers_bytes_before_their_first_copy(make_team, monkeypatch):
+    from helpers.fake_cuda import FakeCuda
+
+    team = two_nodes_tp2(make_team)
+    want, placements = rank_state(1, 0, 1, 1)
+    fake = FakeCuda(devices=1)
+    target = empty_like_state(want)
+    for part in ("model", "optim"):
+        target[part] = _placed(fake, target[part])
+    written = {}
+    wait = R._wait_fetched
+
+    def waiting(session, reply):  # the DMAs are window by window from the mapped sources: none yet
+        written["before"] = sum(int(bool((g == w).any())) for g, w in zip(flat(target), flat(want)))
+        wait(session, reply)
+
+    monkeypatch.setattr(R, "_wait_fetched", waiting)
+    with Checkpointer(team.run_dirs()[0], rank=0, world_size=1, embedded=False) as ck:
+        ck.session.cuda = fake
+        assert ck.restore(target, placements=placements) == 1
+    assert written == {"before": 0}, "a device target was written before the peers' bytes were here"
+    bad = mismatches(target["model"], want["model"], "model.") + mismatches(target["optim"], want["optim"], "optim.")
+    assert not bad, f"restored differs in {bad}"
+
+
+def _placed(fake, tree):
+    if isinstance(tree, torch.Tensor):
+        return fake.place(tree, 0) if tree.is_floating_point() else tree
+    if isinstance(tree, dict):
+        return {k: _placed(fake, v) for k, v in tree.items()}
+    return tree
