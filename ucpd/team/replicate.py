@@ -81,7 +81,7 @@ class Replicator:
         self.parity_heal = parity_healer(self.protects_waiting) if parity_healer is not None else None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self._live: frozenset[int] = frozenset()  # the live nodes at the last view change
+        self._live: frozenset[int] = frozenset()  # the live nodes at the last tick
         self._recheck = False  # a node was lost: the replicas held are checked again (``_heal``)
 
     def start(self) -> None:
@@ -118,11 +118,11 @@ class Replicator:
         if self.parity_heal is not None:
             if self.parity_heal.due(now, rejoined is not None):
                 self._work.put(("parity_heal", 0))
+        live = self.view.live()
+        if self._live - live:  # a node seen live is gone (whether or not a view change said so this tick)
+            self._recheck = True
+        self._live = live
         if rejoined is not None:
-            live = self.view.live()
-            if self._live - live:
-                self._recheck = True
-            self._live = live
             for rec in list(self.pushed.values()):
                 rec.holders -= rejoined
             self._queue_heal(now)
