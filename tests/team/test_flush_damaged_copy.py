@@ -1,5 +1,5 @@
 """A flush writer that meets a damaged copy reads the tensor again from each other copy in turn
-(the restore's rule, ``VersionSources._check_fetched``), instead of failing its batch and leaving
+(the restore's rule, ``VersionSources.check_fetched``), instead of failing its batch and leaving
 the piece to be tried elsewhere until the flush fails. In one process, as
 ``test_team_flush_shared.py`` (whose team and helpers these use): every node's replica has a
 flipped byte, and each writer that reads one meets it."""

@@ -104,9 +104,11 @@ class Restores:
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(FETCH_THREADS, thread_name_prefix="ucpd-fetch")
-            for lease in [k for k, f in self._fetches.items() if f.done and f.error is None and k not in self._asked]:
-                if len(self._fetches) > FETCHES_KEPT:  # landed and never asked for (a client that died)
-                    del self._fetches[lease]
+            # over the bound: the fetches that ended and were never asked for (their client died) go
+            for lease in [k for k, f in self._fetches.items() if f.done and k not in self._asked]:
+                if len(self._fetches) <= FETCHES_KEPT:
+                    break
+                del self._fetches[lease]
             return self._pool
 
     def _run_fetch(self, fetch, step: int) -> None:

@@ -18,7 +18,7 @@ Bytes move on the data lane (``team.lane``: received straight into ``mm``) where
 node has one, else as ``fetch`` requests on the control lane (copied into ``mm`` from the
 frames). A grain a copy fails to send (unreachable, the part gone) goes back to the others; what no
 copy sent is asked of the first holder once more, whose error then stands. The caller checks
-every byte (``VersionSources._check_fetched``).
+every byte (``VersionSources.check_fetched``).
 
 Threads: the caller's, and one per copy for the length of a read.
 """

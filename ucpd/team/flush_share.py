@@ -22,7 +22,7 @@ while the next parts are filled, ``$UCPD_OBJECT_CONCURRENCY`` parts in flight (a
 
 A source chunk that fails its check (a damaged copy, here or on the holder it came from): the
 tensors that fail are read again from each other copy in turn, alone, until one passes, and the
-rows written again (the restore's rule, ``VersionSources._check_fetched``); only when none does
+rows written again (the restore's rule, ``VersionSources.check_fetched``); only when none does
 does the piece fail (and the lead gives it to another node).
 
 It answers the pieces' grid CRCs. The parts it reads here are pinned while it reads them.
@@ -308,7 +308,7 @@ class ShareWriter:
 
     def _reread_damaged(self, step: int, exc: ChecksumMismatch, reads: dict, by_key: dict, arrays: dict, checked_of,
                         windows: list, storage) -> None:
-        """The restore's rule (``VersionSources._check_fetched``) for a flush share: find the
+        """The restore's rule (``VersionSources.check_fetched``) for a flush share: find the
         source tensors whose chunks fail, and read each from every other copy in turn (alone,
         not in shares) until one passes; ``arrays`` then holds it. Raises ChecksumMismatch
         naming the copies tried when none does (the lead then gives the piece to another node)."""

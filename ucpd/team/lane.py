@@ -11,7 +11,7 @@ sends straight from the slot's mapping (the kernel copies from those pages; no u
 (``Landing``) names the CRC32C of every chunk that lies whole inside the range; each chunk is
 received whole, then checksummed while it is still in cache, before the next is received. The
 sender does no pass (the origin's manifest recorded the CRCs when the trainer sealed the slot).
-A ``get`` lands where the caller says; the caller checks it (``VersionSources._check_fetched``).
+A ``get`` lands where the caller says; the caller checks it (``VersionSources.check_fetched``).
 With ``UCPD_PEER_PAYLOAD_MAC=1`` a keyed BLAKE2b over the payload travels in the header and is
 checked on arrival, as on the control lane.
 

@@ -486,9 +486,6 @@ class VersionSources:
         return sources.fetch
 
     def check_fetched(self, w: PeerRead, step: int, s: protocol.PlanSource, arr: np.ndarray, mm) -> None:
-        return self._check_fetched(w, step, s, arr, mm)
-
-    def _check_fetched(self, w: PeerRead, step: int, s: protocol.PlanSource, arr: np.ndarray, mm) -> None:
         """Check one fetched tensor; if it fails, fetch it again whole from each copy in turn
         (a share came from a damaged one) until one passes. Raises ChecksumMismatch naming
         the copies when none does."""
@@ -509,7 +506,7 @@ class VersionSources:
             first = exc
         for node in w.nodes:
             try:
-                self._fetch_shares(replace(w, node=node, spread=()), step, [(s.offset, s.nbytes)], mm)
+                self.fetch_into(replace(w, node=node, spread=()), step, [(s.offset, s.nbytes)], mm)
                 check((node,))
             except UcpdError as exc:  # damaged there too, gone, or unreachable: the next copy
                 log.warning("team: rank %d of step %d from node %d: %s; trying the next copy", w.rank, step, node, exc)
@@ -530,7 +527,7 @@ class VersionSources:
                 size = used_bytes(got.parts[r])
                 mm = opened[w.path] = open_reserved(w.path, size, [(0, size)])
                 for at in range(0, size, DATA_BATCH):
-                    self._fetch_shares(w, got.step, [(at, min(DATA_BATCH, size - at))], mm)
+                    self.fetch_into(w, got.step, [(at, min(DATA_BATCH, size - at))], mm)
                 self.counters.fetched_bytes += size
             got.unpin_peers()
         except BaseException:
@@ -560,17 +557,17 @@ class VersionSources:
         batch, size = [], 0
         for off, n in ranges:
             if batch and size + n > DATA_BATCH:
-                self._fetch_shares(w, step, batch, mm)
+                self.fetch_into(w, step, batch, mm)
                 batch, size = [], 0
             batch.append((off, n))
             size += n
         if batch:
-            self._fetch_shares(w, step, batch, mm)
+            self.fetch_into(w, step, batch, mm)
 
-    def _fetch_shares(self, w: PeerRead, step: int, ranges: list[tuple], mm) -> bool:
+    def fetch_into(self, w: PeerRead, step: int, ranges: list[tuple], mm) -> bool:
+        """Bring ``ranges`` of ``w``'s part into ``mm`` from every live copy (``fetch.fetch_shares``);
+        True when each chunk was checked as it landed (the data lane)."""
         return fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
-
-    fetch_into = _fetch_shares  # (``PeerFetch``)
 
 
 def _shapes_known(version: Version) -> None:
