@@ -57,6 +57,9 @@ print(json.dumps({"base": base, "after": after, "usage": heap.usage(), "trims": 
 """
 
 
+BOUND_MIB = 16  # what the fixed daemon may grow by over the faults
+
+
 def run_bursts(mode: str, faults: int) -> dict:
     out = subprocess.run([sys.executable, "-c", BURSTS, mode, str(faults)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
@@ -66,15 +69,16 @@ def run_bursts(mode: str, faults: int) -> dict:
 def test_the_heap_stays_bounded_over_many_faults_with_one_arena_trimmed():
     got = run_bursts("fixed", 8)
     grown = [(a - got["base"]) >> 20 for a in got["after"]]
-    assert max(grown) <= 16, f"private MiB above the start after each fault: {grown} ({got})"
+    assert max(grown) <= BOUND_MIB, f"private MiB above the start after each fault: {grown} ({got})"
 
 
 def test_without_them_the_same_faults_leave_the_freed_buffers_in_the_arenas():
-    """The control: the pattern above does keep what it freed under glibc's defaults (so the
-    first test would see it)."""
+    """The control: the pattern above does keep what it freed under glibc's defaults, at least
+    twice what the first test allows (so it would see it). How much varies with which arena
+    each thread gets: 48-84 MiB at its highest in six runs (2026-12-01, a 2-vCPU Xeon)."""
     got = run_bursts("default", 8)
     grown = [(a - got["base"]) >> 20 for a in got["after"]]
-    assert max(grown) > 64, f"private MiB above the start after each fault: {grown}"
+    assert max(grown) > 2 * BOUND_MIB, f"private MiB above the start after each fault: {grown}"
 
 
 def test_a_trim_is_due_only_every_period_and_only_with_enough_free():

@@ -435,8 +435,13 @@ class Daemon:
         with self.store.atomic():
             for v in self._stall_log.due(stalls.waiting_versions(self.store.versions()), now):
                 rec = self._waiting(v.job, v.step)
-                if rec is not None:
-                    log.warning("%s", stalls.describe(v.job, v.step, rec))
+                if rec is None:
+                    continue
+                heard = any(n != self.config.node_rank for n in rec.get("seen", {}))
+                if self.team is not None and not heard and self._stall_log.may_wait(v, now):
+                    continue  # the team's survey has not answered yet: log what the other nodes hold
+                self._stall_log.logged(v, now)
+                log.warning("%s", stalls.describe(v.job, v.step, rec))
 
     def _housekeeping(self) -> None:
         self._log_stalls()

@@ -117,10 +117,14 @@ def describe(job: str, step: int, rec: Mapping) -> str:
 
 
 class StallLog:
-    """When to log a waiting version: after ``warn_after`` seconds, then every 6 times as long."""
+    """When to log a waiting version: after ``warn_after`` seconds, then every 6 times as long.
+    A team's daemon may hold a due version back while the team's survey has not answered yet
+    (``logged`` is what moves it on), so the log names what the other nodes hold, not only this
+    node's view; ``patience`` bounds that wait."""
 
     def __init__(self, warn_after: float) -> None:
         self.warn_after = warn_after
+        self.patience = 2 * warn_after
         self._next: dict[tuple[str, int, float], float] = {}
 
     def due(self, versions: list["Version"], now: float) -> list["Version"]:
@@ -131,7 +135,14 @@ class StallLog:
             at = self._next.get(key, v.created + self.warn_after)
             if now >= at:
                 out.append(v)
-                at = now + 6 * self.warn_after
             keep[key] = at
         self._next = keep
         return out
+
+    def logged(self, v: "Version", now: float) -> None:
+        """``v`` was logged at ``now``: the next time is 6 times the warning's delay later."""
+        self._next[(v.job, v.step, v.created)] = now + 6 * self.warn_after
+
+    def may_wait(self, v: "Version", now: float) -> bool:
+        """Whether a due ``v`` may still wait for the team's survey (not past ``patience``)."""
+        return now < v.created + self.warn_after + self.patience
