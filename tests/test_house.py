@@ -290,17 +290,8 @@ def _team_chains() -> set[str]:
 
 
 # What is left of issue 39's chains, named: the list only shrinks (a chain gone must leave it too).
-# The parity group and its healers, the view's settling and the version sources still take the driver.
+# The view's settling and the version sources still take the driver.
 TEAM_CHAINS_LEFT = {
-    "ucpd/team/parity_group.py: team.config.keep", "ucpd/team/parity_group.py: team.config.nodes",
-    "ucpd/team/parity_group.py: team.transport.request",
-    "ucpd/team/parity_heal.py: team.replicas.get", "ucpd/team/parity_heal.py: team.replicas.rebuilt",
-    "ucpd/team/parity_heal.py: team.store.atomic", "ucpd/team/parity_heal.py: team.store.sealed",
-    "ucpd/team/parity_heal.py: team.transport.request",
-    "ucpd/team/parity_restripe.py: team.replicas.get", "ucpd/team/parity_restripe.py: team.replicas.pin",
-    "ucpd/team/parity_restripe.py: team.replicas.rebuilt", "ucpd/team/parity_restripe.py: team.replicas.unpin",
-    "ucpd/team/parity_restripe.py: team.store.read_done",
-    "ucpd/team/parity_restripe.py: team.transport.request",
     "ucpd/team/settle.py: team.config.dead_after", "ucpd/team/settle.py: team.config.heartbeat",
     "ucpd/team/settle.py: team.config.nodes", "ucpd/team/settle.py: team.membership.view",
     "ucpd/team/sources.py: team.config.fanout", "ucpd/team/sources.py: team.counters.fetch",
@@ -339,7 +330,7 @@ def _built_with_the_team() -> set[str]:
 
 # Parts still built with the whole team (issue 39): the list only shrinks.
 BUILT_WITH_THE_TEAM_LEFT = {
-    "ucpd/team/team.py: VersionSources", "ucpd/team/team.py: ParityGroup", "ucpd/team/team.py: ParityHealer",
+    "ucpd/team/team.py: VersionSources",
     "ucpd/team/sources.py: HeldCopies", "ucpd/team/sources.py: Settle",
 }
 

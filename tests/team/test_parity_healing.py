@@ -9,6 +9,8 @@ at the end."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from helpers.fake_link import wait_until
@@ -174,13 +176,14 @@ def test_a_member_that_learns_a_commit_after_its_first_pass_still_heals_that_ste
     team.lose(2)
     team.wait_live({0, 1})
     new = team.replace(2)
-    known = new.team.is_committed
-    new.team.is_committed = lambda step: False  # the commits not heard yet
+    heal = new.team.replicator.parity_heal
+    known = heal.view
+    heal.view = dataclasses.replace(known, is_committed=lambda step: False)  # the commits not heard yet
     team.wait_live({0, 1, 2})
     for _ in range(40):  # 2 s of the team's time: passes run (the view changed), the view settles
         team.tick()
     assert new.team.replicator.healing["done"] == 0 and not healthy(team)
-    new.team.is_committed = known  # the commits arrive; the view does not change again
+    heal.view = known  # the commits arrive; the view does not change again
     team.wait(lambda: healthy(team), "healthy once the commit is known", 60)
     assert new.team.replicator.healing["done"] == 1
 

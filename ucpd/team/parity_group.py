@@ -10,6 +10,10 @@ Threads: the handlers (``on_*``) run on the transport's I/O thread; ``protect`` 
 run on the replication thread or a request worker. The group's own dicts (blocks, manifests,
 what each member held) are guarded by its own lock, taken last (nothing else is taken under
 it); what is read of the store is read through its face.
+
+It is given what it uses (``ParityGroup.__init__``): the team's view, the store face, the
+replicas held here (the lost members' blobs it carries or rebuilt), the transport, and
+``members_now`` (the driver's: the live members and their incarnations).
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 from .. import faults, native, protocol
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
@@ -26,6 +32,12 @@ from .holders import group_of, parity_groups
 from .parts import aligned, check_parts, part_from_wire, used_bytes
 from .shmfiles import close_map, open_reserved
 from .stripes import DEFAULT_UNIT, ParityBlocks, StepLayout, Stripes, recover
+from .view import TeamView
+
+if TYPE_CHECKING:
+    from ..daemon.store import NodeStore
+    from .replicas import ReplicaStore
+    from .transport import PeerTransport
 
 log = logging.getLogger("ucpd.team.parity")
 
@@ -77,14 +89,19 @@ def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> lis
 
 
 class ParityGroup:
-    def __init__(self, team, k: int, m: int, unit: int = DEFAULT_UNIT, counters: ParityCounters | None = None) -> None:
-        """``counters``: the group's (``Team.counters.parity``)."""
-        self.team = team
+    def __init__(self, view: TeamView, k: int, m: int, store: NodeStore, replicas: ReplicaStore, transport: PeerTransport,
+                 members_now: Callable[[Iterable[int]], dict[int, str | None]], *, keep: int,
+                 unit: int = DEFAULT_UNIT, counters: ParityCounters | None = None) -> None:
+        """``members_now(members)``: the live ones and their incarnations (None: not heard yet);
+        ``keep``: the steps the store keeps (``--keep``); ``counters``: the group's (``Team.counters.parity``)."""
+        self.view, self.rank = view, view.rank
+        self.store, self.replicas, self.transport = store, replicas, transport
+        self.members_now = members_now
         self.counters = counters if counters is not None else ParityCounters()
         # the units a protect or a re-stripe sends, UNITS_IN_FLIGHT unacknowledged at once (a pool of our own)
         self.pushers = ThreadPoolExecutor(UNITS_IN_FLIGHT, thread_name_prefix="ucpd-parity")
-        groups = parity_groups(team.config.nodes, k, m)
-        g = group_of(groups, team.rank)
+        groups = parity_groups(view.nodes, k, m)
+        g = group_of(groups, view.rank)
         self.stripes = Stripes(g.members, g.k, g.m, unit)
         # every group's layout: a restore here rebuilds a lost node of another group in its own
         self._layouts = {n: Stripes(o.members, o.k, o.m, unit) for o in groups for n in o.members}
@@ -94,7 +111,7 @@ class ParityGroup:
         self.acked: dict[int, dict] = {}  # our step -> {member holding our part: its incarnation then}
         self.layouts: dict[int, StepLayout] = {}  # step -> its group re-striped over survivors (adopted)
         self._restriping: dict[tuple[int, str], tuple[StepLayout, set]] = {}  # (step, tag) -> (layout, origins in)
-        self.keep = team.config.keep + 1
+        self.keep = keep + 1
         self._lock = threading.Lock()
 
     def close(self) -> None:
@@ -117,7 +134,7 @@ class ParityGroup:
         (every member holds what it should of our part), DEGRADED (every live member does; some
         are dead: the live team cannot do better) or FAILED (a live member refused or failed a
         unit or the manifest, or the version is gone: the parity does not hold our part)."""
-        team, store, s = self.team, self.team.store, self.stripes
+        store, s, me = self.store, self.stripes, self.rank
         with store.atomic():
             v = store.sealed(step)
             if v is None:
@@ -125,7 +142,7 @@ class ParityGroup:
             store.pin(v)
             parts, bases, size, spans = blob_spans(store, v)
             manifest = {
-                "origin": team.rank, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
+                "origin": me, "step": step, "inc": v.incarnation or "-", "world_size": v.world_size,
                 "size": size, "bases": [bases[p.rank] for p in parts],
                 "parts": [protocol.part_to_wire(p, used_bytes(p)) for p in parts],
             }
@@ -138,20 +155,20 @@ class ParityGroup:
             def send(u):
                 if u == half:
                     faults.point("parity.encode", step)  # test-only (ucpd.faults; inert in production)
-                row, pos = s.row_of(team.rank, u)
+                row, pos = s.row_of(me, u)
                 payload = blob_segments(u * s.unit, min((u + 1) * s.unit, size), spans)
                 for i, holder in enumerate(s.parity_holders(row)):
                     if holder in now:
                         body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
-                        team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
+                        self.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
 
             for _ in self.pushers.map(send, range(s.units(size))):
                 pass
             self.counters.parity_bytes_sent += size * s.m
             for member in s.members:
-                if member != team.rank and member in now:
-                    team.transport.request(member, "parity_manifest", manifest, timeout=30.0)
-            self.on_manifest(team.rank, manifest)
+                if member != me and member in now:
+                    self.transport.request(member, "parity_manifest", manifest, timeout=30.0)
+            self.on_manifest(me, manifest)
         except UcpdError as exc:
             log.warning("team: parity of step %d failed: %s", step, exc)
             outcome = FAILED
@@ -176,11 +193,11 @@ class ParityGroup:
             return None
         s = self.layouts[step].stripes if step in self.layouts else self.stripes
         now = self._members_now()
-        return s.m - sum(not _holds(g, acked, now) for g in s.members if g != self.team.rank)
+        return s.m - sum(not _holds(g, acked, now) for g in s.members if g != self.rank)
 
     def _members_now(self) -> dict[int, str | None]:
         """The live members of our group and their incarnations (None: not heard yet)."""
-        return self.team.members_now(self.stripes.members)
+        return self.members_now(self.stripes.members)
 
     def layout_of(self, step: int, mans: dict | None = None) -> StepLayout:
         """``step``'s group: re-striped over survivors (adopted here, or named by a manifest in
@@ -258,7 +275,7 @@ class ParityGroup:
             for origin in body["healed"]:
                 if (origin, step) in self.seen:
                     self.seen[(origin, step)][src] = inc
-            if self.team.rank in body["healed"] and step in self.acked:
+            if self.rank in body["healed"] and step in self.acked:
                 self.acked[step][src] = inc
 
     def healed_here(self, step: int, manifests: dict, blocks: tuple | None, layout: StepLayout | None = None) -> None:
@@ -277,7 +294,7 @@ class ParityGroup:
                 held = man.get("held")
                 self.manifests[(origin, step)] = man
                 self.seen[(origin, step)] = {g: now.get(g) for g in (held if held is not None else now) if g in now}
-                self.seen[(origin, step)][self.team.rank] = now.get(self.team.rank)
+                self.seen[(origin, step)][self.rank] = now.get(self.rank)
 
     def has_manifests(self, step: int, origins) -> bool:
         """Whether we keep the manifests of ``origins``' parts of ``step`` (a member that
@@ -311,14 +328,14 @@ class ParityGroup:
         with self._lock:
             pb = self.blocks.get((body["step"], body["inc"]))
             if pb is None:
-                raise VersionNotFound(f"node {self.team.rank} holds no parity block of step {body['step']}")
+                raise VersionNotFound(f"node {self.rank} holds no parity block of step {body['step']}")
             return [_flipped(pb.block(body["row"]), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
         """Unit ``u`` of our own blob of ``step`` or (``origin``: a re-striped layout's) of a
         lost member's blob we carry (zeros past the end of the blob)."""
         s = self.stripes
-        size, spans = self.blob_of(body.get("origin", self.team.rank), body["step"])
+        size, spans = self.blob_of(body.get("origin", self.rank), body["step"])
         u = body["u"]
         return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
@@ -326,14 +343,14 @@ class ParityGroup:
         """``origin``'s blob of ``step``: its size and spans (``blob_spans``), from our own parts
         or from a copy rebuilt from parity (our own on a replacement node, ``parity_heal``; a
         lost member's we carry, ``parity_restripe``)."""
-        store, replicas = self.team.store, self.team.replicas
+        store, replicas = self.store, self.replicas
         with store.atomic():
-            v = store.sealed(step) if origin == self.team.rank else None
+            v = store.sealed(step) if origin == self.rank else None
             if v is not None:
                 return blob_spans(store, v)[2:]
-            rep = replicas.get(origin, step) if replicas is not None else None
+            rep = replicas.get(origin, step)
             if rep is None:
-                raise VersionNotFound(f"node {self.team.rank} no longer holds node {origin}'s part of step {step}")
+                raise VersionNotFound(f"node {self.rank} no longer holds node {origin}'s part of step {step}")
             size = max(rep.bases[r] + aligned(n) for r, n in rep.used.items()) if rep.used else 0
             return size, [(rep.bases[r], n, rep.view(r, 0, n)) for r, n in rep.used.items()]
 
@@ -343,7 +360,7 @@ class ParityGroup:
         now = self._members_now()
         with self._lock:
             for (origin, st), m in self.manifests.items():
-                if origin == self.team.rank or (step is not None and st != step):
+                if origin == self.rank or (step is not None and st != step):
                     continue
                 # lost to this rebuild: the origin if dead, and every member that does not hold
                 # its blocks and units of the step (dead, skipped by the origin, or restarted since)
@@ -365,17 +382,17 @@ class ParityGroup:
             m = self.manifests.get((origin, step))
             layout = self.layouts.get(step)
         if m is None:
-            raise VersionNotFound(f"node {self.team.rank} keeps no parity manifest of node {origin} step {step}")
+            raise VersionNotFound(f"node {self.rank} keeps no parity manifest of node {origin} step {step}")
         return m if layout is None else dict(m, layout=layout.to_wire())
 
     def fetch_manifest(self, origin: int, step: int, keep: bool = True) -> dict:
         """``origin``'s manifest of ``step`` from a live member that keeps it (``origin`` first),
         kept here for the rebuild (not offered in ``holdings``: what it held then is its holder's
         to say; ``keep=False``: not kept)."""
-        team = self.team
-        for member in sorted(set(self.stripes_of(origin).members) & team.live() - {team.rank}, key=lambda g: (g != origin, g)):
+        members = set(self.stripes_of(origin).members) & self.view.live() - {self.rank}
+        for member in sorted(members, key=lambda g: (g != origin, g)):
             try:
-                m, _ = team.transport.request(member, "parity_manifest_of", {"origin": origin, "step": step}, timeout=10.0)
+                m, _ = self.transport.request(member, "parity_manifest_of", {"origin": origin, "step": step}, timeout=10.0)
             except UcpdError as exc:
                 log.info("team: node %d has no manifest of node %d step %d: %s", member, origin, step, exc)
                 continue
@@ -439,7 +456,7 @@ class ParityGroup:
         lost (a rebuild that failed its checksums is tried again without each member in turn).
         ``mans``: the members' manifests of the step ({origin: manifest}; None: those we keep).
         Raises VersionNotFound when more members of the group are lost than the code survives."""
-        team, s = self.team, self.stripes_of(origin)
+        s = self.stripes_of(origin)
         if mans is not None:
             m, sizes = mans.get(origin), {o: man["size"] for o, man in mans.items()}
         else:
@@ -450,7 +467,7 @@ class ParityGroup:
             if m is not None and layout is not None and m.get("layout") is None:
                 m = dict(m, layout=layout.to_wire())
         if m is None:
-            raise VersionNotFound(f"node {team.rank} holds no parity manifest of node {origin} step {step}")
+            raise VersionNotFound(f"node {self.rank} holds no parity manifest of node {origin} step {step}")
         bases = {p["rank"]: b for p, b in zip(m["parts"], m["bases"])}
         want = _wire_layout(m["parts"])
         if bases != want[0] or m["size"] != want[1]:
@@ -466,7 +483,7 @@ class ParityGroup:
                 raise VersionNotFound(f"step {step}: node {origin}'s part is in no segment of its re-striped layout")
             carrier, first = place[0], place[1] // s.unit
             sizes = {g: layout.vsize(g) for g in s.members}
-        live = team.live() - distrust
+        live = self.view.live() - distrust
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(carrier, first + u)
             full = self.recover_row(s, step, row, carrier, sizes, live, inc, locate)
@@ -504,14 +521,14 @@ class ParityGroup:
         return recover(s, shards)
 
     def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
-        if node == self.team.rank:
+        if node == self.rank:
             try:
                 frames = self.on_block(body) if msg_type == "parity_block" else self.on_blob_unit(body)
             except VersionNotFound:
                 return None
         else:
             try:
-                _, frames = self.team.transport.request(node, msg_type, body, timeout=60.0)
+                _, frames = self.transport.request(node, msg_type, body, timeout=60.0)
             except UcpdError as exc:
                 log.warning("team: %s from node %d failed: %s", msg_type, node, exc)
                 return None

@@ -31,12 +31,17 @@ re-striped layout that restarts (or is replaced) heals its share of it as above,
 layout: the blobs its segments carry that it lacks (a lost member's rebuilt copy, its own on a
 replacement) rebuilt from the layout's code, its blocks of the layout's rows decoded.
 
+It is given what it uses (``ParityHealer.__init__``): the team's view, the group it heals, the
+store face, the replicas held here (where rebuilt blobs are kept), the transport.
+
 Threads: ``run`` on the replication thread; ``due`` on the driver's tick.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from .. import knobs
 from ..errors import UcpdError
@@ -44,6 +49,13 @@ from .decide import parity_heal, parity_restripe
 from .directory import ask_all
 from .parity_restripe import restripe_step
 from .stripes import ParityBlocks
+from .view import TeamView
+
+if TYPE_CHECKING:
+    from ..daemon.store import NodeStore
+    from .parity_group import ParityGroup
+    from .replicas import ReplicaStore
+    from .transport import PeerTransport
 
 log = logging.getLogger("ucpd.team.parity")
 
@@ -58,11 +70,13 @@ def restripe_after() -> float:
 
 
 class ParityHealer:
-    """This member's heal of its share of the group's parity (``team``: the driver)."""
+    """This member's heal of its share of the group's parity."""
 
-    def __init__(self, team, yield_to) -> None:
+    def __init__(self, view: TeamView, group: ParityGroup, store: NodeStore, replicas: ReplicaStore,
+                 transport: PeerTransport, yield_to: Callable[[], bool]) -> None:
         """``yield_to() -> bool``: a snapshot waits for the replication thread: stop the pass."""
-        self.team = team
+        self.view, self.rank, self.group = view, view.rank, group
+        self.store, self.replicas, self.transport = store, replicas, transport
         self.yield_to = yield_to
         self.cannot: dict[int, str] = {}  # step -> why our share of it cannot be healed
         self.cannot_restripe: dict[int, str] = {}  # step -> why it cannot be re-striped over the survivors
@@ -72,10 +86,6 @@ class ParityHealer:
         self._changed = 0.0  # the last view change (the team's clock)
         self._due = 0.0
         self.queued = False
-
-    @property
-    def group(self):
-        return self.team.parity
 
     def due(self, now: float, view_changed: bool) -> bool:
         """Whether a pass should be queued now (at start, on a view change, then every
@@ -91,7 +101,7 @@ class ParityHealer:
     def run(self, healing: dict) -> None:
         """One pass (the replication thread); ``healing``: the replicator's counters."""
         self.queued = False
-        now = self.team.clock()
+        now = self.view.clock()
         try:
             settled = self._pass(healing)
         except UcpdError as exc:
@@ -102,18 +112,18 @@ class ParityHealer:
         self._due = now + (RETRY if now <= self._until else LOST_RETRY)
 
     def _lost(self) -> bool:
-        live = self.team.live()
+        live = self.view.live()
         return any(g not in live for g in self.group.stripes.members)
 
     def _pass(self, healing: dict) -> bool:
-        team, group = self.team, self.group
-        s, me = group.stripes, team.rank
-        live = team.live()
-        now = team.clock()
+        view, group = self.view, self.group
+        s, me = group.stripes, self.rank
+        live = view.live()
+        now = view.clock()
         others = [g for g in s.members if g != me and g in live]
         if not others:
             return True
-        replies = ask_all(team.transport, me, others, "holdings", {})
+        replies = ask_all(self.transport, me, others, "holdings", {})
         steps: dict[int, set[int]] = {}  # step -> origins in our group with a part of it
         for node, reply in replies.items():
             for item in reply.get("items", []):
@@ -122,7 +132,7 @@ class ParityHealer:
         settled = len(replies) == len(others)
         unhealed: set[int] = set()  # our share not held: not re-striped from what we lack
         for step in sorted(steps, reverse=True):
-            if not team.is_committed(step):
+            if not view.is_committed(step):
                 # not known committed here yet (a restarted daemon learns the commits after it
                 # rejoins), or a dead run's: never healed; passes go on while the window lasts
                 settled = False
@@ -144,7 +154,7 @@ class ParityHealer:
         if now - self._changed < restripe_after():
             return False  # a member lost: a replacement may still come
         for step in sorted(steps, reverse=True):
-            if not team.is_committed(step) or step in self.cannot or step in self.cannot_restripe or step in unhealed:
+            if not view.is_committed(step) or step in self.cannot or step in self.cannot_restripe or step in unhealed:
                 continue
             if self.yield_to():
                 return False
@@ -158,7 +168,7 @@ class ParityHealer:
 
     def _restripe(self, step: int, live, healing: dict) -> bool:
         """Our share of re-striping ``step`` over the survivors; True when done (or impossible)."""
-        team, group = self.team, self.group
+        group = self.group
         mans = self._manifests(step, group.stripes.members)
         current = group.layout_of(step, mans)
         if current.tag:
@@ -166,7 +176,7 @@ class ParityHealer:
         runs = {m["inc"] for m in mans.values()}
         if len(runs) != 1:
             return not mans  # (no part of the step anywhere: nothing to re-stripe)
-        plan = parity_restripe(current, step, team.rank, live, next(iter(runs)))
+        plan = parity_restripe(current, step, self.rank, live, next(iter(runs)))
         if plan is None:
             return True
         if plan.cannot:
@@ -178,11 +188,12 @@ class ParityHealer:
             return True
         healing["pending"] += 1
         try:
-            nbytes = restripe_step(team, plan, mans, current.to_wire() if current.tag else None)
+            nbytes = restripe_step(plan, mans, current.to_wire() if current.tag else None, view=self.view, group=group,
+                                   store=self.store, replicas=self.replicas, transport=self.transport)
         finally:
             healing["pending"] -= 1
         self.restriped.add((step, plan.layout.tag))
-        if plan.layout.vsize(team.rank):  # (a survivor with no part and nothing to carry did nothing)
+        if plan.layout.vsize(self.rank):  # (a survivor with no part and nothing to carry did nothing)
             healing["done"] += 1
             healing["bytes"] += nbytes
         return True
@@ -205,16 +216,14 @@ class ParityHealer:
     def _holds_share(self, step: int, origins: set[int]) -> bool:
         """Whether we hold our share of ``step``: our blob if we had one, and every member's
         manifest (kept once the units we hold parity of arrived)."""
-        team = self.team
-        with team.store.atomic():
-            own = team.store.sealed(step) is not None or team.replicas.get(team.rank, step) is not None
-        origins = set(origins) - {team.rank}
-        return self.group.has_manifests(step, origins) and (own or team.rank not in origins)
+        own = self._holds_blob(self.rank, step)
+        origins = set(origins) - {self.rank}
+        return self.group.has_manifests(step, origins) and (own or self.rank not in origins)
 
     def _heal_step(self, step: int, live, healing: dict) -> bool:
         """Heal our share of ``step``; True when done or known impossible, False to try again."""
-        team, group = self.team, self.group
-        s, me = group.stripes, team.rank
+        group = self.group
+        s, me = group.stripes, self.rank
         mans: dict[int, dict] = {}
         for origin in s.members:
             try:
@@ -234,9 +243,7 @@ class ParityHealer:
                 return True
             return self._heal_restriped(step, lay, mans, live, healing)
         sizes = {g: mans[g]["size"] if g in mans else (0 if g in live else None) for g in s.members}
-        with team.store.atomic():
-            have = team.store.sealed(step) is not None or team.replicas.get(me, step) is not None
-        plan = parity_heal(s, me, step, sizes, live, have)
+        plan = parity_heal(s, me, step, sizes, live, self._holds_blob(me, step))
         if plan is not None and plan.cannot:
             self.cannot[step] = plan.cannot
             healing["failed"] += 1
@@ -247,7 +254,7 @@ class ParityHealer:
             nbytes = 0
             if plan is not None and plan.rebuild:
                 man = mans[me]
-                team.replicas.rebuilt(me, step, man["world_size"], man["parts"], "" if man["inc"] == "-" else man["inc"],
+                self.replicas.rebuilt(me, step, man["world_size"], man["parts"], "" if man["inc"] == "-" else man["inc"],
                                       lambda buf: group.rebuild_into(me, step, buf, mans=mans))
                 nbytes += man["size"]
             blocks = None
@@ -269,7 +276,7 @@ class ParityHealer:
         notice = dict(mine, healed=sorted(s.members))
         for g in s.members:
             if g != me and g in live:
-                team.transport.request(g, "parity_manifest", notice, timeout=30.0)
+                self.transport.request(g, "parity_manifest", notice, timeout=30.0)
         log.info("team: our share of step %d's parity held again (%s%d parity rows re-encoded, %d bytes)", step,
                  "own part rebuilt, " if plan is not None and plan.rebuild else "", len(plan.rows) if plan else 0, nbytes)
         return True
@@ -279,7 +286,7 @@ class ParityHealer:
         (or a replacement) left us without: the blobs our segments carry that we no longer
         hold (a lost member's rebuilt copy, our own on a replacement) rebuilt from the layout's
         code, our parity blocks of its rows decoded, the layout and its manifests kept."""
-        team, group, me = self.team, self.group, self.team.rank
+        group, me = self.group, self.rank
         s, run = lay.stripes, next(iter(mans.values()))["inc"]
         wire = lay.to_wire()
         mine = [o for c, o, _, _ in lay.segments if c == me]
@@ -299,7 +306,7 @@ class ParityHealer:
             nbytes = 0
             for o in lacking:
                 man = mans[o]
-                team.replicas.rebuilt(o, step, man["world_size"], man["parts"], "" if run == "-" else run,
+                self.replicas.rebuilt(o, step, man["world_size"], man["parts"], "" if run == "-" else run,
                                       lambda buf, o=o: group.rebuild_into(o, step, buf, mans=laid))
                 nbytes += man["size"]
             pb = ParityBlocks(s)
@@ -319,14 +326,14 @@ class ParityHealer:
                       healed=sorted(lay.origins() | set(s.members)))
         for g in s.members:
             if g != me and g in live:
-                team.transport.request(g, "parity_manifest", notice, timeout=30.0)
+                self.transport.request(g, "parity_manifest", notice, timeout=30.0)
         log.info("team: our share of step %d's re-striped parity held again (nodes %s's blobs rebuilt, %d parity rows "
                  "re-encoded, %d bytes)", step, lacking, len(plan.rows) if plan else 0, nbytes)
         return True
 
     def _holds_blob(self, origin: int, step: int) -> bool:
-        team = self.team
-        with team.store.atomic():
-            if origin == team.rank and team.store.sealed(step) is not None:
+        """Whether we hold ``origin``'s blob of ``step``: our sealed version (``origin`` us), or a copy."""
+        with self.store.atomic():
+            if origin == self.rank and self.store.sealed(step) is not None:
                 return True
-            return team.replicas.get(origin, step) is not None
+            return self.replicas.get(origin, step) is not None

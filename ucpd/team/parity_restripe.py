@@ -16,39 +16,50 @@ and carries out its own share of it (on the replication thread, from ``parity_he
 
 A late replacement is not a member of a re-striped step's layout: it has nothing to heal
 there, and the next steps are protected by the group as configured again.
+
+``restripe_step`` is given what it uses: the team's view, the group, the store face, the
+replicas held here, the transport.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from ..errors import VersionNotFound
 from .decide import ParityRestripe
-from .parity_group import blob_segments
+from .parity_group import ParityGroup, blob_segments
+from .view import TeamView
+
+if TYPE_CHECKING:
+    from ..daemon.store import NodeStore
+    from .replicas import ReplicaStore
+    from .transport import PeerTransport
 
 log = logging.getLogger("ucpd.team.parity")
 
 
-def restripe_step(team, plan: ParityRestripe, mans: dict[int, dict], current: dict | None) -> int:
-    """Carry out ``team.rank``'s share of ``plan``; ``mans``: origin -> its manifest of the step
-    (without a layout); ``current``: the step's layout now on the wire (None: as configured).
-    Returns the bytes rebuilt and sent. Raises UcpdError (the caller tries again later)."""
-    group, me, step = team.parity, team.rank, plan.step
+def restripe_step(plan: ParityRestripe, mans: dict[int, dict], current: dict | None, *, view: TeamView,
+                  group: ParityGroup, store: NodeStore, replicas: ReplicaStore, transport: PeerTransport) -> int:
+    """Carry out this node's (``view.rank``'s) share of ``plan``; ``mans``: origin -> its manifest
+    of the step (without a layout); ``current``: the step's layout now on the wire (None: as
+    configured). Returns the bytes rebuilt and sent. Raises UcpdError (the caller tries again later)."""
+    me, step = view.rank, plan.step
     layout = plan.layout
     s = layout.stripes
     run = next(iter(mans.values()))["inc"]
     nbytes = 0
     for origin in plan.carry:  # 1. the lost blobs we carry, rebuilt from the current layout
-        if team.replicas.get(origin, step) is not None:
+        if replicas.get(origin, step) is not None:
             continue
         man = mans[origin]
         old = {o: (m if current is None else dict(m, layout=current)) for o, m in mans.items()}
-        team.replicas.rebuilt(origin, step, man["world_size"], man["parts"], "" if run == "-" else run,
+        replicas.rebuilt(origin, step, man["world_size"], man["parts"], "" if run == "-" else run,
                               lambda buf, o=origin: group.rebuild_into(o, step, buf, mans=old))
         nbytes += man["size"]
     wire = layout.to_wire()
-    live = team.live()
-    pins = _pin(team, step, {o for c, o, _, _ in layout.segments if c == me})
+    live = view.live()
+    pins = _pin(store, replicas, me, step, {o for c, o, _, _ in layout.segments if c == me})
     try:
         blobs = {o: group.blob_of(o, step) for o in pins}
 
@@ -63,46 +74,46 @@ def restripe_step(team, plan: ParityRestripe, mans: dict[int, dict], current: di
             for i, holder in enumerate(s.parity_holders(row)):
                 if holder in live:
                     body = {"step": step, "inc": layout.tag, "row": row, "pos": pos, "index": i, "layout": wire}
-                    team.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
+                    transport.request(holder, "parity_unit", body, payload, timeout=60.0)
             return s.unit
 
         nbytes += sum(group.pushers.map(send, range(s.units(layout.vsize(me)))))
     finally:
         blobs = None
-        _unpin(team, pins)
+        _unpin(store, replicas, pins)
     for _, origin, _, _ in (seg for seg in layout.segments if seg[0] == me):  # 3. the manifests, with the layout
         man = {k: v for k, v in mans[origin].items() if k not in ("layout", "held", "healed")}
         man.update(layout=wire, held=list(s.members))
         for member in s.members:
             if member != me and member in live:
-                team.transport.request(member, "parity_manifest", man, timeout=30.0)
+                transport.request(member, "parity_manifest", man, timeout=30.0)
         group.on_manifest(me, man)
     log.info("team: our share of step %d re-striped over nodes %s (%d+%d; carrying nodes %s; %d bytes)", step,
              list(s.members), s.k, s.m, list(plan.carry), nbytes)
     return nbytes
 
 
-def _pin(team, step: int, origins: set[int]) -> dict:
+def _pin(store: NodeStore, replicas: ReplicaStore, me: int, step: int, origins: set[int]) -> dict:
     """Hold what we read while we send it: our sealed version, the copies we carry."""
-    store, pins = team.store, {}
+    pins: dict = {}
     with store.atomic():
         for o in origins:
-            v = store.sealed(step) if o == team.rank else None
-            rep = team.replicas.get(o, step) if v is None else None
+            v = store.sealed(step) if o == me else None
+            rep = replicas.get(o, step) if v is None else None
             if v is None and rep is None:
-                _unpin(team, pins)
-                raise VersionNotFound(f"node {team.rank} no longer holds node {o}'s part of step {step} to re-stripe it")
+                _unpin(store, replicas, pins)
+                raise VersionNotFound(f"node {me} no longer holds node {o}'s part of step {step} to re-stripe it")
             if v is not None:
                 store.pin(v)
             else:
-                team.replicas.pin(rep)
+                replicas.pin(rep)
             pins[o] = (v, rep)
     return pins
 
 
-def _unpin(team, pins: dict) -> None:
+def _unpin(store: NodeStore, replicas: ReplicaStore, pins: dict) -> None:
     for v, rep in pins.values():
         if v is not None:
-            team.store.read_done(v)
+            store.read_done(v)
         else:
-            team.replicas.unpin(rep)
+            replicas.unpin(rep)

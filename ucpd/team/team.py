@@ -83,6 +83,7 @@ class Team:
         self.counters = TeamCounters()  # each part's, gathered
         self.store = None
         self.replicas: ReplicaStore | None = None
+        self.parity: ParityGroup | None = None  # with --parity: made in attach(), reading the store and the replicas
         self.leases: Leases | None = None
         self.flush_storage_options: dict | None = None  # fsspec's, for an object-store --flush-dir (cli.compose)
         self.server = PeerServer(self.rank, self.counters.serve)  # each part registers what it answers
@@ -110,9 +111,6 @@ class Team:
             self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
                                "(started with --commit-fanout 0): ask every node with `holdings`")
         self.counters.add(*(p.counters for p in (self.sources.directory, self.sources.index) if p is not None))
-        self.parity = ParityGroup(self, *config.parity, unit=knobs.parity_unit(), counters=self.counters.parity) \
-            if config.parity else None
-        register_parity(self.server, self.parity, self.rank)
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -143,7 +141,11 @@ class Team:
 
     def _build_parts(self, store) -> None:
         """The parts that read or hold the node's store, each given what it uses."""
-        src, c, parity = self.sources, self.counters, self.parity
+        src, c, view = self.sources, self.counters, self.view
+        parity = self.parity = ParityGroup(view, *self.config.parity, store, self.replicas, self.transport, self.members_now,
+                                           keep=self.config.keep, unit=knobs.parity_unit(), counters=c.parity) \
+            if self.config.parity else None
+        register_parity(self.server, parity, self.rank)
         self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, src.own_holdings, c.serve)
         self.flush_share = ShareWriter(self.rank, self.config.flush_dir, self.shm_dir, store, self.replicas, src.fetch_ranges,
                                        c.flush, c.fetch, self.server, self.flush_storage_options)
@@ -152,7 +154,8 @@ class Team:
             self.view, self.config.replicas, store, self.replicas, self.transport, lambda: self.lane, c.replicate,
             report_protected=self.report_protected, replica_sound=src.replica_sound, held_by_node=src.held_by_node,
             parity_protect=parity.protect if parity else None,
-            parity_healer=(lambda yield_to: ParityHealer(self, yield_to)) if parity else None)
+            parity_healer=(lambda yield_to: ParityHealer(view, parity, store, self.replicas, self.transport, yield_to))
+            if parity else None)
         self._status = TeamStatus(self.config, self.view, store, self.replicas, self.replicator, parity, self.protocol_state,
                                   self.membership if self.gossip else None, self.transport.counters, lambda: self.lane, c)
 
