@@ -91,7 +91,7 @@ def test_evict_gives_back_the_slots_of_a_committed_version_and_remembers_it():
     v = sealed(table)
     v.globals()
     assert sorted(table.evict(v)) == [0, 1]
-    assert v.state is S.EVICTED and not v.parts and v._globals is None and v._restore_sources is None
+    assert v.state is S.EVICTED and not v.parts and v._globals is None and v._source_set is None
     assert table.find(1) is v and 1 not in table.versions
     assert table.outcome(1) is S.EVICTED  # it was committed: its waiters hear so
 

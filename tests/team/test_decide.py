@@ -164,3 +164,31 @@ def test_re_striping_says_why_when_the_lost_blob_cannot_be_rebuilt_and_nothing_i
     assert two_lost.layout is None and "cannot be rebuilt" in two_lost.cannot
     empty = decide.parity_restripe(decide.static_layout(s, {0: 100, 2: 100, 3: 100, 4: 100}), 5, 0, {0, 2, 3, 4}, "r1")
     assert empty.carry == () and empty.layout.origins() == {0, 2, 3, 4}  # node 1 held no part: nothing to carry
+
+
+def test_a_restore_reads_wider_only_as_its_failures_ask():
+    """``next_scope``: the one rule of how wide a restore reads after a failed try."""
+    from ucpd.team.decide import ALL, INDEXED, MOVED, SAVED, TRIES, UNNAMED, UNPLANNED, next_scope
+
+    # a holder that moved: the same scope on a fresh answer, TRIES times in all, then every rank's
+    assert [next_scope(SAVED, MOVED, t) for t in (1, 2)] == [SAVED, ALL]
+    assert [next_scope(INDEXED, MOVED, t) for t in (1, 2)] == [INDEXED, ALL]
+    assert [next_scope(ALL, MOVED, t) for t in (1, 2, 3)] == [ALL, ALL, None]
+    assert TRIES == {SAVED: 2, INDEXED: 2, ALL: 3}
+    # parts that cannot be named (no index answer, another world size without targets): every rank's
+    assert next_scope(SAVED, UNNAMED) == next_scope(INDEXED, UNNAMED) == ALL
+    assert next_scope(ALL, UNNAMED) is None
+    # a plan the saved layout's parts do not answer: the index's names, then every rank's, then none
+    assert [next_scope(s, UNPLANNED) for s in (SAVED, INDEXED, ALL)] == [INDEXED, ALL, None]
+
+
+def test_a_restore_reader_is_made_of_the_request_and_keeps_its_targets_when_it_widens():
+    from ucpd.team.decide import ALL, SAVED, RestoreReader
+
+    targets = [{"name": "w"}]
+    reader = RestoreReader.of((3, 4, targets))
+    assert (reader.rank, reader.world, reader.targets, reader.scope) == (3, 4, targets, SAVED)
+    assert RestoreReader.of((1, 2)).targets is None and RestoreReader.of(None) is None
+    assert RestoreReader.of(reader) is reader
+    wide = reader.at(ALL)
+    assert wide.scope == ALL and wide.targets is targets and reader.scope == SAVED

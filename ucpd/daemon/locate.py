@@ -19,6 +19,7 @@ from .. import knobs, native
 from ..errors import ChecksumMismatch, FormatError, PlacementMismatch, StorageError, VersionNotFound
 from ..format.roots import as_root
 from . import restore as restore_plan
+from ..team.decide import ALL, UNPLANNED, RestoreReader, next_scope
 from .phases import phase
 from .versions import TeamFace, TeamSourcesFace
 
@@ -37,9 +38,10 @@ class Found:
     team: TeamSourcesFace | None = None  # the team's gathered sources (they hold their own pins; release())
 
     @property
-    def partial(self) -> bool:
-        """Only some ranks' parts: a plan they do not cover is made again from every rank's."""
-        return self.team is not None and self.team.partial
+    def scope(self) -> str:
+        """How wide it reads (``decide.next_scope``): a team's gathered sources may hold only
+        some ranks' parts; anything else holds every rank's."""
+        return self.team.scope if self.team is not None else ALL
 
     def release(self) -> None:
         """Nobody will read it after all (a failed plan, a describe): the team's pins go."""
@@ -191,14 +193,14 @@ class Locator:
         sound = [s for s in steps if (job, s, "disk") not in avoid]
         return max(sound) if sound else None
 
-    def find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple | None = None) -> Found:
+    def find(self, step: int | None, job: str, avoid: set = frozenset(), reader: RestoreReader | None = None) -> Found:
         """Where ``step`` of ``job`` (None: the newest committed) is. RAM wins unless disk is newer.
         ``avoid``: {(job, step, "ram" | "disk")} copies that failed their checksums at the client
         (a retry): the same step from the other place, or (no step asked) the newest other version.
-        ``reader``: (rank, world size, targets) of the trainer restoring; a large team then
-        plans from the parts that rank reads first (``Found.partial``: in the saved layout its
-        node part and rank 0's, ``team.holder_answers``; in another, those the piece index
-        names for the targets, ``team.piece_index``)."""
+        ``reader``: the trainer rank restoring (``RestoreReader``); a large team then plans
+        from the parts its ``scope`` reads (``Found.scope``: in the saved layout its node part
+        and rank 0's, ``team.holder_answers``; in another, those the piece index names for the
+        targets, ``team.piece_index``)."""
         if self.team is not None:
             return self._team_find(step, job, avoid, reader)
         version = self._ram_choice(step, job, avoid)
@@ -244,40 +246,36 @@ class Locator:
             objects = {int(r): (b, native.crc32c(b)) for r, b in (reader.objects.get("ranks") or {}).items()}
             return Found(sources, objects, reader.step, job, "disk")
 
-    def find_planned(self, step: int | None, job: str, avoid: set, reader: tuple):
-        """``find`` for the restore of ``reader`` (rank, world size, targets), and its plan:
-        ``(Found, RestorePlan)``. A team restore planned from some ranks' parts that do not
-        answer the targets is found again, wider: in the world size that saved the step (its
-        node part and rank 0's: another placement), from the parts the piece index names; then
-        from every rank's part (``VersionSources.widen``). Raises PlacementMismatch when every
-        part does not answer them either."""
-        found = self.find(step, job, avoid, reader)
-        wider: list = []
-        if found.partial:
-            wider = ([] if found.team.indexed else [(*reader, True)]) + [None]
+    def find_planned(self, step: int | None, job: str, avoid: set, reader: RestoreReader | tuple):
+        """``find`` for the restore of ``reader`` (a ``RestoreReader``, or the request's ``(rank,
+        world size, targets)``), and its plan: ``(Found, RestorePlan)``. A team restore planned
+        from some ranks' parts that do not answer the targets is found again, wider
+        (``decide.next_scope``): from the saved layout's parts (the reader's node part and rank
+        0's) to those the piece index names, then every rank's (``TeamFace.widen``). Raises
+        PlacementMismatch when every part does not answer them either."""
+        reader = RestoreReader.of(reader)
         while True:
+            found = self.find(step, job, avoid, reader)
             try:
                 with phase("plan"):
-                    return found, restore_plan.plan(found.sources, reader[2])
+                    return found, restore_plan.plan(found.sources, reader.targets)
             except PlacementMismatch as exc:
-                if not found.partial or not wider:
-                    self._release(found)
+                self._release(found)
+                wider = next_scope(found.scope, UNPLANNED)
+                if wider is None:
                     raise
-                why = exc
+                if wider == ALL:
+                    self.team.widen(f"step {found.step}, rank {reader.rank}: {exc}")
+                step, reader = found.step, reader.at(wider)
             except BaseException:
                 self._release(found)
                 raise
-            self._release(found)
-            step, again = found.step, wider.pop(0)
-            if again is None:
-                self.team.widen(f"step {step}, rank {reader[0]}: {why}")
-            found = self.find(step, job, avoid, again)
 
     def _release(self, found: Found) -> None:
         with self.store.atomic():
             found.release()
 
-    def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: tuple | None = None):
+    def _team_find(self, step: int | None, job: str, avoid: set = frozenset(), reader: RestoreReader | None = None):
         """``find`` across the team (a worker thread: it asks the peers). The team's
         RAM wins unless the flush dir holds a newer version or the step is lost in RAM."""
         if self.store.team_job is not None and job != self.store.team_job:
@@ -315,7 +313,7 @@ class Locator:
 
     def ram_sources(self, version):
         """A RAM version's restore sources, indexed once (at commit) and kept with it."""
-        return version.restore_sources(lambda v: restore_plan.from_ram(v, self.store.slot_path))
+        return version.source_set(lambda v: restore_plan.from_ram(v, self.store.slot_path))
 
     def open_disk(self, step, job: str):
         """A flushed version opened as a folder's, so the plan maps its files and reshards exactly

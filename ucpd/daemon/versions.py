@@ -38,6 +38,7 @@ from .coverage import GlobalTensor, check_covered, check_replicas_agree, check_s
 from .manifest import RankPart
 
 if TYPE_CHECKING:
+    from ..team.decide import RestoreReader
     from .restore import SourceSet
 
 
@@ -79,7 +80,7 @@ class Version:
     ranks_sealed: tuple[int, ...] = ()  # the ranks whose parts it held when it left RAM
     # caches, cleared by the table when the parts change or go: the restore sources of the
     # committed parts (built at commit), and the parts' fragments by global tensor
-    _restore_sources: "SourceSet | None" = None
+    _source_set: "SourceSet | None" = None
     failure: Exception | None = None  # why it could not commit once every rank sealed it
     _globals: dict[str, GlobalTensor] | None = None
 
@@ -98,13 +99,14 @@ class Version:
 
     def _forget_caches(self) -> None:
         self._globals = None
-        self._restore_sources = None
+        self._source_set = None
 
-    def restore_sources(self, build) -> "SourceSet":
-        """The restore sources of the parts: ``build(self)`` once, kept until the parts change."""
-        if self._restore_sources is None:
-            self._restore_sources = build(self)
-        return self._restore_sources
+    def source_set(self, build) -> "SourceSet":
+        """The parts' ``SourceSet`` (what a restore plans on): ``build(self)`` once, kept until
+        the parts change. (A restore's search for its sources is ``TeamFace.restore_sources``.)"""
+        if self._source_set is None:
+            self._source_set = build(self)
+        return self._source_set
 
     def globals(self) -> dict[str, GlobalTensor]:
         """Index the parts' fragments by global tensor name (computed once per version).
@@ -139,8 +141,7 @@ class TeamSourcesFace(Protocol):
     step: int
     sources: "SourceSet"  # what each global tensor is made of, and where its bytes are
     objects: dict  # rank -> (its non-tensor objects, their CRC32C)
-    partial: bool  # only some ranks' parts (their holders asked): a plan they do not cover widens
-    indexed: bool  # ... those the piece index named
+    scope: str  # how wide it reads (``team.decide``: saved, indexed, all): a plan some ranks' parts do not cover reads wider
 
     def start_fetch(self, plan) -> object | None:
         """The plan's bytes held on peers: their local files made now, a ``PeerFetch`` to run that
@@ -178,8 +179,8 @@ class TeamFace(CommitPolicy, Protocol):
     def latest(self) -> int | None:
         """The newest committed step that the live nodes still hold whole."""
 
-    def restore_sources(self, step: int | None, reader: tuple | None = None) -> TeamSourcesFace:
-        """Where every rank's part of ``step`` is read from (with ``reader``: first only the parts it reads)."""
+    def restore_sources(self, step: int | None, reader: "RestoreReader | None" = None) -> TeamSourcesFace:
+        """Where every rank's part of ``step`` is read from (with ``reader``: only the parts its scope reads)."""
 
     def widen(self, why: str) -> None:
         """A restore planned from some ranks' parts needs every rank's: the next gather asks for all."""

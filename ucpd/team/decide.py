@@ -1,5 +1,6 @@
 """The team's decisions about copies, as pure functions: which copy a restore reads, which run
-of the job it reads, the newest step the team still holds whole, and where to copy a part again.
+of the job it reads, how wide it reads (:func:`next_scope`), the newest step the team still holds
+whole, and where to copy a part again.
 
 ``parity_heal`` is what a member of a parity group does to hold its share of a step again
 after it was replaced or restarted (``team.parity_heal`` carries it out); ``parity_restripe``
@@ -20,14 +21,15 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..errors import VersionNotFound
 from .holders import replica_holders
 from .stripes import StepLayout, Stripes
 
-__all__ = ["Copy", "Holding", "ParityHeal", "ParityRestripe", "Pushed", "best_copy", "choose_copies", "latest_whole", "orphan_heal_targets",
-           "own_heal_targets", "parity_heal", "parity_restripe", "run_to_read", "under_protected"]
+__all__ = ["ALL", "INDEXED", "MOVED", "SAVED", "UNNAMED", "UNPLANNED", "Copy", "Gathered", "Holding", "ParityHeal", "ParityRestripe", "Pushed",
+           "RestoreReader", "best_copy", "choose_copies", "latest_whole", "next_scope", "orphan_heal_targets", "own_heal_targets",
+           "parity_heal", "parity_restripe", "run_to_read", "under_protected"]
 
 MINE, OWN_RAM, REPLICA, PARITY = 0, 1, 2, 3
 
@@ -137,6 +139,65 @@ def choose_copies(holdings: Iterable[Holding], me: int, step: int, run: str,
             raise VersionNotFound(f"step {step}: every copy of rank {rank} that is left is damaged")
         chosen[rank] = next((c, p) for c, p in sound if c == best)
     return world, chosen
+
+
+# How wide a restore of the team reads (``RestoreReader.scope``): in a large team (a directory)
+# first only the parts the reader's rank reads in the layout that saved the step (its node part
+# and rank 0's), or those the piece index names for its targets; then every rank's part.
+SAVED, INDEXED, ALL = "saved", "indexed", "all"
+# What a try at a scope met: a holder no longer holds what its answer said (a pin refused, an
+# answer out of date); the parts to read could not be named or chosen from the answer; the plan
+# made from them does not answer the targets.
+MOVED, UNNAMED, UNPLANNED = "moved", "unnamed", "unplanned"
+TRIES = {SAVED: 2, INDEXED: 2, ALL: 3}  # tries at a scope whose holders moved, each on a fresh answer
+
+
+@dataclass(frozen=True)
+class RestoreReader:
+    """The trainer rank a restore is for: its ``rank`` of ``world``, its ``targets`` (the
+    restore's target tensors; None: not known), and how wide the team reads for it."""
+
+    rank: int
+    world: int
+    targets: Sequence[dict] | None = field(default=None, compare=False)
+    scope: str = SAVED
+
+    @classmethod
+    def of(cls, reader: "RestoreReader | tuple | None") -> "RestoreReader | None":
+        """``reader``, or one made of a restore request's ``(rank, world size[, targets])``."""
+        return reader if reader is None or isinstance(reader, RestoreReader) else cls(*reader)
+
+    def at(self, scope: str) -> "RestoreReader":
+        return replace(self, scope=scope)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """What a restore of a step learnt it reads: ``holdings`` (with manifests) from the gather
+    ``gen`` (the directory's; None: every node asked now), of the ``run`` chosen, for ``ranks``
+    (None: every rank's), at ``scope`` (``SAVED`` or ``INDEXED`` when some ranks' parts: how
+    they were named; else ``ALL``)."""
+
+    gen: int | None
+    holdings: list[Holding]
+    run: str
+    ranks: frozenset[int] | None = None
+    scope: str = ALL
+
+
+def next_scope(scope: str, failed: str, tries: int = 1) -> str | None:
+    """The scope of a restore's next try after its ``tries``-th try at ``scope`` met ``failed``
+    (``MOVED``, ``UNNAMED``, ``UNPLANNED``); None: none, the failure stands.
+
+    A holder that moved: the same scope again on a fresh answer, ``TRIES[scope]`` times in all,
+    then wider. Parts that cannot be named: every rank's. A plan they do not answer: from the
+    saved layout's parts to those the piece index names, from those to every rank's. Every
+    rank's part is as wide as a read gets."""
+    if failed == MOVED and tries < TRIES[scope]:
+        return scope
+    if failed == UNPLANNED and scope == SAVED:
+        return INDEXED
+    return None if scope == ALL else ALL
 
 
 def latest_whole(holdings: Iterable[Holding], committed: Callable[[int], bool]) -> int | None:

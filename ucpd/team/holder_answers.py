@@ -17,7 +17,7 @@ those holders for the parts' manifests (``holdings {step, ranks}``):
 
 An answer serves every restore of this node that wants it for ``SHARED_S`` (a node's ranks
 restore together). ``VersionSources`` plans from these parts alone (``TeamSources.partial``)
-and widens to every rank's part when they do not answer the restore (``docs/PROTOCOL.md``,
+and reads wider when they do not answer the restore (``decide.next_scope``; ``docs/PROTOCOL.md``,
 "What the team holds", D5).
 """
 
@@ -31,13 +31,21 @@ from dataclasses import replace
 
 from .. import protocol
 from ..errors import UcpdError, VersionNotFound
-from .decide import Holding, run_to_read
+from .decide import INDEXED, SAVED, Gathered, Holding, RestoreReader, run_to_read
 from .piece_index import PieceIndex, wants_of
 from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
 SHARED_S = 5.0  # seconds a holder's answer serves the restores of this node that want it
+
+
+class HoldersMoved(VersionNotFound):
+    """A holder no longer holds what the gather ``gen`` said it holds: ask again on a fresh one."""
+
+    def __init__(self, message: str, gen: int | None) -> None:
+        super().__init__(message)
+        self.gen = gen
 
 
 class _Answer:
@@ -64,67 +72,65 @@ class HolderAnswers:
         self._answers: dict[tuple, tuple[float, _Answer]] = {}  # (node, step, ranks, gen) -> its answer
         self._lock = threading.Lock()
 
-    def held(self, step: int, reader: tuple, stale: int | None = None
-             ) -> tuple[int | None, list[Holding], str, frozenset[int], bool]:
-        """What the holders of the parts ``reader`` reads of ``step`` hold of it, with manifests;
-        the directory's gather it came from; the run read (chosen on every node's ranks); the
-        ranks read; and whether the piece index named them. ``reader``: (rank, world size), and
-        the restore's targets (for a restore in another world size, or with a fourth item True:
-        the piece index names the ranks they read). ``stale``: that gather was found out of date. Raises VersionNotFound when the parts to read cannot be
-        named (another world size and no targets or no index answer): the restore reads every part."""
-        me = self.view.rank
-        rank, world = reader[0], reader[1]
-        targets = reader[2] if len(reader) > 2 else None
-        by_index = len(reader) > 3 and reader[3]
+    def held(self, step: int, reader: RestoreReader, stale: int | None = None) -> Gathered:
+        """What the holders of the parts ``reader`` reads of ``step`` hold of it, with manifests:
+        the directory's gather it came from, the run read (chosen on every node's ranks), the
+        ranks read, and how they were named (``scope``: ``SAVED``, the reader's node part and
+        rank 0's; ``INDEXED``, those the piece index names for its targets, as in another world
+        size). ``stale``: that gather was found out of date. Raises ``HoldersMoved`` when a
+        holder no longer holds what the gather said (ask again on a fresh one), VersionNotFound
+        when the parts to read cannot be named (another world size and no targets or no index
+        answer): the restore reads every part."""
+        me, rank, world = self.view.rank, reader.rank, reader.world
         if stale is not None:
             self.forget()
-        for _ in range(2):  # a holder that no longer holds what the answer said: once with a fresh one
-            gen, by_node = self.held_by_node(None, stale)
-            items = [h for hs in by_node.values() for h in hs if h.step == step]
-            run = run_to_read(items, self.view.current_run())
-            saved = {h.world_size for h in items if h.run == run}
-            held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
-            if saved == {world} and not by_index:
-                # the whole node part the rank's is in (a rank skips writing what a lower rank of
-                # its node holds: ``snapshots.skip_for``), and rank 0's
-                ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
+        gen, by_node = self.held_by_node(None, stale)
+        items = [h for hs in by_node.values() for h in hs if h.step == step]
+        run = run_to_read(items, self.view.current_run())
+        saved = {h.world_size for h in items if h.run == run}
+        held = [Holding.from_wire(me, protocol.HOLDING("holding", i)) for i in self.own_holdings(step)]
+        scope = SAVED if saved == {world} and reader.scope == SAVED else INDEXED
+        if scope == SAVED:
+            # the whole node part the rank's is in (a rank skips writing what a lower rank of
+            # its node holds: ``snapshots.skip_for``), and rank 0's
+            ranks = frozenset({0, rank}.union(*(h.ranks for h in items if h.run == run and rank in h.ranks)))
+        else:
+            ranks = self._indexed(step, saved, reader, held, run)
+        saved_world = min(saved)
+        away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
+        asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
+        if 0 in away:  # rank 0's manifest came with the gather (``own_holdings``): no one is asked for it
+            zero = [h for h in items if h.run == run and not h.parity and h.parts and h.node != me]
+            if zero:
+                h = zero[me % len(zero)]  # (a different copy on each node)
+                held.append(replace(h, parts=tuple(p for p in h.parts if p["rank"] == 0)))
+                away = away - {0}
+        for r in sorted(away):
+            whole = sorted({h.node for h in items if h.run == run and r in h.ranks and not h.parity} - {me})
+            if not whole:  # lost: rebuilt from parity (its manifest from one member; the rebuild asks the group)
+                nodes = sorted({h.node for h in items if h.run == run and r in h.ranks} - {me})[:1]
+            elif r == 0:
+                nodes = [whole[me % len(whole)]]  # one copy, a different one on each node
             else:
-                ranks = self._indexed(step, saved, reader, targets, held, run)
-            saved_world = min(saved)
-            away = ranks.difference(*(h.ranks for h in held if h.run == run and not h.parity))  # (ours are here)
-            asks: dict[int, set[int]] = {}  # node -> the ranks' parts asked of it
-            if 0 in away:  # rank 0's manifest came with the gather (``own_holdings``): no one is asked for it
-                zero = [h for h in items if h.run == run and not h.parity and h.parts and h.node != me]
-                if zero:
-                    h = zero[me % len(zero)]  # (a different copy on each node)
-                    held.append(replace(h, parts=tuple(p for p in h.parts if p["rank"] == 0)))
-                    away = away - {0}
-            for r in sorted(away):
-                whole = sorted({h.node for h in items if h.run == run and r in h.ranks and not h.parity} - {me})
-                if not whole:  # lost: rebuilt from parity (its manifest from one member; the rebuild asks the group)
-                    nodes = sorted({h.node for h in items if h.run == run and r in h.ranks} - {me})[:1]
-                elif r == 0:
-                    nodes = [whole[me % len(whole)]]  # one copy, a different one on each node
-                else:
-                    nodes = whole  # every copy of the part: the fetch takes its shares from each
-                for n in nodes:
-                    asks.setdefault(n, set()).add(r)
-            for node, rs in sorted(asks.items()):
-                held += [Holding.from_wire(node, i) for i in self._answer(node, step, tuple(sorted(rs)), gen)]
-            got = {p["rank"] for h in held if h.run == run for p in h.parts}
-            if gen is None or ranks <= got | {r for r in ranks if r >= saved_world}:
-                break
-            self.forget()
-            stale = gen
-        return gen, held, run, ranks, by_index or saved != {world}
+                nodes = whole  # every copy of the part: the fetch takes its shares from each
+            for n in nodes:
+                asks.setdefault(n, set()).add(r)
+        for node, rs in sorted(asks.items()):
+            held += [Holding.from_wire(node, i) for i in self._answer(node, step, tuple(sorted(rs)), gen)]
+        got = {p["rank"] for h in held if h.run == run for p in h.parts}
+        if gen is not None and not ranks <= got | {r for r in ranks if r >= saved_world}:
+            self.forget()  # a holder no longer holds what the answer said
+            raise HoldersMoved(f"step {step}: the holders of ranks {sorted(ranks - got)} did not answer with "
+                               "their parts", gen)
+        return Gathered(gen, held, run, ranks, scope)
 
-    def _indexed(self, step: int, saved: set[int], reader: tuple, targets, held: list[Holding], run: str
+    def _indexed(self, step: int, saved: set[int], reader: RestoreReader, held: list[Holding], run: str
                  ) -> frozenset[int]:
         """The ranks a restore in another layout reads: those the piece index names for its
         targets' boxes (a part this node holds preferred), rank 0's (its plain values) and the
         reader's own rank's in the saved world (its own plain values first, as ``merged_values``
         reads them)."""
-        rank, world = reader[0], reader[1]
+        rank, world, targets = reader.rank, reader.world, reader.targets
         index = self.index
         if len(saved) != 1 or targets is None or index is None:
             raise VersionNotFound(f"step {step} was saved by {sorted(saved) or 'no'} ranks, read by {world}"

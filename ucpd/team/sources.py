@@ -33,11 +33,11 @@ from ..daemon.manifest import RankPart
 from ..daemon.phases import phase
 from ..daemon.versions import Version, VersionState
 from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
-from .decide import Holding, choose_copies, latest_whole, run_to_read
+from .decide import ALL, MOVED, UNNAMED, Gathered, Holding, RestoreReader, choose_copies, latest_whole, next_scope, run_to_read
 from .directory import Directory
 from .fetch import fetch_shares
 from .held import HeldCopies
-from .holder_answers import HolderAnswers
+from .holder_answers import HolderAnswers, HoldersMoved
 from .peer_fetch import DATA_BATCH, PeerFetch
 from .piece_index import PieceIndex
 from .settle import Settle
@@ -86,8 +86,7 @@ class TeamSources:
     def __init__(self, step: int, reader: "VersionSources") -> None:
         self.step, self.reader = step, reader
         self.run = ""  # the run of the job whose parts are read (a step is read from one run)
-        self.partial = False  # only some ranks' parts, their holders asked (``VersionSources.restore_sources``)
-        self.indexed = False  # ... those the piece index named
+        self.scope = ALL  # how wide it reads: only some ranks' parts, their holders asked (``decide.next_scope``)
         self.gen: int | None = None  # the directory's gather it was planned from (None: every node asked)
         self.holders: dict[int, tuple[int, ...]] = {}  # rank -> every live node with a sound whole copy of its part
         self.sources: SourceSet | None = None
@@ -101,6 +100,11 @@ class TeamSources:
         self.fetch: PeerFetch | None = None  # the peers' bytes still landing (``start_fetch``)
 
     @property
+    def partial(self) -> bool:
+        """Only some ranks' parts (``scope`` ``SAVED`` or ``INDEXED``): a plan they do not cover reads wider."""
+        return self.scope != ALL
+
+    @property
     def remote(self) -> dict[int, PeerRead]:
         return {r: w for r, w in self.where.items() if isinstance(w, PeerRead)}
 
@@ -110,9 +114,10 @@ class TeamSources:
             self.reader.transport.send(node, "unpin", {"lease": lease})
         self.leases = []
 
-    def start_fetch(self, plan: protocol.RestorePlan) -> PeerFetch | None:
-        """``VersionSources.start_fetch`` of this restore."""
-        return self.reader.start_fetch(self, plan)
+    def start_fetch(self, plan: protocol.RestorePlan, here: bool = True) -> PeerFetch | None:
+        """``VersionSources.start_fetch`` of this restore (``here=False``: the rank gets the
+        peers' bytes itself on the data lane; they stay pinned until its lease ends)."""
+        return self.reader.start_fetch(self, plan, here)
 
     def release(self) -> None:
         """The client finished reading: unpin, delete fetched copies (once a fetch still
@@ -167,7 +172,7 @@ class VersionSources:
         self.transport = team.transport
         self.shm_dir = team.shm_dir
         self.counters = team.counters.fetch
-        view = team.view
+        view = self.view = team.view
         # a large team's (``--commit-fanout``)
         self.directory = Directory(view, self.transport, self.own_holdings, team.server) if team.config.fanout else None
         self._shared: dict[tuple, tuple[Version, RamSame, PlanCache]] = {}  # (step, run, parts chosen) -> parts, indexes, plans
@@ -219,48 +224,52 @@ class VersionSources:
 
         return self.settle.latest(ask, self.directory is not None)
 
-    def restore_sources(self, step: int | None, reader: tuple | None = None) -> TeamSources:
+    def restore_sources(self, step: int | None, reader: RestoreReader | tuple | None = None) -> TeamSources:
         """Where every rank's part of ``step`` (None: the newest whole) can be read from, best
         first: our RAM, a replica we hold, a live peer; what is read from peers is pinned there
         (a lease) until released. Raises VersionNotFound naming what is lost.
 
-        ``reader``: (rank, world size, targets) of the trainer restoring. In a large team (a
-        directory), a restore reads only some ranks' parts (``holder_answers``): in the world
-        size that saved the step, the node part of that rank and rank 0's; in another, the
-        ranks the piece index names for the targets (``piece_index``), rank 0's and its own.
-        Only the nodes holding them are asked for manifests, and the answer is ``partial``. A
-        restore they do not cover, or one the index cannot answer, asks for every rank's part
-        (``widen``)."""
-        if reader is not None and self.directory is not None:
-            stale = None
-            for _ in range(2):  # a holder that evicted or moved a part since: once more on a fresh gather
-                got = None
-                try:
-                    got = self._plan_sources(step, stale, reader)
-                    with phase("pins"):
-                        self._lease_peers(got)
-                    return got
-                except (VersionNotFound, PlacementMismatch) as exc:
-                    why = exc
-                    if got is None:
-                        break
-                    got.release()
-                    stale = got.gen
-            self.widen(f"step {step}, rank {reader[0]} of {reader[1]}: {why}")
-        stale = None
-        for attempt in range(3):
-            got = self.settle.planned(step, lambda: self._plan_sources(step, stale))
+        ``reader``: the trainer rank restoring (``decide.RestoreReader``, or its request's
+        ``(rank, world size[, targets])``). In a large team (a directory) a restore first reads
+        only the parts its ``scope`` names (``holder_answers``): in the world size that saved
+        the step, the node part of that rank and rank 0's; in another (or ``INDEXED``), the
+        ranks the piece index names for the targets, rank 0's and its own. Only the nodes
+        holding them are asked for manifests, and the answer is ``partial``. The tries and
+        how wide each reads: ``decide.next_scope`` (a holder that moved: again on a fresh
+        answer; parts that cannot be named: every rank's, ``widen``)."""
+        reader = RestoreReader.of(reader)
+        scope = reader.scope if reader is not None and self.directory is not None else ALL
+        stale, tries = None, 0
+        while True:
+            tries += 1
+            got = None
             try:
+                if scope == ALL:
+                    got = self.settle.planned(step, lambda: self._plan_sources(step, stale))
+                else:
+                    got = self._plan_sources(step, stale, reader.at(scope))
                 with phase("pins"):
                     self._lease_peers(got)
                 return got
-            except VersionNotFound as exc:  # a peer evicted it since it told us: plan again
-                got.release()
-                stale = got.gen
-                if attempt == 2:
+            except (VersionNotFound, PlacementMismatch) as exc:
+                if got is not None:  # a peer evicted it since it told us
+                    got.release()
+                    failed, stale = MOVED, got.gen
+                elif isinstance(exc, HoldersMoved):
+                    failed, stale = MOVED, exc.gen
+                elif scope == ALL:
                     raise
-                log.info("team: step %s moved while planning its restore (%s); planning again", got.step, exc)
-        raise AssertionError("unreachable")
+                else:
+                    failed = UNNAMED
+                wider = next_scope(scope, failed, tries)
+                if wider is None:
+                    raise
+                if wider == scope:
+                    log.info("team: step %s moved while planning its restore (%s); planning again",
+                             got.step if got is not None else step, exc)
+                    continue
+                self.widen(f"step {step}, rank {reader.rank} of {reader.world}: {exc}")
+                scope, stale, tries = wider, None, 0
 
     def widen(self, why: str) -> None:
         """A restore planned from some ranks' parts needs more: it is planned from every rank's."""
@@ -296,39 +305,36 @@ class VersionSources:
             if (node, lease) not in got.leases:
                 got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
 
-    def _plan_sources(self, step: int | None, stale: int | None = None, reader: tuple | None = None
+    def _plan_sources(self, step: int | None, stale: int | None = None, reader: RestoreReader | None = None
                       ) -> TeamSources:
+        """One try: what the live nodes hold of ``step`` (with ``reader``: the parts its scope
+        reads, ``holder_answers``; else every rank's), the copies chosen, their sources."""
         if step is None:
             with phase("latest"):
                 step = self.latest()
             if step is None:
                 raise VersionNotFound("no committed version is held whole by the live nodes of the team")
-        if not self.team.is_committed(step):
+        if not self.view.is_committed(step):
             raise VersionNotFound(f"step {step} is not committed by the team")
-        ranks, indexed = None, False
         with phase("holdings"):
-            if reader is None:
-                gen, held = self._held(step, stale)
-                run = run_to_read(held, self.team.current_run())
-            else:
-                gen, held, run, ranks, indexed = self.holders.held(step, reader, stale)
+            g = self.holders.held(step, reader, stale) if reader is not None else self._held(step, stale)
         damaged: set[tuple[int, int]] = set()
         while True:  # a replica we hold is checked (once) before it serves; a damaged one is dropped
             try:
-                world, chosen = choose_copies(held, self.rank, step, run, damaged, ranks)
+                world, chosen = choose_copies(g.holdings, self.rank, step, g.run, damaged, g.ranks)
             except VersionNotFound:
-                if gen is None or ranks is not None:
+                if g.gen is None or g.ranks is not None:
                     raise
-                gen, held = self._held(step, gen)  # the directory's answer may be out of date: once afresh
-                run = run_to_read(held, self.team.current_run())
-                world, chosen = choose_copies(held, self.rank, step, run, damaged)
+                g = self._held(step, g.gen)  # the directory's answer may be out of date: once afresh
+                world, chosen = choose_copies(g.holdings, self.rank, step, g.run, damaged)
             bad = {(c.node, c.origin) for c, _ in chosen.values()
                    if c.node == self.rank and c.origin != self.rank and not c.parity and not self.replica_sound(c.origin, step)}
             if not bad:
                 break
             damaged |= bad
+        held, run = g.holdings, g.run
         out = TeamSources(step, self)
-        out.run, out.gen, out.partial, out.indexed = run or "", gen, ranks is not None, indexed
+        out.run, out.gen, out.scope = run or "", g.gen, g.scope
         for rank, (copy, _) in chosen.items():
             out.holders[rank] = tuple(sorted({h.node for h in held if h.run == run and not h.parity and h.origin == copy.origin
                                               and rank in h.ranks and (h.node, h.origin) not in damaged}))
@@ -343,9 +349,11 @@ class VersionSources:
             raise
         return out
 
-    def _held(self, step: int, stale: int | None) -> tuple[int | None, list[Holding]]:
+    def _held(self, step: int, stale: int | None) -> Gathered:
+        """Every live node's holdings of ``step`` (``held_by_node``), and the run read."""
         gen, by_node = self.held_by_node(step, stale)
-        return gen, [h for items in by_node.values() for h in items]
+        held = [h for items in by_node.values() for h in items]
+        return Gathered(gen, held, run_to_read(held, self.view.current_run()))
 
     def _rebuild(self, origin: int, step: int, got: TeamSources) -> tuple[str, dict[int, int]]:
         """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
@@ -461,12 +469,14 @@ class VersionSources:
             fetch.run()
         return plan
 
-    def start_fetch(self, sources: TeamSources, plan: protocol.RestorePlan) -> PeerFetch | None:
-        """The fetch of what the plan reads from peers (None: nothing), its local files made now at
-        their full size (the client may map them); ``PeerFetch.run`` brings the bytes. A restore
-        from some ranks' parts (``partial``) counts as ``restores_from_holders``."""
+    def start_fetch(self, sources: TeamSources, plan: protocol.RestorePlan, here: bool = True) -> PeerFetch | None:
+        """The fetch of what the plan reads from peers (None: nothing, or not ``here``), its local
+        files made now at their full size (the client may map them); ``PeerFetch.run`` brings the
+        bytes. A restore from some ranks' parts (``partial``) counts as ``restores_from_holders``."""
         if sources.partial:
             self.counters.restores_from_holders += 1
+        if not here:
+            return None
         by_path = {w.path: w for w in sources.remote.values()}
         wanted: dict[str, list[protocol.PlanSource]] = {}
         pending = []

@@ -363,8 +363,8 @@ class Team:
         """The newest committed step that the live nodes still hold whole (None: none)."""
         return self.sources.latest()
 
-    def restore_sources(self, step: int | None, reader: tuple | None = None):
-        """Where every rank's part of ``step`` is read from (``sources.TeamSources``; ``reader``: ``TeamFace``'s)."""
+    def restore_sources(self, step: int | None, reader=None):
+        """Where every rank's part of ``step`` is read from (``sources.TeamSources``; ``reader``: a ``decide.RestoreReader``)."""
         return self.sources.restore_sources(step, reader)
 
     def widen(self, why: str) -> None:
