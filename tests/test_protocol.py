@@ -244,11 +244,11 @@ def test_a_malformed_plan_is_a_protocol_error_naming_the_field(edit, words):
 
 def test_the_restore_reply_carries_the_plan_inline_and_decodes_it_typed():
     plan = protocol.RestorePlan.from_wire(PLAN_WIRE)
-    head = {k: v for k, v in GOOD_REPLIES["restore"].items() if k not in ("sources", "tensors")}
+    head = {k: v for k, v in GOOD_REPLIES["restore"].items() if k not in ("sources", "tensors", "remote")}
     frame = protocol.ok("restore", 3, {**head, "plan": plan})
     assert msgpack.unpackb(frame, strict_map_key=False)["body"] == {**head, **PLAN_WIRE}  # the wire is flat
     _, body, err = protocol.decode_reply(frame, "restore")
-    assert err is None and body == {**head, "plan": plan}
+    assert err is None and body == {**head, "remote": None, "plan": plan}  # (no lane rows asked: none)
     # the daemon passes a typed plan, nothing else
     _, _, err = protocol.decode_reply(protocol.ok("restore", 4, {**head, **PLAN_WIRE}), "restore")
     assert isinstance(err, ProtocolError) and "restore reply.plan" in str(err)

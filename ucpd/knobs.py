@@ -208,6 +208,14 @@ def restore_verify() -> str:
     return mode
 
 
+def restore_lane() -> bool:
+    """Whether a restoring rank gets the sources held on other nodes itself, on the team's data
+    lane, landing them in its targets (``ucpd_client.lane_restore``; ``UCPD_RESTORE_LANE``, on by
+    default). Off, or for CUDA targets and the ``window``/``all`` checks: the daemon fetches
+    them into files of its node first, and the rank copies them from there."""
+    return _get("UCPD_RESTORE_LANE", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 def restore_window() -> int:
     """Bytes of a restore window (``restore_verify() == "window"``, and the pieces a GPU restore
     queues at once in any mode): rounded down to whole CRC chunks, at least one."""

@@ -86,14 +86,14 @@ class LanePull:
         tensors (``entry_of`` entries, in the plan's tensor order) or the window; returns the
         plan that is left to run: the local rows, the windowed ones read from the window, and no
         copy of a row that landed in place."""
-        lane = self._lane(remote)
+        lane = self.lane_of(remote)
         rows = {r[0]: (r[1], r[2], tuple(r[3])) for r in remote["rows"]}
         direct = _in_place(plan, rows, fills)
         window_rows = [i for i in sorted(rows) if i not in direct]
         moved: dict[int, PlanSource] = {}
         into: dict[int, memoryview] = dict(direct)
         if window_rows:
-            w = self._window(sum(-(-plan.sources[i].nbytes // ALIGN) * ALIGN for i in window_rows))
+            w = self.window(sum(-(-plan.sources[i].nbytes // ALIGN) * ALIGN for i in window_rows))
             at, base = 0, w.array.ctypes.data
             for i in window_rows:
                 s = plan.sources[i]
@@ -107,9 +107,7 @@ class LanePull:
         if len(jobs) == 1:
             self._get(lane, step, *jobs[0], plan, into)
         else:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(4, thread_name_prefix="ucpd-pull-lane")
-            for f in [self._pool.submit(self._get, lane, step, *j, plan, into) for j in jobs]:
+            for f in [self.pool().submit(self._get, lane, step, *j, plan, into) for j in jobs]:
                 f.result()
         self.stats["in_place"] += len(direct)
         self.stats["windowed"] += len(window_rows)
@@ -117,16 +115,22 @@ class LanePull:
 
     def _get(self, lane: ReceiverLane, step: int, origin: int, rank: int, nodes: tuple, idx: list[int],
              plan: RestorePlan, into: dict) -> None:
-        """One holder's rows of ``origin``'s part of ``rank`` in one ``get``, each chunk checked as
-        it lands; a cut stream once more, then the next holder (see the module's docstring)."""
-        body = {"origin": origin, "step": step, "rank": rank, "ranges": [[plan.sources[i].offset, plan.sources[i].nbytes] for i in idx]}
-        views = [into[i] for i in idx]
-        checks = [_chunks(plan.sources[i]) for i in idx]
+        """One holder's rows of ``origin``'s part of ``rank`` in one ``get``."""
+        self.get_ranges(lane, step, origin, rank, nodes, [(plan.sources[i].offset, plan.sources[i].nbytes) for i in idx],
+                        [into[i] for i in idx], [_chunks(plan.sources[i]) for i in idx])
+
+    def get_ranges(self, lane: ReceiverLane, step: int, origin: int, rank: int, nodes, ranges: list[tuple[int, int]],
+                   views: list[memoryview], checks: list) -> None:
+        """The byte ``ranges`` ((offset, nbytes) of its file) of ``origin``'s part of ``rank`` in
+        one ``get`` into ``views``, each chunk of ``checks`` checked as it lands; a cut stream
+        once more, then the next holder of ``nodes`` (see the module's docstring)."""
+        body = {"origin": origin, "step": step, "rank": rank, "ranges": [[o, n] for o, n in ranges]}
         last: UcpdError | None = None
         for node in nodes:
             for _ in (0, 1):
                 if last is not None:
-                    self.stats["retries"] += 1
+                    with self._lock:
+                        self.stats["retries"] += 1
                 try:
                     lane.get(node, body, views, checks)
                     return
@@ -140,7 +144,15 @@ class LanePull:
         raise type(last)(f"no holder of rank {rank}'s part of step {step} (nodes {list(nodes)}) served this pull's "
                          f"bytes on the data lane: {last} (this bucket's targets may hold unchecked bytes: pull again)")
 
-    def _lane(self, remote: dict) -> ReceiverLane:
+    def pool(self) -> ThreadPoolExecutor:
+        """The threads that run several gets at once (made on first use)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(4, thread_name_prefix="ucpd-pull-lane")
+            return self._pool
+
+    def lane_of(self, remote: dict) -> ReceiverLane:
+        """The receiver's lane, with ``remote``'s ticket, key and addresses (a reply's)."""
         addresses = {n: a for n, a in remote["lanes"]}
         with self._lock:
             if self.lane is None:
@@ -149,7 +161,8 @@ class LanePull:
                 self.lane.renew(remote["ticket"], remote["key"], addresses)
             return self.lane
 
-    def _window(self, nbytes: int) -> _Window:
+    def window(self, nbytes: int) -> _Window:
+        """The window file, at least ``nbytes`` (made larger when it is not)."""
         w = self._window_file
         if w is None or w.capacity < nbytes:
             if w is not None:

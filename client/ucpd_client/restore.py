@@ -34,6 +34,7 @@ from ucpd.protocol import PlanSource, RestorePlan
 
 from . import state as state_mod
 from .device_restore import DeviceRestore
+from .lane_restore import LaneRestore
 from .session import DaemonSession
 from .staging import dtype_name, entry_of
 
@@ -132,6 +133,8 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     ]
     conn = session.conn()
     body = {"rank": session.rank, "world_size": session.world_size, "targets": targets, **process_id()}
+    if knobs.restore_lane() and knobs.restore_verify() == "fused" and all(session.cuda.device_of(e.tensor) < 0 for e in entries):
+        body["lane"] = True  # on a team, the sources held on peers are got here on the data lane, landing in the targets
     if step is not None:
         body["step"] = step
     tried: list[tuple[int, str]] = []
@@ -208,22 +211,31 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
     if pending and (mode == "all" or any(on(e.tensor) >= 0 for e in entries)):
         _wait_fetched(session, reply)
         pending = frozenset()
-    sources, hosts = _sources(session, plan.sources)
     threads = knobs.copy_threads()
+    cuda = [on(e.tensor) >= 0 for e in entries]
+    host_of = [None if dev else e.tensor if e.tensor.is_cpu and e.tensor.is_contiguous()
+               else torch.empty(e.tensor.shape, dtype=e.tensor.dtype) for e, dev in zip(entries, cuda)]
+    lane = None
+    if reply.get("remote"):  # the peers' rows: got here on the data lane, beside the copies below
+        lane = LaneRestore(session.lane_pull(), reply["step"], plan, reply["remote"], host_of, _add_copies, threads)
+    sources, hosts = _sources(session, plan.sources, lane.rows if lane is not None else frozenset())
     cpu = _Windows(sources, window if mode == "window" else 0, threads, fused=mode == "fused")
     later = _Windows(sources, window if mode == "window" else 0, threads, fused=mode == "fused")
     device = None
     finish = []  # (target, host buffer, fills) where a fill or a staging copy is left to do
-    for e, t in zip(entries, plan.tensors):
+    for e, t, dev, host in zip(entries, plan.tensors, cuda, host_of):
         target = e.tensor
-        if on(target) >= 0:
+        if dev:
             if device is None:
                 device = DeviceRestore(session.cuda, session.restore_streams(), sources, hosts, session.pin_source, window,
                                        mode, threads)
             device.add(target, t.copies, t.fills, lambda host, copies: _add_copies(cpu, host, copies))
             continue
-        host = target if target.is_cpu and target.is_contiguous() else torch.empty(target.shape, dtype=target.dtype)
-        if t.copies:
+        if lane is not None:
+            copies = [c for c in t.copies if c.src_key not in lane.rows]
+            if copies:
+                _add_copies(cpu, host, copies)
+        elif t.copies:
             if pending:
                 _add_copies(cpu, host, [c for c in t.copies if c.src_key not in pending])
                 _add_copies(later, host, [c for c in t.copies if c.src_key in pending])
@@ -238,12 +250,19 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
             device.verify_all()
     if device is not None:
         device.start()  # queued window by window; the CPU copies below overlap the DMAs
+    if lane is not None:
+        lane.start()  # the peers' bytes land while this node's are copied
     try:
         cpu.run()
     except BaseException:
         if device is not None:
             device.drain()
+        if lane is not None:
+            _joined(lane)
         raise
+    if lane is not None:
+        lane.join()
+        session.last_lane_restore = dict(lane.stats)
     if pending:
         _wait_fetched(session, reply)
         later.run()
@@ -257,6 +276,14 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
         if host is not target:
             target.copy_(host)
     return values
+
+
+def _joined(lane: LaneRestore) -> None:
+    """Wait for the lane's landings (they write into the targets) without raising."""
+    try:
+        lane.join()
+    except BaseException:
+        pass
 
 
 def _wait_fetched(session: DaemonSession, reply: dict) -> None:
@@ -309,15 +336,20 @@ class _Windows:
                 run.run_verified()  # each chunk checked, then copied while in cache
 
 
-def _sources(session: DaemonSession, rows: tuple[PlanSource, ...]) -> tuple[list[CheckedSource], dict[int, tuple[str, np.ndarray]]]:
+def _sources(session: DaemonSession, rows: tuple[PlanSource, ...], skip: frozenset = frozenset()
+             ) -> tuple[list, dict[int, tuple[str, np.ndarray]]]:
     """The plan's source table over the mapped files, each file mapped once (every tensor of
     a slot names the same one); arrays are made only where a copy needs one. Also, per source,
-    the path and array of the file it lies in (a GPU restore registers the file)."""
+    the path and array of the file it lies in (a GPU restore registers the file). The rows of
+    ``skip`` (read on the data lane) are None."""
     session.maps.forget_missing()
     files: dict[str, tuple[np.ndarray, int]] = {}
-    out = []
+    out: list = []
     hosts: dict[int, tuple[str, np.ndarray]] = {}
     for i, s in enumerate(rows):
+        if i in skip:
+            out.append(None)
+            continue
         path = s.path
         got = files.get(path)
         if got is None:

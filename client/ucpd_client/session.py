@@ -97,6 +97,8 @@ class DaemonSession:
         # the last restore's {"step", "where"}: "ram" (this node's or the team's) or "disk" (the flush dir)
         self.last_restore: dict | None = None
         self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
+        self.last_lane_restore: dict | None = None  # the last restore's bytes got on the data lane: in place, windowed
+        self._lane_pull = None  # the data lane and window of restores that read peers' bytes here (made on first use)
 
     def conn(self) -> DaemonConn:
         """This thread's connection (opened on its first call)."""
@@ -138,8 +140,19 @@ class DaemonSession:
         if address is not None:
             self.cuda.host_unregister(address)
 
+    def lane_pull(self):
+        """The ``lane_pull.LanePull`` (the receiver's data lane, its window) of this session's restores."""
+        if self._lane_pull is None:
+            from .lane_pull import LanePull
+
+            self._lane_pull = LanePull(self.maps)
+        return self._lane_pull
+
     def close(self) -> None:
-        """Drop the connections and the mappings (the daemon keeps running)."""
+        """Drop the connections, the data lane and the mappings (the daemon keeps running)."""
+        if self._lane_pull is not None:
+            self._lane_pull.close()
+            self._lane_pull = None
         for c in self._conns:
             c.close()
         self.maps.close()

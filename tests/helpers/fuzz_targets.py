@@ -65,6 +65,8 @@ GOOD_REPLIES = {
                          "advice": "rank 3 never snapshotted", "node": 0, "age": 12.5}},
     "latest": {"step": None},
     "restore": {"lease": 7, "step": 3, "where": "ram", "objects": {0: b"\x80\x04N."}, "objects_crcs": {0: 5}, "pending": [0],
+                "remote": {"rows": [[1, 1, 1, [1, 2]]], "lanes": [[1, "127.0.0.1:7001"], [2, "127.0.0.1:7002"]],
+                           "ticket": b"ticket", "key": b"k" * 32},
                 **PLAN_WIRE},
     "fetched": {},
     "describe": {"step": 3, "where": "disk", "tensors": {"w": {"dtype": "float32", "shape": [4]}}, "objects": {0: b""},

@@ -1,5 +1,7 @@
-"""A restore that reads parts held on peers gets its plan before their bytes: the client copies
-what this node holds while the rest lands, then asks ``fetched`` and copies that. A peer lost
+"""A restore whose daemon fetches the parts held on peers (CUDA targets, the ``window`` and
+``all`` checks, ``UCPD_RESTORE_LANE=0``: otherwise the rank gets them itself on the data lane,
+``test_restore_lane.py``) gets its plan before their bytes: the client copies what this node
+holds while the rest lands, then asks ``fetched`` and copies that. A peer lost
 while its bytes land fails the restore with a typed error, not a hang or wrong bytes, and the
 daemon cleans up and keeps serving.
 
@@ -29,6 +31,11 @@ from .test_team_daemons import snapshot_ranks, status, wait_for
 pytestmark = pytest.mark.slow
 
 STALL_S = 3.0  # node 0's first fetch waits this long (ucpd.faults.stall's default)
+
+
+@pytest.fixture(autouse=True)
+def fetched_by_the_daemon(monkeypatch):
+    monkeypatch.setenv("UCPD_RESTORE_LANE", "0")
 
 
 def two_nodes_tp2(make_team):

@@ -69,6 +69,31 @@ def layout_signature(sources, targets: list[dict], keys: tuple) -> tuple:
     return tuple(read), tuple((table[k].dtype, table[k].nbytes) for k in keys)
 
 
+def lane_rows(lane, sources, plan: RestorePlan, seconds: float) -> dict | None:
+    """The plan's rows that live on peers, for the reader (a receiver's pull, a rank's restore)
+    to get on the data lane itself: each row's part and the nodes holding it (pinned there until
+    the lease ends), their lane addresses, a ticket good for ``seconds`` and a minute more. None:
+    nothing is on a peer, or some row's holder cannot be reached on a TCP data lane (then the
+    rows are fetched here)."""
+    if type(lane) is not DataLane:  # (None: the control lane; NIXL: its gets are not TCP streams)
+        return None
+    by_path = {w.path: w for w in sources.remote.values()}
+    rows, used = [], set()
+    for i, s in enumerate(plan.sources):
+        w = by_path.get(s.path)
+        if w is None:
+            continue
+        nodes = [n for n in w.nodes if lane.reaches(n)]
+        if w.node not in nodes:
+            return None
+        rows.append((i, w.origin, w.rank, nodes))
+        used.update(nodes)
+    if not rows:
+        return None
+    ticket, key = receiver_ticket(lane.key, lane.rank, seconds + 60.0)
+    return {"rows": rows, "lanes": [(n, address_of(lane, n)) for n in sorted(used)], "ticket": ticket, "key": key}
+
+
 class _Cached:
     __slots__ = ("job", "targets", "keys", "tensors", "signature")
 
@@ -144,7 +169,7 @@ class Pulls:
         landing = remote = None
         try:
             if found.team is not None and body.get("lane"):
-                remote = self._remote(found.team, plan)
+                remote = lane_rows(self.team.lane, found.team, plan, PULL_LEASE_SECONDS)
             if found.team is not None and remote is None:  # the peers' bytes fetched here, checked, into a reused landing file
                 if self.landings is None:
                     self.landings = Landings(self.team.shm_dir)
@@ -162,30 +187,6 @@ class Pulls:
             self.counters["lane"] += 1
             out["remote"] = remote
         return out
-
-    def _remote(self, sources, plan: RestorePlan) -> dict | None:
-        """The plan's rows that live on peers, for the receiver to get on the data lane itself:
-        each row's part and the nodes holding it (pinned until the lease ends), their lane
-        addresses, a ticket. None: nothing is on a peer, or some row's holder cannot be reached
-        on a TCP data lane (then the rows land here)."""
-        lane = self.team.lane
-        if type(lane) is not DataLane:  # (None: the control lane; NIXL: its gets are not TCP streams)
-            return None
-        by_path = {w.path: w for w in sources.remote.values()}
-        rows, used = [], set()
-        for i, s in enumerate(plan.sources):
-            w = by_path.get(s.path)
-            if w is None:
-                continue
-            nodes = [n for n in w.nodes if lane.reaches(n)]
-            if w.node not in nodes:
-                return None
-            rows.append((i, w.origin, w.rank, nodes))
-            used.update(nodes)
-        if not rows:
-            return None
-        ticket, key = receiver_ticket(lane.key, lane.rank, PULL_LEASE_SECONDS + 60.0)
-        return {"rows": rows, "lanes": [(n, address_of(lane, n)) for n in sorted(used)], "ticket": ticket, "key": key}
 
     def _release(self, found) -> None:
         with self.store.atomic():

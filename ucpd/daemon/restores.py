@@ -1,6 +1,8 @@
 """The ``restore`` and ``describe`` requests: where the version is (this node's RAM, the team's,
-the flush dir), the plan of the trainer's targets, the bytes held on peers fetched here and
-checked, the lease the client releases; each restore's phases recorded (``phases``).
+the flush dir), the plan of the trainer's targets, the bytes held on peers — got by the rank
+itself on the data lane when it asks (``lane``: the rows, their holders, a ticket, as a pull's),
+else fetched here and checked — the lease the client releases; each restore's phases recorded
+(``phases``).
 
 A team's answer asks the peers, so it runs on a worker thread (``Workers.defer``) after the
 requester's run joined the team (``joined``); one node's answers on the loop, unless an object
@@ -20,6 +22,7 @@ from .. import faults
 from ..dtypes import dtype as lookup_dtype
 from ..errors import UcpdError
 from .phases import RecentRestores, phase, recording
+from .pulls import lane_rows
 from .versions import DEFAULT_JOB
 
 log = logging.getLogger("ucpd")
@@ -27,6 +30,7 @@ log = logging.getLogger("ucpd")
 SLOW_RESTORE_S = 0.05  # a restore answered slower than this is logged with its phases
 FETCH_THREADS = 8  # restores whose peers' bytes land at once (each a stream per holder)
 FETCHES_KEPT = 64  # landed fetches kept for a ``fetched`` that may still come
+RESTORE_TICKET_S = 60.0  # a restoring rank's data lane ticket (its connections are made at once)
 
 
 def job_of(body: dict) -> str:
@@ -83,17 +87,22 @@ class Restores:
         job = job_of(body)
         avoid = {(job, s, w) for s, w in body.get("avoid") or ()}
         found, plan = self.locate.find_planned(body.get("step"), job, avoid, (body["rank"], body["world_size"], body["targets"]))
-        fetch = None
+        fetch = remote = None
         try:
-            if found.team is not None:  # bytes that live on peers: their files made now, fetched while the client copies
+            if found.team is not None:  # bytes that live on peers: the rank gets them on the data lane, else fetched here
                 with phase("fetch"):
-                    fetch = found.team.start_fetch(plan)
+                    if body.get("lane"):
+                        remote = lane_rows(self.team.lane, found.team, plan, RESTORE_TICKET_S)
+                    fetch = found.team.start_fetch(plan, here=remote is None)
         except BaseException:
             with self.store.atomic():
                 found.release()
             raise
         with self.store.atomic():
             reply = self._lease_reply(body, found, plan)
+        if remote is not None:  # the peers stay pinned for the rank until its lease ends
+            reply["remote"] = remote
+            self.store.counters.restores_lane += 1
         if fetch is not None:
             reply["pending"] = fetch.pending
             self._fetches[reply["lease"]] = fetch

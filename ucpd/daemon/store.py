@@ -54,6 +54,7 @@ class Counters:
     restores: int = 0
     restore_bytes: int = 0
     restore_plans_reused: int = 0  # restores answered with a plan made before (``restore.PlanCache``)
+    restores_lane: int = 0  # team restores whose peers' bytes the rank got on the data lane itself
     evicted: int = 0
     index_errors: int = 0
 

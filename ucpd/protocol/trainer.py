@@ -364,6 +364,10 @@ RANK = integer(0, MAX_RANKS)
 OBJECTS = map_of(RANK, binary)
 OBJECTS_CRCS = map_of(RANK, nullable(crc32))
 WHERE = one_of("ram", "disk")  # where a restore reads a version: some node's RAM, or the flush dir
+# the rows of a plan that a pull or a restore gets itself on the data lane (``ucpd_client.lane_pull``):
+# [source index, origin, rank, nodes holding it], each node's lane address, a ticket and its key
+LANE_ROWS = Record({"rows": list_of(tuple_of(integer(), integer(), integer(), list_of(integer(), 256))),
+                    "lanes": list_of(tuple_of(integer(), text), 4096), "ticket": binary, "key": binary})
 VERSION_STATES = ("writing", "complete", "protected", "committed", "flushed", "evicted", "abandoned")  # daemon.versions.VersionState
 
 # Why a step is still pending (the `wait` reply's `waiting`, ucpd.daemon.stalls): the ranks this
@@ -440,13 +444,15 @@ REQUESTS: dict[str, MessageType] = {
             # avoid: [[step, "ram" | "disk"], ...] copies that failed their checksums at this client
             # (a retry): the daemon plans from the next source, or the previous version
             {"step": integer(), "job": job_name, "pid": integer(), "pidns": text, "avoid": list_of(avoid_entry, 16),
-             "incarnation": text},
+             "incarnation": text, "lane": boolean},
             "plan the copies that fill these targets; reply: the lease to release, the step and where it is read, "
             "the plain values by rank, and the RestorePlan (its fields inline); "
             "pid and pidns (/proc/self/ns/pid) let the daemon end the lease of a reader that died; "
-            "pending: the plan's sources still being fetched from peers (read them after `fetched`)",
+            "pending: the plan's sources still being fetched from peers (read them after `fetched`); "
+            "lane: the rank gets the sources held on peers itself on the data lane, and `remote` names them "
+            "as a pull's reply does (then nothing is pending)",
             Record({"lease": integer(), "step": integer(), "where": WHERE, "objects": OBJECTS, "objects_crcs": OBJECTS_CRCS},
-                   {"pending": list_of(integer(0))}, inline={"plan": RestorePlan}),
+                   {"pending": list_of(integer(0)), "remote": LANE_ROWS}, inline={"plan": RestorePlan}),
         ),
         MessageType(
             "fetched",
@@ -484,9 +490,7 @@ REQUESTS: dict[str, MessageType] = {
             "rows itself on the data lane, and `remote` names them (rows: [source index, origin, rank, nodes "
             "holding it]), the nodes' lane addresses and a ticket and key to prove (ucpd.team.lane.ReceiverLane)",
             Record({"lease": integer(), "step": integer(), "where": WHERE, "plan_id": integer()},
-                   {"remote": Record({"rows": list_of(tuple_of(integer(), integer(), integer(), list_of(integer(), 256))),
-                                      "lanes": list_of(tuple_of(integer(), text), 4096), "ticket": binary, "key": binary})},
-                   inline={"plan": RestorePlan}),
+                   {"remote": LANE_ROWS}, inline={"plan": RestorePlan}),
         ),
         MessageType(
             "release",
