@@ -29,14 +29,17 @@ from types import SimpleNamespace
 from ucpd.daemon import restore as restore_plan
 from ucpd.sim.discovery import _part
 from ucpd.sim.recovery import Layout
-from ucpd.team.decide import Copy
+from ucpd.team.counters import FetchCounters
+from ucpd.team.decide import SAVED, Copy
 from ucpd.team.sources import TeamSources, VersionSources
+from ucpd.team.view import TeamView
 
 
 def sources_for(shm: str) -> VersionSources:
     store = SimpleNamespace(atomic=contextlib.nullcontext)
-    team = SimpleNamespace(rank=0, transport=None, shm_dir=shm, config=SimpleNamespace(fanout=2), store=store, replicas=None)
-    return VersionSources(team)
+    view = TeamView(0, 1, {}, frozenset, time.monotonic, str, lambda step: True)
+    server = SimpleNamespace(register=lambda *a: None)
+    return VersionSources(view, store, None, None, server, FetchCounters(), shm, None, lambda: None, lambda: None, fanout=2)
 
 
 def one(nodes: int, shm: str) -> dict:
@@ -64,7 +67,7 @@ def one(nodes: int, shm: str) -> dict:
     r = 8 * (nodes // 2)  # a rank of a node halfway: its node part and rank 0's
     mine = {k: chosen[k] for k in (*range(8), *range(r, r + 8))}
     got = TeamSources(1, vs)
-    got.gen, got.partial = 7, True
+    got.gen, got.scope = 7, SAVED
     t0 = time.perf_counter()
     vs._sources(got, nodes * 8, mine, {}, {k: spread[k] for k in mine})
     t1 = time.perf_counter()

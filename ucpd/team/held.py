@@ -20,6 +20,7 @@ from ..daemon.versions import SEALED, Version
 from .decide import Holding, latest_whole
 from .directory import ask_all
 from .parts import run_of, used_bytes, with_run
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -80,25 +81,20 @@ class PeersAsked:
 class HeldCopies:
     """What this node holds (``own_holdings``) and what every live node holds (``held_by_node``).
 
-    ``team``: the driver, for this node's rank, store, replicas, parity group, transport and live
-    nodes; ``directory``: a large team's (None: every live node is asked)."""
+    ``view``: the team's (this node's rank, the live nodes); ``transport``: where the peers are
+    asked; ``store`` / ``replicas``: this node's store face and the replicas it holds;
+    ``directory``: a large team's (None: every live node is asked); ``parity``: this node's
+    parity group (``parity_group.ParityGroup``, None without ``--parity``), whose manifests it
+    keeps of other members are held here too."""
 
-    def __init__(self, team, directory) -> None:
-        self.team, self.rank, self.directory = team, team.rank, directory
-        self.transport = team.transport
+    def __init__(self, view: TeamView, transport, store, replicas, directory=None, parity=None) -> None:
+        self.view, self.rank, self.directory = view, view.rank, directory
+        self.transport, self.store, self.replicas, self.parity = transport, store, replicas, parity
         self._asked = PeersAsked(lambda live, step: ask_all(self.transport, self.rank, live, "holdings", {"step": step}))
         self._own: dict[int, tuple[list, list[dict], list[Holding]]] = {}  # step -> (objects, items, holdings)
         self._live: frozenset | None = None  # the live nodes at the last tick
         self._prepare_at: list[float] = []  # when to ask the peers ahead of a restore (``on_tick``)
         self._preparing = threading.Lock()
-
-    @property
-    def store(self):
-        return self.team.store
-
-    @property
-    def replicas(self):
-        return self.team.replicas
 
     def own_holdings(self, step: int | None, ranks: list[int] | None = None) -> list[dict]:
         """Our own parts and whole replicas (all steps, or one step with manifests): HOLDING items.
@@ -144,7 +140,7 @@ class HeldCopies:
 
     def _parity_items(self, step: int | None) -> list[dict]:
         """The parity manifests we keep of other members (of ``step``; None: of every step)."""
-        parity = self.team.parity
+        parity = self.parity
         if parity is None:
             return []
         out = []
@@ -196,7 +192,7 @@ class HeldCopies:
         step, kept ``ASKED_TTL`` seconds for the restores that follow (the ranks of a job
         restore at once; ours are read afresh each time) (None: asked of every node now).
         ``stale``: that gather was found out of date; ask again."""
-        live = self.team.live()
+        live = self.view.live()
         if self.directory is None:
             if step is None:
                 return None, self.holdings_by_node(sorted(live), step)
@@ -220,7 +216,7 @@ class HeldCopies:
         not ask every node what it holds of every step."""
         if self.directory is not None:
             return False
-        live = self.team.live()
+        live = self.view.live()
         held = self._asked.kept(step, live)
         if held is None:
             return False
@@ -232,7 +228,7 @@ class HeldCopies:
         committed step, so in a small team the peers' answers about it are asked ahead, 1 s and
         6 s after the loss (once healing made the new copies), on a thread of their own; they
         serve the restores for ``PREPARED_TTL`` seconds or until the next commit."""
-        live = self.team.live()
+        live = self.view.live()
         if self._live is not None and live < self._live and self.directory is None:
             self._prepare_at = [now + d for d in PREPARE_AFTER]
         self._live = live

@@ -17,6 +17,7 @@ import time
 from typing import Callable, TypeVar
 
 from ..errors import VersionNotFound
+from .view import TeamView
 
 log = logging.getLogger("ucpd.team")
 
@@ -24,29 +25,30 @@ T = TypeVar("T")
 
 
 class Settle:
-    """The view's settling, seen from ``team`` (``team.Team``: its config, membership, live
-    nodes and commit protocol)."""
+    """The view's settling. ``view``: the team's (its size, live nodes, what is committed);
+    ``epoch()``: the membership view's epoch (it changes with the live nodes); ``newest()``: the
+    protocol's newest committed step (None: none); ``dead_after`` / ``heartbeat``: the team's
+    ``--dead-after`` and ``--heartbeat`` seconds."""
 
-    def __init__(self, team) -> None:
-        self.team = team
+    def __init__(self, view: TeamView, epoch: Callable[[], int], newest: Callable[[], int | None],
+                 dead_after: float, heartbeat: float) -> None:
+        self.view, self.epoch, self.newest = view, epoch, newest
+        self.dead_after, self.heartbeat = dead_after, heartbeat
 
     @property
     def window(self) -> float:
-        return 2.0 * self.team.config.dead_after
-
-    def epoch(self) -> int:
-        return self.team.membership.view.epoch
+        return 2.0 * self.dead_after
 
     def whole(self, answered=None) -> bool:
         """Every node of the team is live here and (``answered``: the nodes that answered, or None
         when the answer is not one per node) every live one answered."""
-        live = self.team.live()
-        return len(live) >= self.team.config.nodes and (answered is None or set(live) <= set(answered))
+        live = self.view.live()
+        return len(live) >= self.view.nodes and (answered is None or set(live) <= set(answered))
 
     def wait_change(self, epoch: int, deadline: float) -> None:
         """Until the view is no longer ``epoch``, or ``deadline``."""
         while time.monotonic() < deadline and self.epoch() == epoch:
-            time.sleep(min(self.team.config.heartbeat, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(self.heartbeat, max(0.0, deadline - time.monotonic())))
 
     def latest(self, ask: Callable[[int | None], tuple[int | None, dict, int | None]], directory: bool) -> int | None:
         """The newest committed step held whole: ``ask(stale)`` -> (gen, {node: holdings}, step).
@@ -57,7 +59,7 @@ class Settle:
         while True:
             epoch = self.epoch()
             gen, held, step = ask(stale)
-            newest = self.team.protocol_state()[3]
+            newest = self.newest()
             if newest is None or (step is not None and step >= newest):
                 return step
             if gen is not None and stale is None:
@@ -79,8 +81,8 @@ class Settle:
             try:
                 return plan()
             except VersionNotFound:
-                if step is None or not self.team.is_committed(step) or self.whole() or time.monotonic() >= deadline:
+                if step is None or not self.view.is_committed(step) or self.whole() or time.monotonic() >= deadline:
                     raise
                 log.info("team: step %d is committed but not whole in the view of nodes %s; planning again as the "
-                         "view settles", step, sorted(self.team.live()))
+                         "view settles", step, sorted(self.view.live()))
                 self.wait_change(epoch, deadline)

@@ -23,6 +23,7 @@ import mmap
 import os
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -34,6 +35,7 @@ from ..daemon.phases import phase
 from ..daemon.versions import Version, VersionState
 from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
 from .decide import ALL, MOVED, UNNAMED, Gathered, Holding, RestoreReader, choose_copies, latest_whole, next_scope, run_to_read
+from .counters import FetchCounters
 from .directory import Directory
 from .fetch import fetch_shares
 from .held import HeldCopies
@@ -42,6 +44,7 @@ from .peer_fetch import DATA_BATCH, PeerFetch
 from .piece_index import PieceIndex
 from .settle import Settle
 from .shmfiles import create_sized, open_reserved, remove
+from .view import TeamView
 from .parts import check_parts, part_from_wire, used_bytes
 
 log = logging.getLogger("ucpd.team")
@@ -163,35 +166,35 @@ def unpin_local(store, replicas, pins: list) -> None:
 class VersionSources:
     """Finds a version across the team and brings its bytes here, checked.
 
-    ``team``: the driver (``team.Team``), for this node's rank, store, replicas, parity group,
-    transport, live nodes and the commit protocol's view of what is committed."""
+    ``view``: the team's (this node's rank, live nodes, current run, what is committed);
+    ``store`` / ``replicas``: this node's store face and the replicas it holds; ``transport``
+    and ``server``: the peer transport and the peer server (a large team's directory and piece
+    index register their handlers); ``counters``: its ``FetchCounters``; ``shm_dir``: where the
+    fetched files are made; ``settle``: the view's settling (``settle.Settle``); ``newest()``:
+    the protocol's newest committed step; ``lane()``: the data lane now (None: the control
+    lane); ``fanout``: ``--commit-fanout`` (0: a small team, every node asked); ``parity``: this
+    node's parity group (None: none), whose ``rebuild_checked`` rebuilds a lost part here."""
 
-    def __init__(self, team) -> None:
-        self.team = team
-        self.rank = team.rank
-        self.transport = team.transport
-        self.shm_dir = team.shm_dir
-        self.counters = team.counters.fetch
-        view = self.view = team.view
+    def __init__(self, view: TeamView, store, replicas, transport, server, counters: FetchCounters, shm_dir: str,
+                 settle: Settle, newest: Callable[[], int | None], lane: Callable[[], object], fanout: int = 0,
+                 parity=None) -> None:
+        self.view, self.rank = view, view.rank
+        self.store, self.replicas, self.transport = store, replicas, transport
+        self.shm_dir = shm_dir
+        self.counters = counters
+        self.settle = settle  # answers a view in flux makes short, asked again as it settles
+        self.newest, self.lane = newest, lane
+        self.rebuild_checked = parity.rebuild_checked if parity is not None else None
         # a large team's (``--commit-fanout``)
-        self.directory = Directory(view, self.transport, self.own_holdings, team.server) if team.config.fanout else None
+        self.directory = Directory(view, transport, self.own_holdings, server) if fanout else None
         self._shared: dict[tuple, tuple[Version, RamSame, PlanCache]] = {}  # (step, run, parts chosen) -> parts, indexes, plans
         self._shared_lock = threading.Lock()
         self._checking = threading.Lock()  # replicas are checked one at a time (``replica_sound``)
-        self.held = HeldCopies(team, self.directory)  # what this node and the peers hold
-        self.settle = Settle(team)  # answers a view in flux makes short, asked again as it settles
+        self.held = HeldCopies(view, transport, store, replicas, self.directory, parity)  # what this node and the peers hold
         # a restore in another layout: the piece index names the ranks it reads; in the saved one only its parts' holders are asked
-        self.index = PieceIndex(view, self.transport, self.own_holdings, self.held_by_node, team.server) \
+        self.index = PieceIndex(view, transport, self.own_holdings, self.held_by_node, server) \
             if self.directory is not None else None
-        self.holders = HolderAnswers(view, self.transport, self.own_holdings, self.held_by_node, self.index)
-
-    @property
-    def store(self):
-        return self.team.store
-
-    @property
-    def replicas(self):
-        return self.team.replicas
+        self.holders = HolderAnswers(view, transport, self.own_holdings, self.held_by_node, self.index)
 
     # --- what is held where (``held.HeldCopies``) --------------------------------------------------
 
@@ -214,13 +217,13 @@ class VersionSources:
     def latest(self) -> int | None:
         """The newest committed step that the live nodes still hold whole (None: none); an
         answer found short is asked again as the view settles (``settle``)."""
-        newest = self.team.protocol_state()[3]
-        if newest is not None and self.team.is_committed(newest) and self.held.kept_whole(newest):
+        newest = self.newest()
+        if newest is not None and self.view.is_committed(newest) and self.held.kept_whole(newest):
             return newest  # the answer kept about it says it is whole: no round of every node's holdings
 
         def ask(stale):
             gen, held = self.held_by_node(None, stale)
-            return gen, held, latest_whole((h for items in held.values() for h in items), self.team.is_committed)
+            return gen, held, latest_whole((h for items in held.values() for h in items), self.view.is_committed)
 
         return self.settle.latest(ask, self.directory is not None)
 
@@ -359,7 +362,9 @@ class VersionSources:
         """Rebuild a lost node's part of ``step`` from parity into a local file (kept in ``got``):
         the file and where each rank's bytes start in it."""
         path = self._new_file(got)
-        return path, self.team.parity.rebuild_checked(origin, step, path)
+        if self.rebuild_checked is None:
+            raise VersionNotFound(f"step {step}: node {origin}'s part is lost and this node keeps no parity group")
+        return path, self.rebuild_checked(origin, step, path)
 
     def _spread(self, held: list, run: str, chosen: dict, damaged: set) -> dict[int, tuple[int, ...]]:
         """Per rank read from peers: every live peer with a whole copy of its part (the owner's
@@ -577,7 +582,7 @@ class VersionSources:
     def fetch_into(self, w: PeerRead, step: int, ranges: list[tuple], mm) -> bool:
         """Bring ``ranges`` of ``w``'s part into ``mm`` from every live copy (``fetch.fetch_shares``);
         True when each chunk was checked as it landed (the data lane)."""
-        return fetch_shares(self.transport, w, step, ranges, mm, lane=self.team.lane)
+        return fetch_shares(self.transport, w, step, ranges, mm, lane=self.lane())
 
 
 def _shapes_known(version: Version) -> None:

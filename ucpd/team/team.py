@@ -47,6 +47,7 @@ from .runs import wait_admitted
 from .serve import PeerServer
 from .serve_held import HeldServer
 from .serve_parity import register_parity
+from .settle import Settle
 from .sources import FETCH_PREFIX, VersionSources
 from .status import TeamStatus
 from .transport import PeerTransport
@@ -106,11 +107,9 @@ class Team:
         self.lanes = NoLane() if link is not None or config.data_transport == "zmq" else LaneKeeper(
             config, lambda src, b: self.held_server.on_put(src, b), lambda src, b: self.held_server.on_get(src, b),
             lambda also: set(replica_holders(self.rank, sorted(self.live() | {also}), max(1, config.replicas), self.domains)))
-        self.sources = VersionSources(self)
         if not config.fanout:
             self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
                                "(started with --commit-fanout 0): ask every node with `holdings`")
-        self.counters.add(*(p.counters for p in (self.sources.directory, self.sources.index) if p is not None))
 
     # --- life cycle ----------------------------------------------------------------------------
 
@@ -141,11 +140,16 @@ class Team:
 
     def _build_parts(self, store) -> None:
         """The parts that read or hold the node's store, each given what it uses."""
-        src, c, view = self.sources, self.counters, self.view
+        c, view = self.counters, self.view
         parity = self.parity = ParityGroup(view, *self.config.parity, store, self.replicas, self.transport, self.members_now,
                                            keep=self.config.keep, unit=knobs.parity_unit(), counters=c.parity) \
             if self.config.parity else None
         register_parity(self.server, parity, self.rank)
+        settle = Settle(view, lambda: self.membership.view.epoch, lambda: self.protocol_state()[3], self.config.dead_after,
+                        self.config.heartbeat)
+        src = self.sources = VersionSources(view, store, self.replicas, self.transport, self.server, c.fetch, self.shm_dir, settle,
+                                            lambda: self.protocol_state()[3], lambda: self.lane, self.config.fanout, parity)
+        c.add(*(p.counters for p in (src.directory, src.index) if p is not None))
         self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, src.own_holdings, c.serve)
         self.flush_share = ShareWriter(self.rank, self.config.flush_dir, self.shm_dir, store, self.replicas, src.fetch_ranges,
                                        c.flush, c.fetch, self.server, self.flush_storage_options)
