@@ -1,5 +1,9 @@
 """One ``ucpd serve`` child process for tests, fixtures and the fault harnesses: start it, know
-when *it* serves, crash it, stop it, ask its status. The one daemon-process helper of tests/."""
+when *it* serves, crash it, stop it, ask its status. The one daemon-process helper of tests/.
+
+A daemon is forked from a preloaded interpreter (``helpers.zygote``: the same ``ucpd serve``, in
+a process of its own that is this process's child, without the import cost of a fresh one), or
+exec'd where a fork could differ (``ip netns exec``, or ``UCPD_TEST_FORK_DAEMONS=0``)."""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ import subprocess
 import sys
 import time
 
-from ucpd.daemon.runtime import exit_with_parent
 from ucpd.launch import lock_pid
 from ucpd.rpc import SOCKET_NAME
+
+from . import zygote
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,19 +40,18 @@ def socket_id(path: str):
 
 
 def spawn_and_wait(args: list[str], run_dir: str, log_path: str, cwd: str, env: dict | None = None,
-                   header: bytes = b"", timeout: float = 60.0) -> subprocess.Popen:
+                   header: bytes = b"", timeout: float = 60.0) -> subprocess.Popen | zygote.Forked:
     """Start ``args`` (a ``ucpd serve``) logging to ``log_path`` and return once this process
     serves the run dir's socket: after a kill the dead daemon's socket file is still there, so
     its mere existence proves nothing (the daemon writes its pid into the run dir's lock once it
     holds it, then binds a new socket). The daemon exits (SIGTERM) when this process dies
-    (``runtime.exit_with_parent``): a test run or campaign killed (``timeout``, a crash) leaves
-    no daemon behind. Raises RuntimeError with the log if it exits or hangs."""
+    (``runtime.tie_to_parent``): a test run or campaign killed (``timeout``, a crash) leaves no
+    daemon behind. Raises RuntimeError with the log if it exits or hangs."""
     sock = os.path.join(run_dir, SOCKET_NAME)
     stale = socket_id(sock)
     with open(log_path, "ab") as log:
-        if header:
-            log.write(header)
-        proc = subprocess.Popen(exit_with_parent(args), stdout=log, stderr=log, cwd=cwd, env=env)
+        log.write(header)
+    proc = zygote.start(args, log_path, cwd, env)
     deadline = time.monotonic() + timeout
     while True:
         now = socket_id(sock)
@@ -79,7 +83,7 @@ class Daemon:
     def __init__(self, run_dir: str, shm_dir: str, args: list[str] | tuple = (), flush_dir: str | None = None):
         self.run_dir, self.shm_dir, self.args, self.flush_dir = run_dir, shm_dir, list(args), flush_dir
         self.log = os.path.join(os.path.dirname(run_dir), "daemon.log")
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen | zygote.Forked | None = None
         self.prefix: list[str] = []
 
     def command(self, *more: str) -> list[str]:
@@ -108,9 +112,7 @@ class Daemon:
         """Start it without waiting (daemons that meet in a rendezvous wait for each other): poll
         ``serving()``."""
         os.makedirs(os.path.dirname(self.log), exist_ok=True)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(exit_with_parent(self.command()), stdout=log, stderr=log, cwd=ROOT,
-                                         env=self._env(None, env))
+        self.proc = zygote.start(self.command(), self.log, ROOT, self._env(None, env))
         return self
 
     def serving(self) -> bool:
