@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import random
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import Future
 
 import msgpack
@@ -55,21 +55,40 @@ __all__ = ["Directory", "ask_all", "levels", "partner", "span", "PAGE_BYTES", "T
 
 
 
-def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
-    """A request to every other live node, in parallel; nodes that fail to answer are left out."""
-    replies: dict[int, dict] = {}
+def ask_each(transport, asks: Mapping[Hashable, tuple[int, str, dict]], timeout: float = 10.0
+             ) -> tuple[dict[Hashable, dict], dict[Hashable, UcpdError]]:
+    """Requests to peers, all sent at once (a thread each but the first) and each waited for: ``asks`` is
+    {key: (node, type, body)}; returns ({key: its reply's body}, {key: the error it failed with})."""
+    replies: dict[Hashable, dict] = {}
+    failed: dict[Hashable, UcpdError] = {}
+    unexpected: list[BaseException] = []
 
-    def ask(node):
+    def ask(key, node, msg_type, body):
         try:
-            replies[node], _ = transport.request(node, msg_type, body, timeout=10.0)
+            replies[key], _ = transport.request(node, msg_type, body, timeout=timeout)
         except UcpdError as exc:
-            log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
+            failed[key] = exc
+        except BaseException as exc:  # noqa: BLE001 - raised on the asking thread below
+            unexpected.append(exc)
 
-    threads = [threading.Thread(target=ask, args=(n,)) for n in live if n != me]
+    todo = list(asks.items())
+    threads = [threading.Thread(target=ask, args=(key, *a), name=f"ucpd-ask-{a[1]}") for key, a in todo[1:]]
     for t in threads:
         t.start()
+    if todo:  # the first on this thread
+        ask(todo[0][0], *todo[0][1])
     for t in threads:
         t.join()
+    if unexpected:
+        raise unexpected[0]
+    return replies, failed
+
+
+def ask_all(transport, me: int, live, msg_type: str, body: dict) -> dict[int, dict]:
+    """A request to every other live node, in parallel; nodes that fail to answer are left out."""
+    replies, failed = ask_each(transport, {n: (n, msg_type, body) for n in live if n != me})
+    for node, exc in sorted(failed.items()):
+        log.warning("team: node %d did not answer %s: %s", node, msg_type, exc)
     return replies
 
 

@@ -36,7 +36,7 @@ from ..daemon.versions import Version, VersionState
 from ..errors import ChecksumMismatch, PlacementMismatch, UcpdError, VersionNotFound
 from .decide import ALL, MOVED, UNNAMED, Gathered, Holding, RestoreReader, choose_copies, latest_whole, next_scope, run_to_read
 from .counters import FetchCounters
-from .directory import Directory
+from .directory import Directory, ask_each
 from .fetch import fetch_shares
 from .held import HeldCopies
 from .holder_answers import HolderAnswers, HoldersMoved
@@ -281,32 +281,31 @@ class VersionSources:
         log.info("team: a restore asks every rank's part: %s", why)
 
     def _lease_peers(self, got: TeamSources) -> None:
-        """Pin on each peer what the restore reads there, under one lease: first the optional
-        shares (a holder that cannot pin serves none), then the copy each rank needs."""
+        """Pin on each peer what the restore reads there, under one lease, every pin sent at once
+        and each waited for (``directory.ask_each``): the optional shares (a holder that cannot
+        pin serves none) and the copy each rank needs (one that cannot: VersionNotFound)."""
         lease = uuid.uuid4().hex[:16]
-        for node, origin in sorted({(n, w.origin) for w in got.remote.values() for n in w.spread}):
-            try:
-                self._pin(got, node, origin, lease)
-            except UcpdError as exc:
-                log.info("team: node %d did not pin node %d's part of step %d (%s): the other holders serve it",
-                         node, origin, got.step, exc)
-                for r, w in got.remote.items():
-                    if w.origin == origin and node in w.spread:
-                        got.where[r] = replace(w, spread=tuple(n for n in w.spread if n != node))
-        for node, origin in sorted({(w.node, w.origin) for w in got.remote.values()}):
-            try:
-                self._pin(got, node, origin, lease)
-            except VersionNotFound:
-                raise
-            except UcpdError as exc:
-                raise VersionNotFound(f"step {got.step}: node {node} did not pin node {origin}'s part: {exc}") from None
-
-    def _pin(self, got: TeamSources, node: int, origin: int, lease: str) -> None:
+        needed = {(w.node, w.origin) for w in got.remote.values()}
+        shares = {(n, w.origin) for w in got.remote.values() for n in w.spread} - needed
+        asks = {(node, origin): (node, "pin", {"lease": lease, "origin": origin, "step": got.step})
+                for node, origin in sorted(needed | shares)}
         try:
-            self.transport.request(node, "pin", {"lease": lease, "origin": origin, "step": got.step}, timeout=10.0)
+            _, failed = ask_each(self.transport, asks)
         finally:
-            if (node, lease) not in got.leases:
-                got.leases.append((node, lease))  # unpinned on release, even if this pin failed midway
+            for node in sorted({node for node, _ in asks}):  # unpinned on release, even if a pin failed midway
+                if (node, lease) not in got.leases:
+                    got.leases.append((node, lease))
+        for node, origin in sorted(shares & failed.keys()):
+            log.info("team: node %d did not pin node %d's part of step %d (%s): the other holders serve it",
+                     node, origin, got.step, failed[(node, origin)])
+            for r, w in got.remote.items():
+                if w.origin == origin and node in w.spread:
+                    got.where[r] = replace(w, spread=tuple(n for n in w.spread if n != node))
+        for node, origin in sorted(needed & failed.keys()):
+            exc = failed[(node, origin)]
+            if isinstance(exc, VersionNotFound):
+                raise exc
+            raise VersionNotFound(f"step {got.step}: node {node} did not pin node {origin}'s part: {exc}") from None
 
     def _plan_sources(self, step: int | None, stale: int | None = None, reader: RestoreReader | None = None
                       ) -> TeamSources:
