@@ -15,6 +15,12 @@ of 3 ranks (TP=3: a real reshard), one on each survivor, restores step 2, checke
 - **warm**: the same job's 3 ranks again, each in a fresh ``Checkpointer`` (no mappings);
 - **alone**: one rank at a time, warm, the other ranks idle (no other rank's copy on the 2 cores).
 
+Warm and alone run twice each repetition: as by default (each rank gets the parts held on peers
+itself, on the data lane, into its targets) and with ``UCPD_RESTORE_LANE=0`` (its daemon fetches
+them into files first, the rank copies them from there). Each restore's whole time is reported
+against the time a plain loopback socket (``recv_into``, one stream, measured in the same run)
+takes to move the bytes its plan reads from peers' parts.
+
 A rank's *first byte* is the time from its ``restore()`` call until it starts copying into its
 targets (the ``restore`` RPC answered and its sources mapped); the RPC is reported beside it.
 Medians and spreads over the repetitions; the machine's load is printed with each case.
@@ -36,6 +42,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parents[1]), str(HERE.parents[2]), st
 import bench_team as B  # noqa: E402
 from common import MiB, log, machine, median, table, write_json  # noqa: E402
 from daemons import Loopback, cleanup_on_exit, wait_for  # noqa: E402
+from floors_net import socket_floor  # noqa: E402
 
 BLOCKS = 12  # rows cut into 12 blocks: TP=4 and TP=3 both own whole blocks
 TARGET_S = 0.020
@@ -54,12 +61,32 @@ def cmd_restore_timed(ctx, key):
 
         timed._timed = True
         R._Windows.run = timed
+        import ucpd_client.lane_restore as LR
+
+        lane_run = LR.LaneRestore.run
+
+        def lane_timed(self):
+            t0 = time.monotonic()
+            try:
+                return lane_run(self)
+            finally:
+                ctx.rpc["lane"] = {**self.stats, "seconds": time.monotonic() - t0, "rounds": len(self._rounds)}
+
+        LR.LaneRestore.run = lane_timed
     out = B.cmd_restore(ctx, key)
     out["first_byte_s"] = out.pop("first_byte_at", out["end"]) - out["start"]
     return out
 
 
+def cmd_lane(ctx, on: bool):
+    """Whether this rank's restores get the peers' bytes themselves on the data lane (the
+    default) or let their daemon fetch them first (``UCPD_RESTORE_LANE=0``)."""
+    os.environ["UCPD_RESTORE_LANE"] = "1" if on else "0"
+    return on
+
+
 B.COMMANDS["restore_timed"] = cmd_restore_timed  # spawned ranks import this module as __mp_main__
+B.COMMANDS["lane"] = cmd_lane
 
 
 def load() -> float:
@@ -102,25 +129,35 @@ def bench(env: Loopback, args) -> dict:
             r["phases_ms"] = recent[-1]["phases_ms"] if recent else {}
         return res
 
-    cases: dict = {"cold": [], "warm": [], "alone": []}
+    def lane(on: bool) -> None:
+        B.all_ranks(new, "lane", on=on)
+
+    cases: dict = {"cold": [], "warm": [], "warm, daemon fetch": [], "alone": [], "alone, daemon fetch": []}
     for rep in range(args.reps):
         job = uuid.uuid4().hex
         open_job(job)
         cases["cold"].append((load(), restore(job, [0, 1, 2])))
         time.sleep(0.4)
-        cases["warm"].append((load(), restore(job, [0, 1, 2])))
-        time.sleep(0.4)
-        for i in range(3):
-            cases["alone"].append((load(), restore(job, [i])))
-            time.sleep(0.2)
+        for on in (True, False):  # the default (the rank gets the peers' bytes) beside the daemon's fetch, alternating
+            lane(on)
+            cases["warm" if on else "warm, daemon fetch"].append((load(), restore(job, [0, 1, 2])))
+            time.sleep(0.4)
+        for on in (True, False):
+            lane(on)
+            for i in range(3):
+                cases["alone" if on else "alone, daemon fetch"].append((load(), restore(job, [i])))
+                time.sleep(0.2)
+        lane(True)
         log(f"  rep {rep + 1}: first byte cold {max(r['first_byte_s'] for r in cases['cold'][-1][1]) * 1e3:.0f} ms, "
             f"warm {max(r['first_byte_s'] for r in cases['warm'][-1][1]) * 1e3:.0f} ms, alone "
             + " / ".join(f"{cases['alone'][k][1][0]['first_byte_s'] * 1e3:.0f}" for k in range(-3, 0)) + " ms")
     floor = B.all_ranks(new, "floor")
     for r in new:
         r.stop()
+    peer = max(x["peer_bytes"] for _, res in cases["alone"] for x in res)
+    sock = socket_floor(max(peer, 64 * MiB), reps=3)  # GB/s, 1 loopback stream, recv_into: the same run
     return {"cases": {k: [{"load": la, "ranks": res} for la, res in v] for k, v in cases.items()},
-            "memcpy_floor": [f["end"] - f["start"] for f in floor],
+            "memcpy_floor": [f["end"] - f["start"] for f in floor], "socket_floor_gbps": sock,
             "tensors": len(shapes) + 1, "mib_per_rank": args.mib * 4 / 3}
 
 
@@ -132,10 +169,18 @@ def report(r: dict) -> str:
         worst = [max(x["first_byte_s"] for x in run["ranks"]) for run in runs]
         loads = [run["load"] for run in runs]
         ms = lambda xs: f"{min(xs) * 1e3:.0f} / {median(xs) * 1e3:.0f} / {max(xs) * 1e3:.0f}"  # noqa: E731
-        rows.append([name, ms(fb), ms(worst), ms(rpc), f"{median(fb) / TARGET_S:.2f}",
+        whole = [x["end"] - x["start"] for run in runs for x in run["ranks"]]
+        gbps = median(r["socket_floor_gbps"])
+        vs = [(x["end"] - x["start"]) / (x["peer_bytes"] / (gbps * 1e9)) for run in runs for x in run["ranks"] if x["peer_bytes"]]
+        peer = median([x["peer_bytes"] for run in runs for x in run["ranks"]]) / MiB
+        rows.append([name, ms(fb), ms(worst), ms(rpc), f"{median(fb) / TARGET_S:.2f}", ms(whole),
+                     f"{min(vs):.2f} / {median(vs):.2f} / {max(vs):.2f}" if vs else "-", f"{peer:.0f}",
                      f"{min(loads):.1f}-{max(loads):.1f}"])
     out = table(["case", "first byte, every rank (min / median / max ms)", "slowest rank per restore",
-                 "restore RPC", "median / 20 ms", "load"], rows)
+                 "restore RPC", "median / 20 ms", "whole restore (ms)", "restore / socket floor of its peers' bytes",
+                 "MiB from peers (median)", "load"], rows)
+    out += (f"\nsocket floor (1 loopback stream, recv_into, this run): "
+            f"{' / '.join(f'{g:.2f}' for g in sorted(r['socket_floor_gbps']))} GB/s")
     lines = []
     for name, runs in r["cases"].items():  # the daemon's phases, median over the ranks' restores (ms)
         per = [x["phases_ms"] for run in runs for x in run["ranks"] if x["phases_ms"]]

@@ -260,6 +260,11 @@ def cmd_open(ctx, key, run_dir, rank, world, local_world_size, job_id, fresh=Fal
             if msg_type == "restore":
                 rec["rpc_s"] = time.monotonic() - t0
                 rec["where"] = reply.get("where")
+                # what the plan reads from peers' parts: got by the rank on the data lane, or fetched by its daemon
+                plan, lane = reply.get("plan"), reply.get("remote")
+                rows = [r[0] for r in lane["rows"]] if lane else list(reply.get("pending") or ())
+                rec["peer_bytes"] = sum(plan.sources[i].nbytes for i in rows) if plan is not None else 0
+                rec["lane"] = bool(lane)
             elif msg_type == "begin":
                 ctx.begins[key] = reply.get("path")
             return reply

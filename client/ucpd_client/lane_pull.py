@@ -31,6 +31,7 @@ import threading
 import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 from ucpd.errors import ChecksumMismatch, DaemonUnreachable, UcpdError, VersionNotFound
 from ucpd.protocol import PlanSource, PlanTensor, RestorePlan
@@ -120,10 +121,11 @@ class LanePull:
                         [into[i] for i in idx], [_chunks(plan.sources[i]) for i in idx])
 
     def get_ranges(self, lane: ReceiverLane, step: int, origin: int, rank: int, nodes, ranges: list[tuple[int, int]],
-                   views: list[memoryview], checks: list) -> None:
+                   views: list[memoryview], checks: list, after: Callable[[], None] | None = None) -> None:
         """The byte ``ranges`` ((offset, nbytes) of its file) of ``origin``'s part of ``rank`` in
-        one ``get`` into ``views``, each chunk of ``checks`` checked as it lands; a cut stream
-        once more, then the next holder of ``nodes`` (see the module's docstring)."""
+        one ``get`` into ``views``, each chunk of ``checks`` checked as it lands (``after``: the
+        caller's own checks, once the get is in; it raises ChecksumMismatch); a cut stream once
+        more, then the next holder of ``nodes`` (see the module's docstring)."""
         body = {"origin": origin, "step": step, "rank": rank, "ranges": [[o, n] for o, n in ranges]}
         last: UcpdError | None = None
         for node in nodes:
@@ -133,6 +135,8 @@ class LanePull:
                         self.stats["retries"] += 1
                 try:
                     lane.get(node, body, views, checks)
+                    if after is not None:
+                        after()
                     return
                 except DaemonUnreachable as exc:  # a cut stream: once more on a new one, then another holder
                     last = exc

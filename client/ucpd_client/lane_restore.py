@@ -6,27 +6,31 @@ peers, the nodes holding each (pinned until the restore's lease ends), their lan
 ticket (``ucpd.daemon.pulls.lane_rows``, as for a receiver's pull). Each such row is read here in
 one of two ways, each chunk checked against its CRC32C as it lands (``ucpd.team.lane``):
 
-- **in place**, where one contiguous copy of the plan reads the row (a whole tensor, a row
-  block, a resharded run of rows): the run's whole chunks are received straight into the target;
-  the chunks at its two edges, which the target holds only in part, land in the window;
-- **in the window** otherwise (a column shard, a row read by several copies): the whole row.
+- **in place**, where each copy of the plan that reads the row is one contiguous run (a whole
+  tensor, a row block, a resharded run of rows): the run's bytes are received straight into the
+  target. A chunk at a run's edge, which the target holds only in part, is received in pieces in
+  source order — the target's part into the target, the rest into a scratch of the get's (one
+  chunk, reused) — and checked by one CRC32C carried across its pieces as they land;
+- **in the window** otherwise (a column shard, any strided read): the whole row, then its copies
+  run from there (fused copy + CRC).
 
 The window is the session's ``LanePull`` file, reused from restore to restore, at most
-``WINDOW_BYTES`` a round (or one row, where a row alone is larger): rounds land, then their copies
-run from the window (fused copy + CRC), then the next round lands. Gets go several at once, each
-at most ``GET_BYTES``, a holder's streams side by side, on a thread beside the rank's copies of
-what its own node holds (``LaneRestore.start`` / ``join``). A cut stream or a damaged copy: the
-next holder (``LanePull.get_ranges``); none left, the typed error, and the restore fails as one
-that read a damaged or lost copy.
+``WINDOW_BYTES`` a round (or one row, where a row alone is larger): a round lands, its copies
+run, then the next round lands. Gets go several at once, each at most ``GET_BYTES`` (cut between
+chunks), while the rank's copies of what its own node holds run on a thread of their own
+(``ucpd_client.restore``). A cut stream or a damaged copy: the next holder
+(``LanePull.get_ranges``); none left, the typed error, and the restore fails as one that read a
+damaged or lost copy.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Callable
 
+from ucpd import native
 from ucpd.checked import CheckedCopier, CheckedSource
 from ucpd.dtypes import dtype as lookup_dtype
+from ucpd.errors import ChecksumMismatch
 from ucpd.protocol import PlanSource, RestorePlan
 
 from .lane_pull import ALIGN, LanePull, _bytes_at
@@ -42,14 +46,42 @@ def _chunks_of(s: PlanSource, lo: int, hi: int) -> list[tuple[int, int, int]]:
     return [(k * C - lo, min((k + 1) * C, s.nbytes) - lo, s.crcs[k]) for k in range(lo // C, -(-hi // C))]
 
 
+class _Carried:
+    """One chunk's CRC32C carried across the ``pieces`` it lands in, in order (each piece's check
+    in the ``get`` is ``piece(p)``): ``ok`` once its last piece landed (each attempt anew)."""
+
+    __slots__ = ("want", "pieces", "value", "ok")
+
+    def __init__(self, want: int, pieces: int):
+        self.want, self.pieces, self.value, self.ok = want, pieces, 0, False
+
+    def piece(self, p: int) -> Callable[[memoryview], None]:
+        def landed(view: memoryview) -> None:
+            self.value = native.crc32c(view, 0 if p == 0 else self.value)
+            if p == self.pieces - 1:
+                self.ok = self.value == self.want
+
+        return landed
+
+
+class _Unit:
+    """Ranges received in one get, in order: ``(offset in the holder's file, nbytes, view or None
+    (the get's scratch), check: the chunks to check as it lands, or a piece of ``carried``)``."""
+
+    __slots__ = ("ranges", "carried")
+
+    def __init__(self, ranges: list, carried: _Carried | None = None):
+        self.ranges, self.carried = ranges, carried
+
+
 class _Item:
-    """Bytes ``[lo, hi)`` of row ``row`` landed at ``at`` of the window, and the copies that read
-    them: ``("range", src lo, src hi, target index, target byte)`` or ``("copy", PlanCopy, target)``."""
+    """A row landed whole at ``at`` of the window, and the copies that read it (``PlanCopy``,
+    target index)."""
 
-    __slots__ = ("row", "lo", "hi", "at", "reads")
+    __slots__ = ("row", "nbytes", "at", "reads")
 
-    def __init__(self, row: int, lo: int, hi: int):
-        self.row, self.lo, self.hi, self.at, self.reads = row, lo, hi, 0, []
+    def __init__(self, row: int, nbytes: int, reads: list):
+        self.row, self.nbytes, self.at, self.reads = row, nbytes, 0, reads
 
 
 class LaneRestore:
@@ -65,81 +97,83 @@ class LaneRestore:
         self.lane = pull.lane_of(remote)
         self.holders = {r[0]: (r[1], r[2], tuple(r[3])) for r in remote["rows"]}
         self.rows = frozenset(self.holders)
-        self.stats = {"in_place_bytes": 0, "window_bytes": 0, "gets": 0}
+        self.stats = {"in_place_bytes": 0, "scratch_bytes": 0, "window_bytes": 0, "gets": 0}
         readers: dict[int, list] = {}
         for j, t in enumerate(plan.tensors):
             for c in t.copies:
                 if c.src_key in self.holders:
                     readers.setdefault(c.src_key, []).append((j, c))
-        self._direct: dict[tuple, list] = {}  # holder -> [(offset, nbytes, view, checks)]
+        self._direct: dict[tuple, list[_Unit]] = {}  # holder -> what lands in place
         items: list[_Item] = []
         for i in sorted(readers):
-            self._place(i, readers[i], items)
+            runs = [_contiguous(c, self.hosts[j]) for j, c in readers[i]]
+            if any(r is None for r in runs):  # strided: the whole row, through the window
+                items.append(_Item(i, plan.sources[i].nbytes, [(c, j) for j, c in readers[i]]))
+                continue
+            for (j, _), (lo, hi, dst) in zip(readers[i], runs):
+                self._place(i, lo, hi, self.hosts[j].data_ptr() + dst)
         self._rounds = _rounds(items)
 
-    def _place(self, i: int, reads: list, items: list[_Item]) -> None:
-        s, holder = self.plan.sources[i], self.holders[i]
-        run = _contiguous(reads[0][1], self.hosts[reads[0][0]]) if len(reads) == 1 else None
-        if run is None:  # strided, or read by several copies: the whole row, through the window
-            item = _Item(i, 0, s.nbytes)
-            item.reads = [("copy", c, j) for j, c in reads]
-            items.append(item)
-            return
-        lo, hi, dst = run
-        j, C = reads[0][0], s.chunk
+    def _place(self, i: int, lo: int, hi: int, address: int) -> None:
+        """Source bytes ``[lo, hi)`` of row ``i`` straight to ``address``: the whole chunks in
+        one range each unit, a chunk at an edge in its pieces (the scratch where the target has
+        none of it)."""
+        s, units = self.plan.sources[i], self._direct.setdefault(self.holders[i], [])
+        C = s.chunk
         a, b = -(-lo // C) * C, (hi if hi == s.nbytes else hi // C * C)
-        if a >= b:  # no whole chunk inside: the one or two chunks it touches, through the window
-            item = _Item(i, lo // C * C, min(-(-hi // C) * C, s.nbytes))
-            item.reads = [("range", lo, hi, j, dst)]
-            items.append(item)
-            return
-        host = self.hosts[j]
-        view = _bytes_at(host.data_ptr() + dst + a - lo, b - a)
-        self._direct.setdefault(holder, []).append((s.offset + a, b - a, view, _chunks_of(s, a, b)))
-        self.stats["in_place_bytes"] += b - a
-        if lo < a:
-            item = _Item(i, a - C, a)
-            item.reads = [("range", lo, a, j, dst)]
-            items.append(item)
-        if b < hi:
-            item = _Item(i, b, min(b + C, s.nbytes))
-            item.reads = [("range", b, hi, j, dst + b - lo)]
-            items.append(item)
+        if a < b:
+            for k0 in range(a // C, -(-b // C), max(1, GET_BYTES // C)):
+                k1 = min(-(-b // C), k0 + max(1, GET_BYTES // C))
+                x, y = k0 * C, min(k1 * C, b)
+                units.append(_Unit([(s.offset + x, y - x, _bytes_at(address + x - lo, y - x), _chunks_of(s, x, y))]))
+            self.stats["in_place_bytes"] += b - a
+        for k in range(lo // C, -(-hi // C)):
+            c0, c1 = k * C, min((k + 1) * C, s.nbytes)
+            if a <= c0 and c1 <= b:
+                continue  # whole, above
+            pieces = [(x, y, inside) for x, y, inside in ((c0, max(c0, lo), False), (max(c0, lo), min(c1, hi), True),
+                                                          (min(c1, hi), c1, False)) if y > x]
+            unit = _Unit([], _Carried(s.crcs[k], len(pieces)))
+            for p, (x, y, inside) in enumerate(pieces):
+                unit.ranges.append((s.offset + x, y - x, _bytes_at(address + x - lo, y - x) if inside else None,
+                                    unit.carried.piece(p)))
+                self.stats["in_place_bytes" if inside else "scratch_bytes"] += y - x
+            units.append(unit)
 
     # --- running ------------------------------------------------------------------------------
 
-    def start(self) -> None:
-        """Get and land every row on a thread of its own (``join`` waits for it)."""
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="ucpd-restore-lane", daemon=True)
-        self._thread.start()
-
-    def join(self) -> None:
-        """Wait until every row landed and was copied; raise what stopped it."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
-    def _run(self) -> None:
+    def run(self) -> None:
+        """Get and land every row, then run the copies from the window; raise what stopped it
+        (once every get started is over: they write into the targets)."""
+        pool = self.pull.pool()
+        direct = [pool.submit(self._get, holder, part) for holder, units in self._direct.items()
+                  for part in _parts(units, GET_BYTES)]
         try:
-            pool = self.pull.pool()
-            direct = [pool.submit(self._get, holder, part) for holder, ranges in self._direct.items()
-                      for part in _parts(ranges, GET_BYTES)]
-            try:
-                for items in self._rounds:
-                    self._round(pool, items)
-            finally:
-                errors = [f.exception() for f in direct]
-            for e in errors:
-                if e is not None:
-                    raise e
-        except BaseException as exc:
-            self._error = exc
+            for items in self._rounds:
+                self._round(pool, items)
+        finally:
+            errors = [f.exception() for f in direct]
+        for e in errors:
+            if e is not None:
+                raise e
 
-    def _get(self, holder: tuple, ranges: list) -> None:
+    def _get(self, holder: tuple, units: list[_Unit]) -> None:
+        """One get of ``units``; the edge pieces outside the targets land in one scratch, reused."""
         origin, rank, nodes = holder
-        self.pull.get_ranges(self.lane, self.step, origin, rank, nodes, [(o, n) for o, n, _, _ in ranges],
-                             [v for _, _, v, _ in ranges], [c for *_, c in ranges])
+        need = max((n for u in units for _, n, view, _ in u.ranges if view is None), default=0)
+        scratch = memoryview(bytearray(need)) if need else None
+        ranges = [(off, n) for u in units for off, n, _, _ in u.ranges]
+        views = [scratch[:n] if view is None else view for u in units for _, n, view, _ in u.ranges]
+        checks = [check for u in units for *_, check in u.ranges]
+        carried = [u.carried for u in units if u.carried is not None]
+
+        def carried_ok() -> None:
+            bad = sum(not c.ok for c in carried)
+            if bad:
+                raise ChecksumMismatch(f"{bad} chunk(s) of rank {rank}'s step {self.step} failed their CRC32C as they "
+                                       "landed (a chunk at a target's edge): another copy is asked")
+
+        self.pull.get_ranges(self.lane, self.step, origin, rank, nodes, ranges, views, checks, after=carried_ok)
         self.stats["gets"] += 1
 
     def _round(self, pool, items: list[_Item]) -> None:
@@ -147,36 +181,27 @@ class LaneRestore:
         size = 0
         for it in items:
             it.at = size
-            size += -(-(it.hi - it.lo) // ALIGN) * ALIGN
+            size += -(-it.nbytes // ALIGN) * ALIGN
         w = self.pull.window(size)
         base = w.array.ctypes.data
         by_holder: dict[tuple, list] = {}
         for it in items:
             s = self.plan.sources[it.row]
             by_holder.setdefault(self.holders[it.row], []).append(
-                (s.offset + it.lo, it.hi - it.lo, _bytes_at(base + it.at, it.hi - it.lo), _chunks_of(s, it.lo, it.hi)))
-        for f in [pool.submit(self._get, h, part) for h, ranges in by_holder.items() for part in _parts(ranges, GET_BYTES)]:
+                _Unit([(s.offset, s.nbytes, _bytes_at(base + it.at, s.nbytes), _chunks_of(s, 0, s.nbytes))]))
+        for f in [pool.submit(self._get, h, part) for h, units in by_holder.items() for part in _parts(units, GET_BYTES)]:
             f.result()
         sources = {}
         for k, it in enumerate(items):
             s = self.plan.sources[it.row]
-            first = it.lo // s.chunk
-            sources[k] = CheckedSource.within(
-                w.array, it.at, it.hi - it.lo, lookup_dtype(s.dtype).storage, s.crcs[first:first + -(-(it.hi - it.lo) // s.chunk)],
-                s.chunk, f"rank's restore window (bytes {it.lo}.. of source {it.row}):", recorded="the restore plan",
-                buffer_address=base)
+            sources[k] = CheckedSource.within(w.array, it.at, s.nbytes, lookup_dtype(s.dtype).storage, s.crcs, s.chunk,
+                                              f"rank's restore window (source {it.row}):", recorded="the restore plan",
+                                              buffer_address=base)
         copier = CheckedCopier(sources, threads=self.threads)
         for k, it in enumerate(items):
-            for read in it.reads:
-                if read[0] == "range":
-                    _, lo, hi, j, dst = read
-                    host = self.hosts[j]
-                    copier.add_range(k, lo - it.lo, hi - it.lo, host.data_ptr(), host.numel() * host.element_size(), dst,
-                                     host.element_size())
-                else:
-                    _, c, j = read
-                    self._add_copies(copier, self.hosts[j], [c._replace(src_key=k)])
-            self.stats["window_bytes"] += it.hi - it.lo
+            for c, j in it.reads:
+                self._add_copies(copier, self.hosts[j], [c._replace(src_key=k)])
+            self.stats["window_bytes"] += it.nbytes
         copier.run()
 
 
@@ -194,7 +219,7 @@ def _rounds(items: list[_Item]) -> list[list[_Item]]:
     """``items`` cut into rounds of at most ``WINDOW_BYTES`` of the window (a larger item alone)."""
     out, cur, size = [], [], 0
     for it in items:
-        n = -(-(it.hi - it.lo) // ALIGN) * ALIGN
+        n = -(-it.nbytes // ALIGN) * ALIGN
         if cur and size + n > WINDOW_BYTES:
             out.append(cur)
             cur, size = [], 0
@@ -205,35 +230,18 @@ def _rounds(items: list[_Item]) -> list[list[_Item]]:
     return out
 
 
-def _parts(ranges: list, limit: int):
-    """``ranges`` ((offset, nbytes, view, checks)) in runs of at most ``limit`` bytes (a larger
-    range cut at its chunk bounds: each part's checks made relative to it)."""
+def _parts(units: list[_Unit], limit: int):
+    """``units`` in gets of at most ``limit`` bytes (a larger unit alone; a unit is never split)."""
     cur, size = [], 0
-    for r in _cut(ranges, limit):
-        if cur and size + r[1] > limit:
+    for u in units:
+        n = sum(r[1] for r in u.ranges)
+        if cur and size + n > limit:
             yield cur
             cur, size = [], 0
-        cur.append(r)
-        size += r[1]
+        cur.append(u)
+        size += n
     if cur:
         yield cur
-
-
-def _cut(ranges: list, limit: int):
-    for off, n, view, checks in ranges:
-        if n <= limit or not checks:
-            yield off, n, view, checks
-            continue
-        at, k = 0, 0
-        while at < n:
-            part = []
-            while k < len(checks) and (not part or checks[k][1] - at <= limit):
-                s, e, crc = checks[k]
-                part.append((s - at, e - at, crc))
-                k += 1
-            end = part[-1][1] + at
-            yield off + at, end - at, view[at:end], part
-            at = end
 
 
 __all__ = ["LaneRestore", "WINDOW_BYTES", "GET_BYTES"]

@@ -19,8 +19,8 @@ of the sources, its CUDA backend; it records where the data came from in the ses
 from __future__ import annotations
 
 import os
-
 import pickle
+import threading
 from typing import Any, Mapping
 
 import numpy as np
@@ -250,19 +250,20 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
             device.verify_all()
     if device is not None:
         device.start()  # queued window by window; the CPU copies below overlap the DMAs
-    if lane is not None:
-        lane.start()  # the peers' bytes land while this node's are copied
     try:
-        cpu.run()
+        if lane is None:
+            cpu.run()
+        else:  # this node's bytes copied on a thread (native: the GIL let go) while the peers' land here
+            local = _Started(cpu.run)
+            try:
+                lane.run()
+            finally:
+                local.join()
+            session.last_lane_restore = dict(lane.stats)
     except BaseException:
         if device is not None:
             device.drain()
-        if lane is not None:
-            _joined(lane)
         raise
-    if lane is not None:
-        lane.join()
-        session.last_lane_restore = dict(lane.stats)
     if pending:
         _wait_fetched(session, reply)
         later.run()
@@ -278,12 +279,24 @@ def _apply_plan(session: DaemonSession, entries: list, plan: RestorePlan, reply:
     return values
 
 
-def _joined(lane: LaneRestore) -> None:
-    """Wait for the lane's landings (they write into the targets) without raising."""
-    try:
-        lane.join()
-    except BaseException:
-        pass
+class _Started:
+    """``work()`` on a thread of its own; ``join`` waits for it and raises what it raised."""
+
+    def __init__(self, work):
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="ucpd-restore-local", daemon=True)
+        self._thread.start()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as exc:
+            self._error = exc
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _wait_fetched(session: DaemonSession, reply: dict) -> None:

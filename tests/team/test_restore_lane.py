@@ -112,13 +112,13 @@ def test_a_resharded_restore_reads_the_runs_it_needs_in_place_and_their_edge_chu
 def test_a_peer_lost_before_its_bytes_moved_fails_the_restore_with_a_typed_error_and_node_0_goes_on(team, monkeypatch):
     import ucpd_client.lane_restore as LR
 
-    run = LR.LaneRestore._run
+    run = LR.LaneRestore.run
 
     def lose_node_1_first(self):
         team.lose(1)
         run(self)
 
-    monkeypatch.setattr(LR.LaneRestore, "_run", lose_node_1_first)
+    monkeypatch.setattr(LR.LaneRestore, "run", lose_node_1_first)
     want, placements = local_state(1, 0, 1)
     target = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else None for k, v in want.items()}
     with Checkpointer(team.run_dirs()[0], rank=0, world_size=1, embedded=False, job="lane-restore") as ck:

@@ -259,7 +259,9 @@ class DataLane:
         """Ask ``dest`` for the bytes ``body`` names (a ``get``) and land them in ``into`` (its
         ranges in order). ``checks``: per view, ``(start, end, crc32c)`` chunks to check as they
         land (relative to the view); a chunk that fails raises ChecksumMismatch once every byte
-        arrived. What ``checks`` leaves out, the caller checks."""
+        arrived. A check may instead be a callable, given the view as soon as it landed, before
+        the next one lands (a chunk split over several views, the caller's own check: a scratch
+        view may then be reused by the next). What ``checks`` leaves out, the caller checks."""
         into = [memoryview(v).cast("B") for v in into]
         nbytes = sum(v.nbytes for v in into)
         body = dict(body, op="get")
@@ -271,8 +273,12 @@ class DataLane:
             digest = hashlib.blake2b(key=self._pkey, digest_size=32) if self.payload_mac else None
             bad = 0
             for i, v in enumerate(into):
-                if checks and checks[i]:
-                    bad += len(_land_checked(sock, v, checks[i], digest)[1])
+                check = checks[i] if checks else None
+                if callable(check):
+                    _recv_exact(sock, v, digest)
+                    check(v)
+                elif check:
+                    bad += len(_land_checked(sock, v, check, digest)[1])
                 else:
                     _recv_exact(sock, v, digest)
             if bad:
@@ -524,7 +530,7 @@ class DataLane:
 
     def _serve_get(self, sock, src: int, spec, b: dict) -> bool:
         try:
-            views = [memoryview(v).cast("B") for v in self._on_get(src, b)]
+            views = [memoryview(v).cast("B") for v in self._on_get(src, dict(b, ranges=_coalesced(b["ranges"])))]
         except UcpdError as exc:
             return self._error(sock, exc)
         nbytes = sum(v.nbytes for v in views)
@@ -727,6 +733,19 @@ def _recv_exact(sock: socket.socket, view: memoryview, digest=None) -> None:
         got += k
     if digest is not None:
         digest.update(view)
+
+
+def _coalesced(ranges: list) -> list:
+    """``[[offset, nbytes], ...]`` with each range that starts where the last ended joined to it
+    (a receiver splitting a chunk over its target and a scratch asks for neighbours): one send
+    each, the same bytes in the same order."""
+    out: list = []
+    for off, n in ranges:
+        if out and out[-1][0] + out[-1][1] == off:
+            out[-1] = [out[-1][0], out[-1][1] + n]
+        else:
+            out.append([off, n])
+    return out
 
 
 def _land_checked(sock: socket.socket, dst: memoryview, chunks, digest=None, cut: int = -1) -> tuple[list[int], list[int]]:
