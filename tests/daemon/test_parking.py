@@ -67,3 +67,23 @@ def test_the_begin_reply_names_the_slot_the_skips_and_the_spares():
         id, path, size = 4, "/dev/shm/x/seg-4", 1 << 20
 
     assert begin_reply(Slot(), ["b"], ["/s"]) == {"slot": 4, "path": "/dev/shm/x/seg-4", "size": 1 << 20, "skip": ["b"], "spares": ["/s"], "base": None}
+
+
+def test_a_put_on_the_waking_queue_makes_the_loops_poll_return_and_a_closed_one_writes_nothing():
+    import threading
+
+    import zmq
+
+    from ucpd.daemon.parking import WakingQueue
+
+    q = WakingQueue()
+    poller = zmq.Poller()
+    poller.register(q.fileno(), zmq.POLLIN)
+    assert dict(poller.poll(0)) == {}  # nothing queued: nothing to wake for
+    threading.Thread(target=q.put, args=(("reply", b"id", 1, "restore", {}, None),)).start()
+    assert q.fileno() in dict(poller.poll(30_000))  # woken by the put (a timeout would return nothing)
+    q.clear()
+    assert dict(poller.poll(0)) == {} and q.get_nowait()[0] == "reply"  # the wake-up read, the item kept
+    q.close()
+    q.put("late")  # a worker that answers after the daemon closed: queued, nothing written
+    assert q.get_nowait() == "late"

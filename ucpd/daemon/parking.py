@@ -4,18 +4,62 @@ is not decided yet, and a request answered from a worker thread.
 The server parks such a request here and sends the frames these methods return when the
 condition is met (the slot is ready, the step committed or failed, the wait timed out). No
 sockets inside: the rules are testable on their own. ``Parking`` is the server loop's alone;
-``Workers`` hands what a worker thread found back to the loop through its queue.
+``Workers`` hands what a worker thread found back to the loop through its queue, a
+``WakingQueue``: each put wakes the loop's poll at once (a worker's restore reply used to wait
+for the poll's 10 ms timeout).
 """
 
 from __future__ import annotations
 
+import os
 import queue
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from .. import protocol
 from ..errors import UcpdError, VersionNotFound
 from .versions import VersionTable
+
+
+class WakingQueue(queue.Queue):
+    """A queue whose every ``put`` also writes a byte to a pipe, so that a loop that polls
+    ``fileno()`` beside its sockets wakes as soon as something is there (``clear`` empties the pipe)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._fds = threading.Lock()  # a put never writes to a pipe closed meanwhile (its number reused)
+        self._open = True
+
+    def put(self, item, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        with self._fds:
+            if self._open:
+                try:
+                    os.write(self._w, b"\0")
+                except BlockingIOError:  # full: a wake-up is pending anyway
+                    pass
+
+    def fileno(self) -> int:
+        return self._r
+
+    def clear(self) -> None:
+        """Read the wake-ups written so far (the items stay queued)."""
+        try:
+            while os.read(self._r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        with self._fds:
+            if self._open:
+                self._open = False
+                os.close(self._r)
+                os.close(self._w)
 
 
 @dataclass

@@ -27,7 +27,7 @@ from . import stalls
 from .leases import Leases
 from .runtime import DirLocks
 from .locate import Locator
-from .parking import Parked, Parking, Workers, begin_reply, wait_answer
+from .parking import Parked, Parking, WakingQueue, Workers, begin_reply, wait_answer
 from .phases import phase
 from .restores import Restores, job_of
 from .pulls import Pulls
@@ -98,7 +98,7 @@ class Daemon:
         self.pulls = Pulls(self.locate, self.team, self.leases, self.store)  # receivers' reads, plans cached
         if self.team is not None:
             self.team.attach(self.store, self.leases)
-        self._done: queue.Queue = queue.Queue()
+        self._done = WakingQueue()  # what threads hand the loop; a put wakes its poll
         self._workers = Workers(self._done)  # requests answered from a worker thread (asking peers, a download)
         self.restores = Restores(self.store, self.locate, self.leases, self.team, self._workers.defer, self._joined, self._done)
         self.metrics = None
@@ -138,10 +138,13 @@ class Daemon:
             ready.set()
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
+        poller.register(self._done.fileno(), zmq.POLLIN)
         try:
             while not self._stopping:
                 busy = self.parking or not self._done.empty() or self.team is not None or self.subscribers
                 events = dict(poller.poll(10 if busy else 200))
+                if self._done.fileno() in events:
+                    self._done.clear()
                 if sock in events:
                     for _ in range(64):  # drain a burst before housekeeping
                         try:
@@ -482,4 +485,5 @@ class Daemon:
             os.unlink(os.path.join(self.config.run_dir, SOCKET_NAME))
         except OSError:
             pass
+        self._done.close()
         self._locks.release()
