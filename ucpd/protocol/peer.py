@@ -304,24 +304,43 @@ SLOT_RANGE = {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": intege
               "nbytes": integer(0, 1 << 40)}
 SLOT_RANGES = {"origin": integer(0, MAX_RANKS), "step": integer(), "rank": integer(0, MAX_RANKS),
                "ranges": list_of(list_of(integer(), 2))}
+# A put of a parity unit (``ucpd.team.parity_group``): the unit at data position ``pos`` of parity
+# ``row``, to add to the receiver's parity block ``index`` of the step (``inc``: the origin's job run,
+# or with ``layout`` the re-striped layout's tag); ``crcs``: the CRC32C of each CHUNK_BYTES piece of
+# the unit, computed by the sender and checked as the piece lands (the unit is not a chunk of a slot).
+PARITY_PUT = Record({"inc": text, "row": integer(), "pos": integer(0, 255), "index": integer(0, 255),
+                     "crcs": list_of(crc32, 1 << 16)}, {"layout": RESTRIPED})
+# A get of a rebuild's read: our parity block ``row`` of the step (with ``inc``), or unit ``u`` of
+# origin's blob of the step (our own, or a lost member's we carry); one range [0, the unit's bytes).
+PARITY_GET = Record({}, {"row": integer(), "inc": text, "u": integer()}, rule=lambda where, b: _one_read(where, b))
+
+
+def _one_read(where: str, b: dict) -> None:
+    if (b["u"] is None) == (b["row"] is None or b["inc"] is None):
+        raise ProtocolError(f"{where}: names either a parity block (row and inc) or a blob unit (u)")
+
+
 LANE_REQUESTS: dict[str, MessageType] = {
     m.name: m
     for m in [
         MessageType(
             "put",
             SLOT_RANGE,
-            {"mac": binary},
+            {"mac": binary, "parity": PARITY_PUT},
             "bytes [offset, offset + nbytes) of rank's slot, for the replica of origin's step that a replica_begin "
             "made room for; each whole chunk checked as it lands (mac: keyed BLAKE2b of the bytes, with "
-            "UCPD_PEER_PAYLOAD_MAC); reply: {verified: chunks checked} once every byte landed",
+            "UCPD_PEER_PAYLOAD_MAC); with parity: a unit of origin's (the sender's) blob at byte offset of it "
+            "(rank 0), added to our parity block once it landed whole and every piece matched its CRC; reply: "
+            "{verified: chunks checked} once every byte landed",
             Record({"verified": integer()}),
             payload=True,
         ),
         MessageType(
             "get",
             SLOT_RANGES,
-            {},
+            {"parity": PARITY_GET},
             "bytes of rank's part of step, as (offset, nbytes) ranges of its slot (the peer pinned it first); "
+            "with parity: a rebuild's read of a parity block or a blob unit (rank 0, one range [0, unit)); "
             "reply: {nbytes, mac?}, then the ranges' bytes one after another",
             Record({"nbytes": integer()}, {"mac": binary}),
             reply_payload=True,

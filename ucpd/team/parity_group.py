@@ -1,10 +1,11 @@
 """Erasure-coded protection (``--parity K[+M]``): this node's side of its parity group.
 
-The layout and arithmetic are in ``stripes``; this module moves the bytes. Protecting a
-version: send its manifest to every member of the group, then each unit of the node's blob to
-the parity holders of its row (acknowledged requests). Holding: accumulate the units that
-arrive into ``ParityBlocks`` and keep the members' manifests. Rebuilding a lost member's blob,
-row by row, from the survivors' data units and parity blocks, into a local file.
+The layout and arithmetic are in ``stripes``; this module moves the bytes (``parity_lane``:
+on the data lane where the team has one). Protecting a version: send each unit of the node's
+blob to the parity holders of its row (acknowledged), then its manifest to every member of the
+group. Holding: accumulate the units that arrive into ``ParityBlocks`` (a unit is added once it
+landed whole and checked) and keep the members' manifests. Rebuilding a lost member's blob, row
+by row, from the survivors' data units and parity blocks, into a local file.
 
 Threads: the handlers (``on_*``) run on the transport's I/O thread; ``protect`` and ``rebuild``
 run on the replication thread or a request worker. The group's own dicts (blocks, manifests,
@@ -12,8 +13,8 @@ what each member held) are guarded by its own lock, taken last (nothing else is 
 it); what is read of the store is read through its face.
 
 It is given what it uses (``ParityGroup.__init__``): the team's view, the store face, the
-replicas held here (the lost members' blobs it carries or rebuilt), the transport, and
-``members_now`` (the driver's: the live members and their incarnations).
+replicas held here (the lost members' blobs it carries or rebuilt), the transport, the data
+lane now, and ``members_now`` (the driver's: the live members and their incarnations).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from .. import faults, native, protocol
 from ..errors import ChecksumMismatch, UcpdError, VersionNotFound
 from .counters import ParityCounters
 from .holders import group_of, parity_groups
+from .parity_lane import ParityWire
 from .parts import aligned, check_parts, part_from_wire, used_bytes
 from .shmfiles import close_map, open_reserved
 from .stripes import DEFAULT_UNIT, ParityBlocks, StepLayout, Stripes, recover
@@ -36,6 +38,7 @@ from .view import TeamView
 
 if TYPE_CHECKING:
     from ..daemon.store import NodeStore
+    from .lane import DataLane
     from .replicas import ReplicaStore
     from .transport import PeerTransport
 
@@ -91,11 +94,14 @@ def blob_segments(lo: int, hi: int, spans: list[tuple[int, int, object]]) -> lis
 class ParityGroup:
     def __init__(self, view: TeamView, k: int, m: int, store: NodeStore, replicas: ReplicaStore, transport: PeerTransport,
                  members_now: Callable[[Iterable[int]], dict[int, str | None]], *, keep: int,
-                 unit: int = DEFAULT_UNIT, counters: ParityCounters | None = None) -> None:
+                 unit: int = DEFAULT_UNIT, counters: ParityCounters | None = None,
+                 lane: Callable[[], DataLane | None] | None = None) -> None:
         """``members_now(members)``: the live ones and their incarnations (None: not heard yet);
-        ``keep``: the steps the store keeps (``--keep``); ``counters``: the group's (``Team.counters.parity``)."""
+        ``keep``: the steps the store keeps (``--keep``); ``counters``: the group's (``Team.counters.parity``);
+        ``lane()``: the data lane now, which the units and a rebuild's reads take (``parity_lane``)."""
         self.view, self.rank = view, view.rank
         self.store, self.replicas, self.transport = store, replicas, transport
+        self.wire = ParityWire(view.rank, transport, lane)
         self.members_now = members_now
         self.counters = counters if counters is not None else ParityCounters()
         # the units a protect or a re-stripe sends, UNITS_IN_FLIGHT unacknowledged at once (a pool of our own)
@@ -160,7 +166,7 @@ class ParityGroup:
                 for i, holder in enumerate(s.parity_holders(row)):
                     if holder in now:
                         body = {"step": step, "inc": manifest["inc"], "row": row, "pos": pos, "index": i}
-                        self.transport.request(holder, "parity_unit", body, payload, timeout=60.0)
+                        self.wire.send_unit(holder, body, payload, u * s.unit)
 
             for _ in self.pushers.map(send, range(s.units(size))):
                 pass
@@ -303,14 +309,21 @@ class ParityGroup:
             return all((o, step) in self.manifests for o in origins)
 
     def on_unit(self, body: dict, frames: list) -> None:
-        data = b"".join(bytes(f) for f in frames)
-        if len(data) > self.stripes.unit:
-            raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {self.stripes.unit}-byte unit")
-        s = self.stripes
-        if body.get("layout"):  # a unit of a re-striped layout: its own blocks (``inc`` is its tag)
-            s = StepLayout.from_wire(body["layout"]).stripes
-            if len(data) > s.unit:
-                raise protocol.ProtocolError(f"a parity unit of {len(data)} bytes exceeds the {s.unit}-byte unit")
+        self.add_unit(body, b"".join(bytes(f) for f in frames))
+
+    def unit_stripes(self, body: dict, nbytes: int) -> Stripes:
+        """The layout a unit of ``nbytes`` named by ``body`` (``parity_unit``'s fields) is added
+        in; ProtocolError when it does not fit it (too long, no such position or parity block)."""
+        s = StepLayout.from_wire(body["layout"]).stripes if body.get("layout") else self.stripes
+        if nbytes > s.unit or body["pos"] >= s.k or body["index"] >= s.m:
+            raise protocol.ProtocolError(f"a parity unit of {nbytes} bytes at position {body['pos']} for parity block "
+                                         f"{body['index']} does not fit {s.k}+{s.m} parity of {s.unit}-byte units")
+        return s
+
+    def add_unit(self, body: dict, data) -> None:
+        """Add a unit (whole and checked) to our parity block ``body`` names (``parity_unit``'s
+        fields; with ``layout``: of a re-striped layout, its own blocks, ``inc`` its tag)."""
+        s = self.unit_stripes(body, memoryview(data).nbytes)
         with self._lock:
             key = (body["step"], body["inc"])
             pb = self.blocks.get(key)
@@ -329,7 +342,7 @@ class ParityGroup:
             pb = self.blocks.get((body["step"], body["inc"]))
             if pb is None:
                 raise VersionNotFound(f"node {self.rank} holds no parity block of step {body['step']}")
-            return [_flipped(pb.block(body["row"]), body["step"])]
+            return [flipped(pb.block(body["row"]), body["step"])]
 
     def on_blob_unit(self, body: dict) -> list:
         """Unit ``u`` of our own blob of ``step`` or (``origin``: a re-striped layout's) of a
@@ -337,7 +350,7 @@ class ParityGroup:
         s = self.stripes
         size, spans = self.blob_of(body.get("origin", self.rank), body["step"])
         u = body["u"]
-        return [_flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
+        return [flipped(b"".join(bytes(x) for x in blob_segments(u * s.unit, min((u + 1) * s.unit, max(size, u * s.unit)), spans)), body["step"])]
 
     def blob_of(self, origin: int, step: int) -> tuple[int, list]:
         """``origin``'s blob of ``step``: its size and spans (``blob_spans``), from our own parts
@@ -484,22 +497,25 @@ class ParityGroup:
             carrier, first = place[0], place[1] // s.unit
             sizes = {g: layout.vsize(g) for g in s.members}
         live = self.view.live() - distrust
+        bufs = [bytearray(s.unit) for _ in range(s.k + s.m)]  # the shards of a row land here, row after row
         for u in range(s.units(m["size"])):
             row, pos = s.row_of(carrier, first + u)
-            full = self.recover_row(s, step, row, carrier, sizes, live, inc, locate)
+            full = self.recover_row(s, step, row, carrier, sizes, live, inc, locate, bufs)
             lo, hi = u * s.unit, min((u + 1) * s.unit, m["size"])
             native.copy(memoryview(into)[lo:hi], memoryview(full[pos])[: hi - lo])
         self.counters.parity_rebuilt_bytes += m["size"]
         return bases
 
     def recover_row(self, s: Stripes, step: int, row: int, missing: int, sizes: dict, live, inc: str,
-                    locate=None) -> list:
+                    locate=None, bufs: list | None = None) -> list:
         """Every shard of ``row`` of ``step`` in the group laid out by ``s`` (``k`` data units,
-        then ``m`` parity blocks): the live members' fetched, ``missing``'s and the lost ones'
-        decoded. ``sizes``: the blob sizes of the members whose manifests we have. ``locate``:
-        a re-striped layout's ``StepLayout.locate`` (``inc`` then is its tag). Raises
+        then ``m`` parity blocks): the live members' fetched (on the data lane into ``bufs``,
+        ``k + m`` buffers of a unit, where given), ``missing``'s and the lost ones' decoded.
+        ``sizes``: the blob sizes of the members whose manifests we have. ``locate``: a
+        re-striped layout's ``StepLayout.locate`` (``inc`` then is its tag). Raises
         VersionNotFound when the row lost more than the code survives."""
         shards: list = []
+        bufs = bufs or [bytearray(s.unit) for _ in range(s.k + s.m)]
         for d in s.data_members(row):
             ud = s.unit_in_row(d, row)
             at = locate(d, ud) if locate is not None and d != missing and d in live else (d, ud)
@@ -508,10 +524,12 @@ class ParityGroup:
             elif d == missing or d not in live:
                 shards.append(None)  # lost (a lost member whose manifest we lack: its size is unknown)
             else:
-                shards.append(self._fetch(d, "blob_unit", {"step": step, "origin": at[0], "u": at[1]}))
+                shards.append(self.wire.read(d, "blob_unit", {"step": step, "origin": at[0], "u": at[1]},
+                                             bufs[len(shards)], s.unit, self.on_blob_unit))
         for h in s.parity_holders(row):
             shards.append(None if h not in live or h == missing
-                          else self._fetch(h, "parity_block", {"step": step, "inc": inc, "row": row}))
+                          else self.wire.read(h, "parity_block", {"step": step, "inc": inc, "row": row},
+                                              bufs[len(shards)], s.unit, self.on_block))
         lost = sum(x is None for x in shards)
         if lost > s.m:
             raise VersionNotFound(
@@ -520,23 +538,8 @@ class ParityGroup:
             )
         return recover(s, shards)
 
-    def _fetch(self, node: int, msg_type: str, body: dict) -> bytes:
-        if node == self.rank:
-            try:
-                frames = self.on_block(body) if msg_type == "parity_block" else self.on_blob_unit(body)
-            except VersionNotFound:
-                return None
-        else:
-            try:
-                _, frames = self.transport.request(node, msg_type, body, timeout=60.0)
-            except UcpdError as exc:
-                log.warning("team: %s from node %d failed: %s", msg_type, node, exc)
-                return None
-        data = b"".join(bytes(f) for f in frames)
-        return data.ljust(self.stripes.unit, b"\0")
 
-
-def _flipped(block, step: int):
+def flipped(block, step: int):
     """``block``, or (test only, ``UCPD_FAULT=parity.flip``) a copy with one bit flipped, once:
     a unit or parity block damaged in this member's RAM."""
     if not faults.once("parity.flip", step):

@@ -7,8 +7,9 @@ and carries out its own share of it (on the replication thread, from ``parity_he
 1. the lost members' blobs assigned to it are rebuilt from the current layout's parity and
    checked chunk by chunk, kept as whole copies (``ReplicaStore.rebuilt``): they serve restores
    at once, and become segments of its *virtual blob* after its own;
-2. each unit of its virtual blob goes to the new layout's parity holders (``parity_unit`` with
-   the layout; the blocks are kept under the layout's tag, beside the current ones);
+2. each unit of its virtual blob goes to the new layout's parity holders (the group's
+   ``send_unit``: a lane put, or ``parity_unit``, with the layout; the blocks are kept under the
+   layout's tag, beside the current ones);
 3. once every unit is acknowledged, the manifest of each segment it carries goes, with the
    layout, to every survivor. A member adopts the layout when it holds the manifest of every
    segment (``ParityGroup._on_restriped``); until then rebuilds read the current layout, whose
@@ -74,7 +75,7 @@ def restripe_step(plan: ParityRestripe, mans: dict[int, dict], current: dict | N
             for i, holder in enumerate(s.parity_holders(row)):
                 if holder in live:
                     body = {"step": step, "inc": layout.tag, "row": row, "pos": pos, "index": i, "layout": wire}
-                    transport.request(holder, "parity_unit", body, payload, timeout=60.0)
+                    group.wire.send_unit(holder, body, payload, u * s.unit)
             return s.unit
 
         nbytes += sum(group.pushers.map(send, range(s.units(layout.vsize(me)))))

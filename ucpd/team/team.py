@@ -46,7 +46,7 @@ from .replicate import Replicator
 from .runs import wait_admitted
 from .serve import PeerServer
 from .serve_held import HeldServer
-from .serve_parity import register_parity
+from .serve_parity import LaneDispatch, register_parity
 from .settle import Settle
 from .sources import FETCH_PREFIX, VersionSources
 from .status import TeamStatus
@@ -105,7 +105,7 @@ class Team:
         )
         # bulk bytes on a lane of their own; an in-process link (tests) keeps them on itself, where its faults reach them
         self.lanes = NoLane() if link is not None or config.data_transport == "zmq" else LaneKeeper(
-            config, lambda src, b: self.held_server.on_put(src, b), lambda src, b: self.held_server.on_get(src, b),
+            config, lambda src, b: self.lane_serves.put(src, b), lambda src, b: self.lane_serves.get(src, b),
             lambda also: set(replica_holders(self.rank, sorted(self.live() | {also}), max(1, config.replicas), self.domains)))
         if not config.fanout:
             self.server.refuse(("directory", "index", "pieces"), f"node {self.rank} keeps no directory or piece index "
@@ -142,8 +142,8 @@ class Team:
         """The parts that read or hold the node's store, each given what it uses."""
         c, view = self.counters, self.view
         parity = self.parity = ParityGroup(view, *self.config.parity, store, self.replicas, self.transport, self.members_now,
-                                           keep=self.config.keep, unit=knobs.parity_unit(), counters=c.parity) \
-            if self.config.parity else None
+                                           keep=self.config.keep, unit=knobs.parity_unit(), counters=c.parity,
+                                           lane=lambda: self.lane) if self.config.parity else None
         register_parity(self.server, parity, self.rank)
         settle = Settle(view, lambda: self.membership.view.epoch, lambda: self.protocol_state()[3], self.config.dead_after,
                         self.config.heartbeat)
@@ -151,6 +151,7 @@ class Team:
                                             lambda: self.protocol_state()[3], lambda: self.lane, self.config.fanout, parity)
         c.add(*(p.counters for p in (src.directory, src.index) if p is not None))
         self.held_server = HeldServer(self.server, self.rank, store, self.replicas, self.leases, src.own_holdings, c.serve)
+        self.lane_serves = LaneDispatch(self.rank, parity, self.held_server)  # a lane put or get: parity's or a replica's
         self.flush_share = ShareWriter(self.rank, self.config.flush_dir, self.shm_dir, store, self.replicas, src.fetch_ranges,
                                        c.flush, c.fetch, self.server, self.flush_storage_options)
         self.flush_lead = TeamFlush(self.view, self.transport, src.restore_sources, lambda b: self.flush_share.write(b), c.flush)
