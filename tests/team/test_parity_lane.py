@@ -84,3 +84,49 @@ def test_without_a_lane_the_control_lane_carries_parity_and_says_so(make_team, m
     log = team.nodes[0].read_log(1 << 20)
     assert log.count("parity units and rebuild reads go on the control lane") == 1, log[-4000:]
     lose_node_2_and_restore(team)
+
+
+def test_a_malformed_or_damaged_parity_put_is_refused_typed_adds_nothing_and_the_daemon_serves_on(make_team, monkeypatch):
+    from ucpd import native
+    from ucpd.errors import ChecksumMismatch, ProtocolError, VersionNotFound
+    from ucpd.team.lane import DataLane
+
+    monkeypatch.setenv("UCPD_PARITY_UNIT", str(UNIT))
+    team = make_team(NODES, "--parity", "2", "--keep", "2", secret=SECRET)
+    snapshot_two_steps(team)
+    peer = DataLane(0, SECRET.encode(), "127.0.0.1:0", on_put=None, on_get=None)  # node 0's credentials, as a test
+    peer.set_peer(1, status(team.nodes[1].run_dir)["team"]["lane"]["address"])
+    data = bytes(range(256)) * (UNIT // 256)
+    # row 1 of a step of its own: node 1 holds its parity, node 0 is its data position 1 (members 0, 1, 2; 2+1)
+    place = {"inc": "test", "row": 1, "pos": 1, "index": 0}
+
+    def put(payload, origin=0, **parity):
+        body = {"origin": origin, "step": 99, "rank": 0, "offset": 0,
+                "parity": {**place, "crcs": [native.crc32c(payload)], **parity}}
+        return peer.put(1, body, [payload])
+
+    def block():
+        got = bytearray(UNIT)
+        peer.get(1, {"origin": 1, "step": 99, "rank": 0, "ranges": [[0, UNIT]], "parity": {"row": 1, "inc": "test"}}, [got])
+        return bytes(got)
+
+    with pytest.raises(ProtocolError, match="does not fit"):
+        put(data + b"x" * 64, crcs=[0])  # longer than a unit
+    with pytest.raises(ProtocolError, match="a node sends its own"):
+        put(data, origin=2)  # node 0 putting node 2's unit
+    with pytest.raises(ProtocolError, match="piece CRCs"):
+        put(data, crcs=[1, 2])
+    with pytest.raises(ProtocolError, match="does not fit"):
+        put(data, pos=2)  # 2+1: data positions 0 and 1 only
+    with pytest.raises(ChecksumMismatch):
+        put(data, crcs=[native.crc32c(data) ^ 1])  # damaged as it landed
+    with pytest.raises(VersionNotFound):
+        block()  # nothing of the damaged unit was added: node 1 holds no block of the step
+    with pytest.raises(ProtocolError, match="one whole unit"):
+        peer.get(1, {"origin": 1, "step": 99, "rank": 0, "ranges": [[0, 64]], "parity": {"row": 1, "inc": "test"}},
+                 [bytearray(64)])
+    assert put(data) == {"verified": 1}
+    assert block() == data  # 2+1 is XOR: the block of a row with one unit in it is that unit
+    assert status(team.nodes[1].run_dir)["team"]["lane"]["counters"]["errors_answered"] >= 6
+    peer.close()
+    lose_node_2_and_restore(team)  # node 1 served on: the real parity rebuilds node 2's part bit for bit
