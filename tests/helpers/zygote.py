@@ -26,6 +26,7 @@ sets again (``UCPD_FAULT``: ``faults.arm``; ``TMPDIR``: tempfile's cache), or
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import signal
@@ -101,12 +102,20 @@ class Forked:
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
 
+    def __del__(self):
+        if self.returncode is None:  # as Popen: reaped later (start), not left a zombie
+            _ACTIVE.append(self)
+
+
+_ACTIVE: list[Forked] = []  # dropped while running
+
 
 def start(args: list[str], log_path: str, cwd: str, env: dict | None = None):
     """Start ``args`` (a ``ucpd serve``) with stdout and stderr appended to ``log_path``, tied to
     this process (it gets SIGTERM when this process dies): forked from the zygote where that is
     the same as exec'ing it (see above), else exec'd through ``runtime.exit_with_parent``. Returns
     a ``Forked`` or a ``subprocess.Popen``."""
+    _ACTIVE[:] = [f for f in _ACTIVE if f.poll() is None]
     env = dict(os.environ if env is None else env)
     if _forkable(args, env):
         forked = _zygote().spawn(args, log_path, cwd, env)
@@ -159,6 +168,8 @@ class _Zygote:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        with contextlib.suppress(OSError):
+            os.unlink(self.errors)
 
     def _recv(self):
         try:
