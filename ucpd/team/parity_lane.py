@@ -16,10 +16,12 @@ A read (``read``) is a lane ``get`` of one block or unit into the caller's buffe
 is asked once more, then the shard counts lost. What a rebuild decodes is checked against the
 origin's CRCs (``ParityGroup.rebuild_into``): one pass per byte rebuilt.
 
-The control lane carries them (``parity_unit``, ``parity_block``, ``blob_unit``) where there is
-no lane (``--data-transport zmq``, an in-process team), to a peer that has not said where its lane
-listens, and to one whose lane refuses a parity ``put`` or ``get`` (a NIXL lane's one-sided
-operations take slot ranges only); each case is logged once.
+They take the lane's TCP streams, a NIXL lane's too (``DataLane.put`` / ``get`` named: its
+one-sided operations take slot ranges only). The control lane carries them (``parity_unit``,
+``parity_block``, ``blob_unit``) where there is no lane (``--data-transport zmq``, an in-process
+team), to a peer that has not said where its lane listens, and to one whose lane refuses a parity
+``put`` or ``get`` (a ``ProtocolError``: a daemon that does not know them); each case is logged
+once.
 
 Threads: the group's pushers (sends), the rebuild's thread (reads); the logged-once set is
 guarded by its own lock.
@@ -35,8 +37,9 @@ from typing import TYPE_CHECKING
 from .. import native
 from ..errors import ChecksumMismatch, DaemonUnreachable, ProtocolError, UcpdError, VersionNotFound
 
+from .lane import DataLane
+
 if TYPE_CHECKING:
-    from .lane import DataLane
     from .transport import PeerTransport
 
 log = logging.getLogger("ucpd.team.parity")
@@ -87,15 +90,14 @@ class ParityWire:
         the unit to its block. Raises UcpdError."""
         lane = self._lane_to(holder)
         if lane is not None:
-            nbytes = sum(memoryview(p).nbytes for p in payload)
             place = {k: body[k] for k in ("inc", "row", "pos", "index")}
             if body.get("layout"):
                 place["layout"] = body["layout"]
             put = {"origin": self.rank, "step": body["step"], "rank": 0, "offset": offset,
                    "parity": dict(place, crcs=piece_crcs(payload))}
             try:
-                self._twice(lambda: lane.put(holder, put, payload), f"unit {offset // max(nbytes, 1)} of step "
-                            f"{body['step']} to node {holder}")
+                self._twice(lambda: DataLane.put(lane, holder, put, payload),
+                            f"unit at byte {offset} of step {body['step']} to node {holder}")
                 return
             except ProtocolError as exc:
                 self._refuse(holder, exc)
@@ -115,7 +117,7 @@ class ParityWire:
                 get = {"origin": body.get("origin", node), "step": body["step"], "rank": 0, "ranges": [[0, unit]],
                        "parity": ask}
                 try:
-                    self._twice(lambda: lane.get(node, get, [memoryview(into)[:unit]]),
+                    self._twice(lambda: DataLane.get(lane, node, get, [memoryview(into)[:unit]]),
                                 f"{msg_type} of step {body['step']} from node {node}")
                     return into
                 except ProtocolError as exc:
