@@ -127,6 +127,7 @@ def bench(env: Loopback, args) -> dict:
                 raise AssertionError(f"rank {i} got step {r['step']}, {r['nbad']} tensors differ: {r['bad']}")
             recent = (survivors[i].status().get("restore") or {}).get("last")  # the daemon's side of it (newer daemons)
             r["phases_ms"] = recent[-1]["phases_ms"] if recent else {}
+            r["daemon_ms"] = recent[-1].get("total_ms") if recent else None  # the daemon's part of the RPC
         return res
 
     def lane(on: bool) -> None:

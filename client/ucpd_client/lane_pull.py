@@ -121,11 +121,13 @@ class LanePull:
                         [into[i] for i in idx], [_chunks(plan.sources[i]) for i in idx])
 
     def get_ranges(self, lane: ReceiverLane, step: int, origin: int, rank: int, nodes, ranges: list[tuple[int, int]],
-                   views: list[memoryview], checks: list, after: Callable[[], None] | None = None) -> None:
+                   views: list[memoryview], checks: list, after: Callable[[], None] | None = None,
+                   remedy: str = "this bucket's targets may hold unchecked bytes: pull again") -> None:
         """The byte ``ranges`` ((offset, nbytes) of its file) of ``origin``'s part of ``rank`` in
         one ``get`` into ``views``, each chunk of ``checks`` checked as it lands (``after``: the
         caller's own checks, once the get is in; it raises ChecksumMismatch); a cut stream once
-        more, then the next holder of ``nodes`` (see the module's docstring)."""
+        more, then the next holder of ``nodes`` (see the module's docstring); none left: the last
+        typed error, saying ``remedy``."""
         body = {"origin": origin, "step": step, "rank": rank, "ranges": [[o, n] for o, n in ranges]}
         last: UcpdError | None = None
         for node in nodes:
@@ -145,8 +147,8 @@ class LanePull:
                     break
         if last is None:
             raise VersionNotFound(f"the pull named no holder of rank {rank}'s part of step {step}")
-        raise type(last)(f"no holder of rank {rank}'s part of step {step} (nodes {list(nodes)}) served this pull's "
-                         f"bytes on the data lane: {last} (this bucket's targets may hold unchecked bytes: pull again)")
+        raise type(last)(f"no holder of rank {rank}'s part of step {step} (nodes {list(nodes)}) served its bytes on the "
+                         f"data lane: {last} ({remedy})")
 
     def pool(self) -> ThreadPoolExecutor:
         """The threads that run several gets at once (made on first use)."""

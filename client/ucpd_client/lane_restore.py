@@ -30,13 +30,17 @@ from typing import Callable
 from ucpd import native
 from ucpd.checked import CheckedCopier, CheckedSource
 from ucpd.dtypes import dtype as lookup_dtype
-from ucpd.errors import ChecksumMismatch
+from ucpd.errors import ChecksumMismatch, DaemonUnreachable
 from ucpd.protocol import PlanSource, RestorePlan
 
 from .lane_pull import ALIGN, LanePull, _bytes_at
 
 WINDOW_BYTES = 64 << 20  # a round of rows landed in the window before their copies run
 GET_BYTES = 32 << 20  # bytes of one get: a large part goes on several streams at once
+
+
+class LaneUnreachable(DaemonUnreachable):
+    """No holder of some row answered this rank on the data lane (cut, refused, gone)."""
 
 
 def _chunks_of(s: PlanSource, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -148,14 +152,20 @@ class LaneRestore:
         pool = self.pull.pool()
         direct = [pool.submit(self._get, holder, part) for holder, units in self._direct.items()
                   for part in _parts(units, GET_BYTES)]
+        errors: list = []
         try:
             for items in self._rounds:
                 self._round(pool, items)
+        except DaemonUnreachable as exc:
+            errors.append(exc)
         finally:
-            errors = [f.exception() for f in direct]
-        for e in errors:
-            if e is not None:
-                raise e
+            errors = [f.exception() for f in direct] + errors
+        errors = [e for e in errors if e is not None]
+        unreachable = [e for e in errors if isinstance(e, DaemonUnreachable)]
+        if unreachable:  # (before a damaged copy: the daemon's fetch rewrites every target anyway)
+            raise LaneUnreachable(str(unreachable[0])) from unreachable[0]
+        if errors:
+            raise errors[0]
 
     def _get(self, holder: tuple, units: list[_Unit]) -> None:
         """One get of ``units``; the edge pieces outside the targets land in one scratch, reused."""
@@ -173,7 +183,8 @@ class LaneRestore:
                 raise ChecksumMismatch(f"{bad} chunk(s) of rank {rank}'s step {self.step} failed their CRC32C as they "
                                        "landed (a chunk at a target's edge): another copy is asked")
 
-        self.pull.get_ranges(self.lane, self.step, origin, rank, nodes, ranges, views, checks, after=carried_ok)
+        self.pull.get_ranges(self.lane, self.step, origin, rank, nodes, ranges, views, checks, after=carried_ok,
+                             remedy="the restore reads it from another copy, or has its daemon fetch it")
         self.stats["gets"] += 1
 
     def _round(self, pool, items: list[_Item]) -> None:
@@ -244,4 +255,4 @@ def _parts(units: list[_Unit], limit: int):
         yield cur
 
 
-__all__ = ["LaneRestore", "WINDOW_BYTES", "GET_BYTES"]
+__all__ = ["LaneRestore", "LaneUnreachable", "WINDOW_BYTES", "GET_BYTES"]

@@ -18,6 +18,7 @@ of the sources, its CUDA backend; it records where the data came from in the ses
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import threading
@@ -34,9 +35,11 @@ from ucpd.protocol import PlanSource, RestorePlan
 
 from . import state as state_mod
 from .device_restore import DeviceRestore
-from .lane_restore import LaneRestore
+from .lane_restore import LaneRestore, LaneUnreachable
 from .session import DaemonSession
 from .staging import dtype_name, entry_of
+
+log = logging.getLogger("ucpd.client")
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -133,7 +136,8 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
     ]
     conn = session.conn()
     body = {"rank": session.rank, "world_size": session.world_size, "targets": targets, **process_id()}
-    if knobs.restore_lane() and knobs.restore_verify() == "fused" and all(session.cuda.device_of(e.tensor) < 0 for e in entries):
+    if (knobs.restore_lane() and session.lane_off is None and knobs.restore_verify() == "fused"
+            and all(session.cuda.device_of(e.tensor) < 0 for e in entries)):
         body["lane"] = True  # on a team, the sources held on peers are got here on the data lane, landing in the targets
     if step is not None:
         body["step"] = step
@@ -158,6 +162,12 @@ def _restore_entries(session: DaemonSession, entries: list, step: int | None) ->
                 raise ChecksumMismatch(f"{exc}{_targets_left()}") from None
             tried.append((reply["step"], reply["where"]))
             body["avoid"] = [list(t) for t in tried]
+            continue
+        except LaneUnreachable as exc:  # this rank cannot reach a holder's lane: its daemon fetches (and rewrites all)
+            body.pop("lane", None)
+            session.lane_off = str(exc)
+            log.warning("rank %d: %s; this session's restores have the daemon fetch the peers' bytes instead",
+                        session.rank, exc)
             continue
         finally:
             conn.call("release", lease=reply["lease"], **({"damaged": True} if damaged else {}))

@@ -99,6 +99,7 @@ class DaemonSession:
         self.last_device_restore: dict | None = None  # the last restore into CUDA tensors: windows, bytes, pieces
         self.last_lane_restore: dict | None = None  # the last restore's bytes got on the data lane: in place, windowed
         self._lane_pull = None  # the data lane and window of restores that read peers' bytes here (made on first use)
+        self.lane_off: str | None = None  # why this rank's restores stopped getting peers' bytes themselves
 
     def conn(self) -> DaemonConn:
         """This thread's connection (opened on its first call)."""

@@ -54,7 +54,7 @@ class FakeLane(LanePull):
     def lane_of(self, remote):
         return "fake lane"
 
-    def get_ranges(self, lane, step, origin, rank, nodes, ranges, views, checks, after=None):
+    def get_ranges(self, lane, step, origin, rank, nodes, ranges, views, checks, after=None, remedy=""):
         last = None
         for node in nodes:
             data = self.parts[(node, rank)].copy()

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from helpers import ranks
-from ucpd.errors import UcpdError
+from ucpd.errors import DaemonUnreachable, UcpdError, VersionNotFound
 from ucpd_client import Checkpointer, placement as P
 
 from .test_team_daemons import status
@@ -109,13 +109,15 @@ def test_a_resharded_restore_reads_the_runs_it_needs_in_place_and_their_edge_chu
     assert all(lane["in_place_bytes"] > 0 and lane["window_bytes"] > 0 for lane in lanes[1:]), lanes
 
 
-def test_a_peer_lost_before_its_bytes_moved_fails_the_restore_with_a_typed_error_and_node_0_goes_on(team, monkeypatch):
+def test_a_peer_lost_before_its_bytes_moved_has_the_daemon_try_then_a_typed_error_and_node_0_goes_on(team, monkeypatch):
     import ucpd_client.lane_restore as LR
 
     run = LR.LaneRestore.run
+    ran = []
 
     def lose_node_1_first(self):
         team.lose(1)
+        ran.append(1)
         run(self)
 
     monkeypatch.setattr(LR.LaneRestore, "run", lose_node_1_first)
@@ -124,5 +126,24 @@ def test_a_peer_lost_before_its_bytes_moved_fails_the_restore_with_a_typed_error
     with Checkpointer(team.run_dirs()[0], rank=0, world_size=1, embedded=False, job="lane-restore") as ck:
         with pytest.raises(UcpdError) as err:
             ck.restore(target, placements=placements)
-    assert "node 1" in str(err.value) or "holder" in str(err.value), str(err.value)
+        assert ran == [1] and ck.session.lane_off, "the lane was not tried first"  # then its daemon's fetch
+    assert isinstance(err.value, (VersionNotFound, DaemonUnreachable)), repr(err.value)  # node 1 held the only copy
     assert status(team.run_dirs()[0])["latest_committed"] == 1  # still serving
+
+
+def test_a_rank_that_cannot_reach_a_holders_lane_has_its_daemon_fetch_the_bytes(team, monkeypatch):
+    """(As a trainer in another network namespace than its daemon: the chaos campaign's.)"""
+    import socket
+
+    def refused(address, timeout=None):
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refused)  # (this process's: the rank's; the daemons are others)
+    ck, lane = None, None
+    try:
+        ck, lane = restore_as(team, 0, 1)  # bit for bit, all the same
+        assert lane is None and ck.session.lane_off and "node 1" in ck.session.lane_off, ck.session.lane_off
+    finally:
+        if ck is not None:
+            ck.close()
+    assert status(team.run_dirs()[0])["team"]["counters"]["fetched_bytes"] > 0  # node 0 fetched them

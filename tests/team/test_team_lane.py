@@ -52,7 +52,9 @@ def test_replicas_move_on_the_authenticated_lane_and_a_cut_one_heals_then_serves
     restore_on(team.run_dirs()[1:], 2, 2, 1, 3)  # TP1xDP2 on node 1: another layout, bit for bit
 
 
-def test_a_restore_fetches_on_the_lane_and_a_stream_cut_mid_fetch_is_retried(make_team):
+def test_a_restore_fetches_on_the_lane_and_a_stream_cut_mid_fetch_is_retried(make_team, monkeypatch):
+    """The daemon's fetch (``UCPD_RESTORE_LANE=0``; a rank that gets the bytes itself: test_restore_lane.py)."""
+    monkeypatch.setenv("UCPD_RESTORE_LANE", "0")
     team = make_team(2, "--keep", "2", start=False)  # no replicas: node 1's part is only in node 1's RAM
     team.start(0)
     team.start(1, fault="lane.cut.get")  # node 1 breaks the first stream it serves halfway through

@@ -258,10 +258,8 @@ class DataLane:
     def get(self, dest: int, body: dict, into: Sequence[memoryview], checks=None) -> None:
         """Ask ``dest`` for the bytes ``body`` names (a ``get``) and land them in ``into`` (its
         ranges in order). ``checks``: per view, ``(start, end, crc32c)`` chunks to check as they
-        land (relative to the view); a chunk that fails raises ChecksumMismatch once every byte
-        arrived. A check may instead be a callable, given the view as soon as it landed, before
-        the next one lands (a chunk split over several views, the caller's own check: a scratch
-        view may then be reused by the next). What ``checks`` leaves out, the caller checks."""
+        land (relative to the view; one that fails raises ChecksumMismatch once every byte is in),
+        or a callable given the view as soon as it landed (a chunk split over views)."""
         into = [memoryview(v).cast("B") for v in into]
         nbytes = sum(v.nbytes for v in into)
         body = dict(body, op="get")
@@ -274,13 +272,12 @@ class DataLane:
             bad = 0
             for i, v in enumerate(into):
                 check = checks[i] if checks else None
-                if callable(check):
-                    _recv_exact(sock, v, digest)
-                    check(v)
-                elif check:
+                if check and not callable(check):
                     bad += len(_land_checked(sock, v, check, digest)[1])
-                else:
-                    _recv_exact(sock, v, digest)
+                    continue
+                _recv_exact(sock, v, digest)
+                if check:
+                    check(v)
             if bad:
                 self._count(checksum_errors=bad)
                 raise ChecksumMismatch(f"{bad} chunk(s) of rank {body['rank']}'s step {body['step']} from node {dest} "
