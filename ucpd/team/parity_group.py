@@ -312,17 +312,17 @@ class ParityGroup:
         self.add_unit(body, b"".join(bytes(f) for f in frames))
 
     def unit_stripes(self, body: dict, nbytes: int) -> Stripes:
-        """The layout a unit of ``nbytes`` named by ``body`` (``parity_unit``'s fields) is added
-        in; ProtocolError when it does not fit it (too long, no such position or parity block)."""
+        """The layout ``body``'s unit of ``nbytes`` is added in; ProtocolError where it does not fit."""
         s = StepLayout.from_wire(body["layout"]).stripes if body.get("layout") else self.stripes
         if nbytes > s.unit or body["pos"] >= s.k or body["index"] >= s.m:
             raise protocol.ProtocolError(f"a parity unit of {nbytes} bytes at position {body['pos']} for parity block "
                                          f"{body['index']} does not fit {s.k}+{s.m} parity of {s.unit}-byte units")
         return s
 
-    def add_unit(self, body: dict, data) -> None:
+    def add_unit(self, body: dict, data, landed=None) -> bool:
         """Add a unit (whole and checked) to our parity block ``body`` names (``parity_unit``'s
-        fields; with ``layout``: of a re-striped layout, its own blocks, ``inc`` its tag)."""
+        fields; with ``layout``: of a re-striped layout, its own blocks, ``inc`` its tag).
+        ``landed``: see ``_adopted``; True when it became the block (no longer the caller's)."""
         s = self.unit_stripes(body, memoryview(data).nbytes)
         with self._lock:
             key = (body["step"], body["inc"])
@@ -332,7 +332,10 @@ class ParityGroup:
                 versions = sorted({(st, inc.split("~")[0]) for st, inc in self.blocks})  # a layout's go with its step
                 for old in [k for k in self.blocks if (k[0], k[1].split("~")[0]) in versions[: -self.keep]]:
                     del self.blocks[old]
+            if landed is not None and _adopted(pb, body["row"], body["pos"], landed):
+                return True
             pb.add(body["row"], body["pos"], data, body["index"])
+        return False
 
     def on_block(self, body: dict) -> list:
         """Our parity block of row ``row`` of ``step``. Raises VersionNotFound when we hold none of
@@ -547,6 +550,17 @@ def flipped(block, step: int):
     block = bytearray(block)
     block[0] ^= 0x01
     return block
+
+
+def _adopted(pb: ParityBlocks, row: int, pos: int, landed) -> bool:
+    """In XOR parity (``m == 1``) a unit's contribution is the unit itself: the first unit of a
+    row becomes its block as it landed (``landed``: a writable uint8 array of a whole unit, the
+    unit at its start, zeros past it), with no copy. Whether it did (caller holds the lock)."""
+    if pb.stripes.m != 1 or row in pb.blocks or (row, pos) in pb.seen or len(landed) != pb.stripes.unit:
+        return False
+    pb.blocks[row] = landed
+    pb.seen.add((row, pos))
+    return True
 
 
 def _holds(member: int, then: dict, now: dict) -> bool:

@@ -6,7 +6,8 @@ parity unit or a rebuild's read (``parity_lane``), any other is a replica's (``s
 
 A unit put on the lane lands in a scratch unit of ours (kept for the next, a few at most), each
 piece checked against the CRC the sender computed as it lands; only a unit that landed whole and
-matched is added to our block (``ParityGroup.add_unit``). A put that does not fit the group (its
+matched is added to our block (``ParityGroup.add_unit``). In XOR parity the first unit of a row
+becomes the block itself, as it landed (no copy); the next ones are added to it. A put that does not fit the group (its
 sender not the unit's origin, longer than a unit, no such position or block, a CRC short) is
 refused with a ProtocolError before its bytes land (the lane drains them and serves on). A node
 started without ``--parity`` refuses both, saying so.
@@ -18,6 +19,8 @@ connection (``LaneDispatch``; the spare scratch units are guarded by its own loc
 from __future__ import annotations
 
 import threading
+
+import numpy as np
 
 from ..errors import ChecksumMismatch, ProtocolError
 from .lane import Landing
@@ -57,7 +60,7 @@ class LaneDispatch:
 
     def __init__(self, rank: int, parity: ParityGroup | None, held: HeldServer) -> None:
         self.rank, self.parity, self.held = rank, parity, held
-        self._spare: list[bytearray] = []
+        self._spare: list[np.ndarray] = []
         self._lock = threading.Lock()
 
     def put(self, src: int, b: dict) -> Landing:
@@ -95,18 +98,20 @@ class LaneDispatch:
         chunks = pieces(nbytes, p["crcs"])
         with self._lock:
             spare = next((i for i, x in enumerate(self._spare) if len(x) == s.unit), None)
-            buf = self._spare.pop(spare) if spare is not None else bytearray(s.unit)
+            buf = self._spare.pop(spare) if spare is not None else np.empty(s.unit, np.uint8)
         view = memoryview(buf)[:nbytes]
 
         def done(ok: list[int], bad: list[int]) -> None:
+            adopted = False
             try:
                 if bad:
                     raise ChecksumMismatch(f"node {src}'s parity unit of step {b['step']} (row {p['row']}) arrived damaged "
                                            f"in {len(bad)} piece(s): it is sent again")
-                group.add_unit(unit, view)
+                buf[nbytes:] = 0  # (a blob's last unit is short: zeros after it, as in a block)
+                adopted = group.add_unit(unit, view, buf)
             finally:
                 with self._lock:
-                    if len(self._spare) < SPARE_UNITS:
+                    if not adopted and len(self._spare) < SPARE_UNITS:
                         self._spare.append(buf)
 
         return Landing(view, chunks, done)
