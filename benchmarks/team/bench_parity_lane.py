@@ -18,11 +18,13 @@ node sent (``team.counters.parity_bytes_sent``, deltas) and the lane counters (t
 units must show as puts). Step 1 is cold (fresh slots and parity blocks) and left out of the
 medians.
 
-The floor (``floors_net.py``), measured after each warm step: a plain loopback TCP socket between
-two processes moving one node's parity bytes of the step (1 stream), and the same bytes over 2
-streams at once, one each way (each node both sends and receives its share). Parity throughput
-per node = its parity bytes / staged -> committed; ratio = that / the 1-stream floor of the step.
-The machine is shared and noisy: compare figures of one run.
+The floors (``floors_net.py``), measured after each warm step: a plain loopback TCP socket between
+two processes moving one node's parity bytes of the step (1 stream: a node's own link, the
+reference), the same bytes over 2 streams at once, one each way (each node both sends and
+receives its share), and every node's parity bytes at once over 3 streams (what the 3 nodes move
+together through this one machine's cores and kernel). Parity throughput per node = its parity
+bytes / staged -> committed; "x floor" = the 1-stream floor's time / staged -> committed, "x team
+floor" the 3-stream one's. The machine is shared and noisy: compare figures of one run.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ def counters(nodes) -> list[dict]:
 
 def run(args) -> dict:
     env = Loopback("ucpd-bench-parity-lane-", args.keep_logs)
-    on_cleanup(env.save_logs)
     teams = {name: env.team(name, NODES, extra) for name, extra in TEAMS.items()}
     shapes = gpt_shapes(NODES * args.size_mib * MiB, layers=12)
     ranks = [Rank() for _ in range(NODES)]
@@ -83,11 +84,13 @@ def run(args) -> dict:
         if step > 1 and per_node:
             row["sock1"] = floor.measure(per_node)
             row["sock2"] = floor.measure(per_node, streams=2, both_ways=True)
+            row["sock3"] = floor.measure(sum(row["lane_parity"]), streams=NODES)
         rows.append(row)
         log("step %d: lane %s (staged -> committed %s), control %s (%s); parity %.0f MiB a node%s" % (
             step, fmt_seconds(row["lane"]), fmt_seconds(row["lane_protect"]), fmt_seconds(row["control"]),
             fmt_seconds(row["control_protect"]), per_node / MiB,
-            f"; socket 1 stream {fmt_seconds(row['sock1'])}, 2 streams one each way {fmt_seconds(row['sock2'])}"
+            f"; socket 1 stream {fmt_seconds(row['sock1'])}, 2 streams one each way {fmt_seconds(row['sock2'])}, "
+            f"every node's at once {fmt_seconds(row['sock3'])}"
             if "sock1" in row else " (cold)"))
     out = {"machine": machine(), "size_mib": args.size_mib, "state_bytes_per_rank": nbytes[0], "steps": rows,
            "status": {name: counters(nodes) for name, nodes in teams.items()}}
@@ -98,6 +101,7 @@ def run(args) -> dict:
     for nodes in teams.values():
         for d in nodes:
             d.stop()
+    env.save_logs()
     return out
 
 
@@ -108,21 +112,26 @@ def report(out: dict) -> str:
     per_node = median([max(r["lane_parity"]) for r in warm])
     floor1 = median([r["sock1"] for r in warm])
     floor2 = median([r["sock2"] for r in warm])
+    floor3 = median([r["sock3"] for r in warm])
     lines = []
     for name in ("lane", "control"):
         prot = median([r[f"{name}_protect"] for r in warm])
         lines.append([f"--parity 2, units on the {'data lane' if name == 'lane' else 'control lane (--data-transport zmq)'}",
                       fmt_seconds(median([r[name] for r in warm])), fmt_seconds(prot),
-                      f"{per_node / prot / 1e9:.2f}", f"{floor1 / prot:.2f}"])
-    lines.append(["socket floor, one node's parity bytes, 1 stream", "", fmt_seconds(floor1), f"{per_node / floor1 / 1e9:.2f}", "1.00"])
+                      f"{per_node / prot / 1e9:.2f}", f"{floor1 / prot:.2f}", f"{floor3 / prot:.2f}"])
+    lines.append(["socket floor, one node's parity bytes, 1 stream", "", fmt_seconds(floor1), f"{per_node / floor1 / 1e9:.2f}",
+                  "1.00", ""])
     lines.append(["socket floor, the same, 2 streams one each way", "", fmt_seconds(floor2), f"{per_node / floor2 / 1e9:.2f}",
-                  fmt_num(floor1 / floor2)])
+                  fmt_num(floor1 / floor2), ""])
+    lines.append(["socket floor, every node's parity bytes at once, 3 streams", "", fmt_seconds(floor3),
+                  f"{per_node / floor3 / 1e9:.2f}", fmt_num(floor1 / floor3), "1.00"])
     lane = out["status"]["lane"]
     puts = sum(t["lane"]["counters"]["puts_sent"] for t in lane)
     head = (f"{out['size_mib']} MiB a node, 3 nodes, {per_node / MiB:.0f} MiB of parity units sent a node a step; "
             f"medians of {len(warm)} warm steps; the lane team's puts: {puts}, the control team's: "
             f"{sum(t['lane']['counters'].get('puts_sent', 0) for t in out['status']['control'])}")
-    return head + "\n" + table(["case", "snapshot -> committed", "staged -> committed", "GB/s a node", "x floor"], lines,
+    return head + "\n" + table(["case", "snapshot -> committed", "staged -> committed", "GB/s a node", "x floor",
+                                "x team floor"], lines,
                                markdown=True)
 
 
