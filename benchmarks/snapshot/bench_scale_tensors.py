@@ -192,7 +192,13 @@ def measure_validate(count: int, nbytes: int, reps: int) -> dict[str, list[float
     stride = (n + 63) // 64 * 64
     shm = tempfile.mkdtemp(prefix="ucpd-bst-validate-", dir="/dev/shm")
     store = NodeStore(shm, 1 << 40, keep=2)
-    store.add_commit_listener(lambda v: setattr(v, "restore_sources", restore.from_ram(v, store.slot_path)))
+    def built_at_commit(v) -> None:  # the restore sources, as the daemon builds them at commit
+        if hasattr(type(v), "source_set"):
+            v.source_set(lambda x: restore.from_ram(x, store.slot_path))
+        else:  # (a tree from before the cache was named source_set)
+            setattr(v, "restore_sources", restore.from_ram(v, store.slot_path))
+
+    store.add_commit_listener(built_at_commit)
     out: dict[str, list[float]] = {}
     try:
         for step in range(1, reps + 4):
