@@ -18,6 +18,13 @@ node sent (``team.counters.parity_bytes_sent``, deltas) and the lane counters (t
 units must show as puts). Step 1 is cold (fresh slots and parity blocks) and left out of the
 medians.
 
+Then the rebuild: node 2 of each team is SIGKILLed (its shm dir deleted) and, once the survivors
+declared it dead, a new job of 2 ranks (TP=2, ``Shard(0, r, 2)``: another layout) restores the
+last step from each team's survivors, checked bit for bit: node 2's part is rebuilt from parity
+by the daemon of the rank that reads it (its log's ``rebuilt node 2's part ... in S s``: the
+survivors' units and blocks come as lane gets, or as control lane requests), the rest read from the
+survivors' RAM. Reported: the restore (first start to last end) and the rebuild the daemon timed.
+
 The floors (``floors_net.py``), measured after each warm step: a plain loopback TCP socket between
 two processes moving one node's parity bytes of the step (1 stream: a node's own link, the
 reference), the same bytes over 2 streams at once, one each way (each node both sends and
@@ -30,6 +37,8 @@ floor" the 3-stream one's. The machine is shared and noisy: compare figures of o
 from __future__ import annotations
 
 import argparse
+import re
+import shutil
 import sys
 import time
 import uuid
@@ -40,7 +49,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE.parents[1]), str(HERE.parents[2]), st
 
 from bench_team import Rank, all_ranks, gpt_shapes  # noqa: E402
 from common import MiB, fmt_num, fmt_seconds, log, machine, median, table, write_json  # noqa: E402
-from daemons import Loopback, cleanup, cleanup_on_exit, on_cleanup  # noqa: E402
+from daemons import Loopback, cleanup, cleanup_on_exit, on_cleanup, wait_for  # noqa: E402
 from floors_net import SocketFloor  # noqa: E402
 
 NODES = 3
@@ -96,13 +105,42 @@ def run(args) -> dict:
            "status": {name: counters(nodes) for name, nodes in teams.items()}}
     all_ranks(ranks, "drop")
     for r in ranks:
-        r.stop()
+        r.stop()  # the job dies with the node
     floor.stop()
+    out["rebuild"] = {name: rebuild(nodes, shapes, args.steps) for name, nodes in teams.items()}
     for nodes in teams.values():
         for d in nodes:
             d.stop()
     env.save_logs()
     return out
+
+
+REBUILT = re.compile(r"rebuilt node 2's part of step (\d+) from parity \((\d+) bytes\) in ([0-9.]+) s")
+
+
+def rebuild(nodes, shapes, last: int) -> dict:
+    """Node 2 lost; 2 new ranks restore step ``last`` from the survivors (another layout)."""
+    nodes[2].kill()
+    shutil.rmtree(nodes[2].shm_dir, ignore_errors=True)
+    survivors = nodes[:2]
+    wait_for(lambda: all(not d.status()["team"]["nodes"][2]["live"] for d in survivors), "node 2 declared dead", 60, survivors)
+    new = [Rank(), Rank()]
+    all_ranks(new, "build_target", lambda i: {"rank": i}, shapes=shapes, world=2, seed=1, step=last)
+    all_ranks(new, "open", lambda i: {"rank": i, "run_dir": survivors[i].run_dir}, key="r", world=2, local_world_size=1,
+              job_id=uuid.uuid4().hex, fresh=True)
+    res = all_ranks(new, "restore", key="r")
+    for r in new:
+        r.stop()
+    for i, r in enumerate(res):
+        if r["nbad"] or r["step"] != last:
+            raise AssertionError(f"restore: rank {i} got step {r['step']}, {r['nbad']} tensors differ: {r['bad']}")
+    rebuilt = [m.groups() for d in survivors for m in map(REBUILT.search, d.log_lines(100000)) if m]
+    lanes = [d.status()["team"]["lane"]["counters"] for d in survivors]
+    log(f"  restore after losing node 2: {fmt_seconds(max(r['end'] for r in res) - min(r['start'] for r in res))}, "
+        f"rebuilds {rebuilt}")
+    return {"restore_s": max(r["end"] for r in res) - min(r["start"] for r in res),
+            "rebuilt": [(int(st), int(n), float(sec)) for st, n, sec in rebuilt],
+            "lane_gets_sent": sum(c.get("gets_sent", 0) for c in lanes)}
 
 
 def report(out: dict) -> str:
@@ -130,9 +168,12 @@ def report(out: dict) -> str:
     head = (f"{out['size_mib']} MiB a node, 3 nodes, {per_node / MiB:.0f} MiB of parity units sent a node a step; "
             f"medians of {len(warm)} warm steps; the lane team's puts: {puts}, the control team's: "
             f"{sum(t['lane']['counters'].get('puts_sent', 0) for t in out['status']['control'])}")
-    return head + "\n" + table(["case", "snapshot -> committed", "staged -> committed", "GB/s a node", "x floor",
-                                "x team floor"], lines,
-                               markdown=True)
+    rb = [[name, fmt_seconds(r["restore_s"]), ", ".join(f"{n / MiB:.0f} MiB in {fmt_seconds(sec)} ({n / sec / 1e9:.2f} GB/s)"
+                                                       for _, n, sec in r["rebuilt"]) or "none logged", str(r["lane_gets_sent"])]
+          for name, r in out.get("rebuild", {}).items()]
+    return (head + "\n" + table(["case", "snapshot -> committed", "staged -> committed", "GB/s a node", "x floor",
+                                 "x team floor"], lines, markdown=True) + "\n\nafter losing node 2 (2 ranks, TP=2):\n"
+            + table(["team", "restore", "node 2's part rebuilt (the daemon's log)", "survivors' lane gets"], rb, markdown=True))
 
 
 def main(argv=None) -> int:
