@@ -128,8 +128,11 @@ class ParityBlocks:
         block = self.blocks.get(row)
         if block is None:
             block = self.blocks[row] = np.zeros(self.stripes.unit, np.uint8)
-        c = contribution(self.stripes, position, data, parity_index)
-        np.bitwise_xor(block, c, out=block)
+        if self.stripes.m == 1:  # XOR: the unit is its own contribution, added in place (no padded copy)
+            src = np.frombuffer(data, np.uint8)
+            np.bitwise_xor(block[: src.size], src, out=block[: src.size])
+        else:
+            np.bitwise_xor(block, contribution(self.stripes, position, data, parity_index), out=block)
         self.seen.add((row, position))
 
     def put(self, row: int, block) -> None:
