@@ -3,7 +3,8 @@ when *it* serves, crash it, stop it, ask its status. The one daemon-process help
 
 A daemon is forked from a preloaded interpreter (``helpers.zygote``: the same ``ucpd serve``, in
 a process of its own that is this process's child, without the import cost of a fresh one), or
-exec'd where a fork could differ (``ip netns exec``, or ``UCPD_TEST_FORK_DAEMONS=0``)."""
+exec'd where a fork could differ (an environment that changes what a fresh interpreter reads at
+start), or when ``UCPD_TEST_FORK_DAEMONS=0``."""
 
 from __future__ import annotations
 

@@ -15,8 +15,13 @@ the given cwd, environment (applied before ``ucpd.cli.main`` runs) and argv (``s
 ``/proc/PID/cmdline``, which ``ps`` and the leak check of tests/conftest.py read), runs
 ``ucpd.cli.main(ARGS)``, then exits as the interpreter would (threads joined, atexit run).
 
+A daemon in a network namespace (``ip netns exec NS python -m ucpd serve ...``, ``helpers.netns``)
+enters it (``setns``) before it runs: all it reads of the network is through sockets and
+``getifaddrs``, which see the namespace (``ip netns exec``'s remount of ``/sys`` and the
+``/etc/netns`` files change nothing it reads).
+
 Where a fork could differ from a fresh interpreter, ``start`` execs as before: a command that is
-not ``python -m ucpd serve`` (a network namespace's ``ip netns exec`` prefix), an environment that
+not ``[ip netns exec NS] python -m ucpd serve``, an environment that
 changes a variable the interpreter or a C library reads at start (``PYTHON*``, ``LD_*``,
 ``MALLOC_*``, ...) or one the zygote's imports read (it records them), other than those the child
 sets again (``UCPD_FAULT``: ``faults.arm``; ``TMPDIR``: tempfile's cache), or
@@ -47,6 +52,8 @@ STARTUP_ENV = ("PYTHON", "LD_", "MALLOC_", "GLIBC_", "OMP_", "OPENBLAS_", "MKL_"
 REFRESHED = {"UCPD_FAULT", "TMPDIR", "TEMP", "TMP"}  # read at import, set again in each child (_become)
 TITLE_ROOM = 4096  # bytes of argv the zygote starts with, that each daemon's command line is written over
 PR_SET_CHILD_SUBREAPER, PR_GET_CHILD_SUBREAPER = 36, 37  # linux/prctl.h
+CLONE_NEWNET = 0x40000000  # linux/sched.h
+NETNS_DIR = "/run/netns"  # where ip netns keeps its namespaces
 
 _BASE_ENV = {k: v for k, v in os.environ.items() if k != "UCPD_FAULT"}  # before a test changed it
 
@@ -117,8 +124,9 @@ def start(args: list[str], log_path: str, cwd: str, env: dict | None = None):
     a ``Forked`` or a ``subprocess.Popen``."""
     _ACTIVE[:] = [f for f in _ACTIVE if f.poll() is None]
     env = dict(os.environ if env is None else env)
-    if _forkable(args, env):
-        forked = _zygote().spawn(args, log_path, cwd, env)
+    netns, serve = _split(args)
+    if serve is not None and _forkable(env):
+        forked = _zygote().spawn(serve, netns, log_path, cwd, env)
         if forked is not None:
             return forked
     from ucpd.daemon.runtime import exit_with_parent
@@ -127,10 +135,21 @@ def start(args: list[str], log_path: str, cwd: str, env: dict | None = None):
         return subprocess.Popen(exit_with_parent(args), stdout=log, stderr=log, cwd=cwd, env=env)
 
 
-def _forkable(args: list[str], env: dict) -> bool:
-    if os.environ.get(KNOB, "1") == "0" or not sys.platform.startswith("linux"):
-        return False
+def _split(args: list[str]) -> tuple[str | None, list[str] | None]:
+    """(network namespace or None, the ``python -m ucpd serve ...`` command), or (None, None):
+    not a command a fork can run."""
+    netns = None
+    if args[:3] == ["ip", "netns", "exec"] and len(args) > 3:
+        netns, args = args[3], args[4:]
+        if os.sep in netns or not os.path.exists(os.path.join(NETNS_DIR, netns)):
+            return None, None
     if args[:4] != [sys.executable, "-m", "ucpd", "serve"]:
+        return None, None
+    return netns, args
+
+
+def _forkable(env: dict) -> bool:
+    if os.environ.get(KNOB, "1") == "0" or not sys.platform.startswith("linux"):
         return False
     keys = set(env) | set(_BASE_ENV)
     return not any(env.get(k) != _BASE_ENV.get(k) for k in keys if k.startswith(STARTUP_ENV))
@@ -181,12 +200,13 @@ class _Zygote:
         """It is alive and this process's (not of the process this one was forked from)."""
         return self.owner == os.getpid() and self.proc.poll() is None
 
-    def spawn(self, args: list[str], log_path: str, cwd: str, env: dict) -> Forked | None:
-        """The daemon, forked and now our child; None: this environment needs a fresh interpreter."""
+    def spawn(self, args: list[str], netns: str | None, log_path: str, cwd: str, env: dict) -> Forked | None:
+        """The daemon (in network namespace ``netns``), forked and now our child; None: this
+        environment needs a fresh interpreter."""
         if any(env.get(k) != v for k, v in self.read_at_import.items() if k not in REFRESHED):
             return None
         with self.lock, _subreaper():
-            self.conn.send({"args": args, "log": log_path, "cwd": cwd, "env": env})
+            self.conn.send({"args": args, "netns": netns, "log": log_path, "cwd": cwd, "env": env})
             reply = self._recv()
         if "error" in reply:
             raise RuntimeError(f"the daemon zygote could not fork: {reply['error']}")
@@ -345,6 +365,8 @@ def _become(req: dict, conn, parent: int, middle: int) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
+        if req["netns"]:
+            _enter_netns(req["netns"])
         os.chdir(req["cwd"])
         os.environ.clear()
         os.environ.update(req["env"])
@@ -375,6 +397,15 @@ def _become(req: dict, conn, parent: int, middle: int) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def _enter_netns(name: str) -> None:
+    fd = os.open(os.path.join(NETNS_DIR, name), os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
 
 
 def _exit_code(main, argv: list[str]) -> int:
