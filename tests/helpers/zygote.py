@@ -21,11 +21,11 @@ enters it (``setns``) before it runs: all it reads of the network is through soc
 ``/etc/netns`` files change nothing it reads).
 
 Where a fork could differ from a fresh interpreter, ``start`` execs as before: a command that is
-not ``[ip netns exec NS] python -m ucpd serve``, an environment that
-changes a variable the interpreter or a C library reads at start (``PYTHON*``, ``LD_*``,
-``MALLOC_*``, ...) or one the zygote's imports read (it records them), other than those the child
-sets again (``UCPD_FAULT``: ``faults.arm``; ``TMPDIR``: tempfile's cache), or
-``UCPD_TEST_FORK_DAEMONS=0`` in the environment (every daemon exec'd).
+not ``[ip netns exec NS] python -m ucpd serve``, an environment that changes a variable the
+interpreter or a C library reads at start (``PYTHON*``, ``LD_*``, ``MALLOC_*``, ...) or one the
+zygote's imports read (it records them), other than those the child sets again (``UCPD_FAULT``:
+``faults.arm``; ``TMPDIR``: tempfile's cache), or ``UCPD_TEST_FORK_DAEMONS=0`` in the
+environment (every daemon exec'd).
 """
 
 from __future__ import annotations
@@ -261,7 +261,7 @@ def _serve(fd: int, parent: int) -> None:
     os.set_inheritable(fd, False)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # ^C reaches the daemons themselves
     conn = Connection(fd)
-    _set_title(f"ucpd serve zygote of pid {parent} (tests/helpers/zygote.py)")
+    _set_title(f"python tests/helpers/zygote.py: forks the daemons of pid {parent}")
     read = _preload()
     why = _unforkable()
     conn.send({"error": why} if why else {"read": read})
