@@ -84,6 +84,8 @@ def test_a_put_on_the_waking_queue_makes_the_loops_poll_return_and_a_closed_one_
     assert q.fileno() in dict(poller.poll(30_000))  # woken by the put (a timeout would return nothing)
     q.clear()
     assert dict(poller.poll(0)) == {} and q.get_nowait()[0] == "reply"  # the wake-up read, the item kept
+    q.put(("slot", 3, None))  # a slot made ready: noticed at the loop's next turn, no wake-up
+    assert dict(poller.poll(0)) == {} and q.get_nowait() == ("slot", 3, None)
     q.close()
-    q.put("late")  # a worker that answers after the daemon closed: queued, nothing written
-    assert q.get_nowait() == "late"
+    q.put(("reply", b"late", 2, "restore", {}, None))  # a worker that answers after the daemon closed
+    assert q.get_nowait()[1] == b"late"  # queued, nothing written

@@ -23,11 +23,16 @@ from .versions import VersionTable
 
 
 class WakingQueue(queue.Queue):
-    """A queue whose every ``put`` also writes a byte to a pipe, so that a loop that polls
-    ``fileno()`` beside its sockets wakes as soon as something is there (``clear`` empties the pipe)."""
+    """A queue whose ``put`` of an item of a kind in ``wake_for`` (an item is a tuple, its kind
+    first) also writes a byte to a pipe, so that a loop that polls ``fileno()`` beside its
+    sockets wakes as soon as it is there (``clear`` empties the pipe). Other items wait for the
+    loop's next turn: the daemon wakes for a worker's answer, not for a slot made ready (woken
+    for those, the next spare's warming started under the trainer's copy: an idle loop's staged
+    0.70 -> 0.80x the memcpy floor, ``benchmarks/suite/before_after.sh``, 2026-12-01)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wake_for: frozenset = frozenset({"reply", "then"})) -> None:
         super().__init__()
+        self.wake_for = wake_for
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
@@ -36,6 +41,8 @@ class WakingQueue(queue.Queue):
 
     def put(self, item, block: bool = True, timeout: float | None = None) -> None:
         super().put(item, block, timeout)
+        if not (isinstance(item, tuple) and item and item[0] in self.wake_for):
+            return
         with self._fds:
             if self._open:
                 try:
