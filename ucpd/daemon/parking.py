@@ -27,8 +27,9 @@ class WakingQueue(queue.Queue):
     first) also writes a byte to a pipe, so that a loop that polls ``fileno()`` beside its
     sockets wakes as soon as it is there (``clear`` empties the pipe). Other items wait for the
     loop's next turn: the daemon wakes for a worker's answer, not for a slot made ready (woken
-    for those, the next spare's warming started under the trainer's copy: an idle loop's staged
-    0.70 -> 0.80x the memcpy floor, ``benchmarks/suite/before_after.sh``, 2026-12-01)."""
+    for those too, the next spare's warming may start under the trainer's copy: an idle loop's
+    staged read 0.80x the memcpy floor against 0.70x before in one ``before_after.sh`` run,
+    2026-12-01; without them 0.80 against 0.79)."""
 
     def __init__(self, wake_for: frozenset = frozenset({"reply", "then"})) -> None:
         super().__init__()
