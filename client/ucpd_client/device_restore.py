@@ -37,6 +37,7 @@ import torch
 
 from ucpd import knobs
 from ucpd.checked import CheckedCopier, CheckedSource
+from ucpd.team.peer_fetch import batches
 
 from .streams import DeviceStreams, Fence
 
@@ -156,17 +157,7 @@ class DeviceRestore:
             self.after.append((device, target, buf, fills))
 
     def _windows(self) -> list[list[tuple]]:
-        out, cur, size = [], [], 0
-        for it in self.items:
-            n = piece_bytes(it[2])
-            if cur and size + n > self.window:
-                out.append(cur)
-                cur, size = [], 0
-            cur.append(it)
-            size += n
-        if cur:
-            out.append(cur)
-        return out
+        return list(batches(self.items, self.window, lambda it: piece_bytes(it[2])))
 
     def _verify(self, items) -> None:
         check = CheckedCopier(self.sources, self.threads)

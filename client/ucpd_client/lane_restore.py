@@ -32,6 +32,7 @@ from ucpd.checked import CheckedCopier, CheckedSource
 from ucpd.dtypes import dtype as lookup_dtype
 from ucpd.errors import ChecksumMismatch, DaemonUnreachable
 from ucpd.protocol import PlanSource, RestorePlan
+from ucpd.team.peer_fetch import batches
 
 from .lane_pull import ALIGN, LanePull, _bytes_at
 
@@ -228,31 +229,12 @@ def _contiguous(c, host) -> tuple[int, int, int] | None:
 
 def _rounds(items: list[_Item]) -> list[list[_Item]]:
     """``items`` cut into rounds of at most ``WINDOW_BYTES`` of the window (a larger item alone)."""
-    out, cur, size = [], [], 0
-    for it in items:
-        n = -(-it.nbytes // ALIGN) * ALIGN
-        if cur and size + n > WINDOW_BYTES:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(it)
-        size += n
-    if cur:
-        out.append(cur)
-    return out
+    return list(batches(items, WINDOW_BYTES, lambda it: -(-it.nbytes // ALIGN) * ALIGN))
 
 
 def _parts(units: list[_Unit], limit: int):
     """``units`` in gets of at most ``limit`` bytes (a larger unit alone; a unit is never split)."""
-    cur, size = [], 0
-    for u in units:
-        n = sum(r[1] for r in u.ranges)
-        if cur and size + n > limit:
-            yield cur
-            cur, size = [], 0
-        cur.append(u)
-        size += n
-    if cur:
-        yield cur
+    return batches(units, limit, lambda u: sum(r[1] for r in u.ranges))
 
 
 __all__ = ["LaneRestore", "LaneUnreachable", "WINDOW_BYTES", "GET_BYTES"]

@@ -81,15 +81,17 @@ class PeerFetch:
             return self._done
 
 
-def batches(rows: list, limit: int):
-    """``rows`` (with ``nbytes``) in order, cut into runs of at most ``limit`` bytes (one row a
-    run where a row alone is larger)."""
-    batch, size = [], 0
-    for s in rows:
-        if batch and size + s.nbytes > limit:
+def batches(items, limit: int, size: Callable[[object], int] = lambda s: s.nbytes):
+    """``items`` in order, cut into runs of at most ``limit`` bytes by ``size`` (a row's
+    ``nbytes`` unless told; one item a run where an item alone is larger). The one rule behind
+    a fetch's requests, a lane restore's gets and window rounds, and a device restore's windows."""
+    batch, total = [], 0
+    for s in items:
+        n = size(s)
+        if batch and total + n > limit:
             yield batch
-            batch, size = [], 0
+            batch, total = [], 0
         batch.append(s)
-        size += s.nbytes
+        total += n
     if batch:
         yield batch
