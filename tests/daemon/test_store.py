@@ -109,6 +109,24 @@ def test_commit_of_a_slot_lent_for_another_step_is_refused(shm):
         store.seal({"rank": 0, "world_size": 1, "step": 2, "slot": slot.id, "tensors": [], "objects": b""})
 
 
+def test_a_refused_commit_ends_its_slots_copy_in_flight_and_the_slot_stays_usable(shm):
+    """Background work steps aside while a trainer copies (``slot_prep.copies_in_flight``): a
+    commit, even one refused, says the copy is over, so nothing waits out the 10 s window."""
+    import time
+
+    store = NodeStore(shm, 64 * MiB, keep=2)
+    slot = lend(store, 0, 1)
+    assert store.copies_in_flight(10.0, time.monotonic()) == 1
+    bad = {"name": "w", "dtype": "float32", "shape": [4], "placement": {"kind": "replicated"}, "offset": slot.size,
+           "nbytes": 16, "crcs": [0]}  # outside the slot
+    with pytest.raises(ProtocolError):
+        store.seal({"rank": 0, "world_size": 1, "step": 1, "slot": slot.id, "tensors": [bad], "objects": b""})
+    assert store.copies_in_flight(10.0, time.monotonic()) == 0
+    good = dict(bad, offset=0)
+    version, _ = store.seal({"rank": 0, "world_size": 1, "step": 1, "slot": slot.id, "tensors": [good], "objects": b""})
+    assert version.state is VersionState.COMMITTED
+
+
 def test_incomplete_versions_are_abandoned_when_a_newer_one_commits(shm):
     store = NodeStore(shm, 64 * MiB, keep=2)
     seal(store, 0, 1, world=2)  # rank 1 never seals step 1

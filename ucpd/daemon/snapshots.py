@@ -183,6 +183,9 @@ class Snapshots:
             raise ProtocolError(
                 f"rank {rank} of job {job!r} commits step {step} into slot {sid}, which is not lent to it for that step"
             )
+        # the rank's copy into it is over, sealed or refused below: background work that steps
+        # aside for copies in flight (``slot_prep.copies_in_flight``) need not wait out the window
+        slot.lent_at = 0.0
         entries = [validate_entry(t, slot.size, rank) for t in body["tensors"]]
         has_refs = any(t.get("ref") for t in body["tensors"])
         if has_refs:
