@@ -77,7 +77,9 @@ def test_a_receiver_on_another_node_is_told_of_commits_and_gets_node_0s_bytes_it
                 assert torch.equal(into["a"], full(2, "w1")) and torch.equal(into["b"], full(2, "w2").bfloat16())
                 assert small.last_pull["buckets"] >= 3 and small._lane is None
                 landed.append(sorted(n for n in os.listdir(team.nodes[1].shm_dir) if n.startswith("fetch-")))
-            assert landed[0] == landed[1] == landed[2] and 1 <= len(landed[0]) <= 2, landed
+            # every bucket of the 3 pulls (9 or more) landed in the same one or two files: a second one is
+            # made only when a bucket's answer comes before the last one's lease has ended
+            assert 1 <= len(set().union(*landed)) <= 2, landed
         monkeypatch.delenv("UCPD_PULL_LANE")
 
         # node 0 dies mid-pull: the pull raises a typed error, it never ends with unchecked bytes
