@@ -5,7 +5,8 @@ A tiny Llama made locally from a config; a trainer process snapshots three versi
 vLLM engine (backend ``"ucpd"``) pulls each as the daemon tells of it and generates greedily:
 its tokens equal those of a vLLM engine loaded from the trainer's files of that step. The
 engine is SIGKILLed after two versions and started again after the third: it catches up from
-``latest()`` and generates the third version's tokens."""
+``latest()`` and generates the third version's tokens. The reference engine runs beside them
+from the start (it loads each step's files once the trainer has written them)."""
 
 from __future__ import annotations
 
@@ -46,9 +47,9 @@ def test_a_vllm_engine_pulls_three_versions_through_ucpd_and_a_restarted_one_cat
     model, gate, out, ref = (str(tmp_path / n) for n in ("model", "gate", "engine.jsonl", "ref.json"))
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "tests")}
     run = lambda *a, **kw: subprocess.Popen([PYTHON, DRIVER, *a], env=env, **kw)  # noqa: E731
-    assert run("model", model).wait(300) == 0
-    trainer = run("trainer", model, d.run_dir, TEST_JOB, gate, "3")
+    trainer = run("trainer", model, d.run_dir, TEST_JOB, gate, "3")  # makes the model first
     engine = run("engine", model, d.run_dir, TEST_JOB, out, "follow", "3")
+    reference = run("reference", model, ref, "1", "2", "3")
     try:
         wait_until(lambda: lines(out), "the vLLM engine to start", 300)
         for step in (1, 2):
@@ -61,9 +62,9 @@ def test_a_vllm_engine_pulls_three_versions_through_ucpd_and_a_restarted_one_cat
             f.write("3")
         assert trainer.wait(300) == 0
         assert run("engine", model, d.run_dir, TEST_JOB, out, "latest").wait(300) == 0  # ... and catches up
-        assert run("reference", model, ref, "1", "2", "3").wait(600) == 0
+        assert reference.wait(600) == 0
     finally:
-        for p in (trainer, engine):
+        for p in (trainer, engine, reference):
             if p.poll() is None:
                 p.kill()
     got = [e for e in lines(out) if e["step"] is not None]

@@ -1,9 +1,10 @@
 """The processes of the vLLM refit test (tests/client/test_vllm.py), run by the vLLM side
-environment's Python (``make vllm-env``): a tiny Llama made locally from a config, a trainer
-that snapshots three versions of it, a vLLM CPU engine that pulls each through the ucpd
+environment's Python (``make vllm-env``): a trainer that makes a tiny Llama from a config and
+snapshots three versions of it, a vLLM CPU engine that pulls each through the ucpd
 weight-transfer engine and generates, and reference engines loaded from the trainer's files.
+The three start together: each file set is marked done (``<dir>.done``) once written, and
+the engines import vLLM while they wait for theirs.
 
-    python vllm_driver.py model DIR
     python vllm_driver.py trainer DIR RUN_DIR JOB GATE STEPS
     python vllm_driver.py engine DIR RUN_DIR JOB OUT (follow N | latest)
     python vllm_driver.py reference DIR OUT STEP...
@@ -22,24 +23,31 @@ PROMPT = [1, 17, 42, 99, 7, 3, 250, 64]
 NEW_TOKENS = 12
 
 
-def make_model(path: str) -> None:
+def save(model, path: str) -> None:
+    """The model's files at ``path``, then the mark that they are whole (``path.done``)."""
+    model.save_pretrained(path, safe_serialization=True)
+    open(path + ".done", "w").close()
+
+
+def files_made(path: str) -> None:
+    from helpers.waiting import wait_until
+
+    wait_until(lambda: os.path.exists(path + ".done"), f"the model files at {path}", 300, poll=0.05)
+
+
+def trainer(path: str, run_dir: str, job: str, gate: str, steps: int) -> None:
+    """The model at ``path`` (step 0), then step s: every weight moves by a seeded amount, the
+    state is snapshotted and also saved as files (``<path>/step-<s>``) for the reference engine.
+    Waits for ``gate`` to say s first."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+    from ucpd_client import Checkpointer
 
     torch.manual_seed(0)  # head_dim 64: vLLM's CPU attention has no kernel for 16
     cfg = LlamaConfig(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, torch_dtype="float32")
-    LlamaForCausalLM(cfg).save_pretrained(path, safe_serialization=True)
-
-
-def trainer(path: str, run_dir: str, job: str, gate: str, steps: int) -> None:
-    """Step s: every weight moves by a seeded amount, the state is snapshotted and also saved as
-    files (``<path>/step-<s>``) for the reference engine. Waits for ``gate`` to say s first."""
-    import torch
-    from transformers import LlamaForCausalLM
-    from ucpd_client import Checkpointer
-
-    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
+    model = LlamaForCausalLM(cfg)
+    save(model, path)
     with Checkpointer(run_dir, rank=0, world_size=1, job=job, embedded=False) as ckpt:
         for step in range(1, steps + 1):
             while not os.path.exists(gate) or int(open(gate).read() or 0) < step:
@@ -49,13 +57,14 @@ def trainer(path: str, run_dir: str, job: str, gate: str, steps: int) -> None:
                 for p in model.parameters():
                     p.add_(torch.randn(p.shape, generator=g) * 0.3)
             ckpt.snapshot(step, {"model": model.state_dict()}).wait(timeout=120)
-            model.save_pretrained(os.path.join(path, f"step-{step}"), safe_serialization=True)
+            save(model, os.path.join(path, f"step-{step}"))
             print(f"trainer: step {step} committed", flush=True)
 
 
 def _llm(path: str, ucpd: bool):
     from vllm import LLM
 
+    files_made(path)
     kwargs = dict(model=path, skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128,
                   max_num_seqs=1, seed=0)
     if ucpd:
@@ -113,6 +122,8 @@ def refit(llm, request, step) -> None:
 def reference(path: str, out: str, steps: list[int]) -> None:
     import gc
 
+    import vllm  # noqa: F401  (imported while the trainer makes step 1)
+
     res = {}
     for s in steps:
         llm = _llm(os.path.join(path, f"step-{s}"), ucpd=False)
@@ -125,9 +136,7 @@ def reference(path: str, out: str, steps: list[int]) -> None:
 
 if __name__ == "__main__":
     role, a = sys.argv[1], sys.argv[2:]
-    if role == "model":
-        make_model(a[0])
-    elif role == "trainer":
+    if role == "trainer":
         trainer(a[0], a[1], a[2], a[3], int(a[4]))
     elif role == "engine":
         engine(a[0], a[1], a[2], a[3], a[4], int(a[5]) if len(a) > 5 else 0)
