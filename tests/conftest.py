@@ -34,9 +34,15 @@ import pytest
 
 from ucpd.launch import lock_pid
 
-from helpers import TEST_JOB, ranks
-from helpers.budgets import Spent
-from helpers.daemons import Daemon
+# One intra-op thread in each test process and every rank it starts (before torch is imported), as
+# torchrun sets for several ranks a node (OMP_NUM_THREADS=1): with 3 workers on 2 cores and several
+# ranks each, every process's idle OpenMP threads spun for CPU (the RS chaos case's 24 ranks: 11.4
+# -> 4.3 CPU-seconds, 8.4 -> 4.3 s). A test that wants more threads asks torch for them.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from helpers import TEST_JOB, ranks  # noqa: E402
+from helpers.budgets import Spent  # noqa: E402
+from helpers.daemons import Daemon  # noqa: E402
 
 LOCK_NAME = "ucpd.lock"
 SOCKET_NAME = "ucpd.sock"
