@@ -31,14 +31,12 @@ $(STAMP): $(NATIVE)
 
 # Tests run in parallel (pytest-xdist): each test has its own run, shm and temp dirs
 # (tests/conftest.py), and most of a team test's time is spent waiting on other processes.
-# The long tests (marked slow) come first (tests/conftest.py) and the workers take the tests two
-# at a time from one queue (`--dist load --maxschedchunk 2`): the long ones run while there is
-# plenty beside them and the run ends on short ones. TEST_WORKERS=0 runs them one by one.
+# worksteal rebalances the long multi-process scenarios; TEST_WORKERS=0 runs them one by one.
 # The venv is installed without bytecode; where PYTHONDONTWRITEBYTECODE is set (as on these
 # machines) every test process would compile torch's modules again (6.3 s of CPU against 2.5 s
 # per `import torch`), so the tests write bytecode for what they import, once.
 TEST_WORKERS ?= 3
-PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --maxschedchunk 2
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal
 
 test: setup
 	$(PYTEST)

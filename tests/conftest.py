@@ -70,16 +70,6 @@ def pytest_sessionstart(session):
         reporter.write_line(f"random test order: replay it with -p randomly --randomly-seed={seed}")
 
 
-@pytest.hookimpl(trylast=True)
-def pytest_collection_modifyitems(config, items):
-    """The long tests (marked slow) first, each part in the order it had (pytest-randomly's
-    shuffle, applied before this). The workers take tests two at a time from the front of one
-    queue (the Makefile's ``--dist load --maxschedchunk 2``), so the long ones are spread over
-    them while the short ones can still fill in beside, and the run does not end on a long test
-    with the other workers idle."""
-    items[:] = sorted(items, key=lambda item: item.get_closest_marker("slow") is None)
-
-
 _SPENT = Spent()
 
 
