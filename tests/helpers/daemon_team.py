@@ -160,6 +160,15 @@ class DaemonTeam:
         except Exception:
             return None
 
+    def healthy(self, nodes) -> bool:
+        """Each of ``nodes`` answers, and its team and every version it lists say healthy."""
+        for i in nodes:
+            st = self.status(i)
+            t = (st or {}).get("team")
+            if t is None or t["health"] != "healthy" or any(v["health"] != "healthy" for v in t["versions"]):
+                return False
+        return True
+
     def up(self) -> list[int]:
         return [i for i, d in enumerate(self.nodes) if d.alive() and i not in self.paused]
 

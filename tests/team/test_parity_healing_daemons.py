@@ -21,19 +21,11 @@ pytestmark = pytest.mark.slow
 NODES, PER_NODE, TP = 4, 2, 2
 
 
-def all_healthy(team, nodes) -> bool:
-    for i in nodes:
-        t = status(team.nodes[i].run_dir)["team"]
-        if t["health"] != "healthy" or any(v["health"] != "healthy" for v in t["versions"]):
-            return False
-    return True
-
-
 def snapshot_two_steps(team):
     procs, done = ranks.spawn(snapshot_ranks, NODES * PER_NODE, team.run_dirs(), PER_NODE, TP, (1, 2), True, timeout=240)
     assert sorted(m[2] for m in done) == [2] * NODES * PER_NODE, team.logs()
     ranks.kill(procs)  # no job runs from here on
-    wait_for(lambda: all_healthy(team, range(NODES)), "the team healthy after two steps", 30)
+    wait_for(lambda: team.healthy(range(NODES)), "the team healthy after two steps", 30)
 
 
 @pytest.mark.parametrize("parity", ["3", "2+2"])
@@ -44,9 +36,9 @@ def test_a_lost_parity_member_replaced_heals_with_no_job_and_a_second_loss_resto
     snapshot_two_steps(team)
     team.lose(1)
     wait_for(lambda: not status(team.nodes[0].run_dir)["team"]["nodes"][1]["live"], "node 1 to be declared dead")
-    assert not all_healthy(team, (0, 2, 3))  # the group's parity lacks a member: degraded, honestly
+    assert not team.healthy((0, 2, 3))  # the group's parity lacks a member: degraded, honestly
     team.start(1)  # the replacement: same node rank, empty RAM
-    wait_for(lambda: all_healthy(team, range(NODES)), "every node healthy again with no job running", 60)
+    wait_for(lambda: team.healthy(range(NODES)), "every node healthy again with no job running", 60)
     healed = status(team.nodes[1].run_dir)["team"]["healing"]
     assert healed["done"] >= 2 and healed["pending"] == 0, healed  # steps 1 and 2
     team.lose(2)  # a second loss: the healed group survives it
@@ -62,7 +54,7 @@ def test_a_daemon_restarted_on_its_shm_encodes_its_parity_again_with_gossip_and_
     team.start(3)
     # (healthy alone may hold for a moment before the others hear node 3's new incarnation)
     wait_for(lambda: status(team.nodes[3].run_dir)["team"]["healing"]["done"] >= 1, "node 3 to heal its share", 60)
-    wait_for(lambda: all_healthy(team, range(NODES)), "every node healthy again after the restart", 60)
+    wait_for(lambda: team.healthy(range(NODES)), "every node healthy again after the restart", 60)
     team.lose(0)
     team.lose(1)  # two losses: RS 2+2 survives them only with node 3's blocks back
     wait_for(lambda: not any(n["live"] for n in status(team.nodes[2].run_dir)["team"]["nodes"] if n["node"] in (0, 1)),

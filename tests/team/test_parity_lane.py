@@ -22,19 +22,11 @@ UNIT = 16 << 10
 SECRET = "parity-lane-secret-0123456789abcdef"
 
 
-def healthy(team, nodes) -> bool:
-    for i in nodes:
-        t = status(team.nodes[i].run_dir)["team"]
-        if t["health"] != "healthy" or any(v["health"] != "healthy" for v in t["versions"]):
-            return False
-    return True
-
-
 def snapshot_two_steps(team) -> list[dict]:
     procs, done = ranks.spawn(snapshot_ranks, NODES * PER_NODE, team.run_dirs(), PER_NODE, TP, (1, 2), True, timeout=240)
     assert sorted(m[2] for m in done) == [2] * NODES * PER_NODE, team.logs()
     ranks.kill(procs)
-    wait_for(lambda: healthy(team, range(NODES)), "every step in its group's parity on every node", 60)
+    wait_for(lambda: team.healthy(range(NODES)), "every step in its group's parity on every node", 60)
     return [status(d)["team"] for d in team.run_dirs()]
 
 
